@@ -1,0 +1,126 @@
+"""A small decoder-only transformer (pre-norm, rotary or learned positions) with named hook sites.
+
+Every block exposes five residual-stream sites as identity modules, so ``hooks.py`` can read or
+rewrite them: ``resid_pre``, ``attn_out``, ``resid_mid = resid_pre + attn_out``, ``mlp_out`` and
+``resid_post = resid_mid + mlp_out``. Shapes: ``B`` batch, ``T`` positions, ``D`` width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from taskgeom.config import ModelConfig
+
+SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+
+
+class HookPoint(nn.Identity):
+    """A named site in the residual stream; forward hooks on it capture or replace its value."""
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding over half-split head dimensions."""
+
+    def __init__(self, head_dim: int, max_len: int, base: float = 10000.0):
+        super().__init__()
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, head_dim/2]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, H, T, head_dim] -> same shape, rotated by position."""
+        T = x.shape[-2]
+        cos, sin = self.cos[:T], self.sin[:T]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        head_dim = cfg.d_model // cfg.n_heads
+        self.rotary = Rotary(head_dim, cfg.max_len) if cfg.positions == "rotary" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, D] -> [B, T, D], causal."""
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.ln_mlp = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_mlp), nn.GELU(), nn.Linear(cfg.d_mlp, cfg.d_model))
+        for site in SITES:
+            setattr(self, site, HookPoint())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.resid_pre(x)
+        x = self.resid_mid(x + self.attn_out(self.attn(self.ln_attn(x))))
+        return self.resid_post(x + self.mlp_out(self.mlp(self.ln_mlp(x))))
+
+
+class Transformer(nn.Module):
+    """Token model: ``forward(tokens [B, T] long) -> logits [B, T, n_out]``."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, n_out: int | None = None):
+        super().__init__()
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.embed = nn.Embedding(vocab_size, cfg.d_model)
+        self.pos_embed = nn.Embedding(cfg.max_len, cfg.d_model) if cfg.positions == "learned" else None
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_final = nn.LayerNorm(cfg.d_model)
+        self.unembed = nn.Linear(cfg.d_model, n_out or vocab_size, bias=False)
+        self.apply(self._init)
+        for block in self.blocks:  # GPT-2 style scaling of the residual writes
+            for proj in (block.attn.proj, block.mlp[2]):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def embed_inputs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [B, T] -> resid_pre of layer 0: [B, T, D]."""
+        if tokens.shape[1] > self.cfg.max_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_len {self.cfg.max_len}")
+        x = self.embed(tokens)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed.weight[: tokens.shape[1]]
+        return x
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """Final residual state [..., D] -> logits [..., n_out] (final norm + unembedding)."""
+        return self.unembed(self.ln_final(h))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed_inputs(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.readout(x)
+
+    def site(self, layer: int, name: str) -> HookPoint:
+        """The hook module for ``name`` (one of SITES) in block ``layer``."""
+        if name not in SITES:
+            raise ValueError(f"unknown site {name!r}; choose one of {SITES}")
+        if not 0 <= layer < len(self.blocks):
+            raise ValueError(f"layer {layer} does not exist; the model has layers 0..{len(self.blocks) - 1}")
+        return getattr(self.blocks[layer], name)

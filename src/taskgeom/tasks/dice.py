@@ -1,0 +1,62 @@
+"""E1, biased dice: a task is a face distribution z ~ Dirichlet(alpha); tokens are iid from z."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from taskgeom.tasks.base import TaskFamily
+
+
+class Dice(TaskFamily):
+    """E1. params: [K, V] face probabilities.
+
+    ``majors="disjoint"`` builds the study's near-disjoint majors: the faces are split into
+    ``n_major`` groups, each major is uniform on its own group with ``floor`` on every other face
+    (then normalised). ``majors="prior"`` draws the majors from the prior like the minors.
+    """
+
+    name = "dice"
+
+    def __init__(
+        self,
+        vocab_size: int = 6,
+        alpha: float = 1.0,
+        majors: Literal["prior", "disjoint"] = "prior",
+        floor: float = 0.02,
+    ):
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        if alpha <= 0:
+            raise ValueError(f"alpha must be > 0, got {alpha}")
+        self.vocab_size, self.alpha, self.majors, self.floor = vocab_size, alpha, majors, floor
+
+    def sample_params(self, n: int, gen: torch.Generator) -> torch.Tensor:
+        gamma = torch._standard_gamma(torch.full((n, self.vocab_size), self.alpha, dtype=torch.float64), gen)
+        return gamma / gamma.sum(-1, keepdim=True)
+
+    def major_params(self, n_major: int, gen: torch.Generator) -> torch.Tensor:
+        if self.majors == "prior":
+            return self.sample_params(n_major, gen)
+        if n_major > self.vocab_size:
+            raise ValueError(f"disjoint majors need n_major <= vocab_size ({self.vocab_size}), got {n_major}")
+        params = torch.full((n_major, self.vocab_size), self.floor, dtype=torch.float64)
+        for k, faces in enumerate(np.array_split(np.arange(self.vocab_size), n_major)):
+            params[k, torch.as_tensor(faces)] = 1.0
+        return params / params.sum(-1, keepdim=True)
+
+    def sample_tokens(self, params: torch.Tensor, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+        return torch.multinomial(params.double(), seq_len, replacement=True, generator=gen)
+
+    def step_log_likelihood(self, tokens: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        return params.double().log().T[tokens]
+
+    def mix_predictive(self, tokens: torch.Tensor, params: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return weights @ params.double()
+
+    def predict_ood(self, tokens: torch.Tensor) -> torch.Tensor:
+        counts = F.one_hot(tokens, self.vocab_size).double().cumsum(dim=1) + self.alpha
+        return counts / counts.sum(-1, keepdim=True)

@@ -1,0 +1,57 @@
+"""E3, mixture of Markov chains: a task is a V x V transition matrix with Dirichlet(alpha) rows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from taskgeom.tasks.base import TaskFamily
+
+
+class Markov(TaskFamily):
+    """E3. params: [K, V, V] transition rows P[k, from, to]; the first state is uniform [ours]."""
+
+    name = "markov"
+
+    def __init__(self, vocab_size: int = 8, alpha: float = 1.0):
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        if alpha <= 0:
+            raise ValueError(f"alpha must be > 0, got {alpha}")
+        self.vocab_size, self.alpha = vocab_size, alpha
+
+    def sample_params(self, n: int, gen: torch.Generator) -> torch.Tensor:
+        V = self.vocab_size
+        gamma = torch._standard_gamma(torch.full((n, V, V), self.alpha, dtype=torch.float64), gen)
+        return gamma / gamma.sum(-1, keepdim=True)
+
+    def sample_tokens(self, params: torch.Tensor, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+        """Inverse-CDF sampling; the loop over positions is the chain's own recursion."""
+        B, V = params.shape[0], self.vocab_size
+        cdf = params.double().cumsum(-1)  # [B, V, V]
+        u = torch.rand(B, seq_len, generator=gen, dtype=torch.float64)
+        tokens = torch.empty(B, seq_len, dtype=torch.long)
+        tokens[:, 0] = (u[:, 0] * V).long().clamp_max(V - 1)
+        rows = torch.arange(B)
+        for t in range(1, seq_len):
+            row = cdf[rows, tokens[:, t - 1]]  # [B, V]
+            tokens[:, t] = (u[:, t, None] > row).sum(-1).clamp_max(V - 1)
+        return tokens
+
+    def step_log_likelihood(self, tokens: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        logp = params.double().log()  # [K, V, V]
+        trans = logp[:, tokens[:, :-1], tokens[:, 1:]].permute(1, 2, 0)  # [B, T-1, K]
+        first = torch.full((tokens.shape[0], 1, params.shape[0]), self.initial_log_prob(), dtype=torch.float64)
+        return torch.cat([first, trans], dim=1)
+
+    def mix_predictive(self, tokens: torch.Tensor, params: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        V = self.vocab_size
+        mixed = (weights @ params.double().reshape(-1, V * V)).view(*tokens.shape, V, V)  # [B, T, V, V]
+        return mixed.gather(2, tokens[..., None, None].expand(*tokens.shape, 1, V)).squeeze(2)
+
+    def predict_ood(self, tokens: torch.Tensor) -> torch.Tensor:
+        V = self.vocab_size
+        pairs = F.one_hot(tokens[:, :-1] * V + tokens[:, 1:], V * V).double()  # [B, T-1, V*V]
+        counts = torch.cat([torch.zeros_like(pairs[:, :1]), pairs], dim=1).cumsum(dim=1).view(*tokens.shape, V, V)
+        rows = counts.gather(2, tokens[..., None, None].expand(*tokens.shape, 1, V)).squeeze(2) + self.alpha
+        return rows / rows.sum(-1, keepdim=True)

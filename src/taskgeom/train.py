@@ -1,0 +1,118 @@
+"""The training loop: AdamW, triangular schedule, clipping, fresh batches each step, periodic
+evaluation against the Bayes predictors, atomic checkpoints and exact resume.
+
+Every batch is a pure function of (seed, step), and the checkpoint holds model, optimiser and the
+running loss sums, so a resumed run ends bitwise equal to one never interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from taskgeom.evaluate import eval_sets, summary
+from taskgeom.runs import Run
+from taskgeom.storage import atomic_write_text, load_module_state, load_tensors, save_tensors
+
+ProgressFn = Callable[[int, int, float], None]
+
+
+def learning_rate(step: int, steps: int, peak: float, warmup_frac: float) -> float:
+    """Triangular schedule: linear warm-up to ``peak`` over ``warmup_frac`` of the steps, then
+    linear decay to zero at ``steps``."""
+    warmup = max(1, round(warmup_frac * steps))
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * max(0.0, (steps - step) / max(1, steps - warmup))
+
+
+def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; tokens: [B, T]."""
+    logits = model(tokens)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def _optimizer_tensors(opt: torch.optim.AdamW) -> dict[str, torch.Tensor]:
+    state = opt.state_dict()["state"]
+    return {f"optim.{idx}.{name}": value for idx, slots in state.items() for name, value in slots.items()}
+
+
+def _load_optimizer(opt: torch.optim.AdamW, tensors: dict[str, torch.Tensor]) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, idx, name = key.split(".")
+            state.setdefault(int(idx), {})[name] = value
+    full = opt.state_dict()
+    full["state"] = state
+    opt.load_state_dict(full)
+
+
+def train(run: Run, progress: ProgressFn | None = None) -> dict:
+    """Train ``run`` to its configured steps (resuming from its checkpoint); returns the last
+    evaluation record. Finished runs return at once."""
+    cfg, family, pool = run.config.train, run.family, run.pool
+    if run.finished:
+        return run.metrics()[-1]
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model = run.new_model().train()
+    opt = _optimizer(model, cfg.lr, cfg.weight_decay)
+    start, loss_sum, loss_count = 0, 0.0, 0
+    if run.checkpoint_path.exists():
+        tensors, meta = load_tensors(run.checkpoint_path, run.config.digest())
+        load_module_state(model, tensors, run.checkpoint_path, prefix="model.")
+        _load_optimizer(opt, tensors)
+        start, loss_sum, loss_count = int(meta["step"]), float(meta["loss_sum"]), int(meta["loss_count"])
+    _truncate_metrics(run, start)
+    sets = eval_sets(run)
+    record: dict = {}
+    for step in range(start, cfg.steps):
+        lr = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_frac)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = family.sample(pool, cfg.batch_size, run.config.task.seq_len, cfg.seed, step, "train")
+        loss = lm_loss(model, batch.tokens)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            record = {"step": done, "lr": lr, "train_loss": loss_sum / loss_count, "eval": summary(model, sets)}
+            with run.metrics_path.open("a") as handle:
+                handle.write(json.dumps(record, sort_keys=True) + "\n")
+            loss_sum, loss_count = 0.0, 0
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            tensors = {f"model.{k}": v for k, v in model.state_dict().items()} | _optimizer_tensors(opt)
+            meta = {"config_digest": run.config.digest(), "step": str(done), "loss_sum": repr(loss_sum), "loss_count": str(loss_count)}
+            save_tensors(run.checkpoint_path, tensors, meta)
+        if progress:
+            progress(done, cfg.steps, loss.item())
+    save_tensors(run.model_path, model.state_dict(), {"config_digest": run.config.digest(), "step": str(cfg.steps)})
+    return record or run.metrics()[-1]
+
+
+def _truncate_metrics(run: Run, step: int) -> None:
+    """Drop records past ``step`` (written after the checkpoint we resume from)."""
+    if not run.metrics_path.exists():
+        return
+    keep = []
+    for line in run.metrics_path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill
+            continue
+    atomic_write_text(run.metrics_path, "".join(line + "\n" for line in keep))
