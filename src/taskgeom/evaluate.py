@@ -65,3 +65,17 @@ def summary(model: torch.nn.Module, sets: list[EvalSet]) -> dict[str, dict[str, 
     out = {s.name: {k: float(v.mean()) for k, v in per_position(model, s).items()} for s in sets}
     model.train(was_training)
     return out
+
+
+def evaluate_run(run: Run) -> list[dict]:
+    """Per-position evaluation of the finished model, saved to ``analysis/eval.json`` as tidy rows
+    ``{set, position, metric, value}`` (pandas.DataFrame(rows) reads it) and returned."""
+    from taskgeom.storage import atomic_write_json
+
+    model = run.load_model()
+    rows = []
+    for evalset in eval_sets(run):
+        for metric, values in per_position(model, evalset).items():
+            rows += [{"set": evalset.name, "position": t, "metric": metric, "value": float(v)} for t, v in enumerate(values)]
+    atomic_write_json(run.path / "analysis" / "eval.json", rows)
+    return rows

@@ -1,0 +1,3 @@
+from taskgeom.cli import app
+
+app()

@@ -1,0 +1,106 @@
+"""The ``taskgeom`` command line. Errors in the input print one line and exit with code 2."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import pandas as pd
+import typer
+
+from taskgeom.errors import TaskgeomError
+
+app = typer.Typer(
+    help="Train small transformers on latent-task data and measure the geometry of task inference "
+    "(Yan, Yang, Zhong 2026). `taskgeom reproduce` runs every experiment and writes claims.json and report.html.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _user_errors(fn: Callable) -> Callable:
+    """Turn TaskgeomError into a one-line message on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TaskgeomError as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+@app.command()
+@_user_errors
+def train(
+    config: str = typer.Argument(..., help="A recipe name (e1, e3, ...) or a path to a YAML recipe."),
+    profile: str = typer.Option("quick", help="Profile in the recipe: quick (CPU, minutes) or paper (the study's sizes)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override, repeatable: --set train.steps=500 --set task.diversity=4"),
+    out: Path = typer.Option(Path("runs"), help="Folder under which the run directory {name}-{digest} is made."),
+    run_dir: Optional[Path] = typer.Option(None, help="Use this run directory instead (must be new or hold the same config)."),
+) -> None:
+    """Train one run (or resume it from its last checkpoint); prints the run directory."""
+    from taskgeom.progress import step_bar
+    from taskgeom.recipes import load_recipe
+    from taskgeom.runs import Run
+    from taskgeom.train import train as train_run
+
+    run = Run.create(load_recipe(config, profile, set_ or []), out, run_dir)
+    if run.finished:
+        typer.echo(f"{run.path} is already trained")
+    else:
+        with step_bar(f"train {run.path.name}", run.config.train.steps) as update:
+            record = train_run(run, update)
+        for name, values in record["eval"].items():
+            typer.echo(f"{name:>6}: loss {values['loss']:.4f}  ID-Bayes {values['bayes_id_loss']:.4f}  excess {values['excess']:+.4f}")
+    typer.echo(str(run.path))
+
+
+@app.command("eval")
+@_user_errors
+def eval_(run_dir: Path = typer.Argument(..., help="A finished run directory.")) -> None:
+    """Per-position loss of a trained model against the Bayes predictors: writes
+    analysis/eval.json (tidy rows) and figures/loss_by_position.png, prints the means."""
+    from taskgeom.evaluate import evaluate_run
+    from taskgeom.report.figures import plot_loss_by_position
+    from taskgeom.runs import Run
+
+    run = Run.open(run_dir)
+    table = pd.DataFrame(evaluate_run(run))
+    (run.path / "figures").mkdir(exist_ok=True)
+    plot_loss_by_position(table, run.path / "figures" / "loss_by_position.png", title=run.path.name)
+    typer.echo(table.groupby(["set", "metric"])["value"].mean().unstack().round(4).to_string())
+
+
+@app.command()
+@_user_errors
+def reproduce(
+    profile: str = typer.Option("quick", help="quick: reduced sizes for a 2-core CPU; paper: the study's sizes."),
+    out: Path = typer.Option(Path("results"), help="Output folder: runs/, figures/, claims.json, report.html."),
+    only: Optional[List[str]] = typer.Option(None, help="Run only these experiments (repeatable)."),
+) -> None:
+    """Reproduce every claim: trains what is missing (finished runs are reused), analyses, and
+    writes claims.json, timings.json and report.html. Exits 1 if a claim fails."""
+    from taskgeom.experiments import EXPERIMENTS, reproduce as run_all
+
+    if profile not in ("quick", "paper"):
+        raise TaskgeomError(f"unknown profile {profile!r}; choose quick or paper")
+    unknown = set(only or []) - set(EXPERIMENTS)
+    if unknown:
+        raise TaskgeomError(f"unknown experiments {sorted(unknown)}; available: {list(EXPERIMENTS)}")
+    chosen = {k: v for k, v in EXPERIMENTS.items() if not only or k in only}
+    ctx = run_all(out, profile, chosen)
+    for claim in ctx.claims:
+        typer.echo(f"{'PASS' if claim.passed else 'FAIL'}  {claim.id:<28} {claim.value:.4g} {claim.comparison} {claim.threshold:.4g}")
+    typer.echo(f"{sum(c.passed for c in ctx.claims)}/{len(ctx.claims)} claims pass; report: {ctx.out / 'report.html'}")
+    if not all(c.passed for c in ctx.claims):
+        raise typer.Exit(1)
+
+
+def main() -> None:  # pragma: no cover
+    sys.exit(app())

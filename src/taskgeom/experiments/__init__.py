@@ -1,0 +1,10 @@
+"""The experiments behind ``taskgeom reproduce``, run in order; each adds claims and figures."""
+
+from __future__ import annotations
+
+from taskgeom.experiments.base import Context, reproduce
+from taskgeom.experiments.bayes_optimum import bayes_optimum
+
+EXPERIMENTS = {"bayes_optimum": bayes_optimum}
+
+__all__ = ["Context", "EXPERIMENTS", "reproduce"]

@@ -1,0 +1,71 @@
+"""Shared pieces of the experiments: the output folder, training runs on demand, collecting
+claims and figures, and the ``reproduce`` driver."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from taskgeom.claims import Claim
+from taskgeom.progress import console, step_bar
+from taskgeom.recipes import load_recipe
+from taskgeom.runs import Run
+from taskgeom.storage import atomic_write_json, atomic_write_text
+from taskgeom.train import train
+
+
+@dataclass
+class Context:
+    """Where one reproduction writes, its profile, and what the experiments have produced."""
+
+    out: Path
+    profile: str = "quick"
+    claims: list[Claim] = field(default_factory=list)
+    figures: list[tuple[str, str]] = field(default_factory=list)  # (path relative to out, caption)
+
+    @property
+    def runs_root(self) -> Path:
+        return self.out / "runs"
+
+    def figure(self, name: str, caption: str) -> Path:
+        """Register figure ``figures/name`` with its caption; returns the path to save it to."""
+        path = self.out / "figures" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.figures.append((f"figures/{name}", caption))
+        return path
+
+    def trained(self, recipe: str, overrides: tuple[str, ...] = ()) -> Run:
+        """The run of ``recipe`` under this profile, trained now unless already finished."""
+        run = Run.create(load_recipe(recipe, self.profile, list(overrides)), self.runs_root)
+        if not run.finished:
+            with step_bar(f"train {run.path.name}", run.config.train.steps) as update:
+                train(run, update)
+        return run
+
+
+Experiment = Callable[[Context], None]
+
+
+def reproduce(out: Path, profile: str, experiments: dict[str, Experiment]) -> Context:
+    """Run each experiment, then write ``claims.json``, ``timings.json`` and ``report.html``."""
+    from taskgeom.report.html import write_report
+
+    ctx = Context(Path(out), profile)
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    timings = {}
+    for name, experiment in experiments.items():
+        console.log(f"experiment [bold]{name}[/bold]")
+        start = time.perf_counter()
+        experiment(ctx)
+        timings[name] = round(time.perf_counter() - start, 1)
+    atomic_write_json(ctx.out / "claims.json", [c.as_dict() for c in ctx.claims])
+    atomic_write_json(ctx.out / "timings.json", timings)
+    atomic_write_text(ctx.out / "report.html", write_report(ctx))
+    return ctx
+
+
+def load_claims(path: Path) -> list[dict]:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,28 @@
+"""E1 and E3 at k = -1 reach the ID-Bayes optimum (the foundation's acceptance claim)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from taskgeom.claims import check
+from taskgeom.evaluate import evaluate_run
+from taskgeom.experiments.base import Context
+from taskgeom.report.figures import plot_loss_by_position
+
+# Excess loss over the ID-Bayes predictor, nats/token averaged over positions on held-out
+# major-task sequences: at most this much counts as reaching the Bayes optimum.
+MAX_EXCESS_NATS = 0.02
+
+
+def bayes_optimum(ctx: Context) -> None:
+    for experiment, recipe in (("e1", "e1"), ("e3", "e3")):
+        run = ctx.trained(recipe, ("task.diversity=-1",))
+        table = pd.DataFrame(evaluate_run(run))
+        excess = table.query("set == 'major' and metric == 'excess'")["value"].mean()
+        ctx.claims.append(check(
+            f"{experiment}.bayes_optimal", experiment,
+            "excess loss over the ID-Bayes predictor on held-out major-task sequences (nats/token, mean over positions), k = -1",
+            excess, "<=", MAX_EXCESS_NATS, ctx.profile))
+        plot_loss_by_position(table, ctx.figure(f"{experiment}_loss_by_position.png",
+                              f"{experiment.upper()}: per-position loss of the model against the ID-Bayes and OOD-optimal predictors"),
+                              title=f"{experiment.upper()} (k = -1)")
