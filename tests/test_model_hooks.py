@@ -1,0 +1,72 @@
+"""The transformer's hook sites: residual identities, capture, intervention, clean removal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from taskgeom.config import ModelConfig
+from taskgeom.hooks import capture, intervene
+from taskgeom.model import SITES, Transformer
+
+
+@pytest.fixture(params=["rotary", "learned"])
+def model(request):
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(n_layers=3, d_model=32, n_heads=4, d_mlp=64, max_len=24, positions=request.param), vocab_size=7).eval()
+
+
+def test_residual_identities_hold_at_every_layer(model):
+    tokens = torch.randint(0, 7, (5, 24))
+    sites = [(layer, site) for layer in range(3) for site in SITES]
+    with capture(model, sites) as states:
+        logits = model(tokens)
+    for layer in range(3):
+        torch.testing.assert_close(states[(layer, "resid_mid")], states[(layer, "resid_pre")] + states[(layer, "attn_out")])
+        torch.testing.assert_close(states[(layer, "resid_post")], states[(layer, "resid_mid")] + states[(layer, "mlp_out")])
+        if layer:
+            torch.testing.assert_close(states[(layer, "resid_pre")], states[(layer - 1, "resid_post")])
+    torch.testing.assert_close(logits, model.readout(states[(2, "resid_post")]))
+
+
+def test_model_is_causal(model):
+    tokens = torch.randint(0, 7, (2, 24))
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 7
+    torch.testing.assert_close(model(tokens)[:, :10], model(changed)[:, :10])
+
+
+def test_capture_positions_and_removal(model):
+    tokens = torch.randint(0, 7, (2, 24))
+    with capture(model, [(1, "resid_post")], positions=slice(20, 24)) as states:
+        model(tokens)
+    assert states[(1, "resid_post")].shape == (2, 4, 32)
+    assert all(not site._forward_hooks for block in model.blocks for site in (getattr(block, s) for s in SITES))
+
+
+def test_intervention_changes_downstream_and_leaves_on_error(model):
+    tokens = torch.randint(0, 7, (2, 24))
+    clean = model(tokens)
+    with intervene(model, (0, "resid_post"), lambda h: h + 1.0, positions=[5]):
+        edited = model(tokens)
+    torch.testing.assert_close(edited[:, :5], clean[:, :5])
+    assert not torch.allclose(edited[:, 5:], clean[:, 5:])
+    with pytest.raises(RuntimeError, match="boom"):
+        with intervene(model, (1, "attn_out"), lambda h: h):
+            raise RuntimeError("boom")
+    torch.testing.assert_close(model(tokens), clean)
+
+
+def test_intervention_shape_is_checked(model):
+    with pytest.raises(ValueError, match="returned shape"):
+        with intervene(model, (0, "mlp_out"), lambda h: h[:, :1]):
+            model(torch.randint(0, 7, (2, 8)))
+
+
+def test_unknown_sites_and_long_inputs_are_named(model):
+    with pytest.raises(ValueError, match="unknown site 'resid'"):
+        model.site(0, "resid")
+    with pytest.raises(ValueError, match="layer 3 does not exist"):
+        model.site(3, "resid_post")
+    with pytest.raises(ValueError, match="exceeds the model's max_len"):
+        model(torch.zeros(1, 25, dtype=torch.long))
