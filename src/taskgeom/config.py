@@ -77,6 +77,7 @@ class TrainConfig(_Strict):
     eval_batch: PositiveInt = 256
     checkpoint_every: PositiveInt = 250
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
+    snapshots: int = Field(0, ge=0, description="weights kept at this many log-spaced steps (snapshots/)")
 
 
 class RunConfig(_Strict):

@@ -106,6 +106,19 @@ class Run:
     def checkpoint_path(self) -> Path:
         return self.path / "checkpoint.safetensors"
 
+    def snapshot_path(self, step: int) -> Path:
+        return self.path / "snapshots" / f"step_{step:07d}.safetensors"
+
+    def snapshots(self) -> dict[int, Transformer]:
+        """{step: model} for every weight snapshot kept during training, in step order."""
+        models = {}
+        for path in sorted((self.path / "snapshots").glob("step_*.safetensors")):
+            tensors, meta = load_tensors(path, self.config.digest())
+            model = self.new_model()
+            load_module_state(model, tensors, path)
+            models[int(meta["step"])] = model.eval()
+        return models
+
     @property
     def metrics_path(self) -> Path:
         return self.path / "metrics.jsonl"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +28,14 @@ def learning_rate(step: int, steps: int, peak: float, warmup_frac: float) -> flo
     if step < warmup:
         return peak * (step + 1) / warmup
     return peak * max(0.0, (steps - step) / max(1, steps - warmup))
+
+
+def snapshot_steps(steps: int, count: int, first: int = 10) -> list[int]:
+    """``count`` log-spaced steps from ``first`` to ``steps`` (fewer if they collide), last included."""
+    if count == 0:
+        return []
+    grid = np.geomspace(min(first, steps), steps, count)
+    return sorted({int(round(x)) for x in grid} | {steps})
 
 
 def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -77,6 +86,7 @@ def train(run: Run, progress: ProgressFn | None = None) -> dict:
     _truncate_metrics(run, start)
     sets = eval_sets(run)
     record: dict = {}
+    keep = set(snapshot_steps(cfg.steps, cfg.snapshots))
     for step in range(start, cfg.steps):
         lr = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_frac)
         for group in opt.param_groups:
@@ -98,6 +108,8 @@ def train(run: Run, progress: ProgressFn | None = None) -> dict:
             tensors = {f"model.{k}": v for k, v in model.state_dict().items()} | _optimizer_tensors(opt)
             meta = {"config_digest": run.config.digest(), "step": str(done), "loss_sum": repr(loss_sum), "loss_count": str(loss_count)}
             save_tensors(run.checkpoint_path, tensors, meta)
+        if done in keep:
+            save_tensors(run.snapshot_path(done), model.state_dict(), {"config_digest": run.config.digest(), "step": str(done)})
         if progress:
             progress(done, cfg.steps, loss.item())
     save_tensors(run.model_path, model.state_dict(), {"config_digest": run.config.digest(), "step": str(cfg.steps)})

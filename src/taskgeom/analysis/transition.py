@@ -1,0 +1,41 @@
+"""Which Bayes predictor does the model follow? PAPER.md section 5.
+
+memorising: exact Bayes over the training pool (``family.predict_id``). generalising: the K majors
+plus one "new task" component with the continuous prior, whose evidence is the prior-predictive
+chain (``family.log_marginal_ood``) and whose prediction is the OOD-optimal learner. The new task
+takes prior weight ``p_new`` (the pool's minor mass, PAPER.md's p_minor) and each major
+(1 - p_new) / K. **[ours]** The statistic is read on fresh OOD sequences, where the two differ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from taskgeom.tasks import TaskFamily, TaskPool
+
+
+def predict_generalising(family: TaskFamily, tokens: torch.Tensor, pool: TaskPool, p_new: float) -> torch.Tensor:
+    """[B, T, V] posterior mixture over {majors, new task ~ prior} after tokens[:, :t+1]."""
+    majors = pool.params[: pool.n_major].double()
+    loglik = family.step_log_likelihood(tokens, majors).cumsum(dim=1)  # [B, T, K]
+    log_prior = torch.log(torch.tensor((1 - p_new) / pool.n_major, dtype=torch.float64))
+    joint = torch.cat([loglik + log_prior, (family.log_marginal_ood(tokens) + torch.log(torch.tensor(p_new)))[..., None]], dim=-1)
+    weights = torch.softmax(joint, dim=-1)
+    return family.mix_predictive(tokens, majors, weights[..., :-1]) + weights[..., -1:] * family.predict_ood(tokens)
+
+
+def kl_to_model(reference: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Mean KL(reference || model) over sequences and positions 0..T-2; reference: [B, T, V] probs."""
+    logp = torch.log_softmax(logits.double(), dim=-1)[:, :-1]
+    ref = reference[:, :-1]
+    return (ref * (ref.clamp_min(1e-300).log() - logp)).sum(-1).mean()
+
+
+@torch.no_grad()
+def transition_statistic(model: torch.nn.Module, family: TaskFamily, tokens: torch.Tensor, pool: TaskPool, p_new: float) -> dict[str, float]:
+    """log(KL_to_memorising / KL_to_generalising) on tokens: [B, T]; positive means the model is
+    closer to the generalising predictor."""
+    logits = model(tokens)
+    to_mem = kl_to_model(family.predict_id(tokens, pool), logits)
+    to_gen = kl_to_model(predict_generalising(family, tokens, pool, p_new), logits)
+    return {"kl_to_memorising": float(to_mem), "kl_to_generalising": float(to_gen), "log_ratio": float(torch.log(to_mem / to_gen))}
