@@ -206,3 +206,22 @@ def test_e4_recipe_builds_the_family(tmp_path):
             assert config.task.seq_len == seq_len
     run = Run(tmp_path, load_recipe("e4", "quick", ["task.diversity=3"]))
     assert run.family.vocab_size == 9 and run.pool.size == 3 + 8
+
+
+def test_within_shares_are_zero_for_token_cells_of_the_embedding_and_one_for_a_single_cell():
+    """At layer 0's input (token embedding, rotary positions add nothing) the state is a function
+    of the current token, so (anything, token) cells hold no variance; one cell holds all of it."""
+    from taskgeom.config import ModelConfig
+    from taskgeom.experiments.e4 import within_shares
+    from taskgeom.model import Transformer
+
+    fam = tasks.make("dyck", n_pairs=4)
+    tokens = fam.sample_ood(32, 24, seed=1).tokens
+    model = Transformer(ModelConfig(n_layers=1, d_model=16, n_heads=2, d_mlp=32, max_len=24), fam.vocab_size)
+    mask = fam.bracket_count(tokens) >= 2
+    task = torch.arange(32)[:, None].expand_as(tokens) % 3
+    zeros = torch.zeros_like(tokens)
+    sites = [(0, "resid_pre"), (0, "resid_post")]
+    by_token = within_shares(model, tokens, task, tokens, 3, fam.vocab_size, mask, sites)
+    assert by_token[0] == pytest.approx(0.0, abs=1e-12) and 0.0 < by_token[1] < 1.0
+    assert within_shares(model, tokens, zeros, zeros, 1, 1, mask, sites) == pytest.approx([1.0, 1.0])
