@@ -87,7 +87,7 @@ def dyck_p0(run: Run) -> dict[str, list[float]]:
     }
 
 
-def prefix_probes(run: Run) -> list[dict]:
+def prefix_probes(run: Run, model: torch.nn.Module) -> list[dict]:
     """Probes on OOD sequences (a fresh string each, so no memorised string can stand in for the
     prefix), at positions with at least MAX_BACK brackets placed and more still due: the bracket
     j back (accuracy) and the depth (R^2), from the embedding and from each layer's output."""
@@ -97,7 +97,7 @@ def prefix_probes(run: Run) -> list[dict]:
     mask = (count >= MAX_BACK) & (count < family.length)
     groups = torch.arange(tokens.shape[0])[:, None].expand_as(tokens)[mask]
     sites = [(0, "resid_pre"), *_resid_post(run)]
-    states = collect(run.load_model(), tokens, sites)
+    states = collect(model, tokens, sites)
     targets = {f"back_{j}": ("classification", family.planted(tokens, j)) for j in range(1, MAX_BACK + 1)}
     targets["depth"] = ("regression", family.depth(tokens).double())
     rows = []
@@ -114,8 +114,10 @@ def e4(ctx: Context) -> None:
     diverse = ctx.trained("e4", (f"task.diversity={PROBE_DIVERSITY}",))
     references = {name: reference_p0(ctx.trained(name, ("task.diversity=-1",))) for name in REFERENCES}
     dyck = dyck_p0(majors)
-    probes = prefix_probes(diverse)
-    atomic_write_json(ctx.out / "analysis" / "e4.json", {"p0": {**references, **{f"e4_{k}": v for k, v in dyck.items()}}, "probes": probes})
+    probes = prefix_probes(diverse, diverse.load_model())
+    untrained = prefix_probes(diverse, diverse.new_model())  # a second control: random features of the same network
+    atomic_write_json(ctx.out / "analysis" / "e4.json",
+                      {"p0": {**references, **{f"e4_{k}": v for k, v in dyck.items()}}, "probes": probes, "probes_untrained": untrained})
 
     e4_smallest = min(min(dyck["token_due"]), min(dyck["last3_due"]))
     reference_smallest = max(min(shares) for shares in references.values())
@@ -137,5 +139,7 @@ def e4(ctx: Context) -> None:
     plot_p0_comparison(series, ctx.figure("p0_across_families.png",
                        "P0 across families: within-cell share of state variance per layer; E1 and E3 by (task, current token), "
                        "E4 by (task, current token) and by (task, last three planted brackets), k = -1"))
-    plot_prefix_probes(probes, ctx.figure("e4_prefix_probes.png",
-                       f"E4: held-out linear probes for the planted bracket j back and for the depth, k = {PROBE_DIVERSITY}, OOD sequences"))
+    last = f"layer {diverse.config.model.n_layers - 1}"
+    plot_prefix_probes(probes, [r for r in untrained if r["site"] == last], ctx.figure("e4_prefix_probes.png",
+                       f"E4: held-out linear probes for the planted bracket j back and for the depth, k = {PROBE_DIVERSITY}, OOD sequences; "
+                       "dotted: shuffled labels; grey: the last layer of the untrained network"))

@@ -30,19 +30,30 @@ def plot_p0_comparison(series: dict[str, list[float]], path: Path, title: str = 
     plt.close(fig)
 
 
-def plot_prefix_probes(rows: list[dict], path: Path, title: str = "") -> None:
+def _by_back(rows: list[dict], site: str) -> tuple[list[int], list[dict]]:
+    pairs = sorted((int(r["target"].split("_")[1]), r) for r in rows if r["site"] == site and r["target"].startswith("back_"))
+    return [j for j, _ in pairs], [r for _, r in pairs]
+
+
+def plot_prefix_probes(rows: list[dict], baseline: list[dict], path: Path, title: str = "") -> None:
     """Left: accuracy of probes for the bracket j back, per site, against the shuffled control;
     right: R^2 of the depth probe per site. rows: {target, site, score, control} with target
-    ``back_j`` or ``depth``."""
+    ``back_j`` or ``depth``; baseline: the same rows for one site of a reference network (grey)."""
     sites = list(dict.fromkeys(r["site"] for r in rows))
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [2, 1]})
     for i, site in enumerate(sites):
-        back = sorted((int(r["target"].split("_")[1]), r) for r in rows if r["site"] == site and r["target"].startswith("back_"))
-        left.plot([j for j, _ in back], [r["score"] for _, r in back], "-o", color=f"C{i}", label=site)
-        left.plot([j for j, _ in back], [r["control"] for _, r in back], ":", color=f"C{i}", alpha=0.7)
+        back, chosen = _by_back(rows, site)
+        left.plot(back, [r["score"] for r in chosen], "-o", color=f"C{i}", label=site)
+        left.plot(back, [r["control"] for r in chosen], ":", color=f"C{i}", alpha=0.7)
         depth = next(r for r in rows if r["site"] == site and r["target"] == "depth")
         right.bar(i - 0.2, depth["score"], 0.4, color=f"C{i}")
         right.bar(i + 0.2, depth["control"], 0.4, color=f"C{i}", alpha=0.35)
+    if baseline:
+        back, chosen = _by_back(baseline, baseline[0]["site"])
+        left.plot(back, [r["score"] for r in chosen], "-.", color="grey", label=f"untrained, {baseline[0]['site']}")
+        depth = next(r for r in baseline if r["target"] == "depth")
+        right.bar(len(sites), depth["score"], 0.4, color="grey")
+        sites = [*sites, "untrained"]
     left.set_xlabel("j: the planted bracket j back (1 = the latest)")
     left.set_ylabel("held-out accuracy (dotted: shuffled labels)")
     left.grid(alpha=0.3)
