@@ -43,7 +43,14 @@ class MarkovConfig(_TaskBase):
     alpha: PositiveFloat = 1.0
 
 
-TASK_CONFIGS = (DiceConfig, MarkovConfig)
+class DyckConfig(_TaskBase):
+    family: Literal["dyck"] = "dyck"
+    n_noise: int = Field(7, ge=1)
+    n_pairs: PositiveInt = 10
+    p_bracket: float = Field(0.25, gt=0.0, lt=1.0)
+
+
+TASK_CONFIGS = (DiceConfig, MarkovConfig, DyckConfig)
 TaskConfig = Annotated[Union[TASK_CONFIGS], Field(discriminator="family")]
 FAMILY_TAGS = {cls.model_fields["family"].default for cls in TASK_CONFIGS}
 

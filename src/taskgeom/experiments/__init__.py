@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from taskgeom.experiments.base import Context, reproduce
 from taskgeom.experiments.bayes_optimum import bayes_optimum
+from taskgeom.experiments.e4 import e4
 
-EXPERIMENTS = {"bayes_optimum": bayes_optimum}
+EXPERIMENTS = {"bayes_optimum": bayes_optimum, "e4": e4}
 
 __all__ = ["Context", "EXPERIMENTS", "reproduce"]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from taskgeom.tasks.base import Batch, TaskFamily, TaskPool, n_minor_for_diversity, pool_weights
 from taskgeom.tasks.dice import Dice
+from taskgeom.tasks.dyck import Dyck
 from taskgeom.tasks.markov import Markov
 
-FAMILIES: dict[str, type[TaskFamily]] = {"dice": Dice, "markov": Markov}
+FAMILIES: dict[str, type[TaskFamily]] = {"dice": Dice, "markov": Markov, "dyck": Dyck}
 
 
 def make(name: str, **settings) -> TaskFamily:

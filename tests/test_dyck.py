@@ -1,0 +1,227 @@
+"""E4, planted Dyck: the sampler and the exact Bayes quantities against brute-force enumeration."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import scipy.stats
+import torch
+
+from taskgeom import tasks
+from taskgeom.rng import generator
+from taskgeom.tasks.base import TaskPool
+from taskgeom.tasks.dyck import completion_counts
+
+torch.set_num_threads(1)
+
+
+def dyck_words(n_pairs: int) -> list[tuple[int, ...]]:
+    """Every balanced string of n_pairs pairs (0 = "(", 1 = ")"), by filtering all 2^(2n) strings."""
+    words = []
+    for code in range(2 ** (2 * n_pairs)):
+        word = tuple((code >> (2 * n_pairs - 1 - i)) & 1 for i in range(2 * n_pairs))
+        depths = [sum(1 - 2 * b for b in word[: i + 1]) for i in range(len(word))]
+        if min(depths) >= 0 and depths[-1] == 0:
+            words.append(word)
+    return words
+
+
+def brute_log_likelihood(fam, seq: list[int], word) -> list[float]:
+    """log p(seq[t] | seq[:t], word) for each t, by a plain loop over the generative story."""
+    out, placed = [], 0
+    for x in seq:
+        if x < fam.n_noise:
+            out.append(math.log((1 - fam.p_bracket) / fam.n_noise) if placed < len(word) else -math.log(fam.n_noise))
+        elif placed < len(word) and word[placed] == x - fam.n_noise:
+            out.append(math.log(fam.p_bracket))
+            placed += 1
+        else:
+            out.append(-math.inf)
+    return out
+
+
+def brute_predictive(fam, seq: list[int], word) -> list[float]:
+    """The next-token distribution of one task after seq."""
+    placed = sum(x >= fam.n_noise for x in seq)
+    if placed >= len(word):
+        return [1 / fam.n_noise] * fam.n_noise + [0.0, 0.0]
+    probs = [(1 - fam.p_bracket) / fam.n_noise] * fam.n_noise + [0.0, 0.0]
+    probs[fam.n_noise + word[placed]] = fam.p_bracket
+    return probs
+
+
+def brute_mixture(fam, seq: list[int], words, prior) -> list[float] | None:
+    """Posterior-weighted predictive over ``words`` after seq; None if no word is consistent."""
+    post = [w * math.exp(sum(brute_log_likelihood(fam, seq, word))) for word, w in zip(words, prior)]
+    total = sum(post)
+    if total == 0:
+        return None
+    preds = [brute_predictive(fam, seq, word) for word in words]
+    return [sum(p * pred[v] for p, pred in zip(post, preds)) / total for v in range(fam.vocab_size)]
+
+
+@pytest.mark.parametrize("n_pairs", [1, 2, 3, 4, 5, 6])
+def test_completion_counts_are_ballot_numbers(n_pairs):
+    table = completion_counts(n_pairs)
+    assert table[2 * n_pairs, 0] == math.comb(2 * n_pairs, n_pairs) // (n_pairs + 1)  # Catalan
+    for r in range(2 * n_pairs + 1):
+        for d in range(r + 1):  # ballot formula: paths of length r from d to 0 staying >= 0
+            up = (r - d) // 2
+            expected = math.comb(r, up) - math.comb(r, up - 1) if (r - d) % 2 == 0 and up >= 1 else float((r - d) % 2 == 0)
+            assert table[r, d] == expected, (r, d)
+
+
+def test_sampler_is_uniform_over_dyck_words():
+    fam = tasks.make("dyck", n_pairs=4)
+    words = dyck_words(4)
+    assert len(words) == 14
+    draws = fam.sample_params(14_000, generator(0, 0, "test"))
+    index = {w: i for i, w in enumerate(words)}
+    observed = torch.zeros(len(words))
+    for row in draws.tolist():
+        observed[index[tuple(row)]] += 1  # a KeyError here would mean an unbalanced draw
+    result = scipy.stats.chisquare(observed.numpy())
+    assert result.pvalue > 1e-3, (observed, result)
+
+
+def test_tokens_plant_the_string_in_order():
+    fam = tasks.make("dyck", n_pairs=10)
+    params = fam.sample_params(64, generator(1, 0, "p"))
+    tokens = fam.sample_tokens(params, 169, generator(1, 0, "t"))
+    assert tokens.min() >= 0 and tokens.max() < fam.vocab_size
+    for row, word in zip(tokens.tolist(), params.tolist()):
+        brackets = [x - fam.n_noise for x in row if x >= fam.n_noise]
+        assert brackets == word[: len(brackets)]
+    # brackets are emitted at rate p_bracket while the string is unfinished
+    pending = fam.bracket_count(tokens)[:, :-1] < fam.length
+    rate = (tokens[:, 1:] >= fam.n_noise)[pending].double().mean()
+    assert abs(rate - 0.25) < 0.015
+
+
+def test_planted_and_depth_match_loops():
+    fam = tasks.make("dyck", n_pairs=5)
+    pool = fam.sample_pool(3, 4, seed=2)
+    tokens = fam.sample(pool, 6, 40, seed=2).tokens
+    depth = fam.depth(tokens)
+    for back in (1, 2, 3, 7):
+        got = fam.planted(tokens, back)
+        for b, row in enumerate(tokens.tolist()):
+            for t in range(len(row)):
+                seen = [x - fam.n_noise for x in row[: t + 1] if x >= fam.n_noise]
+                assert got[b, t] == (seen[-back] if len(seen) >= back else -1)
+                if back == 1:
+                    assert depth[b, t] == sum(1 - 2 * s for s in seen)
+
+
+def test_id_posterior_and_predictive_match_brute_force():
+    fam = tasks.make("dyck", n_pairs=3)
+    words = dyck_words(3)  # 5 words: the pool holds all of them, so every sequence is consistent
+    pool = TaskPool(torch.tensor(words), torch.tensor([0.4, 0.1, 0.2, 0.05, 0.25], dtype=torch.float64), 2)
+    batch = fam.sample(pool, 8, 14, seed=5)
+    logpost, pred = fam.log_posterior(batch.tokens, pool), fam.predict_id(batch.tokens, pool)
+    for b, row in enumerate(batch.tokens.tolist()):
+        for t in range(len(row)):
+            seq = row[: t + 1]
+            post = torch.tensor([w * math.exp(sum(brute_log_likelihood(fam, seq, word))) for word, w in zip(words, pool.weights.tolist())], dtype=torch.float64)
+            torch.testing.assert_close(logpost[b, t].exp(), post / post.sum(), rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(pred[b, t], torch.tensor(brute_mixture(fam, seq, words, pool.weights.tolist()), dtype=torch.float64))
+    torch.testing.assert_close(pred.sum(-1), torch.ones(pred.shape[:2], dtype=torch.float64))
+
+
+def test_step_log_likelihood_matches_brute_force():
+    fam = tasks.make("dyck", n_pairs=3)
+    words = dyck_words(3)
+    params = torch.tensor(words)
+    batch = fam.sample_ood(6, 30, seed=4)
+    ll = fam.step_log_likelihood(batch.tokens, params)
+    for b, row in enumerate(batch.tokens.tolist()):
+        for k, word in enumerate(words):  # cumulative: after a mismatch only -inf is meaningful
+            expected = torch.tensor(brute_log_likelihood(fam, row, word), dtype=torch.float64).cumsum(0)
+            torch.testing.assert_close(ll[b, :, k].cumsum(0), expected, rtol=1e-12, atol=0)
+
+
+def test_posterior_of_inconsistent_contexts_keeps_the_last_defined_one():
+    """A pool that lacks the sequence's string: the posterior is exact while some task agrees,
+    then frozen (the prior if no task ever agreed); never NaN."""
+    fam = tasks.make("dyck", n_pairs=4)
+    words = dyck_words(4)
+    pool = TaskPool(torch.tensor(words[:3]), torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), 3)
+    batch = fam.sample(TaskPool(torch.tensor(words[3:]), torch.full((11,), 1 / 11, dtype=torch.float64), 11), 16, 40, seed=7)
+    logpost = fam.log_posterior(batch.tokens, pool)
+    pred = fam.predict_id(batch.tokens, pool)
+    assert torch.isfinite(pred).all() and not logpost.isnan().any()
+    frozen = 0
+    for b, row in enumerate(batch.tokens.tolist()):
+        last = pool.weights
+        for t in range(len(row)):
+            post = torch.tensor([w * math.exp(sum(brute_log_likelihood(fam, row[: t + 1], word))) for word, w in zip(words[:3], pool.weights.tolist())], dtype=torch.float64)
+            if post.sum() > 0:
+                last = post / post.sum()
+            else:
+                frozen += 1
+            torch.testing.assert_close(logpost[b, t].exp(), last, rtol=1e-9, atol=1e-12)
+    assert frozen > 0
+
+
+def test_ood_predictive_matches_enumeration_of_consistent_words():
+    fam = tasks.make("dyck", n_pairs=4)
+    words = dyck_words(4)
+    uniform = [1 / len(words)] * len(words)
+    batch = fam.sample_ood(6, 48, seed=9)
+    pred = fam.predict_ood(batch.tokens)
+    for b, row in enumerate(batch.tokens.tolist()):
+        for t in range(len(row)):
+            expected = brute_mixture(fam, row[: t + 1], words, uniform)
+            torch.testing.assert_close(pred[b, t], torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(pred.sum(-1), torch.ones(pred.shape[:2], dtype=torch.float64))
+
+
+def test_ood_marginal_matches_enumeration():
+    fam = tasks.make("dyck", n_pairs=3)
+    words = dyck_words(3)
+    batch = fam.sample_ood(4, 20, seed=11)
+    got = fam.log_marginal_ood(batch.tokens)
+    for b, row in enumerate(batch.tokens.tolist()):
+        for t in range(len(row)):
+            marginal = sum(math.exp(sum(brute_log_likelihood(fam, row[: t + 1], w))) for w in words) / len(words)
+            assert got[b, t].item() == pytest.approx(math.log(marginal), rel=1e-9)
+
+
+def test_family_rejects_bad_settings():
+    with pytest.raises(ValueError, match="p_bracket"):
+        tasks.make("dyck", p_bracket=1.0)
+    with pytest.raises(ValueError, match="n_pairs"):
+        tasks.make("dyck", n_pairs=0)
+
+
+def test_e4_recipe_builds_the_family(tmp_path):
+    from taskgeom.recipes import load_recipe
+    from taskgeom.runs import Run
+
+    for profile, seq_len in (("quick", None), ("paper", 169)):
+        config = load_recipe("e4", profile)
+        assert config.task.family == "dyck" and config.task.n_pairs == 10 and config.task.n_noise == 7
+        if seq_len:
+            assert config.task.seq_len == seq_len
+    run = Run(tmp_path, load_recipe("e4", "quick", ["task.diversity=3"]))
+    assert run.family.vocab_size == 9 and run.pool.size == 3 + 8
+
+
+def test_within_shares_are_zero_for_token_cells_of_the_embedding_and_one_for_a_single_cell():
+    """At layer 0's input (token embedding, rotary positions add nothing) the state is a function
+    of the current token, so (anything, token) cells hold no variance; one cell holds all of it."""
+    from taskgeom.config import ModelConfig
+    from taskgeom.experiments.e4 import within_shares
+    from taskgeom.model import Transformer
+
+    fam = tasks.make("dyck", n_pairs=4)
+    tokens = fam.sample_ood(32, 24, seed=1).tokens
+    model = Transformer(ModelConfig(n_layers=1, d_model=16, n_heads=2, d_mlp=32, max_len=24), fam.vocab_size)
+    mask = fam.bracket_count(tokens) >= 2
+    task = torch.arange(32)[:, None].expand_as(tokens) % 3
+    zeros = torch.zeros_like(tokens)
+    sites = [(0, "resid_pre"), (0, "resid_post")]
+    by_token = within_shares(model, tokens, task, tokens, 3, fam.vocab_size, mask, sites)
+    assert by_token[0] == pytest.approx(0.0, abs=1e-12) and 0.0 < by_token[1] < 1.0
+    assert within_shares(model, tokens, zeros, zeros, 1, 1, mask, sites) == pytest.approx([1.0, 1.0])
