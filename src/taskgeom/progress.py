@@ -23,3 +23,18 @@ def step_bar(description: str, total: int) -> Iterator:
             bar.update(task, completed=done, loss=loss)
 
         yield update
+
+
+@contextmanager
+def job_bar(description: str, total: int) -> Iterator:
+    """Yields ``advance(label)``, called once per finished job."""
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+        task = bar.add_task(description, total=total, last="")
+
+        def advance(label: str) -> None:
+            bar.update(task, advance=1, last=f"done: {label}")
+            if not console.is_terminal:
+                console.log(f"{description}: done {label}")
+
+        yield advance
