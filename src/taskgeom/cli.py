@@ -77,6 +77,39 @@ def eval_(run_dir: Path = typer.Argument(..., help="A finished run directory."))
     typer.echo(table.groupby(["set", "metric"])["value"].mean().unstack().round(4).to_string())
 
 
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise TaskgeomError(f"{option} must be comma-separated integers, got {text!r}") from None
+
+
+@app.command()
+@_user_errors
+def sweep(
+    config: str = typer.Argument(..., help="A recipe name (e1, e3, ...) or a path to a YAML recipe."),
+    diversity: str = typer.Option("-1,0,2,4,6,8,10", help="Comma-separated diversity indices k (2^k minor tasks; -1: majors only)."),
+    seeds: str = typer.Option("0,1,2", help="Comma-separated training seeds."),
+    profile: str = typer.Option("quick", help="Profile in the recipe."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override applied to every run, repeatable."),
+    out: Path = typer.Option(Path("runs"), help="Folder for the run directories and the tables sweep.csv, transition.csv."),
+    workers: int = typer.Option(2, min=1, help="Parallel worker processes (1: run in this process)."),
+) -> None:
+    """Train and analyse one run per (k, seed): projection R^2, subspace ablations, probes, the
+    predictor transition and Theorem 2. Finished runs are skipped; failures are reported, not fatal."""
+    from taskgeom.experiments.sweep import Job, run_sweep, summary
+
+    ks, seed_list = _int_list(diversity, "--diversity"), _int_list(seeds, "--seeds")
+    jobs = [Job(config, k, s, profile, str(out), tuple(set_ or [])) for k in ks for s in seed_list]
+    for job in jobs:  # validate every config before any work starts
+        job.config()
+    table = run_sweep(jobs, workers, out)
+    typer.echo(summary(table).round(4).to_string(index=False))
+    typer.echo(f"tables: {out / 'sweep.csv'}, {out / 'transition.csv'}")
+    if (table["status"] == "failed").any():
+        raise typer.Exit(1)
+
+
 @app.command()
 @_user_errors
 def reproduce(

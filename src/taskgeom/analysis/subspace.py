@@ -115,7 +115,7 @@ def orthogonal_search(
             opt.zero_grad()
             (-loss).backward()
             opt.step()
-            if loss.item() > best_loss + 1e-4:
+            if loss.item() > best_loss:
                 best, best_loss, stale = directions.detach().clone(), loss.item(), 0
             else:
                 stale += 1

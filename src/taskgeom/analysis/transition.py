@@ -9,6 +9,8 @@ takes prior weight ``p_new`` (the pool's minor mass, PAPER.md's p_minor) and eac
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from taskgeom.tasks import TaskFamily, TaskPool
@@ -18,8 +20,8 @@ def predict_generalising(family: TaskFamily, tokens: torch.Tensor, pool: TaskPoo
     """[B, T, V] posterior mixture over {majors, new task ~ prior} after tokens[:, :t+1]."""
     majors = pool.params[: pool.n_major].double()
     loglik = family.step_log_likelihood(tokens, majors).cumsum(dim=1)  # [B, T, K]
-    log_prior = torch.log(torch.tensor((1 - p_new) / pool.n_major, dtype=torch.float64))
-    joint = torch.cat([loglik + log_prior, (family.log_marginal_ood(tokens) + torch.log(torch.tensor(p_new)))[..., None]], dim=-1)
+    log_major, log_new = math.log((1 - p_new) / pool.n_major), math.log(p_new)
+    joint = torch.cat([loglik + log_major, (family.log_marginal_ood(tokens) + log_new)[..., None]], dim=-1)
     weights = torch.softmax(joint, dim=-1)
     return family.mix_predictive(tokens, majors, weights[..., :-1]) + weights[..., -1:] * family.predict_ood(tokens)
 

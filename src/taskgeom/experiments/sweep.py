@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from taskgeom.config import RunConfig
 from taskgeom.progress import console, job_bar
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run
@@ -33,7 +34,7 @@ class Job:
     root: str = "runs"
     overrides: tuple[str, ...] = ()
 
-    def config(self):
+    def config(self) -> RunConfig:
         return load_recipe(self.recipe, self.profile, [*self.overrides, f"task.diversity={self.diversity}", f"train.seed={self.seed}"])
 
 

@@ -1,0 +1,97 @@
+"""Figures of the dual modes (PAPER.md section 5), from the sweep's tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+
+def _per_k(rows: pd.DataFrame, metric: str, set_name: str | None = "ood") -> pd.DataFrame:
+    """Mean value and band over seeds per diversity k for one metric."""
+    pick = rows[(rows["metric"] == metric) & (rows["step"].isna())]
+    if set_name is not None:
+        pick = pick[pick["set"] == set_name]
+    band = pick["band"].map(lambda b: b if isinstance(b, (list, tuple)) else [np.nan, np.nan])
+    pick = pick.assign(low=band.map(lambda b: b[0]), high=band.map(lambda b: b[1]))
+    return pick.groupby("diversity")[["value", "low", "high"]].mean().reset_index()
+
+
+def plot_projection_r2(rows: pd.DataFrame, path: Path) -> None:
+    """Projection R^2 of OOD states onto the task subspace against diversity k, one line per recipe."""
+    fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    for recipe, group in rows.groupby("recipe"):
+        table = _per_k(group, "projection_r2")
+        ax.plot(table["diversity"], table["value"], "o-", label=recipe.upper())
+        ax.fill_between(table["diversity"], table["low"], table["high"], alpha=0.2)
+    ax.set_xlabel("task diversity k (2^k minor tasks; -1: majors only)")
+    ax.set_ylabel("projection R$^2$ of OOD states on S")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False)
+    ax.set_title("OOD states leave the task subspace as diversity grows")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_dissociation(rows: pd.DataFrame, path: Path, title: str) -> None:
+    """Share of in-context gain removed by each ablation on each sequence set (one model)."""
+    ablations = [("gain_removed_ablate_S", "ablate task subspace S"), ("gain_removed_ablate_V", "ablate orthogonal V"),
+                 ("gain_removed_random", "random control")]
+    sets = [s for s in ("major", "minor", "ood") if ((rows["set"] == s) & (rows["metric"] == "gain_removed_ablate_S")).any()]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    width = 0.8 / len(ablations)
+    for i, (metric, label) in enumerate(ablations):
+        values = [rows[(rows["metric"] == metric) & (rows["set"] == s)]["value"].mean() for s in sets]
+        ax.bar(np.arange(len(sets)) + (i - 1) * width, np.clip(values, -20, 150), width, label=label)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(np.arange(len(sets)), [f"{s} sequences" for s in sets])
+    ax.set_ylabel("in-context gain removed (%)\n(clipped to [-20, 150])")
+    ax.legend(frameon=False, fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_transition(transition: pd.DataFrame, path: Path) -> None:
+    """Heat map of log(KL_to_memorising / KL_to_generalising) over (k, training step), per recipe."""
+    recipes = sorted(transition["recipe"].unique())
+    fig, axes = plt.subplots(1, len(recipes), figsize=(4.8 * len(recipes), 3.6), squeeze=False)
+    for ax, recipe in zip(axes[0], recipes):
+        grid = transition[transition["recipe"] == recipe].pivot_table(index="diversity", columns="step", values="log_ratio")
+        limit = max(1e-3, float(np.nanmax(np.abs(grid.values))))
+        image = ax.imshow(grid.values, aspect="auto", cmap="RdBu_r", vmin=-limit, vmax=limit, origin="lower")
+        ax.set_xticks(range(len(grid.columns)), [str(int(s)) for s in grid.columns], rotation=45, fontsize=7)
+        ax.set_yticks(range(len(grid.index)), [str(int(k)) for k in grid.index])
+        ax.set_xlabel("training step")
+        ax.set_ylabel("diversity k")
+        ax.set_title(f"{recipe.upper()}: red = closer to generalising")
+        fig.colorbar(image, ax=ax, label="log(KL mem / KL gen)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_theorem2(rows: pd.DataFrame, path: Path) -> None:
+    """Distance of OOD states from mu_t + S beside the Lipschitz bound (c - delta) / L, against k."""
+    fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    for i, (recipe, group) in enumerate(rows.groupby("recipe")):
+        for metric, style, label in (("theorem2_distance", "o-", "distance from S"), ("theorem2_bound", "s--", "(c - delta) / L")):
+            table = _per_k(group, metric)
+            ax.plot(table["diversity"], table["value"], style, color=f"C{i}", label=f"{recipe.upper()}: {label}")
+            ax.fill_between(table["diversity"], table["low"], table["high"], color=f"C{i}", alpha=0.15)
+    ax.set_xlabel("task diversity k")
+    ax.set_ylabel("last-layer distance (median, IQR)")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=7)
+    ax.set_title("Theorem 2: measured distance and its lower bound")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
