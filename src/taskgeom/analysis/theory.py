@@ -42,7 +42,7 @@ def participation_ratio(x: torch.Tensor) -> float:
 def readout_lipschitz(readout, states: torch.Tensor) -> float:
     """max over states: [N, D] of the spectral norm of d CLR(readout(h)) / dh."""
     jac = vmap(jacrev(lambda h: centred_logits(readout(h))))(states.float())  # [N, V, D]
-    return float(torch.linalg.matrix_norm(jac, ord=2).max())
+    return float(torch.linalg.matrix_norm(jac.detach(), ord=2).max())
 
 
 def best_gap_in_subspace(readout, target_clr: torch.Tensor, mu: torch.Tensor, basis: torch.Tensor, steps: int = 50) -> torch.Tensor:
