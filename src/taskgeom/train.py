@@ -11,7 +11,6 @@ import json
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from taskgeom.evaluate import eval_sets, summary
 from taskgeom.runs import Run
@@ -27,12 +26,6 @@ def learning_rate(step: int, steps: int, peak: float, warmup_frac: float) -> flo
     if step < warmup:
         return peak * (step + 1) / warmup
     return peak * max(0.0, (steps - step) / max(1, steps - warmup))
-
-
-def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; tokens: [B, T]."""
-    logits = model(tokens)
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 def _optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -82,7 +75,7 @@ def train(run: Run, progress: ProgressFn | None = None) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr
         batch = family.sample(pool, cfg.batch_size, run.config.task.seq_len, cfg.seed, step, "train")
-        loss = lm_loss(model, batch.tokens)
+        loss = family.training_loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
