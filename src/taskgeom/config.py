@@ -177,6 +177,8 @@ def _describe(err: ValidationError) -> str:
         where = ".".join(str(p) for p in item["loc"] if p not in FAMILY_TAGS)
         if item["type"] == "extra_forbidden":
             lines.append(f"unknown config field {where!r}")
+        elif not where:  # a whole-config check: its message names the fields
+            lines.append(item["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"config field {where or '(root)'!r}: {item['msg']} (got {item.get('input')!r})")
     return "; ".join(lines)
