@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -182,3 +183,20 @@ def test_position_posterior_and_current_x_follow_the_layout():
     torch.testing.assert_close(by_position[:, -1], family.posterior_by_count(batch, pool)[:, -1])  # y_4: all five
     torch.testing.assert_close(family.current_x(batch)[:, 1::3], batch.x)
     torch.testing.assert_close(family.current_x(batch)[:, 2::3], batch.x)
+
+
+def test_pair_layout_reads_the_prediction_at_x():
+    family = _family(d=3, layout="pair")
+    model = Transformer(ModelConfig(n_layers=1, d_model=16, n_heads=2, d_mlp=32, max_len=16), **family.model_io())
+    batch = family.sample(family.sample_pool(3, 0), 4, 16, seed=0)
+    out = model(batch.tokens)[..., 0]
+    torch.testing.assert_close(family.training_loss(model, batch), ((out[:, 0::2] - batch.y.float()) ** 2).mean())
+
+
+def test_late_means_average_the_last_half_of_the_examples():
+    from taskgeom.experiments.e2 import late_means
+
+    rows = [{"set": s, "position": i, "metric": "loss", "value": float(10 * i + (s == "ood"))} for s in ("major", "ood") for i in range(6)]
+    means = late_means(pd.DataFrame(rows), 6)
+    assert means.loc["major", "loss"] == pytest.approx((30 + 40 + 50) / 3)
+    assert means.loc["ood", "loss"] == pytest.approx((31 + 41 + 51) / 3)

@@ -180,5 +180,5 @@ def _describe(err: ValidationError) -> str:
         elif not where:  # a whole-config check: its message names the fields
             lines.append(item["msg"].removeprefix("Value error, "))
         else:
-            lines.append(f"config field {where or '(root)'!r}: {item['msg']} (got {item.get('input')!r})")
+            lines.append(f"config field {where!r}: {item['msg']} (got {item.get('input')!r})")
     return "; ".join(lines)
