@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from taskgeom import tasks
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run
-from taskgeom.train import lm_loss
 
 
 def hf_gpt2(cfg, vocab_size: int) -> torch.nn.Module:
@@ -33,12 +32,13 @@ def hf_gpt2(cfg, vocab_size: int) -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def hf_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def hf_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    tokens = batch.tokens
     logits = model(input_ids=tokens).logits
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def tokens_per_second(model, loss_fn, batches: list[torch.Tensor]) -> float:
+def tokens_per_second(model, loss_fn, batches: list) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=4e-4)
     start = time.perf_counter()
     for tokens in batches:
@@ -47,7 +47,7 @@ def tokens_per_second(model, loss_fn, batches: list[torch.Tensor]) -> float:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-    return sum(t.numel() for t in batches) / (time.perf_counter() - start)
+    return sum(b.tokens.numel() for b in batches) / (time.perf_counter() - start)
 
 
 def sampler_rate(recipe: str, steps: int) -> tuple[float, int, int]:
@@ -70,15 +70,16 @@ def main() -> None:
 
     run = Run("unused", load_recipe(args.recipe))
     cfg = run.config
-    batches = [run.family.sample(run.pool, cfg.train.batch_size, cfg.task.seq_len, 0, s).tokens for s in range(args.steps)]
+    batches = [run.family.sample(run.pool, cfg.train.batch_size, cfg.task.seq_len, 0, s) for s in range(args.steps)]
+    ours_loss = run.family.training_loss
     ours, theirs = run.new_model(), hf_gpt2(cfg.model, run.family.vocab_size)
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     print(f"model: {cfg.model.n_layers} layers, width {cfg.model.d_model}, batch {cfg.train.batch_size} x {cfg.task.seq_len} tokens, "
           f"{args.threads} threads; parameters ours {count(ours):,}, GPT-2 {count(theirs):,}")
-    tokens_per_second(ours, lm_loss, batches[:3]), tokens_per_second(theirs, hf_loss, batches[:3])  # warm-up
+    tokens_per_second(ours, ours_loss, batches[:3]), tokens_per_second(theirs, hf_loss, batches[:3])  # warm-up
     rates = {"ours": [], "gpt2": []}
     for _ in range(args.rounds):
-        rates["ours"].append(tokens_per_second(ours, lm_loss, batches))
+        rates["ours"].append(tokens_per_second(ours, ours_loss, batches))
         rates["gpt2"].append(tokens_per_second(theirs, hf_loss, batches))
     ours_rate, gpt2_rate = statistics.median(rates["ours"]), statistics.median(rates["gpt2"])
     print(f"training tokens/s (median of {args.rounds} rounds): ours {ours_rate:,.0f}   HF GPT-2 {gpt2_rate:,.0f}   ratio ours/GPT-2 {ours_rate / gpt2_rate:.2f}")

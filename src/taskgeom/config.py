@@ -26,10 +26,13 @@ class _TaskBase(_Strict):
     n_major: PositiveInt = 3
     diversity: int = Field(-1, ge=-1, le=20, description="k: 2**k minor tasks; -1 means majors only")
     p_minor: float = Field(0.1, ge=0.0, lt=1.0)
+
+
+class _TokenTaskBase(_TaskBase):
     seq_len: PositiveInt = 64
 
 
-class DiceConfig(_TaskBase):
+class DiceConfig(_TokenTaskBase):
     family: Literal["dice"] = "dice"
     vocab_size: int = Field(6, ge=2)
     alpha: PositiveFloat = 1.0
@@ -37,20 +40,35 @@ class DiceConfig(_TaskBase):
     floor: float = Field(0.02, ge=0.0)
 
 
-class MarkovConfig(_TaskBase):
+class MarkovConfig(_TokenTaskBase):
     family: Literal["markov"] = "markov"
     vocab_size: int = Field(8, ge=2)
     alpha: PositiveFloat = 1.0
 
 
-class DyckConfig(_TaskBase):
+class DyckConfig(_TokenTaskBase):
     family: Literal["dyck"] = "dyck"
     n_noise: int = Field(7, ge=1)
     n_pairs: PositiveInt = 10
     p_bracket: float = Field(0.25, gt=0.0, lt=1.0)
 
 
-TASK_CONFIGS = (DiceConfig, MarkovConfig, DyckConfig)
+class RegressionConfig(_TaskBase):
+    """E2; its model sequence holds ``n_examples`` examples of 3 positions (``layout: separator``)
+    or 2 (``layout: pair``), and ``seq_len`` is that number of positions."""
+
+    family: Literal["regression"] = "regression"
+    d: PositiveInt = 4
+    n_examples: PositiveInt = 16
+    noise: PositiveFloat = Field(0.5, description="noise standard deviation")
+    layout: Literal["separator", "pair"] = "separator"
+
+    @property
+    def seq_len(self) -> int:
+        return self.n_examples * (3 if self.layout == "separator" else 2)
+
+
+TASK_CONFIGS = (DiceConfig, MarkovConfig, RegressionConfig, DyckConfig)
 TaskConfig = Annotated[Union[TASK_CONFIGS], Field(discriminator="family")]
 FAMILY_TAGS = {cls.model_fields["family"].default for cls in TASK_CONFIGS}
 
@@ -96,6 +114,9 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _positions_hold_sequence(self) -> "RunConfig":
         if self.task.seq_len > self.model.max_len:
+            if isinstance(self.task, RegressionConfig):
+                raise ValueError(f"task.n_examples ({self.task.n_examples}) needs {self.task.seq_len} positions in the "
+                                 f"{self.task.layout!r} layout, more than model.max_len ({self.model.max_len})")
             raise ValueError(f"task.seq_len ({self.task.seq_len}) exceeds model.max_len ({self.model.max_len})")
         return self
 
@@ -164,6 +185,8 @@ def _describe(err: ValidationError) -> str:
         where = ".".join(str(p) for p in item["loc"] if p not in FAMILY_TAGS)
         if item["type"] == "extra_forbidden":
             lines.append(f"unknown config field {where!r}")
+        elif not where:  # a whole-config check: its message names the fields
+            lines.append(item["msg"].removeprefix("Value error, "))
         else:
-            lines.append(f"config field {where or '(root)'!r}: {item['msg']} (got {item.get('input')!r})")
+            lines.append(f"config field {where!r}: {item['msg']} (got {item.get('input')!r})")
     return "; ".join(lines)

@@ -1,6 +1,8 @@
-"""Held-out evaluation of a model against the exact Bayes predictors, per position.
+"""Held-out evaluation of a model against the exact Bayes predictors, per prediction.
 
-Position ``t`` (0..T-2) scores the prediction of ``tokens[:, t+1]`` from ``tokens[:, :t+1]``.
+Token families: position ``t`` (0..T-2) scores the prediction of ``tokens[:, t+1]`` from
+``tokens[:, :t+1]`` (nats). Vector families (E2): entry ``i`` scores the prediction of y_i
+(squared error). The family computes the losses (``TaskFamily.position_losses``).
 """
 
 from __future__ import annotations
@@ -10,17 +12,19 @@ from dataclasses import dataclass
 import torch
 
 from taskgeom.runs import Run
-from taskgeom.tasks import Batch
+from taskgeom.tasks import Batch, TaskFamily
 
 
 @dataclass(frozen=True)
 class EvalSet:
-    """name: major | minor | ood; bayes_id, bayes_ood: [B, T, V] float64 predictives."""
+    """name: major | minor | ood; bayes_id, bayes_ood: the family's float64 reference predictions
+    ([B, T, V] predictives for token families, [B, n] predictions of y for E2)."""
 
     name: str
     batch: Batch
     bayes_id: torch.Tensor
     bayes_ood: torch.Tensor
+    family: TaskFamily
 
 
 def eval_sets(run: Run, batch_size: int | None = None) -> list[EvalSet]:
@@ -31,30 +35,14 @@ def eval_sets(run: Run, batch_size: int | None = None) -> list[EvalSet]:
     if pool.n_minor:
         batches["minor"] = family.sample(pool, size, seq_len, seed, 0, "eval", "minor")
     batches["ood"] = family.sample_ood(size, seq_len, seed, 0, "eval-ood")
-    return [EvalSet(name, b, family.predict_id(b.tokens, pool), family.predict_ood(b.tokens)) for name, b in batches.items()]
-
-
-def _nll(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """[B, T-1] -log probs[:, t, tokens[:, t+1]]."""
-    return -probs[:, :-1].clamp_min(1e-300).log().gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return [EvalSet(name, b, *family.reference_predictions(b, pool), family) for name, b in batches.items()]
 
 
 @torch.no_grad()
 def per_position(model: torch.nn.Module, evalset: EvalSet) -> dict[str, torch.Tensor]:
-    """Per-position means over sequences, each [T-1]: the model's loss, the Bayes predictors'
-    losses, the excess over ID-Bayes and KL(ID-Bayes || model)."""
-    tokens = evalset.batch.tokens
-    logp_model = torch.log_softmax(model(tokens).double(), dim=-1)
-    loss = -logp_model[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    bayes = evalset.bayes_id[:, :-1]
-    kl = (bayes * (bayes.clamp_min(1e-300).log() - logp_model[:, :-1])).sum(-1)
-    rows = {
-        "loss": loss,
-        "bayes_id_loss": _nll(evalset.bayes_id, tokens),
-        "bayes_ood_loss": _nll(evalset.bayes_ood, tokens),
-        "kl_bayes_model": kl,
-    }
-    rows["excess"] = rows["loss"] - rows["bayes_id_loss"]
+    """Per-prediction means over sequences, each [P]: the model's loss, the Bayes predictors'
+    losses, the excess over ID-Bayes and the family's gap to ID-Bayes (KL or squared distance)."""
+    rows = evalset.family.position_losses(model, evalset.batch, evalset.bayes_id, evalset.bayes_ood)
     return {name: value.mean(0) for name, value in rows.items()}
 
 

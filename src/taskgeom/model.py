@@ -76,12 +76,18 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token model: ``forward(tokens [B, T] long) -> logits [B, T, n_out]``."""
+    """Token model ``forward(tokens [B, T] long) -> logits [B, T, n_out]`` (``vocab_size`` given), or
+    vector model ``forward(inputs [B, T, d_in] float) -> outputs [B, T, n_out]`` (``d_in`` given:
+    a linear read-in replaces the embedding; the blocks and hook sites are the same)."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, n_out: int | None = None):
+    def __init__(self, cfg: ModelConfig, vocab_size: int | None = None, n_out: int | None = None, d_in: int | None = None):
         super().__init__()
-        self.cfg, self.vocab_size = cfg, vocab_size
-        self.embed = nn.Embedding(vocab_size, cfg.d_model)
+        if (vocab_size is None) == (d_in is None):
+            raise ValueError("give exactly one of vocab_size (token inputs) and d_in (vector inputs)")
+        if n_out is None and vocab_size is None:
+            raise ValueError("a vector model needs n_out")
+        self.cfg, self.vocab_size, self.d_in = cfg, vocab_size, d_in
+        self.embed = nn.Embedding(vocab_size, cfg.d_model) if d_in is None else nn.Linear(d_in, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.max_len, cfg.d_model) if cfg.positions == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_final = nn.LayerNorm(cfg.d_model)
@@ -99,9 +105,11 @@ class Transformer(nn.Module):
             nn.init.zeros_(module.bias)
 
     def embed_inputs(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: [B, T] -> resid_pre of layer 0: [B, T, D]."""
+        """tokens: [B, T] long (or [B, T, d_in] float for a vector model) -> resid_pre of layer 0: [B, T, D]."""
         if tokens.shape[1] > self.cfg.max_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_len {self.cfg.max_len}")
+        if self.d_in is not None and (tokens.dim() != 3 or tokens.shape[-1] != self.d_in):
+            raise ValueError(f"a vector model reads inputs [B, T, {self.d_in}], got {tuple(tokens.shape)}")
         x = self.embed(tokens)
         if self.pos_embed is not None:
             x = x + self.pos_embed.weight[: tokens.shape[1]]

@@ -22,7 +22,7 @@ from taskgeom.rng import fold_seed
 from taskgeom.storage import atomic_write_json, atomic_write_text, load_module_state, load_tensors
 
 RUN_FORMAT = 1
-_FAMILY_SETTINGS = {"family", "n_major", "diversity", "p_minor", "seq_len"}
+_FAMILY_SETTINGS = {"family", "n_major", "diversity", "p_minor", "seq_len", "n_examples"}
 
 
 class Run:
@@ -86,7 +86,7 @@ class Run:
     def new_model(self) -> Transformer:
         """A freshly initialised model; its weights depend on the seed alone."""
         torch.manual_seed(fold_seed(self.config.train.seed, 0, "init"))
-        return Transformer(self.config.model, self.family.vocab_size)
+        return Transformer(self.config.model, **self.family.model_io())
 
     def load_model(self) -> Transformer:
         """The finished model; RunDirError if training has not finished."""

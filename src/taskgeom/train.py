@@ -12,7 +12,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from taskgeom.evaluate import eval_sets, summary
 from taskgeom.runs import Run
@@ -36,12 +35,6 @@ def snapshot_steps(steps: int, count: int, first: int = 10) -> list[int]:
         return []
     grid = np.geomspace(min(first, steps), steps, count)
     return sorted({int(round(x)) for x in grid} | {steps})
-
-
-def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; tokens: [B, T]."""
-    logits = model(tokens)
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 def _optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -92,7 +85,7 @@ def train(run: Run, progress: ProgressFn | None = None) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr
         batch = family.sample(pool, cfg.batch_size, run.config.task.seq_len, cfg.seed, step, "train")
-        loss = lm_loss(model, batch.tokens)
+        loss = family.training_loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

@@ -1,9 +1,11 @@
 """The shared protocol of latent-task sequence families.
 
 A family has a prior over tasks, a sampler of sequences given a task, and exact Bayesian
-quantities over any finite task pool. Shapes: ``B`` sequences, ``T`` positions, ``K`` pool tasks,
-``V`` tokens. Everything at position ``t`` conditions on ``tokens[:, :t+1]``; a predictive at ``t``
-is the distribution of ``tokens[:, t+1]``. Bayes computations run in float64.
+quantities over any finite task pool. ``TaskFamily`` holds what every family shares (pools,
+seeded sampling, the model's input/output sizes, the training loss and evaluation losses);
+``TokenFamily`` is the next-token case. Shapes: ``B`` sequences, ``T`` positions, ``K`` pool tasks,
+``V`` tokens. For token families everything at position ``t`` conditions on ``tokens[:, :t+1]``; a
+predictive at ``t`` is the distribution of ``tokens[:, t+1]``. Bayes computations run in float64.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from taskgeom.rng import generator
 
@@ -50,11 +53,15 @@ class TaskPool:
 
 @dataclass(frozen=True)
 class Batch:
-    """tokens: [B, T] long; task: [B] long index into the pool (-1 for OOD); params: [B, ...]."""
+    """tokens: the model's input, [B, T] long for token families, [B, T, d_in] float for vector
+    families; task: [B] long index into the pool (-1 for OOD); params: [B, ...]. Vector families
+    also carry their examples: x: [B, n, d] and y: [B, n] float64."""
 
     tokens: torch.Tensor
     task: torch.Tensor
     params: torch.Tensor
+    x: torch.Tensor | None = None
+    y: torch.Tensor | None = None
 
 
 def pool_weights(n_major: int, n_minor: int, p_minor: float) -> torch.Tensor:
@@ -80,10 +87,10 @@ def n_minor_for_diversity(k: int) -> int:
 
 
 class TaskFamily(ABC):
-    """A latent-task family over a token vocabulary of size ``vocab_size``."""
+    """What every latent-task family shares: pools, seeded sampling, and the dispatch points the
+    trainer and evaluator use (model sizes, training loss, evaluation losses)."""
 
     name: str
-    vocab_size: int
 
     # ---- family-specific pieces -------------------------------------------------------------
     @abstractmethod
@@ -91,28 +98,29 @@ class TaskFamily(ABC):
         """[n, ...] tasks drawn from the continuous prior."""
 
     @abstractmethod
-    def sample_tokens(self, params: torch.Tensor, seq_len: int, gen: torch.Generator) -> torch.Tensor:
-        """[B, T] long sequences, one per task in params: [B, ...]."""
+    def make_batch(self, params: torch.Tensor, task: torch.Tensor, seq_len: int, gen: torch.Generator) -> Batch:
+        """A Batch of ``seq_len`` model positions per sequence, one sequence per task in params: [B, ...]."""
 
     @abstractmethod
-    def step_log_likelihood(self, tokens: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-        """[B, T, K] log p_k(tokens[:, t] | tokens[:, :t]) for each pool task k."""
+    def model_io(self) -> dict[str, int]:
+        """Keyword sizes for ``Transformer`` (``vocab_size`` for tokens; ``d_in`` and ``n_out`` for vectors)."""
 
     @abstractmethod
-    def mix_predictive(self, tokens: torch.Tensor, params: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """[B, T, V] sum_k weights[b, t, k] p_k(next | tokens[:, :t+1]); weights: [B, T, K]."""
+    def reference_predictions(self, batch: Batch, pool: TaskPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ID-Bayes, OOD-optimal) predictions for the batch, float64."""
 
     @abstractmethod
-    def predict_ood(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[B, T, V] posterior predictive under the continuous prior (the OOD-optimal learner)."""
+    def training_loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """Scalar loss the trainer minimises."""
+
+    @abstractmethod
+    def position_losses(self, model: torch.nn.Module, batch: Batch, bayes_id: torch.Tensor, bayes_ood: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-sequence, per-prediction losses {metric: [B, P]}: ``loss`` (model), ``bayes_id_loss``,
+        ``bayes_ood_loss``, ``excess`` (model minus ID-Bayes) and one family-specific gap."""
 
     def major_params(self, n_major: int, gen: torch.Generator) -> torch.Tensor:
         """[n_major, ...] major tasks; by default draws from the prior."""
         return self.sample_params(n_major, gen)
-
-    def initial_log_prob(self) -> float:
-        """log p(tokens[:, 0]) under the prior, the same for every first token."""
-        return -math.log(self.vocab_size)
 
     # ---- shared machinery -------------------------------------------------------------------
     def sample_pool(self, n_major: int, n_minor: int, p_minor: float = 0.1, seed: int = 0) -> TaskPool:
@@ -143,17 +151,71 @@ class TaskFamily(ABC):
             if high <= low:
                 raise ValueError(f"the pool has no {subset} tasks")
             task = torch.randint(low, high, (batch_size,), generator=gen)
-        params = pool.params[task]
-        return Batch(self.sample_tokens(params, seq_len, gen), task, params)
+        return self.make_batch(pool.params[task], task, seq_len, gen)
 
     def sample_ood(self, batch_size: int, seq_len: int, seed: int = 0, step: int = 0, stream: str = "ood") -> Batch:
         """Sequences of fresh tasks drawn from the prior, one per sequence (task = -1)."""
         _check_sizes(batch_size, seq_len)
         gen = generator(seed, step, stream)
         params = self.sample_params(batch_size, gen)
-        tokens = self.sample_tokens(params, seq_len, gen)
-        return Batch(tokens, torch.full((batch_size,), -1, dtype=torch.long), params)
+        return self.make_batch(params, torch.full((batch_size,), -1, dtype=torch.long), seq_len, gen)
 
+
+class TokenFamily(TaskFamily):
+    """A latent-task family over a token vocabulary of size ``vocab_size``, trained on next tokens."""
+
+    vocab_size: int
+
+    # ---- family-specific pieces -------------------------------------------------------------
+    @abstractmethod
+    def sample_tokens(self, params: torch.Tensor, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+        """[B, T] long sequences, one per task in params: [B, ...]."""
+
+    @abstractmethod
+    def step_log_likelihood(self, tokens: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        """[B, T, K] log p_k(tokens[:, t] | tokens[:, :t]) for each pool task k."""
+
+    @abstractmethod
+    def mix_predictive(self, tokens: torch.Tensor, params: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """[B, T, V] sum_k weights[b, t, k] p_k(next | tokens[:, :t+1]); weights: [B, T, K]."""
+
+    @abstractmethod
+    def predict_ood(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, T, V] posterior predictive under the continuous prior (the OOD-optimal learner)."""
+
+    def initial_log_prob(self) -> float:
+        """log p(tokens[:, 0]) under the prior, the same for every first token."""
+        return -math.log(self.vocab_size)
+
+    # ---- the shared protocol ----------------------------------------------------------------
+    def make_batch(self, params: torch.Tensor, task: torch.Tensor, seq_len: int, gen: torch.Generator) -> Batch:
+        return Batch(self.sample_tokens(params, seq_len, gen), task, params)
+
+    def model_io(self) -> dict[str, int]:
+        return {"vocab_size": self.vocab_size}
+
+    def reference_predictions(self, batch: Batch, pool: TaskPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, T, V], [B, T, V]) ID-Bayes and OOD-optimal next-token distributions."""
+        return self.predict_id(batch.tokens, pool), self.predict_ood(batch.tokens)
+
+    def training_loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """Mean next-token cross-entropy over tokens: [B, T]."""
+        logits = model(batch.tokens)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch.tokens[:, 1:].reshape(-1))
+
+    def position_losses(self, model: torch.nn.Module, batch: Batch, bayes_id: torch.Tensor, bayes_ood: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each [B, T-1] (nats): position t scores the prediction of tokens[:, t+1]; the gap is
+        KL(ID-Bayes || model)."""
+        tokens = batch.tokens
+        logp_model = torch.log_softmax(model(tokens).double(), dim=-1)
+        loss = -logp_model[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        bayes = bayes_id[:, :-1]
+        kl = (bayes * (bayes.clamp_min(1e-300).log() - logp_model[:, :-1])).sum(-1)
+        rows = {"loss": loss, "bayes_id_loss": _nll(bayes_id, tokens), "bayes_ood_loss": _nll(bayes_ood, tokens), "kl_bayes_model": kl}
+        rows["excess"] = rows["loss"] - rows["bayes_id_loss"]
+        return rows
+
+    # ---- exact Bayes ------------------------------------------------------------------------
     def log_posterior(self, tokens: torch.Tensor, pool: TaskPool) -> torch.Tensor:
         """[B, T, K] log posterior over the pool after tokens[:, :t+1]."""
         loglik = self.step_log_likelihood(tokens, pool.params.double()).cumsum(dim=1)
@@ -182,3 +244,8 @@ def _check_sizes(batch_size: int, seq_len: int) -> None:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+
+
+def _nll(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, T-1] -log probs[:, t, tokens[:, t+1]]."""
+    return -probs[:, :-1].clamp_min(1e-300).log().gather(-1, tokens[:, 1:, None]).squeeze(-1)

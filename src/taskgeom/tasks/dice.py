@@ -8,10 +8,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from taskgeom.tasks.base import TaskFamily
+from taskgeom.tasks.base import TokenFamily
 
 
-class Dice(TaskFamily):
+class Dice(TokenFamily):
     """E1. params: [K, V] face probabilities.
 
     ``majors="disjoint"`` builds the study's near-disjoint majors: the faces are split into

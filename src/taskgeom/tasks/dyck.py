@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from taskgeom.tasks.base import TaskFamily, TaskPool
+from taskgeom.tasks.base import TaskPool, TokenFamily
 
 OPEN, CLOSE = 0, 1
 
@@ -35,7 +35,7 @@ def completion_counts(n_pairs: int) -> torch.Tensor:
     return table
 
 
-class Dyck(TaskFamily):
+class Dyck(TokenFamily):
     """E4. params: [K, 2 * n_pairs] long bracket strings (0 = "(", 1 = ")")."""
 
     name = "dyck"

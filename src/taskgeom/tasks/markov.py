@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from taskgeom.tasks.base import TaskFamily
+from taskgeom.tasks.base import TokenFamily
 
 
-class Markov(TaskFamily):
+class Markov(TokenFamily):
     """E3. params: [K, V, V] transition rows P[k, from, to]; the first state is uniform [ours]."""
 
     name = "markov"
