@@ -124,7 +124,7 @@ def e4(ctx: Context) -> None:
     ctx.claims.append(check(
         "e4.P0_failure", "e4",
         "E4's smallest within-cell share over layers (either grouping, bracket phase of the late window) "
-        f"divided by the larger of E1's and E3's smallest (task, token) share; k = -1",
+        "divided by the larger of E1's and E3's smallest (task, token) share; k = -1",
         e4_smallest / reference_smallest, ">=", P0_FACTOR, ctx.profile))
     model_rows = [r for r in probes if r["site"] != "embedding"]
     gains = {t: max(r["score"] - r["control"] for r in model_rows if r["target"] == t) for t in dict.fromkeys(r["target"] for r in model_rows)}
