@@ -211,6 +211,7 @@ def test_e4_recipe_builds_the_family(tmp_path):
 def test_within_shares_are_zero_for_token_cells_of_the_embedding_and_one_for_a_single_cell():
     """At layer 0's input (token embedding, rotary positions add nothing) the state is a function
     of the current token, so (anything, token) cells hold no variance; one cell holds all of it."""
+    from taskgeom.analysis.states import collect
     from taskgeom.config import ModelConfig
     from taskgeom.experiments.e4 import within_shares
     from taskgeom.model import Transformer
@@ -221,7 +222,7 @@ def test_within_shares_are_zero_for_token_cells_of_the_embedding_and_one_for_a_s
     mask = fam.bracket_count(tokens) >= 2
     task = torch.arange(32)[:, None].expand_as(tokens) % 3
     zeros = torch.zeros_like(tokens)
-    sites = [(0, "resid_pre"), (0, "resid_post")]
-    by_token = within_shares(model, tokens, task, tokens, 3, fam.vocab_size, mask, sites)
+    states = list(collect(model, tokens, [(0, "resid_pre"), (0, "resid_post")]).values())
+    by_token = within_shares(states, task, tokens, 3, fam.vocab_size, mask)
     assert by_token[0] == pytest.approx(0.0, abs=1e-12) and 0.0 < by_token[1] < 1.0
-    assert within_shares(model, tokens, zeros, zeros, 1, 1, mask, sites) == pytest.approx([1.0, 1.0])
+    assert within_shares(states, zeros, zeros, 1, 1, mask) == pytest.approx([1.0, 1.0])

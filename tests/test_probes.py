@@ -34,7 +34,6 @@ def test_regression_r2_matches_signal_share_and_control_is_near_zero():
     assert result.metric == "r2"
     assert result.score == pytest.approx(0.8, abs=0.01)
     assert abs(result.control) < 0.01
-    assert result.gain == pytest.approx(result.score - result.control)
 
 
 def test_classification_accuracy_matches_closed_form():

@@ -27,10 +27,6 @@ class ProbeResult:
     control: float
     metric: str
 
-    @property
-    def gain(self) -> float:
-        return self.score - self.control
-
 
 def ridge(x: torch.Tensor, y: torch.Tensor, l2: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights [D, M] and bias [M] minimising ||y - x W - b||^2 / N + l2 ||W||^2; x: [N, D], y: [N, M]."""

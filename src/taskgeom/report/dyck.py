@@ -24,7 +24,7 @@ def plot_p0_comparison(series: dict[str, list[float]], path: Path, title: str = 
     ax.set_xticks(range(max(len(s) for s in series.values())))
     ax.grid(alpha=0.3, which="both")
     ax.legend(frameon=False, fontsize=8)
-    ax.set_title(title or "P0: share of state variance left within (task, token) cells")
+    ax.set_title(title or "P0: share of state variance left within cells, per layer")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
