@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-_LINES = {"loss": ("model", "C0", "-"), "bayes_id_loss": ("ID-Bayes (pool posterior)", "C1", "--"), "bayes_ood_loss": ("OOD-optimal (add-alpha)", "C2", ":")}
+_LINES = {"loss": ("model", "C0", "-"), "bayes_id_loss": ("ID-Bayes (pool posterior)", "C1", "--"), "bayes_ood_loss": ("OOD-optimal (continuous prior)", "C2", ":")}
 
 
 def plot_loss_by_position(table: pd.DataFrame, path: Path, title: str = "") -> None:
@@ -27,7 +27,7 @@ def plot_loss_by_position(table: pd.DataFrame, path: Path, title: str = "") -> N
         ax.set_title(f"{name} sequences")
         ax.set_xlabel("context position t")
         ax.grid(alpha=0.3)
-    axes[0, 0].set_ylabel("loss (nats / token)")
+    axes[0, 0].set_ylabel("loss (nats/token; squared error for E2)")
     axes[0, -1].legend(frameon=False, fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
