@@ -73,7 +73,7 @@ def eval_(run_dir: Path = typer.Argument(..., help="A finished run directory."))
     run = Run.open(run_dir)
     table = pd.DataFrame(evaluate_run(run))
     (run.path / "figures").mkdir(exist_ok=True)
-    plot_loss_by_position(table, run.path / "figures" / "loss_by_position.png", title=run.path.name)
+    plot_loss_by_position(table, run.path / "figures" / "loss_by_position.png", run.family.plot_labels, title=run.path.name)
     typer.echo(table.groupby(["set", "metric"])["value"].mean().unstack().round(4).to_string())
 
 

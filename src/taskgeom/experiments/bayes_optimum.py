@@ -25,4 +25,4 @@ def bayes_optimum(ctx: Context) -> None:
             excess, "<=", MAX_EXCESS_NATS, ctx.profile))
         plot_loss_by_position(table, ctx.figure(f"{experiment}_loss_by_position.png",
                               f"{experiment.upper()}: per-position loss of the model against the ID-Bayes and OOD-optimal predictors"),
-                              title=f"{experiment.upper()} (k = -1)")
+                              run.family.plot_labels, title=f"{experiment.upper()} (k = -1)")

@@ -91,6 +91,8 @@ class TaskFamily(ABC):
     trainer and evaluator use (model sizes, training loss, evaluation losses)."""
 
     name: str
+    # how figures name the evaluation metrics: (ID-Bayes, OOD-optimal, loss unit, position axis)
+    plot_labels = ("ID-Bayes (pool posterior)", "OOD-optimal (continuous prior)", "loss (nats / token)", "context position t")
 
     # ---- family-specific pieces -------------------------------------------------------------
     @abstractmethod

@@ -30,6 +30,7 @@ class Regression(TaskFamily):
     """E2. params: [K, d] task weights; ``noise`` is the noise standard deviation."""
 
     name = "regression"
+    plot_labels = ("dMMSE (pool posterior)", "ridge, lambda = noise^2", "mean squared error", "example index i (predicting y_i)")
 
     def __init__(self, d: int = 4, noise: float = 0.5, layout: Layout = "separator"):
         if d < 1:
