@@ -30,3 +30,20 @@ def test_sweep_isolates_failures_and_resumes(tmp_path):
     assert set(again["status"]) == {"ok"}
     assert {p: p.stat().st_mtime_ns for p in kept} == kept
     assert (redo / "model.safetensors").exists() and (redo / "analysis" / "dual.json").exists()
+
+
+def test_dual_analysis_runs_on_regression(tmp_path):
+    """E2 goes through the same analysis: its own squared-error losses, probes of the ridge
+    prediction; the token-only measurements (transition, Theorem 2) are absent."""
+    config = tiny_config("dice", steps=20).model_dump(mode="json")
+    config["name"] = "tiny-regression"
+    config["task"] = {"family": "regression", "d": 2, "n_examples": 5, "diversity": 1}
+    recipe = tmp_path / "reg.yaml"
+    recipe.write_text(yaml.safe_dump({"base": config, "profiles": {"quick": {}}}))
+    table = run_sweep([Job(str(recipe), 1, 0, "quick", str(tmp_path / "runs"))], workers=1)
+    assert set(table["status"]) == {"ok"}, table.get("error")
+    metrics = set(table["metric"])
+    assert {"projection_r2", "gain_removed_ablate_S", "gain_removed_ablate_V", "gain_removed_random", "probe_r2_complement"} <= metrics
+    assert not any(m.startswith(("transition", "theorem2")) for m in metrics)
+    first = table[(table["metric"] == "loss_first") & (table["set"] == "ood")]["value"].iloc[0]
+    assert first > 1.0  # predicting y_0 with no examples: the prior variance d + noise^2 = 2.25

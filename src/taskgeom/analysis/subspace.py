@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from taskgeom.analysis.task_vectors import TaskVectors
 from taskgeom.hooks import Site, intervene
+from taskgeom.tasks import Batch, TaskFamily
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
 
@@ -53,21 +53,15 @@ def direction_ablation(directions: torch.Tensor) -> Edit:
     return edit
 
 
-def position_losses(model: torch.nn.Module, tokens: torch.Tensor, site: Site | None = None, edit: Edit | None = None,
-                    batch_size: int = 256) -> torch.Tensor:
-    """[T-1] mean next-token loss per position over tokens: [N, T], with ``edit`` applied at ``site``."""
-    total = torch.zeros(tokens.shape[1] - 1, dtype=torch.float64)
+def model_losses(family: TaskFamily, model: torch.nn.Module, batch: Batch, references: tuple[torch.Tensor, torch.Tensor],
+                 site: Site | None = None, edit: Edit | None = None) -> torch.Tensor:
+    """[P] the model's mean loss per prediction (nats for tokens, squared error for E2) over the
+    batch, with ``edit`` applied at ``site``; references: ``family.reference_predictions``."""
     with torch.no_grad():
-        for start in range(0, tokens.shape[0], batch_size):
-            chunk = tokens[start : start + batch_size]
-            if edit is None:
-                logits = model(chunk)
-            else:
-                with intervene(model, site, edit):
-                    logits = model(chunk)
-            nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), chunk[:, 1:], reduction="none")  # [B, T-1]
-            total += nll.double().sum(0)
-    return total / tokens.shape[0]
+        if edit is None:
+            return family.position_losses(model, batch, *references)["loss"].mean(0)
+        with intervene(model, site, edit):
+            return family.position_losses(model, batch, *references)["loss"].mean(0)
 
 
 def gain_removed(ablated: torch.Tensor, clean: torch.Tensor, window: slice) -> float:
@@ -86,7 +80,7 @@ def random_directions(complement: torch.Tensor, rank: int, gen: torch.Generator)
 
 def orthogonal_search(
     model: torch.nn.Module,
-    tokens: torch.Tensor,
+    loss_fn: Callable[[torch.nn.Module], torch.Tensor],
     site: Site,
     task_basis: torch.Tensor,
     rank: int = 1,
@@ -96,8 +90,8 @@ def orthogonal_search(
     seed: int = 0,
 ) -> torch.Tensor:
     """[D, rank] orthonormal directions orthogonal to S = span(task_basis: [D, k]) whose ablation
-    (h <- h - V V^T h at ``site``) maximises the cross-entropy on tokens: [N, T] (minor or OOD
-    sequences, a few hundred: each step uses all of them). V = C Q(A) with C the complement basis
+    (h <- h - V V^T h at ``site``) maximises ``loss_fn(model)`` (e.g. the training loss on a few
+    hundred minor or OOD sequences, ``family.training_loss(model, batch)``). V = C Q(A) with C the complement basis
     and Q(A) the QR factor of a free [D - k, rank] matrix A; Adam ascent, stopping after
     ``patience`` steps without a new best loss; returns the best V seen."""
     gen = torch.Generator().manual_seed(seed)
@@ -110,8 +104,7 @@ def orthogonal_search(
         for _ in range(steps):
             directions = complement @ torch.linalg.qr(raw)[0]
             with intervene(model, site, direction_ablation(directions)):
-                logits = model(tokens)
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+                loss = loss_fn(model)
             opt.zero_grad()
             (-loss).backward()
             opt.step()

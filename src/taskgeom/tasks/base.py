@@ -120,6 +120,11 @@ class TaskFamily(ABC):
         """Per-sequence, per-prediction losses {metric: [B, P]}: ``loss`` (model), ``bayes_id_loss``,
         ``bayes_ood_loss``, ``excess`` (model minus ID-Bayes) and one family-specific gap."""
 
+    @abstractmethod
+    def context_statistic(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions [P] long, target [B, P, m]): the statistic the OOD-optimal learner computes
+        from the context at those model positions (what probes of the OOD subspace read)."""
+
     def major_params(self, n_major: int, gen: torch.Generator) -> torch.Tensor:
         """[n_major, ...] major tasks; by default draws from the prior."""
         return self.sample_params(n_major, gen)
@@ -199,6 +204,12 @@ class TokenFamily(TaskFamily):
     def reference_predictions(self, batch: Batch, pool: TaskPool) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, T, V], [B, T, V]) ID-Bayes and OOD-optimal next-token distributions."""
         return self.predict_id(batch.tokens, pool), self.predict_ood(batch.tokens)
+
+    def context_statistic(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every position, with the centred log of the OOD-optimal predictive: the CLR of the
+        add-alpha unigram (E1) or current-state bigram row (E3) frequencies."""
+        logp = self.predict_ood(batch.tokens).clamp_min(1e-300).log()
+        return torch.arange(batch.tokens.shape[1]), logp - logp.mean(-1, keepdim=True)
 
     def training_loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         """Mean next-token cross-entropy over tokens: [B, T]."""

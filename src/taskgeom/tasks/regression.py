@@ -162,6 +162,10 @@ class Regression(TaskFamily):
         eye = torch.eye(self.d, dtype=torch.float64)
         return torch.linalg.solve(gram + self.noise**2 * eye, rhs)
 
+    def context_statistic(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prediction positions, with the ridge prediction x_i . w_ridge (examples < i)."""
+        return self.prediction_positions(batch.x.shape[1]), self.predict_ood(batch)[..., None]
+
     def predict_ood(self, batch: Batch) -> torch.Tensor:
         """[B, n] ridge prediction w_ridge(examples < i) . x_i, the OOD-optimal predictor."""
         return (self.ridge_weights(batch.x, batch.y) * batch.x).sum(-1)
