@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -133,7 +132,3 @@ def reproduce(
     typer.echo(f"{sum(c.passed for c in ctx.claims)}/{len(ctx.claims)} claims pass; report: {ctx.out / 'report.html'}")
     if not all(c.passed for c in ctx.claims):
         raise typer.Exit(1)
-
-
-def main() -> None:  # pragma: no cover
-    sys.exit(app())

@@ -3,7 +3,6 @@ claims and figures, and the ``reproduce`` driver."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +64,3 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment]) -> Co
     atomic_write_json(ctx.out / "timings.json", timings)
     atomic_write_text(ctx.out / "report.html", write_report(ctx))
     return ctx
-
-
-def load_claims(path: Path) -> list[dict]:
-    return json.loads(Path(path).read_text())
