@@ -50,12 +50,14 @@ def sum_to_one_fit(y: torch.Tensor, vertices: torch.Tensor) -> torch.Tensor:
     return (y.double() @ V.T) @ inv[:K, :K].T + inv[:K, K]
 
 
-def simplex_lstsq(y: torch.Tensor, vertices: torch.Tensor, chunk: int = 65536) -> torch.Tensor:
+def simplex_lstsq(y: torch.Tensor, vertices: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """[N, K] exact argmin of ||y - V^T beta||^2 over the simplex, for y: [N, D], vertices: [K, D].
 
-    Every support S gives the equality-constrained minimiser on S; the optimum is the feasible
-    (beta >= 0) candidate of least objective. Vectorised over states and supports; ``chunk``
-    bounds memory at chunk x (2^K - 1) x K values.
+    Every support S gives the equality-constrained minimiser on S, linear in r = V y:
+    (beta, lambda) = inv_S [r_S; 1], and its objective minus ||y||^2, -beta.r - lambda, is quadratic
+    in r. The optimum is the feasible (beta >= 0) candidate of least objective. One matrix product
+    of the features [r, r_i r_j] gives every candidate and its objective for all states at once;
+    ``chunk`` states at a time keep the work in cache.
     """
     V = vertices.double()
     K = V.shape[0]
@@ -63,16 +65,24 @@ def simplex_lstsq(y: torch.Tensor, vertices: torch.Tensor, chunk: int = 65536) -
         raise AnalysisError(f"simplex_lstsq enumerates supports and takes K <= {MAX_EXACT_K} vertices, got {K}")
     codes = torch.arange(1, 2**K)
     masks = (codes[:, None] >> torch.arange(K)) & 1 == 1  # [M, K]
-    gram = V @ V.T
-    inv = _kkt_inverse(gram, masks)  # [M, K+1, K+1]
+    M = len(masks)
+    inv = _kkt_inverse(V @ V.T, masks)  # [M, K+1, K+1]
+    m = masks.to(inv.dtype)
+    A = inv[:, :K, :K] * m[:, :, None] * m[:, None, :]  # beta = A r + c (off-support r unused)
+    c, ell, d = inv[:, :K, K] * m, inv[:, K, :K] * m, inv[:, K, K]  # lambda = ell.r + d
+    i, j = torch.triu_indices(K, K)
+    sym = A + A.transpose(1, 2)
+    quad = -torch.where(i == j, sym[:, i, j] / 2, sym[:, i, j])  # [M, K(K+1)/2]: cost = -r'Ar - (c + ell).r - d
+    weight = torch.cat([torch.cat([A.permute(2, 0, 1).reshape(K, M * K), -(c + ell).T], 1),
+                        torch.cat([torch.zeros(len(i), M * K, dtype=inv.dtype), quad.T], 1)])  # [K + K(K+1)/2, M*K + M]
+    bias = torch.cat([c.reshape(-1), -d])
     out = []
     for start in range(0, y.shape[0], chunk):
         r = y[start : start + chunk].double() @ V.T  # [n, K]
-        cand = torch.einsum("mij,mnj->mni", inv[:, :K, :K], r[None] * masks[:, None]) + inv[:, None, :K, K]  # [M, n, K]
-        cost = torch.einsum("mni,ij,mnj->mn", cand, gram, cand) - 2 * (cand * r).sum(-1)  # objective - ||y||^2
-        cost = cost.masked_fill(~(cand >= -1e-10).all(-1), torch.inf)
-        best = cost.argmin(0)  # [n]
-        out.append(cand[best, torch.arange(len(best))].clamp_min(0))
+        sol = torch.addmm(bias, torch.cat([r, r[:, i] * r[:, j]], 1), weight)  # [n, M*K + M]
+        cand, cost = sol[:, : M * K].view(-1, M, K), sol[:, M * K :]
+        best = cost.masked_fill(cand.amin(-1) < -1e-10, torch.inf).argmin(1)
+        out.append(cand.gather(1, best[:, None, None].expand(-1, 1, K)).squeeze(1).clamp_min(0))
     return torch.cat(out)
 
 
