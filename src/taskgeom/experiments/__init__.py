@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from taskgeom.experiments.base import Context, reproduce
 from taskgeom.experiments.bayes_optimum import bayes_optimum
+from taskgeom.experiments.m1 import m1
 
-EXPERIMENTS = {"bayes_optimum": bayes_optimum}
+EXPERIMENTS = {"bayes_optimum": bayes_optimum, "m1": m1}
 
 __all__ = ["Context", "EXPERIMENTS", "reproduce"]
