@@ -70,3 +70,20 @@ def test_missing_run_directory_exits_2(tmp_path):
     result = invoke(str(tmp_path / "nowhere"))
     assert result.exit_code == 2
     assert "not a taskgeom run directory" in result.output
+
+
+def test_m1_claims_read_the_best_layer_rows(trained):
+    from taskgeom.analysis.retrieval import Options, analyze
+    from taskgeom.experiments.m1 import MIN_CELL_R2, MIN_STEERING_RATIO, claims as m1_claims
+
+    result = analyze(trained, Options(n_sequences=48, n_random=2))
+    claims = {c.id: c for c in m1_claims(result, "quick")}
+    assert list(claims) == ["e1.P0", "e1.P1", "e1.P2", "e1.P2.vs_random", "e1.P3", "e1.P3.shrinks", "e1.steering"]
+    table = pd.DataFrame(result.rows)
+    layer, site = result.best
+    best = table[(table["layer"] == layer) & (table["site"] == site) & table["position"].isna()].set_index("metric")["value"]
+    cell_r2 = table[(table["metric"] == "p0.cell_r2") & (table["site"] == site)]["value"]
+    assert best["p0.cell_r2"] == cell_r2.max() == claims["e1.P0"].value
+    assert claims["e1.P2.vs_random"].value == pytest.approx(best["p2.r2_task"] - best["p2.r2_random"])
+    assert claims["e1.steering"].value == pytest.approx(best["steering.kl_unsteered"] / best["steering.kl_steered"])
+    assert claims["e1.P0"].threshold == MIN_CELL_R2 and claims["e1.steering"].threshold == MIN_STEERING_RATIO

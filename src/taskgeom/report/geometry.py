@@ -38,7 +38,7 @@ def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: tor
                 ax.plot(*b[0], "o", color=f"C{k}", mfc="white", ms=5)
         ax.plot([], [], "k--", lw=1, label="posterior alpha_t")
         ax.plot([], [], "k-", marker=".", label="fitted beta_t (open dot: t = 0)")
-        ax.legend(frameon=False, fontsize=8, loc="upper right")
+        ax.legend(frameon=False, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=2)
         ax.set_aspect("equal")
         ax.set_title("beta_t against alpha_t in the simplex")
     else:
@@ -46,14 +46,15 @@ def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: tor
     ax.axis("off")
 
     ax = axes[1]
+    floor = 1e-4
     for metric, color, label in (("p3.tv", "C0", "total variation"), ("p3.kl", "C3", "KL(alpha || beta)")):
         rows = table[(table["metric"] == metric) & table["position"].notna()].sort_values("position")
-        low, high = zip(*rows["band"])
-        ax.plot(rows["position"], rows["value"], color=color, label=f"{label} (median)")
+        low, high = (np.maximum(np.array(b), floor) for b in zip(*rows["band"]))
+        ax.plot(rows["position"], np.maximum(rows["value"], floor), color=color, label=f"{label} (median)")
         ax.fill_between(rows["position"], low, high, color=color, alpha=0.2, lw=0)
-    ax.set_yscale("symlog", linthresh=1e-2)
+    ax.set_yscale("log")
     ax.set_xlabel("context position t")
-    ax.set_ylabel("distance between beta_t and alpha_t")
+    ax.set_ylabel(f"distance between beta_t and alpha_t (floor {floor:g})")
     ax.set_title("P3: alignment with the posterior (interquartile band)")
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=8)
@@ -71,7 +72,7 @@ def plot_properties_by_layer(table: pd.DataFrame, path: Path, title: str = "") -
     """P0, P1 and P2 (with the random-subspace control and its range over draws) against the
     layer, one line style per site."""
     rows = table[table["position"].isna()]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4))
     for s, (site, group) in enumerate(rows.groupby("site", sort=False)):
         style = ("-", "--", ":", "-.")[s % 4]
         for metric, label, color in _LAYER_METRICS:
@@ -86,7 +87,7 @@ def plot_properties_by_layer(table: pd.DataFrame, path: Path, title: str = "") -
     ax.set_ylim(min(-0.05, float(rows["value"][rows["metric"].isin([m for m, _, _ in _LAYER_METRICS])].min()) - 0.05), 1.05)
     ax.set_title(title or "P0-P2 per layer")
     ax.grid(alpha=0.3)
-    ax.legend(frameon=False, fontsize=7, loc="lower left")
+    ax.legend(frameon=False, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
