@@ -21,8 +21,9 @@ _CORNERS = np.array([[0.0, 0.0], [1.0, 0.0], [0.5, math.sqrt(3) / 2]])  # the 2-
 
 def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: torch.Tensor, table: pd.DataFrame, path: Path,
                               title: str = "", per_task: int = 2) -> None:
-    """Left (K = 3 only): alpha_t (dashed) and beta_t (solid) over t for ``per_task`` sequences of each
-    task, drawn in the 2-simplex. Right: P3's per-position median TV and KL(alpha || beta) with
+    """Left (K = 3 only): alpha_t (dashed) and beta_t (solid) over t for the ``per_task`` sequences of
+    each task whose posterior is least certain (mean entropy over the first quarter), drawn in the
+    2-simplex. Right: P3's per-position median TV and KL(alpha || beta) with
     interquartile bands. alpha, beta: [N, T, K]; task: [N]; table: rows of ``retrieval.analyze``."""
     K = alpha.shape[-1]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
@@ -31,7 +32,7 @@ def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: tor
         ax.fill(*_CORNERS.T, color="0.95", edgecolor="0.4")
         for k in range(K):
             ax.annotate(f"task {k}", _CORNERS[k], textcoords="offset points", xytext=(0, -12 if k < 2 else 5), ha="center", fontsize=9)
-            for n in torch.nonzero(task == k).flatten()[:per_task].tolist():
+            for n in _most_uncertain(alpha, task == k, per_task):
                 a, b = alpha[n].double().numpy() @ _CORNERS, beta[n].double().numpy() @ _CORNERS
                 ax.plot(*a.T, "--", color=f"C{k}", lw=1, alpha=0.8)
                 ax.plot(*b.T, "-", color=f"C{k}", lw=1.2, marker=".", ms=3)
@@ -62,6 +63,15 @@ def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: tor
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _most_uncertain(alpha: torch.Tensor, chosen: torch.Tensor, count: int) -> list[int]:
+    """Indices of the ``count`` chosen sequences (chosen: [N] bool) of highest mean posterior
+    entropy over the first quarter of positions; alpha: [N, T, K]."""
+    early = alpha[:, : max(1, alpha.shape[1] // 4)].double()
+    entropy = -torch.special.xlogy(early, early).sum(-1).mean(-1)
+    entropy = entropy.masked_fill(~chosen, -1.0)
+    return entropy.topk(min(count, int(chosen.sum()))).indices.tolist()
 
 
 _LAYER_METRICS = (("p0.cell_r2", "P0 cell-means R^2", "C0"), ("p1.additive_share", "P1 additive share", "C1"),
