@@ -9,7 +9,7 @@ and steering use that (layer, primary site). States come from held-out major-tas
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -41,10 +41,11 @@ class Options:
     directions: Directions = "task_vectors"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Result:
     """rows: the tidy table; best: (layer, site) of the claims; alpha, beta: [N, T, K] posterior and
-    fitted coefficients there; task: [N]; steering: at the best layer; summary: headline numbers."""
+    fitted coefficients there; task: [N]; steering: at the best layer; summary: {metric: value} of
+    the non-positional rows at the best (layer, site)."""
 
     experiment: str
     rows: list[dict]
@@ -53,7 +54,7 @@ class Result:
     alpha: torch.Tensor
     beta: torch.Tensor
     steering: Steering
-    summary: dict[str, float] = field(default_factory=dict)
+    summary: dict[str, float]
 
 
 def check_request(run: Run, options: Options) -> tuple[int, ...]:
@@ -129,9 +130,8 @@ def analyze(run: Run, options: Options = Options()) -> Result:
                      generator(seed, 0, "steering"))
     rows += _steering_rows(experiment, best, options.site, steering)
 
-    result = Result(experiment, rows, (best, options.site), task, alpha.float(), beta, steering)
-    result.summary = {r["metric"]: r["value"] for r in rows if r["layer"] == best and r["site"] == options.site and r["position"] is None}
-    return result
+    summary = {r["metric"]: r["value"] for r in rows if r["layer"] == best and r["site"] == options.site and r["position"] is None}
+    return Result(experiment, rows, (best, options.site), task, alpha.float(), beta, steering, summary)
 
 
 def _alignment_rows(experiment: str, layer: int, site: str, beta: torch.Tensor, alpha: torch.Tensor, window: slice) -> list[dict]:
