@@ -80,24 +80,29 @@ _LAYER_METRICS = (("p0.cell_r2", "P0 cell-means R^2", "C0"), ("p1.additive_share
 
 def plot_properties_by_layer(table: pd.DataFrame, path: Path, title: str = "") -> None:
     """P0, P1 and P2 (with the random-subspace control and its range over draws) against the
-    layer, one line style per site."""
-    rows = table[table["position"].isna()]
-    fig, ax = plt.subplots(figsize=(8.5, 4))
+    layer, one line style per site; left the shares, right the unexplained part 1 - share (log)."""
+    rows = table[table["position"].isna() & table["metric"].isin([m for m, _, _ in _LAYER_METRICS])]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for s, (site, group) in enumerate(rows.groupby("site", sort=False)):
         style = ("-", "--", ":", "-.")[s % 4]
         for metric, label, color in _LAYER_METRICS:
             part = group[group["metric"] == metric].sort_values("layer")
-            ax.plot(part["layer"], part["value"], style, marker="o", color=color, label=f"{label} ({site})")
+            for ax, values in ((axes[0], part["value"]), (axes[1], (1 - part["value"]).clip(lower=1e-8))):
+                ax.plot(part["layer"], values, style, marker="o", color=color, label=f"{label} ({site})")
             if part["band"].notna().all():
-                low, high = zip(*part["band"])
-                ax.fill_between(part["layer"], low, high, color=color, alpha=0.15, lw=0)
-    ax.set_xticks(sorted(rows["layer"].dropna().unique().astype(int)))
-    ax.set_xlabel("layer")
-    ax.set_ylabel("share of variance explained")
-    ax.set_ylim(min(-0.05, float(rows["value"][rows["metric"].isin([m for m, _, _ in _LAYER_METRICS])].min()) - 0.05), 1.05)
-    ax.set_title(title or "P0-P2 per layer")
-    ax.grid(alpha=0.3)
-    ax.legend(frameon=False, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+                low, high = (np.array(b) for b in zip(*part["band"]))
+                axes[0].fill_between(part["layer"], low, high, color=color, alpha=0.15, lw=0)
+    layers = sorted(rows["layer"].unique().astype(int))
+    for ax in axes:
+        ax.set_xticks(layers)
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("share of variance explained")
+    axes[0].set_ylim(min(-0.05, float(rows["value"].min()) - 0.05), 1.05)
+    axes[1].set_yscale("log")
+    axes[1].set_ylabel("unexplained: 1 - share (floor 1e-8)")
+    axes[1].legend(frameon=False, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle(title or "P0-P2 per layer")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
