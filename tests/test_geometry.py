@@ -153,3 +153,17 @@ def test_streamed_states_equal_one_full_forward():
     assert layers == [0, 2]
     part = collect(model, tokens, [(2, "resid_pre")], batch_size=4, positions=slice(4, 9))[(2, "resid_pre")]
     assert torch.equal(part, full[(2, "resid_pre")][:, 4:9])
+
+
+def test_analysis_sequences_are_held_out_and_labelled(tmp_path):
+    from taskgeom.analysis.states import analysis_batch
+    from taskgeom.evaluate import eval_sets
+    from taskgeom.recipes import load_recipe
+    from taskgeom.runs import Run
+
+    run = Run.create(load_recipe("e1", "quick", ["task.diversity=1", "train.eval_batch=16"]), tmp_path)
+    major, minor, ood = (analysis_batch(run, which, 16) for which in ("major", "minor", "ood"))
+    assert major.task.lt(run.pool.n_major).all() and minor.task.ge(run.pool.n_major).all() and ood.task.eq(-1).all()
+    assert major.tokens.shape == (16, run.config.task.seq_len)
+    assert not torch.equal(major.tokens, eval_sets(run)[0].batch.tokens)
+    assert torch.equal(major.tokens, analysis_batch(run, "major", 16).tokens)  # a pure function of the seed
