@@ -28,7 +28,7 @@ def test_analyze_writes_tidy_rows_and_figures(trained):
     result = invoke(str(trained.path), "--sequences", "48")
     assert result.exit_code == 0, result.output
     table = pd.read_json(trained.path / "analysis" / "m1.json")
-    assert set(table.columns) == {"experiment", "layer", "site", "metric", "value", "band", "position"}
+    assert set(table.columns) == {"experiment", "layer", "site", "metric", "value", "band", "position", "task"}
     assert set(table["experiment"]) == {"e1"}
     per_layer = table[table["position"].isna()]
     for metric in ("p0.within_share", "p0.cell_r2", "p1.additive_share", "p2.r2_task", "p2.r2_random"):
@@ -36,8 +36,10 @@ def test_analyze_writes_tidy_rows_and_figures(trained):
         assert sorted(zip(rows["layer"], rows["site"])) == [(0, "resid_mid"), (0, "resid_post"), (1, "resid_mid"), (1, "resid_post")]
     within, cell = (per_layer[per_layer["metric"] == m].set_index(["layer", "site"])["value"] for m in ("p0.within_share", "p0.cell_r2"))
     assert ((within + cell) - 1).abs().max() < 1e-9
-    tv = table[(table["metric"] == "p3.tv") & table["position"].notna()]
+    tv = table[(table["metric"] == "p3.tv") & table["position"].notna() & table["task"].isna()]
     assert sorted(tv["position"].astype(int)) == list(range(24))
+    per_task = table[(table["metric"] == "p3.tv") & table["task"].notna()]
+    assert sorted(zip(per_task["task"].astype(int), per_task["position"].astype(int))) == [(k, t) for k in range(3) for t in range(24)]
     assert all(low <= value <= high for value, (low, high) in zip(tv["value"], tv["band"]))
     for name in ("simplex", "layers", "steering"):
         assert (trained.path / "figures" / f"m1_{name}.png").stat().st_size > 10_000

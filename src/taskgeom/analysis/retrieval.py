@@ -1,6 +1,7 @@
 """The M1 analysis of one finished run (``taskgeom analyze``): P0-P2 at every requested layer and
 site, P3 and causal steering at the best layer, as tidy rows ``{experiment, layer, site, metric,
-value, band, position}`` (band: [low, high] or None; position: None unless per position).
+value, band, position, task}`` (band: [low, high] or None; position: None unless per position;
+task: None unless the row is one major task's).
 
 The best layer is the one whose cell-means R^2 (P0) is highest at the primary site; P1-P3 claims
 and steering use that (layer, primary site). States come from held-out major-task sequences
@@ -78,9 +79,11 @@ def check_request(run: Run, options: Options) -> tuple[int, ...]:
     return layers
 
 
-def _row(experiment: str, layer: int | None, site: str | None, metric: str, value: float, band=None, position: int | None = None) -> dict:
+def _row(experiment: str, layer: int | None, site: str | None, metric: str, value: float, band=None, position: int | None = None,
+         task: int | None = None) -> dict:
     band = None if band is None else [float(band[0]), float(band[1])]
-    return {"experiment": experiment, "layer": layer, "site": site, "metric": metric, "value": float(value), "band": band, "position": position}
+    return {"experiment": experiment, "layer": layer, "site": site, "metric": metric, "value": float(value), "band": band,
+            "position": position, "task": task}
 
 
 def analyze(run: Run, options: Options = Options()) -> Result:
@@ -119,7 +122,7 @@ def analyze(run: Run, options: Options = Options()) -> Result:
     best = max(cell_r2, key=cell_r2.get)
     geometry, beta = kept[best]
     alpha = family.log_posterior(tokens, pool).exp()  # [N, T, K] posterior over the majors
-    rows += _alignment_rows(experiment, best, options.site, beta, alpha, window)
+    rows += _alignment_rows(experiment, best, options.site, beta, alpha, task, window)
 
     if options.directions == "task_vectors":
         code = code_from_layout(geometry.layout)
@@ -134,16 +137,19 @@ def analyze(run: Run, options: Options = Options()) -> Result:
     return Result(experiment, rows, (best, options.site), task, alpha.float(), beta, steering, summary)
 
 
-def _alignment_rows(experiment: str, layer: int, site: str, beta: torch.Tensor, alpha: torch.Tensor, window: slice) -> list[dict]:
-    """P3 per position (median with interquartile band over sequences) and over the first and
-    last quarter of positions (median over all their states)."""
+def _alignment_rows(experiment: str, layer: int, site: str, beta: torch.Tensor, alpha: torch.Tensor, task: torch.Tensor,
+                    window: slice) -> list[dict]:
+    """P3 per position (median with interquartile band over sequences: all major sequences, then
+    those of each task, ``task`` key set) and over the first and last quarter of positions (median
+    over all their states)."""
     tv, kl = alignment(beta, alpha)
     T = tv.shape[1]
     first = slice(0, T - window.start)
     rows = []
     for metric, values in (("p3.tv", tv), ("p3.kl", kl)):
-        med, low, high = quantiles(values, dim=0)
-        rows += [_row(experiment, layer, site, metric, med[t], (low[t], high[t]), t) for t in range(T)]
+        for k in [None, *range(alpha.shape[-1])]:
+            med, low, high = quantiles(values if k is None else values[task == k], dim=0)
+            rows += [_row(experiment, layer, site, metric, med[t], (low[t], high[t]), t, k) for t in range(T)]
         for part, span in (("first_quarter", first), ("last_quarter", window)):
             med, low, high = quantiles(values[:, span].reshape(-1))
             rows.append(_row(experiment, layer, site, f"{metric}_{part}", med, (low, high)))

@@ -49,7 +49,7 @@ def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: tor
     ax = axes[1]
     floor = 1e-4
     for metric, color, label in (("p3.tv", "C0", "total variation"), ("p3.kl", "C3", "KL(alpha || beta)")):
-        rows = table[(table["metric"] == metric) & table["position"].notna()].sort_values("position")
+        rows = table[(table["metric"] == metric) & table["position"].notna() & table["task"].isna()].sort_values("position")
         low, high = (np.maximum(np.array(b), floor) for b in zip(*rows["band"]))
         ax.plot(rows["position"], np.maximum(rows["value"], floor), color=color, label=f"{label} (median)")
         ax.fill_between(rows["position"], low, high, color=color, alpha=0.2, lw=0)
