@@ -111,6 +111,40 @@ def sweep(
 
 @app.command()
 @_user_errors
+def analyze(
+    run_dir: Path = typer.Argument(..., help="A finished run directory."),
+    layer: Optional[List[int]] = typer.Option(None, "--layer", help="Layers to measure (repeatable); all by default."),
+    site: Optional[List[str]] = typer.Option(None, "--site", help="Sites to measure (repeatable); default resid_mid and resid_post."),
+    primary: str = typer.Option("resid_post", help="The site of the claims: P3 and steering run at its best layer."),
+    sequences: int = typer.Option(512, help="Held-out major-task sequences to analyse."),
+    directions: str = typer.Option("task_vectors", help="Steering directions: task_vectors or regression."),
+) -> None:
+    """M1 geometry of a trained model (PAPER.md section 4): P0-P2 per layer and site, P3 and causal
+    steering at the best layer. Writes analysis/m1.json (tidy rows) and figures/m1_*.png."""
+    from taskgeom.analysis.retrieval import Options, analyze as analyze_run, write
+    from taskgeom.report.geometry import FIGURES, plot_retrieval
+    from taskgeom.runs import Run
+
+    if directions not in ("task_vectors", "regression"):
+        raise TaskgeomError(f"unknown directions {directions!r}; choose task_vectors or regression")
+    run = Run.open(run_dir)
+    sites = tuple(site) if site else Options.sites
+    result = analyze_run(run, Options(tuple(layer) if layer else None, sites, primary, sequences, directions=directions))
+    write(run, result)
+    (run.path / "figures").mkdir(exist_ok=True)
+    plot_retrieval(result, {name: run.path / "figures" / f"m1_{name}.png" for name in FIGURES})
+    table = pd.DataFrame(result.rows)
+    per_layer = table[table["position"].isna() & ~table["metric"].str.startswith(("p3", "steering"))]
+    typer.echo(per_layer.pivot_table(index=["layer", "site"], columns="metric", values="value", sort=False).round(4).to_string())
+    best_layer, best_site = result.best
+    typer.echo(f"best layer {best_layer} ({best_site}):")
+    for metric in ("p3.tv_first_quarter", "p3.tv_last_quarter", "steering.kl_unsteered", "steering.kl_steered", "steering.kl_random", "steering.ratio"):
+        typer.echo(f"  {metric:<24} {result.summary[metric]:.4g}")
+    typer.echo(str(run.path / "analysis" / "m1.json"))
+
+
+@app.command()
+@_user_errors
 def reproduce(
     profile: str = typer.Option("quick", help="quick: reduced sizes for a 2-core CPU; paper: the study's sizes."),
     out: Path = typer.Option(Path("results"), help="Output folder: runs/, figures/, claims.json, report.html."),

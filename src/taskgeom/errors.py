@@ -11,3 +11,7 @@ class RunDirError(TaskgeomError):
 
 class CheckpointError(TaskgeomError):
     """A checkpoint that is truncated, corrupt, foreign, or written for another config."""
+
+
+class AnalysisError(TaskgeomError):
+    """An analysis request that cannot be met: a layer or site that does not exist, too few states."""

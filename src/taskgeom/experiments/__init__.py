@@ -7,7 +7,8 @@ from taskgeom.experiments.bayes_optimum import bayes_optimum
 from taskgeom.experiments.dual_modes import dual_modes
 from taskgeom.experiments.e2 import e2
 from taskgeom.experiments.e4 import e4
+from taskgeom.experiments.m1 import m1
 
-EXPERIMENTS = {"bayes_optimum": bayes_optimum, "dual_modes": dual_modes, "e2": e2, "e4": e4}
+EXPERIMENTS = {"bayes_optimum": bayes_optimum, "m1": m1, "dual_modes": dual_modes, "e2": e2, "e4": e4}
 
 __all__ = ["Context", "EXPERIMENTS", "reproduce"]

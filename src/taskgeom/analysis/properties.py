@@ -1,0 +1,113 @@
+"""PAPER.md's properties P0-P3 of the M1 geometry, from states of major-task sequences.
+
+Shapes: ``N`` sequences, ``T`` positions, ``D`` width, ``K`` major tasks, ``V`` tokens.
+
+- P0/P1 (``stability``): the two-way layout of late-window states over cells (task, current token).
+- P2 (``interpolation``): ``y_t = h_t - mu_t - nu(x_t)`` fitted as ``sum_k beta_k theta_k`` with the
+  sum-to-one fit projected onto the simplex, R^2_task over all positions, beside the same fit on
+  randomly rotated vertices (a random subspace of the same dimension and the same geometry).
+- P3 (``alignment``): per-state distances between beta_t and the exact posterior alpha_t.
+
+**[ours]** The vertices ``theta_k`` of P2 are the task effects of the two-way layout, centred over
+the tasks, rather than the raw late-window task means: the raw means also carry each task's typical
+token code, which P2 already removes through ``nu(x_t)``; with near-disjoint tasks (E1) the two
+differ. Both span the task subspace S when tokens and tasks are balanced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from taskgeom.analysis.anova import TwoWay, two_way
+from taskgeom.analysis.simplex import project_simplex, residual_r2, simplex_lstsq, sum_to_one_fit
+from taskgeom.analysis.task_vectors import TaskVectors, task_vectors
+
+KL_FLOOR = 1e-3  # [ours] beta is mixed with this much of the uniform law before KL(alpha || beta)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The M1 geometry of one (layer, site): layout: P0/P1 two-way fit on the late window;
+    vectors: TaskVectors whose theta [K, D] are the centred task effects (mu [T, D] as measured)."""
+
+    layout: TwoWay
+    vectors: TaskVectors
+
+    @property
+    def nu(self) -> torch.Tensor:
+        """[V, D] token encodings nu(a)."""
+        return self.layout.effect_b
+
+    def residual(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[N, T, D] y_t = h_t - mu_t - nu(x_t) for h: [N, T, D], tokens: [N, T]."""
+        return h - self.vectors.mu - self.nu[tokens]
+
+
+def stability(h: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor, n_tasks: int, vocab: int, window: slice) -> Geometry:
+    """P0 and P1 of h: [N, T, D] for sequences of task: [N], tokens: [N, T], over ``window``."""
+    late = h[:, window]
+    cells_task = task[:, None].expand(-1, late.shape[1]).reshape(-1)
+    layout = two_way(late.reshape(-1, h.shape[-1]), cells_task, tokens[:, window].reshape(-1), n_tasks, vocab)
+    means = task_vectors(h, task, n_tasks, window)
+    theta = layout.effect_a - layout.effect_a.mean(0)
+    return Geometry(layout, TaskVectors(theta, means.mu, window))
+
+
+@dataclass(frozen=True)
+class Interpolation:
+    """beta: [N, T, K] projected sum-to-one fit; r2_task: its R^2; r2_exact: R^2 of the exact
+    simplex least squares; r2_random: [n_random] R^2 of the same fit on rotated vertices."""
+
+    beta: torch.Tensor
+    r2_task: float
+    r2_exact: float
+    r2_random: torch.Tensor
+
+
+def fit_beta(y: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """[..., K] sum-to-one least squares of y: [..., D] on theta: [K, D], projected onto the simplex."""
+    flat = y.reshape(-1, y.shape[-1])
+    return project_simplex(sum_to_one_fit(flat, theta)).reshape(*y.shape[:-1], theta.shape[0])
+
+
+def random_rotation(dim: int, gen: torch.Generator) -> torch.Tensor:
+    """[dim, dim] Haar-random orthogonal matrix (QR of a Gaussian with the sign fix)."""
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+def interpolation(y: torch.Tensor, theta: torch.Tensor, n_random: int = 8, seed: int = 0) -> Interpolation:
+    """P2 for y: [N, T, D] (``Geometry.residual``) and theta: [K, D]; R^2 over all states."""
+    theta = theta.double()
+    flat = y.reshape(-1, y.shape[-1]).double()
+    beta = fit_beta(flat, theta)
+    exact = simplex_lstsq(flat, theta)
+    gen = torch.Generator().manual_seed(seed)
+    random = []
+    for _ in range(n_random):  # a handful of draws, each vectorised over all states
+        rotated = theta @ random_rotation(theta.shape[1], gen)
+        random.append(residual_r2(flat, fit_beta(flat, rotated) @ rotated))
+    return Interpolation(beta.reshape(*y.shape[:-1], -1).float(), residual_r2(flat, beta @ theta), residual_r2(flat, exact @ theta),
+                         torch.tensor(random))
+
+
+def alignment(beta: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """P3: (TV, KL(alpha || beta)), each [N, T], for beta, alpha: [N, T, K] on the simplex.
+
+    beta is mixed with KL_FLOOR of the uniform law first, so KL stays finite when the projected
+    fit puts exactly zero on a task.
+    """
+    beta, alpha = beta.double(), alpha.double()
+    tv = 0.5 * (beta - alpha).abs().sum(-1)
+    K = beta.shape[-1]
+    smooth = (beta + KL_FLOOR / K) / (1 + KL_FLOOR)
+    kl = torch.special.xlogy(alpha, alpha).sum(-1) - (alpha * smooth.log()).sum(-1)
+    return tv, kl
+
+
+def quantiles(x: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(median, lower quartile, upper quartile) of x along ``dim``."""
+    q = torch.quantile(x.double(), torch.tensor([0.5, 0.25, 0.75], dtype=torch.float64), dim=dim)
+    return q[0], q[1], q[2]

@@ -1,0 +1,66 @@
+"""M1, Bayesian task retrieval (PAPER.md section 4): P0-P3 and causal steering on the k = -1 runs
+of E1 and E3 (the runs ``bayes_optimum`` trains, reused here). Claims are read at the best layer
+(highest cell-means R^2 at resid_post); every threshold is fixed here, beside its check."""
+
+from __future__ import annotations
+
+from taskgeom.analysis.retrieval import Options, Result, analyze, write
+from taskgeom.claims import check
+from taskgeom.experiments.base import Context
+from taskgeom.report.geometry import FIGURES, plot_retrieval
+
+# P0, stability: share of late-window variance explained by the (task, current token) cell means.
+MIN_CELL_R2 = 0.9
+# P1, decoupling: share of the between-cell variance that task + token effects explain additively.
+MIN_ADDITIVE_SHARE = 0.9
+# P2, interpolation: R^2_task of the sum-to-one fit projected onto the simplex, over all positions ...
+MIN_R2_TASK = 0.8
+# ... and its margin over the same fit on a random subspace of equal dimension (mean over draws).
+MIN_R2_MARGIN = 0.3
+# P3, alignment: median total variation between beta_t and the posterior alpha_t over the last
+# quarter of positions ...
+MAX_TV_LATE = 0.1
+# ... smaller than over the first quarter: the ratio late / first must be below one.
+MAX_TV_RATIO = 1.0
+# Steering: the median KL(model || target mixture) of unsteered states over that of steered ones.
+MIN_STEERING_RATIO = 3.0
+
+_CAPTIONS = {
+    "simplex": "{E}: fitted task coefficients beta_t (solid) and the exact posterior alpha_t (dashed) in the simplex for two "
+               "sequences per major task; right: per-position median TV and KL(alpha || beta) with interquartile bands (P3)",
+    "layers": "{E}: P0 (cell-means R^2), P1 (additive share) and P2 (R^2_task, beside a random subspace of equal dimension) per layer and site",
+    "steering": "{E}: KL(model || target mixture) when the task component is replaced by a Dirichlet(1) point of the simplex, "
+                "against unsteered states and a random direction of the same norm",
+}
+
+
+def m1(ctx: Context) -> None:
+    for experiment in ("e1", "e3"):
+        run = ctx.trained(experiment, ("task.diversity=-1",))
+        result = analyze(run, Options())
+        write(run, result)
+        plot_retrieval(result, {name: ctx.figure(f"{experiment}_m1_{name}.png", _CAPTIONS[name].format(E=experiment.upper()))
+                                for name in FIGURES})
+        ctx.claims.extend(claims(result, ctx.profile))
+
+
+def claims(result: Result, profile: str) -> list:
+    """The M1 claims of one analysed run, read at its best (layer, site)."""
+    e, s = result.experiment, result.summary
+    where = f"layer {result.best[0]} {result.best[1]}"
+    return [
+        check(f"{e}.P0", e, f"P0: cell-means R^2 of (task, current token) over the late window, best layer ({where})",
+              s["p0.cell_r2"], ">=", MIN_CELL_R2, profile),
+        check(f"{e}.P1", e, f"P1: additive (no interaction) share of the between-cell variance ({where})",
+              s["p1.additive_share"], ">=", MIN_ADDITIVE_SHARE, profile),
+        check(f"{e}.P2", e, f"P2: R^2_task of the simplex fit of h_t - mu_t - nu(x_t) on the task vectors, all positions ({where})",
+              s["p2.r2_task"], ">=", MIN_R2_TASK, profile),
+        check(f"{e}.P2.vs_random", e, f"P2: R^2_task minus R^2 of the same fit on a random subspace of equal dimension ({where})",
+              s["p2.r2_task"] - s["p2.r2_random"], ">=", MIN_R2_MARGIN, profile),
+        check(f"{e}.P3", e, f"P3: median TV(beta_t, alpha_t) over the last quarter of positions ({where})",
+              s["p3.tv_last_quarter"], "<=", MAX_TV_LATE, profile),
+        check(f"{e}.P3.shrinks", e, "P3: median TV over the last quarter divided by that over the first quarter",
+              s["p3.tv_last_quarter"] / s["p3.tv_first_quarter"], "<", MAX_TV_RATIO, profile),
+        check(f"{e}.steering", e, f"steering: median KL(model || target) unsteered / steered, late positions ({where})",
+              s["steering.ratio"], ">=", MIN_STEERING_RATIO, profile),
+    ]

@@ -1,0 +1,144 @@
+"""Figures of the M1 geometry (matplotlib, Agg): beta against alpha in the simplex, P0-P2 per
+layer, and steering before/after. Each function saves one PNG."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from taskgeom.analysis.steering import Steering  # noqa: E402
+
+_CORNERS = np.array([[0.0, 0.0], [1.0, 0.0], [0.5, math.sqrt(3) / 2]])  # the 2-simplex drawn flat
+
+
+def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: torch.Tensor, table: pd.DataFrame, path: Path,
+                              title: str = "", per_task: int = 2) -> None:
+    """Left (K = 3 only): alpha_t (dashed) and beta_t (solid) over t for the ``per_task`` sequences of
+    each task whose posterior is least certain (mean entropy over the first quarter), drawn in the
+    2-simplex. Right: P3's per-position median TV and KL(alpha || beta) with
+    interquartile bands. alpha, beta: [N, T, K]; task: [N]; table: rows of ``retrieval.analyze``."""
+    K = alpha.shape[-1]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
+    ax = axes[0]
+    if K == 3:
+        ax.fill(*_CORNERS.T, color="0.95", edgecolor="0.4")
+        for k in range(K):
+            ax.annotate(f"task {k}", _CORNERS[k], textcoords="offset points", xytext=(0, -12 if k < 2 else 5), ha="center", fontsize=9)
+            for n in _most_uncertain(alpha, task == k, per_task):
+                a, b = alpha[n].double().numpy() @ _CORNERS, beta[n].double().numpy() @ _CORNERS
+                ax.plot(*a.T, "--", color=f"C{k}", lw=1, alpha=0.8)
+                ax.plot(*b.T, "-", color=f"C{k}", lw=1.2, marker=".", ms=3)
+                ax.plot(*b[0], "o", color=f"C{k}", mfc="white", ms=5)
+        ax.plot([], [], "k--", lw=1, label="posterior alpha_t")
+        ax.plot([], [], "k-", marker=".", label="fitted beta_t (open dot: t = 0)")
+        ax.legend(frameon=False, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=2)
+        ax.set_aspect("equal")
+        ax.set_title("beta_t against alpha_t in the simplex")
+    else:
+        ax.text(0.5, 0.5, f"simplex drawing needs K = 3 (K = {K})", ha="center", va="center", transform=ax.transAxes)
+    ax.axis("off")
+
+    ax = axes[1]
+    floor = 1e-4
+    for metric, color, label in (("p3.tv", "C0", "total variation"), ("p3.kl", "C3", "KL(alpha || beta)")):
+        rows = table[(table["metric"] == metric) & table["position"].notna() & table["task"].isna()].sort_values("position")
+        low, high = (np.maximum(np.array(b), floor) for b in zip(*rows["band"]))
+        ax.plot(rows["position"], np.maximum(rows["value"], floor), color=color, label=f"{label} (median)")
+        ax.fill_between(rows["position"], low, high, color=color, alpha=0.2, lw=0)
+    ax.set_yscale("log")
+    ax.set_xlabel("context position t")
+    ax.set_ylabel(f"distance between beta_t and alpha_t (floor {floor:g})")
+    ax.set_title("P3: alignment with the posterior (interquartile band)")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _most_uncertain(alpha: torch.Tensor, chosen: torch.Tensor, count: int) -> list[int]:
+    """Indices of the ``count`` chosen sequences (chosen: [N] bool) of highest mean posterior
+    entropy over the first quarter of positions; alpha: [N, T, K]."""
+    early = alpha[:, : max(1, alpha.shape[1] // 4)].double()
+    entropy = -torch.special.xlogy(early, early).sum(-1).mean(-1)
+    entropy = entropy.masked_fill(~chosen, -1.0)
+    return entropy.topk(min(count, int(chosen.sum()))).indices.tolist()
+
+
+_LAYER_METRICS = (("p0.cell_r2", "P0 cell-means R^2", "C0"), ("p1.additive_share", "P1 additive share", "C1"),
+                  ("p2.r2_task", "P2 R^2_task", "C2"), ("p2.r2_random", "P2 R^2, random subspace", "0.5"))
+
+
+def plot_properties_by_layer(table: pd.DataFrame, path: Path, title: str = "") -> None:
+    """P0, P1 and P2 (with the random-subspace control and its range over draws) against the
+    layer, one line style per site; left the shares, right the unexplained part 1 - share (log)."""
+    rows = table[table["position"].isna() & table["metric"].isin([m for m, _, _ in _LAYER_METRICS])]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for s, (site, group) in enumerate(rows.groupby("site", sort=False)):
+        style = ("-", "--", ":", "-.")[s % 4]
+        for metric, label, color in _LAYER_METRICS:
+            part = group[group["metric"] == metric].sort_values("layer")
+            for ax, values in ((axes[0], part["value"]), (axes[1], (1 - part["value"]).clip(lower=1e-8))):
+                ax.plot(part["layer"], values, style, marker="o", color=color, label=f"{label} ({site})")
+            if part["band"].notna().all():
+                low, high = (np.array(b) for b in zip(*part["band"]))
+                axes[0].fill_between(part["layer"], low, high, color=color, alpha=0.15, lw=0)
+    layers = sorted(rows["layer"].unique().astype(int))
+    for ax in axes:
+        ax.set_xticks(layers)
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("share of variance explained")
+    axes[0].set_ylim(min(-0.05, float(rows["value"].min()) - 0.05), 1.05)
+    axes[1].set_yscale("log")
+    axes[1].set_ylabel("unexplained: 1 - share (floor 1e-8)")
+    axes[1].legend(frameon=False, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle(title or "P0-P2 per layer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_steering(steering: Steering, path: Path, title: str = "") -> None:
+    """Distributions of KL(model || target mixture) per steered state: unsteered, steered toward a
+    Dirichlet(1) mixture, and moved by a random direction of the same norm."""
+    kinds = (("unsteered", "C0"), ("steered", "C2"), ("random", "0.5"))
+    data = [getattr(steering, f"kl_{kind}").reshape(-1).clamp_min(1e-8).log10().numpy() for kind, _ in kinds]
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    parts = ax.boxplot(data, showfliers=False, patch_artist=True, widths=0.6)
+    ax.set_xticks(range(1, len(kinds) + 1), [kind for kind, _ in kinds])
+    for patch, (_, color) in zip(parts["boxes"], kinds):
+        patch.set_facecolor(color)
+        patch.set_alpha(0.5)
+    for i, values in enumerate(data, start=1):
+        ax.annotate(f"median {10 ** np.median(values):.3g}", (i, np.median(values)), textcoords="offset points", xytext=(0, 4),
+                    ha="center", fontsize=8)
+    ax.set_ylabel("log10 KL(model || target mixture)")
+    ax.set_title(title or "Causal steering toward a Dirichlet(1) task mixture")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+FIGURES = ("simplex", "layers", "steering")
+
+
+def plot_retrieval(result, paths: dict[str, Path]) -> None:
+    """The three M1 figures of a ``retrieval.Result``; paths: {name in FIGURES: PNG path}."""
+    table = pd.DataFrame(result.rows)
+    layer, site = result.best
+    name = result.experiment.upper()
+    plot_simplex_trajectories(result.alpha, result.beta, result.task, table[(table["layer"] == layer) & (table["site"] == site)],
+                              paths["simplex"], f"{name}: fitted task coefficients vs the exact posterior (layer {layer}, {site})")
+    plot_properties_by_layer(table, paths["layers"], f"{name}: P0-P2 per layer")
+    plot_steering(result.steering, paths["steering"], f"{name}: steering at layer {layer}, {site}")

@@ -1,0 +1,91 @@
+"""`taskgeom analyze` on a tiny trained run: the tidy table, the figures, and clear errors."""
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from taskgeom.cli import app
+from taskgeom.recipes import load_recipe
+from taskgeom.runs import Run
+from taskgeom.train import train
+
+TINY = ["task.seq_len=24", "model.max_len=24", "model.d_model=16", "model.d_mlp=32", "train.steps=20", "train.eval_every=20",
+        "train.checkpoint_every=20", "train.eval_batch=32", "train.threads=1"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Run:
+    run = Run.create(load_recipe("e1", "quick", TINY), tmp_path_factory.mktemp("runs"))
+    train(run)
+    return run
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, ["analyze", *args])
+
+
+def test_analyze_writes_tidy_rows_and_figures(trained):
+    result = invoke(str(trained.path), "--sequences", "48")
+    assert result.exit_code == 0, result.output
+    table = pd.read_json(trained.path / "analysis" / "m1.json")
+    assert set(table.columns) == {"experiment", "layer", "site", "metric", "value", "band", "position", "task"}
+    assert set(table["experiment"]) == {"e1"}
+    per_layer = table[table["position"].isna()]
+    for metric in ("p0.within_share", "p0.cell_r2", "p1.additive_share", "p2.r2_task", "p2.r2_random"):
+        rows = per_layer[per_layer["metric"] == metric]
+        assert sorted(zip(rows["layer"], rows["site"])) == [(0, "resid_mid"), (0, "resid_post"), (1, "resid_mid"), (1, "resid_post")]
+    within, cell = (per_layer[per_layer["metric"] == m].set_index(["layer", "site"])["value"] for m in ("p0.within_share", "p0.cell_r2"))
+    assert ((within + cell) - 1).abs().max() < 1e-9
+    tv = table[(table["metric"] == "p3.tv") & table["position"].notna() & table["task"].isna()]
+    assert sorted(tv["position"].astype(int)) == list(range(24))
+    per_task = table[(table["metric"] == "p3.tv") & table["task"].notna()]
+    assert sorted(zip(per_task["task"].astype(int), per_task["position"].astype(int))) == [(k, t) for k in range(3) for t in range(24)]
+    assert all(low <= value <= high for value, (low, high) in zip(tv["value"], tv["band"]))
+    for name in ("simplex", "layers", "steering"):
+        assert (trained.path / "figures" / f"m1_{name}.png").stat().st_size > 10_000
+
+
+def test_unfinished_run_is_a_clear_error(tmp_path):
+    run = Run.create(load_recipe("e1", "quick", TINY), tmp_path)
+    result = invoke(str(run.path))
+    assert result.exit_code == 2
+    assert "no finished model" in result.output
+    assert not (run.path / "analysis").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--layer", "5"), "layers [5] do not exist; the model has layers 0..1"),
+    (("--site", "resid_side"), "unknown sites ['resid_side']"),
+    (("--primary", "attn_out"), "primary site 'attn_out' must be among"),
+    (("--directions", "sideways"), "unknown directions 'sideways'"),
+])
+def test_bad_requests_exit_2_before_any_work(trained, tmp_path, args, message):
+    before = (trained.path / "analysis" / "m1.json").stat().st_mtime_ns if (trained.path / "analysis" / "m1.json").exists() else None
+    result = invoke(str(trained.path), *args)
+    assert result.exit_code == 2
+    assert message in result.output
+    after = (trained.path / "analysis" / "m1.json").stat().st_mtime_ns if (trained.path / "analysis" / "m1.json").exists() else None
+    assert before == after
+
+
+def test_missing_run_directory_exits_2(tmp_path):
+    result = invoke(str(tmp_path / "nowhere"))
+    assert result.exit_code == 2
+    assert "not a taskgeom run directory" in result.output
+
+
+def test_m1_claims_read_the_best_layer_rows(trained):
+    from taskgeom.analysis.retrieval import Options, analyze
+    from taskgeom.experiments.m1 import MIN_CELL_R2, MIN_STEERING_RATIO, claims as m1_claims
+
+    result = analyze(trained, Options(n_sequences=48, n_random=2))
+    claims = {c.id: c for c in m1_claims(result, "quick")}
+    assert list(claims) == ["e1.P0", "e1.P1", "e1.P2", "e1.P2.vs_random", "e1.P3", "e1.P3.shrinks", "e1.steering"]
+    table = pd.DataFrame(result.rows)
+    layer, site = result.best
+    best = table[(table["layer"] == layer) & (table["site"] == site) & table["position"].isna()].set_index("metric")["value"]
+    cell_r2 = table[(table["metric"] == "p0.cell_r2") & (table["site"] == site)]["value"]
+    assert best["p0.cell_r2"] == cell_r2.max() == claims["e1.P0"].value
+    assert claims["e1.P2.vs_random"].value == pytest.approx(best["p2.r2_task"] - best["p2.r2_random"])
+    assert claims["e1.steering"].value == pytest.approx(best["steering.kl_unsteered"] / best["steering.kl_steered"])
+    assert claims["e1.P0"].threshold == MIN_CELL_R2 and claims["e1.steering"].threshold == MIN_STEERING_RATIO

@@ -1,0 +1,169 @@
+"""P0-P3 and steering on planted geometry, and layer-streamed state collection."""
+
+import math
+
+import pytest
+import torch
+
+from taskgeom.analysis.properties import alignment, interpolation, stability, KL_FLOOR
+from taskgeom.analysis.states import collect, stream_layers
+from taskgeom.analysis.steering import AdditiveCode, code_from_regression, random_edit, steer_edit
+from taskgeom.analysis.task_vectors import late_window
+from taskgeom.config import ModelConfig
+from taskgeom.hooks import capture
+from taskgeom.model import SITES, Transformer
+
+K, V, D, T, REPEATS = 3, 4, 12, 16, 8  # REPEATS: a multiple of V, so tokens are balanced per task
+
+
+def planted(seed: int = 0):
+    """States h = mu_t + nu(x_t) + sum_k beta_k theta_k with beta on the simplex.
+
+    Balanced design: each group of K sequences shares one Dirichlet path of beta, cyclically
+    shifted so that sequence k of the group leans to task k; every task sees every token equally
+    often at each position. At late positions beta is the task's one-hot vector, and mu_t is
+    constant there.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    theta = torch.randn(K, D, generator=gen, dtype=torch.float64)
+    theta -= theta.mean(0)
+    nu = torch.randn(V, D, generator=gen, dtype=torch.float64)
+    window = late_window(T)
+    mu = torch.randn(T, D, generator=gen, dtype=torch.float64)
+    mu[window] = mu[window.start]
+    groups = V * REPEATS
+    gamma = torch._standard_gamma(torch.ones(groups, T, K, dtype=torch.float64), gen)
+    base = gamma / gamma.sum(-1, keepdim=True)  # [G, T, K]
+    base[:, window] = torch.eye(K, dtype=torch.float64)[0]
+    beta = torch.stack([base.roll(k, dims=-1) for k in range(K)], 1).reshape(-1, T, K)  # [G*K, T, K]
+    task = torch.arange(K).repeat(groups)
+    group = torch.arange(groups).repeat_interleave(K)
+    tokens = (group[:, None] + torch.arange(T)) % V  # [N, T]
+    h = mu + nu[tokens] + beta @ theta
+    return h, tokens, task, beta, theta, window
+
+
+def test_planted_convex_combinations_give_r2_one_and_the_planted_coefficients():
+    h, tokens, task, beta, theta, window = planted()
+    geometry = stability(h, task, tokens, K, V, window)
+    assert geometry.layout.within_share == pytest.approx(0.0, abs=1e-12)
+    assert geometry.layout.cell_r2 == pytest.approx(1.0, abs=1e-12)
+    assert geometry.layout.additive_share == pytest.approx(1.0, abs=1e-12)
+    assert torch.allclose(geometry.vectors.theta.double(), theta, atol=1e-5)
+    fit = interpolation(geometry.residual(h, tokens), geometry.vectors.theta, n_random=4)
+    assert fit.r2_task == pytest.approx(1.0, abs=1e-6)
+    assert fit.r2_exact == pytest.approx(1.0, abs=1e-6)
+    assert torch.allclose(fit.beta.double(), beta, atol=1e-5)
+    assert (fit.r2_random < 0.9).all()  # rotated vertices do not span the planted subspace
+    tv, kl = alignment(fit.beta, beta)
+    assert tv.max() < 1e-5
+
+
+def _cells(states: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor):
+    """Independent two-way sums: (flat states [M, D], cell index [M], counts [K*V], cell means [K*V, D])."""
+    flat, cell = states.reshape(-1, D), (task[:, None] * V + tokens).reshape(-1)
+    counts = torch.bincount(cell, minlength=K * V).double()
+    means = torch.zeros(K * V, D, dtype=torch.float64).index_add_(0, cell, flat) / counts[:, None]
+    return flat, cell, counts, means
+
+
+def test_planted_interaction_lowers_p1_by_its_share():
+    """Late states c + theta_k + nu(a) + g(k, a), g double-centred over balanced cells: the
+    additive share drops from 1 to exactly 1 - SS_g / SS_between."""
+    h, tokens, task, _, _, window = planted(1)
+    late_h, late_x = h[:, window], tokens[:, window]
+    g = torch.randn(K, V, D, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    g = g - g.mean(0, keepdim=True) - g.mean(1, keepdim=True) + g.mean((0, 1), keepdim=True)
+    states = late_h + g[task[:, None], late_x]
+    clean = stability(late_h, task, late_x, K, V, slice(None)).layout.additive_share
+    layout = stability(states, task, late_x, K, V, slice(None)).layout
+
+    flat, _, counts, means = _cells(states, task, late_x)
+    ss_between = (counts[:, None] * (means - flat.mean(0)) ** 2).sum()
+    planted_share = float((counts.view(K, V, 1) * g**2).sum() / ss_between)
+    assert clean == pytest.approx(1.0, abs=1e-12)
+    assert planted_share > 0.05
+    assert layout.additive_share == pytest.approx(clean - planted_share, abs=1e-10)
+    assert layout.within_share == pytest.approx(0.0, abs=1e-12)
+
+
+def test_planted_within_cell_noise_sets_the_p0_share():
+    h, tokens, task, _, _, window = planted(2)
+    late_h, late_x = h[:, window], tokens[:, window]
+    noise = 0.5 * torch.randn(late_h.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    states = late_h + noise
+    flat, cell, _, means = _cells(states, task, late_x)
+    expected = float(((flat - means[cell]) ** 2).sum() / ((flat - flat.mean(0)) ** 2).sum())
+    layout = stability(states, task, late_x, K, V, slice(None)).layout
+    assert 0.01 < expected < 0.99
+    assert layout.within_share == pytest.approx(expected, abs=1e-10)
+    assert layout.cell_r2 == pytest.approx(1 - expected, abs=1e-10)
+
+
+def test_alignment_closed_forms():
+    beta = torch.tensor([[[1.0, 0.0, 0.0], [0.2, 0.3, 0.5]]])
+    alpha = torch.tensor([[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]])
+    tv, kl = alignment(beta, alpha)
+    assert tv[0, 0] == pytest.approx(0.5) and tv[0, 1] == pytest.approx(0.0, abs=1e-12)
+    smooth = lambda b: (b + KL_FLOOR / 3) / (1 + KL_FLOOR)  # noqa: E731
+    expected = 0.5 * math.log(0.5 / smooth(1.0)) + 0.5 * math.log(0.5 / smooth(0.0))
+    assert kl[0, 0] == pytest.approx(expected, rel=1e-9)
+
+
+def test_steering_edit_replaces_exactly_the_subspace_component():
+    gen = torch.Generator().manual_seed(2)
+    basis = torch.linalg.qr(torch.randn(D, K - 1, generator=gen))[0]  # [D, r]
+    code = AdditiveCode(torch.randn(K, D, generator=gen), torch.randn(V, D, generator=gen))
+    a = torch.tensor([[0.2, 0.5, 0.3], [1.0, 0.0, 0.0]])
+    tokens = torch.randint(0, V, (2, 5), generator=gen)
+    h = torch.randn(2, 5, D, generator=gen)
+    edit = steer_edit(basis, code, a, tokens)
+    out = edit(h)
+    project = basis @ basis.T
+    target = (a @ code.centre)[:, None] + code.token[tokens]
+    assert torch.allclose(out @ project, target @ project, atol=1e-5)
+    assert torch.allclose(out - out @ project, h - h @ project, atol=1e-5)
+    control = random_edit(edit, gen)(h)
+    assert torch.allclose((control - h).norm(dim=-1), (out - h).norm(dim=-1), atol=1e-5)
+
+
+def test_regression_code_recovers_planted_states():
+    gen = torch.Generator().manual_seed(3)
+    W, U = torch.randn(K, D, generator=gen, dtype=torch.float64), torch.randn(V, D, generator=gen, dtype=torch.float64)
+    gamma = torch._standard_gamma(torch.ones(400, K, dtype=torch.float64), gen)
+    alpha = gamma / gamma.sum(-1, keepdim=True)
+    tokens = torch.randint(0, V, (400,), generator=gen)
+    code = code_from_regression(alpha @ W + U[tokens], alpha, tokens, V)
+    a = torch.tensor([[0.1, 0.6, 0.3]])
+    grid = torch.arange(V)[None]
+    assert torch.allclose(code.state(a, grid).double(), (a.double() @ W)[:, None] + U[grid], atol=1e-4)
+
+
+def test_streamed_states_equal_one_full_forward():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(n_layers=3, d_model=16, n_heads=2, d_mlp=32, max_len=20), 7).eval()
+    tokens = torch.randint(0, 7, (10, 20))
+    sites = [(layer, name) for layer in range(3) for name in SITES]
+    with torch.no_grad(), capture(model, sites) as full:
+        model(tokens)
+    streamed = collect(model, tokens, sites, batch_size=3)
+    for site in sites:
+        assert torch.equal(streamed[site], full[site]), site
+    layers = [layer for layer, _ in stream_layers(model, tokens, [(2, "resid_pre"), (0, "mlp_out")], positions=slice(4, 9))]
+    assert layers == [0, 2]
+    part = collect(model, tokens, [(2, "resid_pre")], batch_size=4, positions=slice(4, 9))[(2, "resid_pre")]
+    assert torch.equal(part, full[(2, "resid_pre")][:, 4:9])
+
+
+def test_analysis_sequences_are_held_out_and_labelled(tmp_path):
+    from taskgeom.analysis.states import analysis_batch
+    from taskgeom.evaluate import eval_sets
+    from taskgeom.recipes import load_recipe
+    from taskgeom.runs import Run
+
+    run = Run.create(load_recipe("e1", "quick", ["task.diversity=1", "train.eval_batch=16"]), tmp_path)
+    major, minor, ood = (analysis_batch(run, which, 16) for which in ("major", "minor", "ood"))
+    assert major.task.lt(run.pool.n_major).all() and minor.task.ge(run.pool.n_major).all() and ood.task.eq(-1).all()
+    assert major.tokens.shape == (16, run.config.task.seq_len)
+    assert not torch.equal(major.tokens, eval_sets(run)[0].batch.tokens)
+    assert torch.equal(major.tokens, analysis_batch(run, "major", 16).tokens)  # a pure function of the seed
