@@ -89,3 +89,15 @@ def test_m1_claims_read_the_best_layer_rows(trained):
     assert claims["e1.P2.vs_random"].value == pytest.approx(best["p2.r2_task"] - best["p2.r2_random"])
     assert claims["e1.steering"].value == pytest.approx(best["steering.kl_unsteered"] / best["steering.kl_steered"])
     assert claims["e1.P0"].threshold == MIN_CELL_R2 and claims["e1.steering"].threshold == MIN_STEERING_RATIO
+
+
+def test_analyze_names_the_unsupported_family(tmp_path):
+    from taskgeom.config import build_config
+
+    raw = {"name": "reg", "task": {"family": "regression", "d": 2, "n_examples": 4},
+           "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 12},
+           "train": {"steps": 2, "batch_size": 4, "eval_every": 2, "checkpoint_every": 2, "eval_batch": 8}}
+    run = Run.create(build_config(raw), path=tmp_path / "reg")
+    train(run)
+    result = CliRunner().invoke(app, ["analyze", str(run.path)])
+    assert result.exit_code == 2 and "'regression' is not supported yet" in result.output

@@ -24,6 +24,7 @@ from taskgeom.model import SITES
 from taskgeom.rng import generator
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_json
+from taskgeom.tasks import FAMILIES, TokenFamily
 
 Directions = Literal["task_vectors", "regression"]
 
@@ -60,6 +61,9 @@ class Result:
 
 def check_request(run: Run, options: Options) -> tuple[int, ...]:
     """The layers to analyse; AnalysisError (before any work) for what the run cannot give."""
+    if not isinstance(run.family, TokenFamily):
+        token_families = sorted(name for name, cls in FAMILIES.items() if issubclass(cls, TokenFamily))
+        raise AnalysisError(f"the M1 analysis supports the token families {token_families}; {run.family.name!r} is not supported yet")
     n_layers = run.config.model.n_layers
     layers = tuple(range(n_layers)) if options.layers is None else tuple(options.layers)
     bad = [layer for layer in layers if not 0 <= layer < n_layers]
