@@ -2,6 +2,7 @@
 
 import pandas as pd
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from taskgeom.cli import app
@@ -91,13 +92,49 @@ def test_m1_claims_read_the_best_layer_rows(trained):
     assert claims["e1.P0"].threshold == MIN_CELL_R2 and claims["e1.steering"].threshold == MIN_STEERING_RATIO
 
 
-def test_analyze_names_the_unsupported_family(tmp_path):
+def test_analyze_e2_regression_run(tmp_path):
+    """E2: x_t is the current example's x, P3 uses the posterior at every model position, and
+    steering reports squared errors of the prediction of y_i; the m1 claims read them."""
+    from taskgeom.analysis.retrieval import Options, analyze
     from taskgeom.config import build_config
+    from taskgeom.experiments.m1 import claims as m1_claims
 
-    raw = {"name": "reg", "task": {"family": "regression", "d": 2, "n_examples": 4},
+    raw = {"name": "e2", "task": {"family": "regression", "d": 2, "n_examples": 4},
            "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 12},
            "train": {"steps": 2, "batch_size": 4, "eval_every": 2, "checkpoint_every": 2, "eval_batch": 8}}
     run = Run.create(build_config(raw), path=tmp_path / "reg")
     train(run)
-    result = CliRunner().invoke(app, ["analyze", str(run.path)])
-    assert result.exit_code == 2 and "'regression' is not supported yet" in result.output
+    result = CliRunner().invoke(app, ["analyze", str(run.path), "--sequences", "48"])
+    assert result.exit_code == 0, result.output
+    assert "steering.sq_steered" in result.output
+    table = pd.read_json(run.path / "analysis" / "m1.json")
+    per_layer = table[table["position"].isna()]
+    assert set(per_layer["metric"]) >= {"p0.cell_r2", "p1.additive_share", "p2.r2_task", "p2.r2_random", "steering.sq_unsteered",
+                                        "steering.sq_steered", "steering.sq_random", "steering.ratio"}
+    tv = table[(table["metric"] == "p3.tv") & table["position"].notna() & table["task"].isna()]
+    assert sorted(tv["position"].astype(int)) == list(range(12))
+    for name in ("simplex", "layers", "steering"):
+        assert (run.path / "figures" / f"m1_{name}.png").stat().st_size > 10_000
+
+    analysed = analyze(run, Options(n_sequences=48, n_random=2))
+    assert analysed.alpha.shape == (48, 12, 3) and torch.allclose(analysed.alpha.sum(-1), torch.ones(48, 12))
+    claims = {c.id: c for c in m1_claims(analysed, "quick")}
+    assert list(claims) == ["e2.P0", "e2.P1", "e2.P2", "e2.P2.vs_random", "e2.P3", "e2.P3.shrinks", "e2.steering"]
+    s = analysed.summary
+    assert claims["e2.steering"].value == pytest.approx(s["steering.sq_unsteered"] / s["steering.sq_steered"])
+    assert "linear map of x_t" in claims["e2.P0"].description
+
+
+def test_unsupported_family_is_a_clear_error():
+    from types import SimpleNamespace
+
+    from taskgeom.analysis.retrieval import Options, check_request
+    from taskgeom.errors import AnalysisError
+    from taskgeom.tasks import TaskFamily
+
+    class Other(TaskFamily):  # a family the analysis has no token-effect model for
+        name = "other"
+        sample_params = make_batch = model_io = reference_predictions = training_loss = position_losses = context_statistic = None
+
+    with pytest.raises(AnalysisError, match="'other' is not supported yet"):
+        check_request(SimpleNamespace(family=Other()), Options())

@@ -138,7 +138,8 @@ def analyze(
     typer.echo(per_layer.pivot_table(index=["layer", "site"], columns="metric", values="value", sort=False).round(4).to_string())
     best_layer, best_site = result.best
     typer.echo(f"best layer {best_layer} ({best_site}):")
-    for metric in ("p3.tv_first_quarter", "p3.tv_last_quarter", "steering.kl_unsteered", "steering.kl_steered", "steering.kl_random", "steering.ratio"):
+    steering = [f"steering.{result.steering.measure}_{kind}" for kind in ("unsteered", "steered", "random")]
+    for metric in ("p3.tv_first_quarter", "p3.tv_last_quarter", *steering, "steering.ratio"):
         typer.echo(f"  {metric:<24} {result.summary[metric]:.4g}")
     typer.echo(str(run.path / "analysis" / "m1.json"))
 

@@ -2,8 +2,10 @@
 
 Shapes: ``N`` sequences, ``T`` positions, ``D`` width, ``K`` major tasks, ``V`` tokens.
 
-- P0/P1 (``stability``): the two-way layout of late-window states over cells (task, current token).
-- P2 (``interpolation``): ``y_t = h_t - mu_t - nu(x_t)`` fitted as ``sum_k beta_k theta_k`` with the
+- P0/P1 (``stability``): the two-way layout of late-window states over cells (task, current token);
+  for E2 (``stability_linear``) the token effect is a linear map of the current example's x_t: P0
+  fits a per-task intercept and linear map of x_t, P1 the additive ``c + theta_task + A x_t``.
+- P2 (``interpolation``): ``y_t = h_t - mu_t - nu(x_t)`` (``nu(x) = A x`` for E2) fitted as ``sum_k beta_k theta_k`` with the
   sum-to-one fit projected onto the simplex, R^2_task over all positions, beside the same fit on
   randomly rotated vertices (a random subspace of the same dimension and the same geometry).
 - P3 (``alignment``): per-state distances between beta_t and the exact posterior alpha_t.
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from taskgeom.analysis.anova import TwoWay, two_way
+from taskgeom.analysis.anova import TaskLinear, TwoWay, task_linear, two_way
 from taskgeom.analysis.simplex import project_simplex, residual_r2, simplex_lstsq, sum_to_one_fit
 from taskgeom.analysis.task_vectors import TaskVectors, task_vectors
 
@@ -29,20 +31,21 @@ KL_FLOOR = 1e-3  # [ours] beta is mixed with this much of the uniform law before
 
 @dataclass(frozen=True)
 class Geometry:
-    """The M1 geometry of one (layer, site): layout: P0/P1 two-way fit on the late window;
-    vectors: TaskVectors whose theta [K, D] are the centred task effects (mu [T, D] as measured)."""
+    """The M1 geometry of one (layer, site): layout: P0/P1 fit on the late window (``TwoWay`` over
+    tokens, or ``TaskLinear`` over continuous x_t); vectors: TaskVectors whose theta [K, D] are the
+    centred task effects (mu [T, D] as measured)."""
 
-    layout: TwoWay
+    layout: TwoWay | TaskLinear
     vectors: TaskVectors
 
     @property
     def nu(self) -> torch.Tensor:
-        """[V, D] token encodings nu(a)."""
+        """[V, D] token encodings nu(a) (for ``TaskLinear``: [d, D], the map A)."""
         return self.layout.effect_b
 
-    def residual(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """[N, T, D] y_t = h_t - mu_t - nu(x_t) for h: [N, T, D], tokens: [N, T]."""
-        return h - self.vectors.mu - self.nu[tokens]
+    def residual(self, h: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """[N, T, D] y_t = h_t - mu_t - nu(x_t) for h: [N, T, D], inputs: [N, T] tokens or [N, T, d] x_t."""
+        return h - self.vectors.mu - self.layout.effect(inputs)
 
 
 def stability(h: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor, n_tasks: int, vocab: int, window: slice) -> Geometry:
@@ -53,6 +56,15 @@ def stability(h: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor, n_tasks
     means = task_vectors(h, task, n_tasks, window)
     theta = layout.effect_a - layout.effect_a.mean(0)
     return Geometry(layout, TaskVectors(theta, means.mu, window))
+
+
+def stability_linear(h: torch.Tensor, task: torch.Tensor, x: torch.Tensor, n_tasks: int, window: slice) -> Geometry:
+    """P0 and P1 of h: [N, T, D] when the current input is continuous, x: [N, T, d] (E2's x_t)."""
+    late = h[:, window]
+    cells_task = task[:, None].expand(-1, late.shape[1]).reshape(-1)
+    layout = task_linear(late.reshape(-1, h.shape[-1]), cells_task, x[:, window].reshape(-1, x.shape[-1]), n_tasks)
+    means = task_vectors(h, task, n_tasks, window)
+    return Geometry(layout, TaskVectors(layout.effect_a - layout.effect_a.mean(0), means.mu, window))
 
 
 @dataclass(frozen=True)

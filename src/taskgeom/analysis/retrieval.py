@@ -6,25 +6,33 @@ task: None unless the row is one major task's).
 The best layer is the one whose cell-means R^2 (P0) is highest at the primary site; P1-P3 claims
 and steering use that (layer, primary site). States come from held-out major-task sequences
 (``n_sequences`` in all, tasks drawn uniformly), streamed one layer at a time.
+
+The families differ in one place, ``family_inputs``: the token families (E1, E3, E4) take the
+current token as x_t, a two-way layout over (task, token) for P0/P1, the posterior after each token
+for P3 and KL to the target mixture for steering; E2 (regression) takes the current example's x as
+x_t with a linear token effect ``nu(x) = A x`` (``stability_linear``), the posterior in force at each
+model position, and the squared error of the prediction of y_i for steering.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
-from taskgeom.analysis.properties import Geometry, alignment, interpolation, quantiles, stability
+from taskgeom.analysis.properties import Geometry, alignment, interpolation, quantiles, stability, stability_linear
 from taskgeom.analysis.states import analysis_batch, stream_layers
-from taskgeom.analysis.steering import Steering, code_from_layout, code_from_regression, steer
+from taskgeom.analysis.steering import (PredictionReadout, Readout, Steering, TokenReadout, code_from_layout, code_from_regression,
+                                        steer)
 from taskgeom.analysis.task_vectors import late_window
 from taskgeom.errors import AnalysisError
 from taskgeom.model import SITES
 from taskgeom.rng import generator
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_json
-from taskgeom.tasks import FAMILIES, TokenFamily
+from taskgeom.tasks import FAMILIES, Batch, TaskFamily, TaskPool, TokenFamily
+from taskgeom.tasks.regression import Regression
 
 Directions = Literal["task_vectors", "regression"]
 
@@ -57,13 +65,52 @@ class Result:
     beta: torch.Tensor
     steering: Steering
     summary: dict[str, float]
+    effect: str = "current token"
+
+
+_SUPPORTED = (TokenFamily, Regression)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """How a family's current input enters the analysis. current: [N, T] tokens or [N, T, d] x_t;
+    fit: (h, task, current, K, window) -> Geometry (P0/P1 and the task vectors); vocab: the token
+    count (None for continuous x_t); alpha: [N, T, K] exact posterior over the majors at each
+    position; readout: what steering compares; effect: the token-effect model in words."""
+
+    current: torch.Tensor
+    fit: Callable[..., Geometry]
+    vocab: int | None
+    alpha: torch.Tensor
+    readout: Readout
+    effect: str
+
+
+def family_inputs(family: TaskFamily, batch: Batch, pool: TaskPool) -> Inputs:
+    """The one place the analysis depends on the family: the token-effect model and its companions."""
+    if isinstance(family, TokenFamily):
+        V = family.vocab_size
+
+        def fit(h, task, current, K, window):
+            return stability(h, task, current, K, V, window)
+
+        return Inputs(batch.tokens, fit, V, family.log_posterior(batch.tokens, pool).exp(), TokenReadout(family, batch.tokens, pool.params),
+                      "current token")
+    if isinstance(family, Regression):
+        return Inputs(family.current_x(batch), stability_linear, None, family.position_log_posterior(batch, pool).exp(),
+                      PredictionReadout(family, batch, pool.params), "linear map of x_t")
+    raise AnalysisError(_unsupported(family))
+
+
+def _unsupported(family: TaskFamily) -> str:
+    names = sorted(name for name, cls in FAMILIES.items() if issubclass(cls, _SUPPORTED))
+    return f"the M1 analysis supports the families {names}; {family.name!r} is not supported yet"
 
 
 def check_request(run: Run, options: Options) -> tuple[int, ...]:
     """The layers to analyse; AnalysisError (before any work) for what the run cannot give."""
-    if not isinstance(run.family, TokenFamily):
-        token_families = sorted(name for name, cls in FAMILIES.items() if issubclass(cls, TokenFamily))
-        raise AnalysisError(f"the M1 analysis supports the token families {token_families}; {run.family.name!r} is not supported yet")
+    if not isinstance(run.family, _SUPPORTED):
+        raise AnalysisError(_unsupported(run.family))
     n_layers = run.config.model.n_layers
     layers = tuple(range(n_layers)) if options.layers is None else tuple(options.layers)
     bad = [layer for layer in layers if not 0 <= layer < n_layers]
@@ -95,9 +142,11 @@ def analyze(run: Run, options: Options = Options()) -> Result:
     layers = check_request(run, options)
     model = run.load_model()
     family, pool, experiment = run.family, run.pool.subset("major"), run.config.name
-    K, V, T = pool.size, family.vocab_size, run.config.task.seq_len
+    K, T = pool.size, run.config.task.seq_len
     batch = analysis_batch(run, "major", options.n_sequences)
     tokens, task = batch.tokens, batch.task
+    inputs = family_inputs(family, batch, pool)
+    current, alpha = inputs.current, inputs.alpha  # x_t: [N, T] or [N, T, d]; alpha: [N, T, K]
     if len(torch.unique(task)) < K:
         raise AnalysisError(f"{options.n_sequences} sequences do not cover all {K} major tasks; ask for more")
     window = late_window(T, options.window)
@@ -108,8 +157,8 @@ def analyze(run: Run, options: Options = Options()) -> Result:
     sites = [(layer, name) for layer in layers for name in options.sites]
     for layer, states in stream_layers(model, tokens, sites):
         for name, h in states.items():
-            geometry = stability(h, task, tokens, K, V, window)
-            p2 = interpolation(geometry.residual(h, tokens), geometry.vectors.theta, options.n_random, seed)
+            geometry = inputs.fit(h, task, current, K, window)
+            p2 = interpolation(geometry.residual(h, current), geometry.vectors.theta, options.n_random, seed)
             r2_random = p2.r2_random.double()
             rows += [
                 _row(experiment, layer, name, "p0.within_share", geometry.layout.within_share),
@@ -125,20 +174,20 @@ def analyze(run: Run, options: Options = Options()) -> Result:
     cell_r2 = {layer: geometry.layout.cell_r2 for layer, (geometry, _) in kept.items()}
     best = max(cell_r2, key=cell_r2.get)
     geometry, beta = kept[best]
-    alpha = family.log_posterior(tokens, pool).exp()  # [N, T, K] posterior over the majors
     rows += _alignment_rows(experiment, best, options.site, beta, alpha, task, window)
 
     if options.directions == "task_vectors":
         code = code_from_layout(geometry.layout)
     else:
         late = next(states for _, states in stream_layers(model, tokens, [(best, options.site)], positions=window))[options.site]
-        code = code_from_regression(late.reshape(-1, late.shape[-1]), alpha[:, window].reshape(-1, K), tokens[:, window].reshape(-1), V)
-    steering = steer(model, family, tokens, pool.params, (best, options.site), window, geometry.vectors.basis, code,
+        late_inputs = current[:, window].reshape(-1, *current.shape[2:])
+        code = code_from_regression(late.reshape(-1, late.shape[-1]), alpha[:, window].reshape(-1, K), late_inputs, inputs.vocab)
+    steering = steer(model, inputs.readout, tokens, current, (best, options.site), window, geometry.vectors.basis, code,
                      generator(seed, 0, "steering"))
     rows += _steering_rows(experiment, best, options.site, steering)
 
     summary = {r["metric"]: r["value"] for r in rows if r["layer"] == best and r["site"] == options.site and r["position"] is None}
-    return Result(experiment, rows, (best, options.site), task, alpha.float(), beta, steering, summary)
+    return Result(experiment, rows, (best, options.site), task, alpha.float(), beta, steering, summary, inputs.effect)
 
 
 def _alignment_rows(experiment: str, layer: int, site: str, beta: torch.Tensor, alpha: torch.Tensor, task: torch.Tensor,
@@ -161,11 +210,12 @@ def _alignment_rows(experiment: str, layer: int, site: str, beta: torch.Tensor, 
 
 
 def _steering_rows(experiment: str, layer: int, site: str, steering: Steering) -> list[dict]:
+    """steering.{measure}_{kind} (measure: kl, or sq for E2's squared error) and the ratio of medians."""
     rows, medians = [], {}
     for kind in ("unsteered", "steered", "random"):
-        med, low, high = quantiles(getattr(steering, f"kl_{kind}").reshape(-1))
+        med, low, high = quantiles(getattr(steering, kind).reshape(-1))
         medians[kind] = float(med)
-        rows.append(_row(experiment, layer, site, f"steering.kl_{kind}", med, (low, high)))
+        rows.append(_row(experiment, layer, site, f"steering.{steering.measure}_{kind}", med, (low, high)))
     rows.append(_row(experiment, layer, site, "steering.ratio", medians["unsteered"] / medians["steered"]))
     return rows
 

@@ -1,9 +1,12 @@
 """Causal steering (PAPER.md section 4): replace the task component of the states at one site by a
 chosen point ``a`` of the simplex and compare the model's next-token law with the target mixture
-``sum_k a_k p_k(. | context)``.
+``sum_k a_k p_k(. | context)`` (KL, ``TokenReadout``), or for E2 the model's prediction of y_i with
+the prediction of the mixture of task weights ``sum_k a_k w_k . x_i`` (squared error,
+``PredictionReadout``).
 
 The edit is ``h' = h - P_S h + P_S (sum_k a_k W_k + U(x_t))``: the part of h in the task subspace S
-is replaced by what an additive code ``W, U`` predicts for task mixture ``a`` and the current token.
+is replaced by what an additive code ``W, U`` predicts for task mixture ``a`` and the current token
+(``U[x_t]``), or for E2 the current example's x (``x_t @ U``).
 **[ours]** The token term restores the footprint of the current token in S, which the paper's
 ``h - P_S h + sum_k a_k W_k`` would erase; the codes come from the two-way layout
 (``code_from_layout``, task vectors, the default) or a joint regression of h on
@@ -18,43 +21,48 @@ from typing import Callable
 
 import torch
 
-from taskgeom.analysis.anova import TwoWay
+from taskgeom.analysis.anova import TaskLinear, TwoWay
 from taskgeom.hooks import Site, intervene
-from taskgeom.tasks import TaskFamily
+from taskgeom.tasks import Batch, TokenFamily
+from taskgeom.tasks.regression import Regression
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class AdditiveCode:
-    """state ~ sum_k a_k centre[k] + token[x]; centre: [K, D], token: [V, D]."""
+    """state ~ sum_k a_k centre[k] + token[x] (tokens x, token: [V, D]) or + x @ token (continuous
+    x: [..., d], token: [d, D]); centre: [K, D]."""
 
     centre: torch.Tensor
     token: torch.Tensor
 
-    def state(self, a: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """[B, T, D] for mixtures a: [B, K] and tokens: [B, T]."""
-        return (a.to(self.centre.dtype) @ self.centre)[:, None] + self.token[tokens]
+    def state(self, a: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] for mixtures a: [B, K] and inputs: [B, T] tokens or [B, T, d] x_t."""
+        effect = inputs.to(self.token.dtype) @ self.token if inputs.is_floating_point() else self.token[inputs]
+        return (a.to(self.centre.dtype) @ self.centre)[:, None] + effect
 
 
-def code_from_layout(layout: TwoWay) -> AdditiveCode:
-    """The additive fit of the two-way layout: centre_k = intercept + theta_k, token = nu."""
+def code_from_layout(layout: TwoWay | TaskLinear) -> AdditiveCode:
+    """The additive fit of the layout: centre_k = intercept + theta_k, token = nu (or the map A)."""
     return AdditiveCode(layout.intercept + layout.effect_a, layout.effect_b)
 
 
-def code_from_regression(h: torch.Tensor, alpha: torch.Tensor, tokens: torch.Tensor, vocab: int) -> AdditiveCode:
+def code_from_regression(h: torch.Tensor, alpha: torch.Tensor, inputs: torch.Tensor, vocab: int | None) -> AdditiveCode:
     """Least squares h ~ alpha @ W + onehot(x) @ U (minimum norm; the split of a shared constant
-    between W and U does not change any edit). h: [M, D]; alpha: [M, K]; tokens: [M]."""
-    design = torch.cat([alpha.double(), torch.nn.functional.one_hot(tokens, vocab).double()], dim=1)
+    between W and U does not change any edit). h: [M, D]; alpha: [M, K]; inputs: [M] tokens, or
+    [M, d] continuous x (then h ~ alpha @ W + x @ U and vocab is unused)."""
+    effect = inputs.double() if inputs.is_floating_point() else torch.nn.functional.one_hot(inputs, vocab).double()
+    design = torch.cat([alpha.double(), effect], dim=1)
     coef = torch.linalg.lstsq(design, h.double(), driver="gelsd").solution  # [K + V, D]
     K = alpha.shape[1]
     return AdditiveCode(coef[:K].float(), coef[K:].float())
 
 
-def steer_edit(basis: torch.Tensor, code: AdditiveCode, a: torch.Tensor, tokens: torch.Tensor) -> Edit:
-    """The edit h -> h - P_S h + P_S code.state(a, tokens); basis: [D, r] orthonormal; a: [B, K];
-    tokens: [B, T'] at the edited positions."""
-    target = code.state(a, tokens) @ basis  # [B, T', r]
+def steer_edit(basis: torch.Tensor, code: AdditiveCode, a: torch.Tensor, inputs: torch.Tensor) -> Edit:
+    """The edit h -> h - P_S h + P_S code.state(a, inputs); basis: [D, r] orthonormal; a: [B, K];
+    inputs: [B, T'] tokens or [B, T', d] x_t at the edited positions."""
+    target = code.state(a, inputs) @ basis  # [B, T', r]
 
     def edit(h: torch.Tensor) -> torch.Tensor:
         return h + (target - h @ basis) @ basis.T
@@ -80,35 +88,82 @@ def kl_rows(logp: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class TokenReadout:
+    """KL(model || target mixture) of the next-token law at each edited position; tokens: [B, T];
+    params: [K, ...] of the pool."""
+
+    family: TokenFamily
+    tokens: torch.Tensor
+    params: torch.Tensor
+    measure = "kl"
+    label = "KL(model || target mixture)"
+
+    def distance(self, a: torch.Tensor, positions: slice) -> Callable[[torch.Tensor], torch.Tensor]:
+        """For mixtures a: [B, K], a function of the model's output [B, T, V] -> [B, T']."""
+        B, T = self.tokens.shape
+        target = self.family.mix_predictive(self.tokens, self.params.double(), a[:, None].expand(B, T, a.shape[1]))[:, positions]
+        return lambda out: kl_rows(torch.log_softmax(out[:, positions].double(), -1), target)
+
+
+@dataclass(frozen=True)
+class PredictionReadout:
+    """E2: squared error between the model's prediction of y_i and the target mixture's
+    ``sum_k a_k w_k . x_i``, at the prediction positions among the edited ones."""
+
+    family: Regression
+    batch: Batch
+    params: torch.Tensor
+    measure = "sq"
+    label = "squared error to the target mixture's prediction"
+
+    def distance(self, a: torch.Tensor, positions: slice) -> Callable[[torch.Tensor], torch.Tensor]:
+        """For mixtures a: [B, K], a function of the model's output [B, T, 1] -> [B, P']."""
+        B, n, T = self.batch.x.shape[0], self.batch.x.shape[1], self.batch.tokens.shape[1]
+        where = self.family.prediction_positions(n)
+        start, stop, _ = positions.indices(T)
+        keep = (where >= start) & (where < stop)
+        weights = a[:, None].expand(B, n, a.shape[1])
+        target = self.family.mix_prediction(self.batch.x, self.params, weights)[:, keep]
+        return lambda out: (out[..., 0].double()[:, where[keep]] - target) ** 2
+
+
+Readout = TokenReadout | PredictionReadout
+
+
+@dataclass(frozen=True)
 class Steering:
-    """a: [B, K] target mixtures; kl_*: [B, T'] KL(model || target mixture) at the edited positions."""
+    """a: [B, K] target mixtures; unsteered, steered, random: [B, P] the readout's distance between
+    the model and the target mixture (``measure``: "kl" or "sq"; ``label`` in words)."""
 
     a: torch.Tensor
-    kl_unsteered: torch.Tensor
-    kl_steered: torch.Tensor
-    kl_random: torch.Tensor
+    unsteered: torch.Tensor
+    steered: torch.Tensor
+    random: torch.Tensor
+    measure: str = "kl"
+    label: str = TokenReadout.label
 
 
 @torch.no_grad()
 def steer(
-    model: torch.nn.Module, family: TaskFamily, tokens: torch.Tensor, params: torch.Tensor, site: Site, positions: slice,
+    model: torch.nn.Module, readout: Readout, tokens: torch.Tensor, inputs: torch.Tensor, site: Site, positions: slice,
     basis: torch.Tensor, code: AdditiveCode, gen: torch.Generator,
 ) -> Steering:
-    """Steer tokens: [B, T] at ``site`` on ``positions`` toward a ~ Dirichlet(1) over the K tasks of
-    params: [K, ...]; basis: [D, r] of the task subspace."""
+    """Steer the model input tokens: [B, T, ...] at ``site`` on ``positions`` toward a ~ Dirichlet(1)
+    over the K tasks of ``readout.params``; inputs: [B, T] tokens or [B, T, d] x_t (what the code's
+    token term reads); basis: [D, r] of the task subspace."""
     model.eval()
-    B, K = tokens.shape[0], params.shape[0]
+    B, K = tokens.shape[0], readout.params.shape[0]
     gamma = torch._standard_gamma(torch.ones(B, K, dtype=torch.float64), gen)
     a = gamma / gamma.sum(-1, keepdim=True)
-    target = family.mix_predictive(tokens, params.double(), a[:, None].expand(B, tokens.shape[1], K))[:, positions]
-    edit = steer_edit(basis.float(), code, a, tokens[:, positions])
+    distance = readout.distance(a, positions)
+    edit = steer_edit(basis.float(), code, a, inputs[:, positions])
 
     def run(change: Edit | None) -> torch.Tensor:
         if change is None:
-            logits = model(tokens)
+            out = model(tokens)
         else:
             with intervene(model, site, change, positions):
-                logits = model(tokens)
-        return kl_rows(torch.log_softmax(logits[:, positions].double(), -1), target)
+                out = model(tokens)
+        return distance(out)
 
-    return Steering(a, run(None), run(edit), run(random_edit(edit, gen)))
+    return Steering(a, run(None), run(edit), run(random_edit(edit, gen)), readout.measure, readout.label)

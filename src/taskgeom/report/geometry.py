@@ -109,10 +109,11 @@ def plot_properties_by_layer(table: pd.DataFrame, path: Path, title: str = "") -
 
 
 def plot_steering(steering: Steering, path: Path, title: str = "") -> None:
-    """Distributions of KL(model || target mixture) per steered state: unsteered, steered toward a
-    Dirichlet(1) mixture, and moved by a random direction of the same norm."""
+    """Distributions of the distance to the target mixture per steered state (``steering.label``:
+    KL(model || target mixture), or E2's squared error): unsteered, steered toward a Dirichlet(1)
+    mixture, and moved by a random direction of the same norm."""
     kinds = (("unsteered", "C0"), ("steered", "C2"), ("random", "0.5"))
-    data = [getattr(steering, f"kl_{kind}").reshape(-1).clamp_min(1e-8).log10().numpy() for kind, _ in kinds]
+    data = [getattr(steering, kind).reshape(-1).clamp_min(1e-8).log10().numpy() for kind, _ in kinds]
     fig, ax = plt.subplots(figsize=(5.5, 4))
     parts = ax.boxplot(data, showfliers=False, patch_artist=True, widths=0.6)
     ax.set_xticks(range(1, len(kinds) + 1), [kind for kind, _ in kinds])
@@ -122,7 +123,7 @@ def plot_steering(steering: Steering, path: Path, title: str = "") -> None:
     for i, values in enumerate(data, start=1):
         ax.annotate(f"median {10 ** np.median(values):.3g}", (i, np.median(values)), textcoords="offset points", xytext=(0, 4),
                     ha="center", fontsize=8)
-    ax.set_ylabel("log10 KL(model || target mixture)")
+    ax.set_ylabel(f"log10 {steering.label}")
     ax.set_title(title or "Causal steering toward a Dirichlet(1) task mixture")
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
