@@ -14,10 +14,11 @@ import torch
 
 
 @dataclass(frozen=True)
-class TwoWay:
-    """within_share: SS_within / SS_total; cell_r2 = 1 - within_share; additive_share: explained
-    share of the between-cell SS; effect_a: [A, D] and effect_b: [B, D] additive effects, each
-    centred (count-weighted over occupied cells); intercept: [D]."""
+class Layout:
+    """A fit of states on (task, current input): within_share: the share of SS_total the full model
+    leaves; cell_r2 = 1 - within_share; additive_share: the share of the full model's explained SS
+    that the additive model keeps (P1); effect_a: [A, D] centred task effects; effect_b: the
+    input's effects; intercept: [D]."""
 
     within_share: float
     cell_r2: float
@@ -25,6 +26,12 @@ class TwoWay:
     effect_a: torch.Tensor
     effect_b: torch.Tensor
     intercept: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TwoWay(Layout):
+    """Cells (factor a, factor b): the full model is the cell means, the additive one
+    ``c + effect_a + effect_b``; effect_b: [B, D], centred (count-weighted over occupied cells)."""
 
     def effect(self, b: torch.Tensor) -> torch.Tensor:
         """[..., D] effect_b of factor levels b: [...] long."""
@@ -63,22 +70,11 @@ def two_way(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, n_a: int, n_b: in
 
 
 @dataclass(frozen=True)
-class TaskLinear:
+class TaskLinear(Layout):
     """The continuous-input counterpart of ``TwoWay`` (E2: the token effect is a linear map of x_t).
-
-    within_share: SS_res / SS_total of the full model ``h ~ per-task intercept + per-task linear
-    map of x``; cell_r2 = 1 - within_share; additive_share: share of that model's explained SS the
-    additive model ``h ~ c + effect_a + x @ effect_b`` keeps, 1 - (SS_res_add - SS_res_full) /
-    SS_explained_full; effect_a: [A, D] task effects of the additive fit, centred (count-weighted);
-    effect_b: [d, D] the shared map A; intercept: [D] so that intercept + effect_a[k] + x @ A is
-    the additive fit."""
-
-    within_share: float
-    cell_r2: float
-    additive_share: float
-    effect_a: torch.Tensor
-    effect_b: torch.Tensor
-    intercept: torch.Tensor
+    The full model is ``h ~ per-task intercept + per-task linear map of x``, the additive one
+    ``c + effect_a + x @ effect_b``; effect_b: [d, D] the shared map A; intercept + effect_a[k] +
+    x @ A is the additive fit."""
 
     def effect(self, x: torch.Tensor) -> torch.Tensor:
         """[..., D] x @ A for x: [..., d]."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from taskgeom.analysis.anova import TaskLinear, TwoWay, task_linear, two_way
+from taskgeom.analysis.anova import Layout, task_linear, two_way
 from taskgeom.analysis.simplex import project_simplex, residual_r2, simplex_lstsq, sum_to_one_fit
 from taskgeom.analysis.task_vectors import TaskVectors, task_vectors
 
@@ -35,7 +35,7 @@ class Geometry:
     tokens, or ``TaskLinear`` over continuous x_t); vectors: TaskVectors whose theta [K, D] are the
     centred task effects (mu [T, D] as measured)."""
 
-    layout: TwoWay | TaskLinear
+    layout: Layout
     vectors: TaskVectors
 
     @property

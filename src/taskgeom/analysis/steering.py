@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from taskgeom.analysis.anova import TaskLinear, TwoWay
+from taskgeom.analysis.anova import Layout
 from taskgeom.hooks import Site, intervene
 from taskgeom.tasks import Batch, TokenFamily
 from taskgeom.tasks.regression import Regression
@@ -43,7 +43,7 @@ class AdditiveCode:
         return (a.to(self.centre.dtype) @ self.centre)[:, None] + effect
 
 
-def code_from_layout(layout: TwoWay | TaskLinear) -> AdditiveCode:
+def code_from_layout(layout: Layout) -> AdditiveCode:
     """The additive fit of the layout: centre_k = intercept + theta_k, token = nu (or the map A)."""
     return AdditiveCode(layout.intercept + layout.effect_a, layout.effect_b)
 
