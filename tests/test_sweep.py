@@ -20,7 +20,8 @@ def test_sweep_isolates_failures_and_resumes(tmp_path):
     assert "diversity" in table[table["diversity"] == 30]["error"].iloc[0]
     wide = pd.read_csv(tmp_path / "sweep.csv")
     assert len(wide) == 3 and {"projection_r2@ood", "gain_removed_ablate_S@major", "gain_removed_ablate_V@ood"} <= set(wide.columns)
-    assert set(pd.read_csv(tmp_path / "transition.csv")["diversity"]) == {-1, 1}
+    steps = pd.read_csv(tmp_path / "by_step.csv")
+    assert set(steps["diversity"]) == {-1, 1} and {"log_ratio", "projection_r2"} <= set(steps.columns)
 
     done, redo = (sorted(root.glob("tiny-dice-*"))[i] for i in (0, 1))
     kept = {p: p.stat().st_mtime_ns for p in (done / "model.safetensors", done / "analysis" / "dual.json")}

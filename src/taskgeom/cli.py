@@ -91,7 +91,7 @@ def sweep(
     seeds: str = typer.Option("0,1,2", help="Comma-separated training seeds."),
     profile: str = typer.Option("quick", help="Profile in the recipe."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override applied to every run, repeatable."),
-    out: Path = typer.Option(Path("runs"), help="Folder for the run directories and the tables sweep.csv, transition.csv."),
+    out: Path = typer.Option(Path("runs"), help="Folder for the run directories and the tables sweep.csv, by_step.csv."),
     workers: int = typer.Option(2, min=1, help="Parallel worker processes (1: run in this process)."),
 ) -> None:
     """Train and analyse one run per (k, seed): projection R^2, subspace ablations, probes, the
@@ -104,7 +104,7 @@ def sweep(
         job.config()
     table = run_sweep(jobs, workers, out)
     typer.echo(summary(table).round(4).to_string(index=False))
-    typer.echo(f"tables: {out / 'sweep.csv'}, {out / 'transition.csv'}")
+    typer.echo(f"tables: {out / 'sweep.csv'}, {out / 'by_step.csv'}")
     if (table["status"] == "failed").any():
         raise typer.Exit(1)
 

@@ -36,6 +36,12 @@ def _quartiles(x: torch.Tensor) -> list[float]:
     return [float(q[0]), float(q[1])]
 
 
+def _projection_r2(h_major: torch.Tensor, h_ood: torch.Tensor, task: torch.Tensor, n_major: int, window: slice) -> torch.Tensor:
+    """[N * W] projection R^2 of late OOD states [N, T, D] on the task vectors of h_major."""
+    vectors = task_vectors(h_major, task, n_major, window)
+    return projection_r2((h_ood - vectors.mu)[:, window].reshape(-1, h_ood.shape[-1]), vectors.theta)
+
+
 def _batches(run: Run, size: int) -> dict[str, Batch]:
     """Held-out batches: major, minor (if the pool has minors), ood, and ood-search."""
     family, pool, cfg = run.family, run.pool, run.config
@@ -66,8 +72,13 @@ def analyze_dual(run: Run, site: Site | None = None, n_seq: int = 256, rank: int
     basis = vectors.basis
     add("task_rank", basis.shape[1])
 
-    r2 = projection_r2((h_ood - vectors.mu)[:, window].reshape(-1, h_ood.shape[-1]), vectors.theta)
+    r2 = _projection_r2(h_major, h_ood, major.task, pool.n_major, window)
     add("projection_r2", r2.mean(), _quartiles(r2), "ood")
+    checkpoints = {**run.snapshots(), run.config.train.steps: model}  # {step: model} across training
+    for step, snapshot in checkpoints.items():
+        early = collect(snapshot, torch.cat([major.tokens, ood.tokens]), [site])[site] if snapshot is not model else states
+        r2_step = _projection_r2(early[:n_seq], early[n_seq:], major.task, pool.n_major, window)
+        add("projection_r2", r2_step.mean(), _quartiles(r2_step), "ood", step)
 
     search = batches["ood-search"]
     directions = orthogonal_search(model, lambda m: family.training_loss(m, search), site, basis, rank=rank, steps=search_steps,
@@ -101,15 +112,16 @@ def analyze_dual(run: Run, site: Site | None = None, n_seq: int = 256, rank: int
         add(f"probe_r2_{label}_shuffled", probe.control, set_name="ood")
 
     if isinstance(family, TokenFamily):
-        _token_predictions(run, model, h_ood, vectors.mu, basis, ood.tokens, site, add)
+        _token_predictions(run, model, checkpoints, h_ood, vectors.mu, basis, ood.tokens, site, add)
     for row in rows:
         row.update(layer=site[0], site=site[1])
     atomic_write_json(run.path / "analysis" / "dual.json", rows)
     return rows
 
 
-def _token_predictions(run: Run, model, h_ood, mu, basis, tokens, site: Site, add) -> None:
-    """Theorem 2 (at the last layer's resid_post) and the predictor transition over snapshots."""
+def _token_predictions(run: Run, model, checkpoints, h_ood, mu, basis, tokens, site: Site, add) -> None:
+    """Theorem 2 (at the last layer's resid_post) and the predictor transition over the
+    checkpoints {step: model}."""
     family, pool, T, seed = run.family, run.pool, run.config.task.seq_len, run.config.train.seed
     if site == (run.config.model.n_layers - 1, "resid_post"):
         t = T - 1
@@ -123,7 +135,7 @@ def _token_predictions(run: Run, model, h_ood, mu, basis, tokens, site: Site, ad
         for key in ("c", "delta", "bound", "distance"):
             add(f"theorem2_{key}", theory[key].median(), _quartiles(theory[key]), "ood")
         add("theorem2_share_bound_holds", (theory["distance"] >= theory["bound"]).double().mean(), set_name="ood")
-    for step, snapshot in {**run.snapshots(), run.config.train.steps: model}.items():
+    for step, snapshot in checkpoints.items():
         stat = transition_statistic(snapshot, family, tokens, pool, run.config.task.p_minor)
         for key, value in stat.items():
             add(f"transition_{key}", value, set_name="ood", step=step)

@@ -7,8 +7,8 @@ import pandas as pd
 
 from taskgeom.claims import check
 from taskgeom.experiments.base import Context
-from taskgeom.experiments.sweep import Job, run_sweep, transitions
-from taskgeom.report.dual import plot_dissociation, plot_projection_r2, plot_theorem2, plot_transition
+from taskgeom.experiments.sweep import Job, run_sweep, by_step
+from taskgeom.report.dual import plot_dissociation, plot_projection_r2, plot_projection_r2_steps, plot_theorem2, plot_transition
 
 # (diversity grid, seeds, recipes) per profile. [ours] The quick profile leaves E2 out: its runs
 # cost about 5 CPU-minutes each, and the whole quick reproduction aims at 20 minutes.
@@ -61,13 +61,15 @@ def dual_modes(ctx: Context) -> None:
                               f"{recipe.upper()}, k = {high}: share of in-context gain removed by ablating S, V or a random direction"),
                               f"{recipe.upper()} double dissociation (k = {high})")
         if len(rows) and rows["metric"].str.startswith("transition_").any():  # token families only
-            final = transitions(rows).sort_values("step").groupby("diversity").last()["log_ratio"]
+            final = by_step(rows).sort_values("step").groupby("diversity").last()["log_ratio"]
             claim("transition_memorising", f"log(KL_mem / KL_gen) of the final model at k = {low} (negative: memorising)",
                   final.get(low, float("nan")), "<", 0.0)
             claim("transition_generalising", f"log(KL_mem / KL_gen) of the final model at k = {high} (positive: generalising)",
                   final.get(high, float("nan")), ">", 0.0)
     if len(ok):
         plot_projection_r2(ok, ctx.figure("projection_r2.png", "Projection R^2 of OOD states onto the task subspace across diversity (IQR bands)"))
-        plot_transition(transitions(ok), ctx.figure("predictor_transition.png",
+        plot_transition(by_step(ok), ctx.figure("predictor_transition.png",
                         "Predictor transition: log(KL to memorising / KL to generalising Bayes) over diversity and training step"))
+        plot_projection_r2_steps(by_step(ok), ctx.figure("projection_r2_steps.png",
+                                 "Projection R^2 of OOD states onto the task subspace across training, one line per diversity k"))
         plot_theorem2(ok, ctx.figure("theorem2.png", "Theorem 2: distance of OOD states from S beside (c - delta)/L (last layer)"))

@@ -2,8 +2,8 @@
 
 Finished runs and finished analyses are skipped, so a killed sweep restarted redoes only what is
 unfinished; one failing run is recorded with its error and does not stop the others. The result
-is one row per run (``sweep.csv``) and one row per (run, training step) of the predictor
-transition (``transition.csv``).
+is one row per run (``sweep.csv``) and one row per (run, training step) of the measurements
+repeated on the weight snapshots (``by_step.csv``).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def run_job(job: Job, threads: int = 0) -> list[dict]:
 
 def run_sweep(jobs: list[Job], workers: int = 2, out: Path | None = None) -> pd.DataFrame:
     """Run every job (``workers`` processes, 1 = in this process) and gather their rows; with
-    ``out``, also write ``sweep.csv`` (one row per run) and ``transition.csv`` there."""
+    ``out``, also write ``sweep.csv`` (one row per run) and ``by_step.csv`` there."""
     rows: list[dict] = []
     with job_bar("sweep", len(jobs)) as advance:
         if workers <= 1:
@@ -84,7 +84,7 @@ def run_sweep(jobs: list[Job], workers: int = 2, out: Path | None = None) -> pd.
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "sweep.csv", summary(table).to_csv(index=False))
         if "step" in table:
-            atomic_write_text(out / "transition.csv", transitions(table).to_csv(index=False))
+            atomic_write_text(out / "by_step.csv", by_step(table).to_csv(index=False))
     return table
 
 
@@ -100,8 +100,9 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([wide, failed], ignore_index=True).sort_values(["recipe", "diversity", "seed"])
 
 
-def transitions(table: pd.DataFrame) -> pd.DataFrame:
-    """One row per (run, step): the predictor-transition statistics."""
-    rows = table[table["step"].notna() & table["metric"].str.startswith("transition_")]
+def by_step(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per (run, training step): projection R^2 and the predictor-transition statistics
+    (``log_ratio``, ``kl_to_memorising``, ``kl_to_generalising``; token families only)."""
+    rows = table[table["step"].notna()]
     wide = rows.pivot_table(index=["recipe", "diversity", "seed", "step"], columns="metric", values="value").reset_index()
     return wide.rename(columns=lambda c: c.removeprefix("transition_"))

@@ -62,7 +62,10 @@ def plot_dissociation(rows: pd.DataFrame, path: Path, title: str) -> None:
 
 def plot_transition(transition: pd.DataFrame, path: Path) -> None:
     """Heat map of log(KL_to_memorising / KL_to_generalising) over (k, training step), per recipe."""
+    transition = transition[transition["log_ratio"].notna()] if "log_ratio" in transition else transition.iloc[0:0]
     recipes = sorted(transition["recipe"].unique())
+    if not recipes:
+        return
     fig, axes = plt.subplots(1, len(recipes), figsize=(4.8 * len(recipes), 3.6), squeeze=False)
     for ax, recipe in zip(axes[0], recipes):
         grid = transition[transition["recipe"] == recipe].pivot_table(index="diversity", columns="step", values="log_ratio")
@@ -74,6 +77,26 @@ def plot_transition(transition: pd.DataFrame, path: Path) -> None:
         ax.set_ylabel("diversity k")
         ax.set_title(f"{recipe.upper()}: red = closer to generalising")
         fig.colorbar(image, ax=ax, label="log(KL mem / KL gen)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_projection_r2_steps(steps: pd.DataFrame, path: Path) -> None:
+    """Projection R^2 against training step (log scale), one panel per recipe, one line per k."""
+    recipes = sorted(steps["recipe"].unique())
+    fig, axes = plt.subplots(1, len(recipes), figsize=(4.6 * len(recipes), 3.4), squeeze=False, sharey=True)
+    for ax, recipe in zip(axes[0], recipes):
+        for k, group in steps[steps["recipe"] == recipe].groupby("diversity"):
+            mean = group.groupby("step")["projection_r2"].mean()
+            ax.plot(mean.index, mean.values, "o-", ms=3, label=f"k = {k}")
+        ax.set_xscale("log")
+        ax.set_xlabel("training step")
+        ax.set_title(recipe.upper())
+        ax.grid(alpha=0.3)
+        ax.legend(frameon=False, fontsize=8)
+    axes[0, 0].set_ylabel("projection R$^2$ of OOD states on S")
+    axes[0, 0].set_ylim(0, 1)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
