@@ -76,6 +76,24 @@ def eval_(run_dir: Path = typer.Argument(..., help="A finished run directory."))
     typer.echo(table.groupby(["set", "metric"])["value"].mean().unstack().round(4).to_string())
 
 
+@app.command()
+@_user_errors
+def runs(
+    root: Path = typer.Argument(Path("runs"), help="The folder holding run directories."),
+    where: Optional[List[str]] = typer.Option(None, help="Filter field=value, repeatable: --where family=dice --where k=4"),
+    csv: bool = typer.Option(False, "--csv", help="Print CSV instead of a table."),
+) -> None:
+    """List the runs under ROOT with their settings and last held-out major-task loss, from the
+    SQLite index the trainer keeps (refreshed from the directories first). Unreadable run
+    directories are named on stderr and skipped."""
+    from taskgeom.runindex import query, refresh
+
+    for problem in refresh(root):
+        typer.echo(f"skipped {problem}", err=True)
+    table = query(root, where or []).drop(columns=["updated"])
+    typer.echo(table.to_csv(index=False) if csv else (table.round(4).to_string(index=False) if len(table) else "no runs match"))
+
+
 def _int_list(text: str, option: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from taskgeom.evaluate import eval_sets, summary
+from taskgeom import runindex
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_text, load_module_state, load_tensors, save_tensors
 
@@ -77,6 +78,7 @@ def train(run: Run, progress: ProgressFn | None = None) -> dict:
         _load_optimizer(opt, tensors)
         start, loss_sum, loss_count = int(meta["step"]), float(meta["loss_sum"]), int(meta["loss_count"])
     _truncate_metrics(run, start)
+    runindex.record(run)
     sets = eval_sets(run)
     record: dict = {}
     keep = set(snapshot_steps(cfg.steps, cfg.snapshots))
@@ -106,6 +108,7 @@ def train(run: Run, progress: ProgressFn | None = None) -> dict:
         if progress:
             progress(done, cfg.steps, loss.item())
     save_tensors(run.model_path, model.state_dict(), {"config_digest": run.config.digest(), "step": str(cfg.steps)})
+    runindex.record(run)
     return record or run.metrics()[-1]
 
 
