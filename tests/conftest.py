@@ -21,6 +21,24 @@ def tiny_config(family: str = "dice", **train) -> RunConfig:
     return build_config(raw)
 
 
+def planted_paths(gen: torch.Generator, groups: int, K: int, D: int, T: int):
+    """Planted M1 geometry: centred theta [K, D]; mu [T, D], constant over the late window; beta
+    [groups * K, T, K] on the simplex, each group of K sequences sharing one Dirichlet path rolled so
+    sequence k leans to task k, one-hot on its task over the late window; task [groups * K]."""
+    from taskgeom.analysis.task_vectors import late_window
+
+    theta = torch.randn(K, D, generator=gen, dtype=torch.float64)
+    theta -= theta.mean(0)
+    window = late_window(T)
+    mu = torch.randn(T, D, generator=gen, dtype=torch.float64)
+    mu[window] = mu[window.start]
+    gamma = torch._standard_gamma(torch.ones(groups, T, K, dtype=torch.float64), gen)
+    base = gamma / gamma.sum(-1, keepdim=True)  # [G, T, K]
+    base[:, window] = torch.eye(K, dtype=torch.float64)[0]
+    beta = torch.stack([base.roll(k, dims=-1) for k in range(K)], 1).reshape(-1, T, K)  # [G*K, T, K]
+    return theta, mu, beta, torch.arange(K).repeat(groups), window
+
+
 @pytest.fixture
 def tiny():
     return tiny_config

@@ -8,7 +8,7 @@ import torch
 from taskgeom.analysis.properties import alignment, interpolation, stability, KL_FLOOR
 from taskgeom.analysis.states import collect, stream_layers
 from taskgeom.analysis.steering import AdditiveCode, code_from_regression, random_edit, steer_edit
-from taskgeom.analysis.task_vectors import late_window
+from conftest import planted_paths
 from taskgeom.config import ModelConfig
 from taskgeom.hooks import capture
 from taskgeom.model import SITES, Transformer
@@ -25,18 +25,9 @@ def planted(seed: int = 0):
     constant there.
     """
     gen = torch.Generator().manual_seed(seed)
-    theta = torch.randn(K, D, generator=gen, dtype=torch.float64)
-    theta -= theta.mean(0)
-    nu = torch.randn(V, D, generator=gen, dtype=torch.float64)
-    window = late_window(T)
-    mu = torch.randn(T, D, generator=gen, dtype=torch.float64)
-    mu[window] = mu[window.start]
     groups = V * REPEATS
-    gamma = torch._standard_gamma(torch.ones(groups, T, K, dtype=torch.float64), gen)
-    base = gamma / gamma.sum(-1, keepdim=True)  # [G, T, K]
-    base[:, window] = torch.eye(K, dtype=torch.float64)[0]
-    beta = torch.stack([base.roll(k, dims=-1) for k in range(K)], 1).reshape(-1, T, K)  # [G*K, T, K]
-    task = torch.arange(K).repeat(groups)
+    theta, mu, beta, task, window = planted_paths(gen, groups, K, D, T)
+    nu = torch.randn(V, D, generator=gen, dtype=torch.float64)
     group = torch.arange(groups).repeat_interleave(K)
     tokens = (group[:, None] + torch.arange(T)) % V  # [N, T]
     h = mu + nu[tokens] + beta @ theta

@@ -5,6 +5,7 @@ import torch
 
 from taskgeom.analysis.properties import alignment, interpolation, stability_linear
 from taskgeom.analysis.steering import AdditiveCode, PredictionReadout, code_from_regression, steer_edit
+from conftest import planted_paths
 from taskgeom.analysis.task_vectors import late_window
 from taskgeom.tasks import Regression
 
@@ -17,17 +18,8 @@ def planted(seed: int = 0):
     a Dirichlet path of beta, rolled so sequence k leans to task k; the second half of the groups
     repeats the first with x negated, so x averages to zero per task and position."""
     gen = torch.Generator().manual_seed(seed)
-    theta = torch.randn(K, D, generator=gen, dtype=torch.float64)
-    theta -= theta.mean(0)
+    theta, mu, beta, task, window = planted_paths(gen, GROUPS, K, D, T)
     A = torch.randn(DX, D, generator=gen, dtype=torch.float64)
-    window = late_window(T)
-    mu = torch.randn(T, D, generator=gen, dtype=torch.float64)
-    mu[window] = mu[window.start]
-    gamma = torch._standard_gamma(torch.ones(GROUPS, T, K, dtype=torch.float64), gen)
-    base = gamma / gamma.sum(-1, keepdim=True)
-    base[:, window] = torch.eye(K, dtype=torch.float64)[0]
-    beta = torch.stack([base.roll(k, dims=-1) for k in range(K)], 1).reshape(-1, T, K)  # [G*K, T, K]
-    task = torch.arange(K).repeat(GROUPS)
     half = torch.randn(GROUPS // 2 * K, T, DX, generator=gen, dtype=torch.float64)
     x = torch.cat([half, -half])
     h = mu + x @ A + beta @ theta

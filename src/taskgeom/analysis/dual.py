@@ -76,8 +76,11 @@ def analyze_dual(run: Run, site: Site | None = None, n_seq: int = 256, rank: int
     add("projection_r2", r2.mean(), _quartiles(r2), "ood")
     checkpoints = {**run.snapshots(), run.config.train.steps: model}  # {step: model} across training
     for step, snapshot in checkpoints.items():
-        early = collect(snapshot, torch.cat([major.tokens, ood.tokens]), [site])[site] if snapshot is not model else states
-        r2_step = _projection_r2(early[:n_seq], early[n_seq:], major.task, pool.n_major, window)
+        if snapshot is model:
+            r2_step = r2
+        else:
+            early = collect(snapshot, torch.cat([major.tokens, ood.tokens]), [site])[site]
+            r2_step = _projection_r2(early[:n_seq], early[n_seq:], major.task, pool.n_major, window)
         add("projection_r2", r2_step.mean(), _quartiles(r2_step), "ood", step)
 
     search = batches["ood-search"]

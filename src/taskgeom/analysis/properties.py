@@ -50,21 +50,26 @@ class Geometry:
 
 def stability(h: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor, n_tasks: int, vocab: int, window: slice) -> Geometry:
     """P0 and P1 of h: [N, T, D] for sequences of task: [N], tokens: [N, T], over ``window``."""
-    late = h[:, window]
-    cells_task = task[:, None].expand(-1, late.shape[1]).reshape(-1)
-    layout = two_way(late.reshape(-1, h.shape[-1]), cells_task, tokens[:, window].reshape(-1), n_tasks, vocab)
-    means = task_vectors(h, task, n_tasks, window)
-    theta = layout.effect_a - layout.effect_a.mean(0)
-    return Geometry(layout, TaskVectors(theta, means.mu, window))
+    late, cells = _late(h, task, window)
+    return _geometry(two_way(late, cells, tokens[:, window].reshape(-1), n_tasks, vocab), h, task, n_tasks, window)
 
 
 def stability_linear(h: torch.Tensor, task: torch.Tensor, x: torch.Tensor, n_tasks: int, window: slice) -> Geometry:
     """P0 and P1 of h: [N, T, D] when the current input is continuous, x: [N, T, d] (E2's x_t)."""
+    late, cells = _late(h, task, window)
+    return _geometry(task_linear(late, cells, x[:, window].reshape(-1, x.shape[-1]), n_tasks), h, task, n_tasks, window)
+
+
+def _late(h: torch.Tensor, task: torch.Tensor, window: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Late-window states [N * W, D] and their task labels [N * W]."""
     late = h[:, window]
-    cells_task = task[:, None].expand(-1, late.shape[1]).reshape(-1)
-    layout = task_linear(late.reshape(-1, h.shape[-1]), cells_task, x[:, window].reshape(-1, x.shape[-1]), n_tasks)
-    means = task_vectors(h, task, n_tasks, window)
-    return Geometry(layout, TaskVectors(layout.effect_a - layout.effect_a.mean(0), means.mu, window))
+    return late.reshape(-1, h.shape[-1]), task[:, None].expand(-1, late.shape[1]).reshape(-1)
+
+
+def _geometry(layout: Layout, h: torch.Tensor, task: torch.Tensor, n_tasks: int, window: slice) -> Geometry:
+    """The layout with its task vectors: theta = the centred task effects, mu as measured."""
+    mu = task_vectors(h, task, n_tasks, window).mu
+    return Geometry(layout, TaskVectors(layout.effect_a - layout.effect_a.mean(0), mu, window))
 
 
 @dataclass(frozen=True)
