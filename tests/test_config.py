@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from taskgeom.config import ConfigError, build_config, load_config
+from taskgeom.config import LATER_SETTINGS, ConfigError, build_config, load_config
 from taskgeom.recipes import load_recipe, recipe_names
 
 BASE = {"name": "x", "task": {"family": "dice"}}
@@ -52,3 +52,17 @@ def test_recipe_errors(tmp_path):
     bad.write_text("base: {name: a, task: {family: dice}}\nprofiles: {quick: {}}\nextra: 1\n")
     with pytest.raises(ConfigError, match="unknown top-level keys"):
         load_config(bad)
+
+
+# A value away from the default for every later setting (add one here with each new setting).
+LATER_VALUES = {("train", "precision"): "bf16"}
+
+
+def test_later_settings_keep_old_run_names_at_their_default():
+    """Run directories of the first release keep their names: these digests were printed by
+    taskgeom 0.1.0 (before LATER_SETTINGS existed) for the quick recipes."""
+    assert load_recipe("e1", "quick", []).digest() == "df8bc40532"
+    assert load_recipe("e3", "quick", []).digest() == "12a7a71f28"
+    assert set(LATER_VALUES) == set(LATER_SETTINGS)
+    for (section, key), value in LATER_VALUES.items():
+        assert build_config(BASE, [f"{section}.{key}={value}"]).digest() != build_config(BASE).digest()

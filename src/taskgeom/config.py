@@ -103,6 +103,11 @@ class TrainConfig(_Strict):
     checkpoint_every: PositiveInt = 250
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
     snapshots: int = Field(0, ge=0, description="weights kept at this many log-spaced steps (snapshots/)")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: forward passes under bfloat16 autocast")
+
+
+# (section, field) of settings added after the first release; see RunConfig.digest.
+LATER_SETTINGS: tuple[tuple[str, str], ...] = (("train", "precision"),)
 
 
 class RunConfig(_Strict):
@@ -121,8 +126,14 @@ class RunConfig(_Strict):
         return self
 
     def digest(self) -> str:
-        """Short hash of the resolved settings: names the run directory."""
-        text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        """Short hash of the resolved settings: names the run directory. Settings added after the
+        first release (``LATER_SETTINGS``) count only when set away from their default, so run
+        directories made before them keep their names."""
+        data = self.model_dump(mode="json")
+        for section, key in LATER_SETTINGS:
+            if getattr(getattr(self, section), key) == type(getattr(self, section)).model_fields[key].default:
+                del data[section][key]
+        text = json.dumps(data, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
