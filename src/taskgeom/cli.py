@@ -20,6 +20,11 @@ app = typer.Typer(
 )
 
 
+DEVICE_OPTION = typer.Option("auto", help="Where to train: auto (CUDA if available, else CPU), cpu, cuda or cuda:N.")
+TRACKER_OPTION = typer.Option("none", help="Also log metrics to: none, tensorboard ({run}/tensorboard) or wandb (offline "
+                              "unless WANDB_MODE=online). metrics.jsonl is always written.")
+
+
 def _user_errors(fn: Callable) -> Callable:
     """Turn TaskgeomError into a one-line message on stderr and exit code 2."""
 
@@ -42,19 +47,25 @@ def train(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override, repeatable: --set train.steps=500 --set task.diversity=4"),
     out: Path = typer.Option(Path("runs"), help="Folder under which the run directory {name}-{digest} is made."),
     run_dir: Optional[Path] = typer.Option(None, help="Use this run directory instead (must be new or hold the same config)."),
+    device: str = DEVICE_OPTION,
+    tracker: str = TRACKER_OPTION,
 ) -> None:
-    """Train one run (or resume it from its last checkpoint); prints the run directory."""
+    """Train one run (or resume it from its last checkpoint); prints the run directory. Mixed
+    precision: --set train.precision=bf16."""
+    from taskgeom.devices import resolve_device
     from taskgeom.progress import step_bar
     from taskgeom.recipes import load_recipe
     from taskgeom.runs import Run
+    from taskgeom.trackers import check_tracker
     from taskgeom.train import train as train_run
 
+    resolve_device(device), check_tracker(tracker)  # refuse before anything is written
     run = Run.create(load_recipe(config, profile, set_ or []), out, run_dir)
     if run.finished:
         typer.echo(f"{run.path} is already trained")
     else:
         with step_bar(f"train {run.path.name}", run.config.train.steps) as update:
-            record = train_run(run, update)
+            record = train_run(run, update, device, tracker)
         for name, values in record["eval"].items():
             typer.echo(f"{name:>6}: loss {values['loss']:.4f}  ID-Bayes {values['bayes_id_loss']:.4f}  excess {values['excess']:+.4f}")
     typer.echo(str(run.path))

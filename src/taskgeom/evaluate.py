@@ -7,7 +7,7 @@ Token families: position ``t`` (0..T-2) scores the prediction of ``tokens[:, t+1
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,6 +25,10 @@ class EvalSet:
     bayes_id: torch.Tensor
     bayes_ood: torch.Tensor
     family: TaskFamily
+
+    def to(self, device: torch.device) -> "EvalSet":
+        """The same set with its sequences and reference predictions on ``device``."""
+        return replace(self, batch=self.batch.to(device), bayes_id=self.bayes_id.to(device), bayes_ood=self.bayes_ood.to(device))
 
 
 def eval_sets(run: Run, batch_size: int | None = None) -> list[EvalSet]:

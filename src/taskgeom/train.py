@@ -2,7 +2,9 @@
 evaluation against the Bayes predictors, atomic checkpoints and exact resume.
 
 Every batch is a pure function of (seed, step), and the checkpoint holds model, optimiser and the
-running loss sums, so a resumed run ends bitwise equal to one never interrupted.
+running loss sums, so a resumed run ends bitwise equal to one never interrupted (on the same
+device). Batches are made on the CPU and copied to the training device; ``train.precision: bf16``
+runs the forward pass under bfloat16 autocast (weights, optimiser and evaluation stay float32).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from taskgeom.evaluate import eval_sets, summary
 from taskgeom import runindex
+from taskgeom.devices import autocast, resolve_device
+from taskgeom.evaluate import eval_sets, summary
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_text, load_module_state, load_tensors, save_tensors
+from taskgeom.trackers import Tracker, open_tracker
 
 ProgressFn = Callable[[int, int, float], None]
 
@@ -61,15 +65,27 @@ def _load_optimizer(opt: torch.optim.AdamW, tensors: dict[str, torch.Tensor]) ->
     opt.load_state_dict(full)
 
 
-def train(run: Run, progress: ProgressFn | None = None) -> dict:
-    """Train ``run`` to its configured steps (resuming from its checkpoint); returns the last
-    evaluation record. Finished runs return at once."""
-    cfg, family, pool = run.config.train, run.family, run.pool
+def train(run: Run, progress: ProgressFn | None = None, device: str = "auto", tracker: str = "none") -> dict:
+    """Train ``run`` to its configured steps (resuming from its checkpoint) on ``device`` (auto,
+    cpu, cuda, cuda:N), sending each evaluation record also to ``tracker`` (none, tensorboard,
+    wandb); returns the last evaluation record. Finished runs return at once."""
     if run.finished:
         return run.metrics()[-1]
+    where = resolve_device(device)
+    sink = open_tracker(tracker, run)
+    try:
+        return _train(run, where, progress, sink)
+    finally:
+        if sink is not None:
+            sink.close()
+
+
+def _train(run: Run, where: torch.device, progress: ProgressFn | None, tracker: Tracker | None) -> dict:
+    """The loop of ``train`` on a resolved device, with an open tracker (or None)."""
+    cfg, family, pool = run.config.train, run.family, run.pool
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model = run.new_model().train()
+    model = run.new_model().to(where).train()
     opt = _optimizer(model, cfg.lr, cfg.weight_decay)
     start, loss_sum, loss_count = 0, 0.0, 0
     if run.checkpoint_path.exists():
@@ -79,25 +95,29 @@ def train(run: Run, progress: ProgressFn | None = None) -> dict:
         start, loss_sum, loss_count = int(meta["step"]), float(meta["loss_sum"]), int(meta["loss_count"])
     _truncate_metrics(run, start)
     runindex.record(run)
-    sets = eval_sets(run)
+    sets = [evalset.to(where) for evalset in eval_sets(run)]
     record: dict = {}
     keep = set(snapshot_steps(cfg.steps, cfg.snapshots))
     for step in range(start, cfg.steps):
         lr = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_frac)
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = family.sample(pool, cfg.batch_size, run.config.task.seq_len, cfg.seed, step, "train")
-        loss = family.training_loss(model, batch)
+        batch = family.sample(pool, cfg.batch_size, run.config.task.seq_len, cfg.seed, step, "train").to(where)
+        with autocast(where, cfg.precision):
+            loss = family.training_loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
+        loss_value = loss.item()
+        loss_sum, loss_count = loss_sum + loss_value, loss_count + 1
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            record = {"step": done, "lr": lr, "train_loss": loss_sum / loss_count, "eval": summary(model, sets)}
+            record = {"step": done, "lr": lr, "train_loss": loss_sum / loss_count, "eval": summary(model, sets), "device": str(where)}
             with run.metrics_path.open("a") as handle:
                 handle.write(json.dumps(record, sort_keys=True) + "\n")
+            if tracker is not None:
+                tracker.log(record)
             loss_sum, loss_count = 0.0, 0
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             tensors = {f"model.{k}": v for k, v in model.state_dict().items()} | _optimizer_tensors(opt)
@@ -106,7 +126,7 @@ def train(run: Run, progress: ProgressFn | None = None) -> dict:
         if done in keep:
             save_tensors(run.snapshot_path(done), model.state_dict(), {"config_digest": run.config.digest(), "step": str(done)})
         if progress:
-            progress(done, cfg.steps, loss.item())
+            progress(done, cfg.steps, loss_value)
     save_tensors(run.model_path, model.state_dict(), {"config_digest": run.config.digest(), "step": str(cfg.steps)})
     runindex.record(run)
     return record or run.metrics()[-1]

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from taskgeom.devices import to_device
 from taskgeom.rng import generator
 
 Subset = Literal["all", "major", "minor"]
@@ -62,6 +63,10 @@ class Batch:
     params: torch.Tensor
     x: torch.Tensor | None = None
     y: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> "Batch":
+        """The same batch with every tensor on ``device`` (through pinned memory for CUDA)."""
+        return replace(self, **{f.name: to_device(getattr(self, f.name), device) for f in fields(self) if getattr(self, f.name) is not None})
 
 
 def pool_weights(n_major: int, n_minor: int, p_minor: float) -> torch.Tensor:

@@ -1,0 +1,57 @@
+"""Optional trackers: TensorBoard event files and an offline W&B run receive the evaluation
+records that metrics.jsonl holds; unknown or missing trackers are refused before any work."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import tiny_config
+from taskgeom.cli import app
+from taskgeom.errors import TaskgeomError
+from taskgeom.runs import Run
+from taskgeom.trackers import check_tracker, scalars
+from taskgeom.train import train
+
+runner = CliRunner()
+
+
+def test_tensorboard_holds_the_metrics_of_metrics_jsonl(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = Run.create(tiny_config("dice"), path=tmp_path / "r")
+    train(run, device="cpu", tracker="tensorboard")
+    events = EventAccumulator(str(run.path / "tensorboard"))
+    events.Reload()
+    records = run.metrics()
+    assert set(events.Tags()["scalars"]) == set(scalars(records[0]))
+    for name in ("major/loss", "ood/excess", "train/loss"):
+        logged = [(e.step, e.value) for e in events.Scalars(name)]
+        expected = [(r["step"], scalars(r)[name]) for r in records]
+        assert [s for s, _ in logged] == [s for s, _ in expected]
+        assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6)  # stored as float32
+
+
+def test_wandb_writes_an_offline_run_in_the_run_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = Run.create(tiny_config("dice"), path=tmp_path / "r")
+    train(run, device="cpu", tracker="wandb")
+    offline = list((run.path / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1, list((run.path / "wandb").iterdir())
+    history = b"".join(path.read_bytes() for path in offline[0].glob("*.wandb"))
+    assert b"major/loss" in history and b"ood/excess" in history
+    assert run.metrics()[-1]["step"] == 40  # metrics.jsonl is written as always
+
+
+def test_unknown_and_missing_trackers_are_refused(tmp_path, monkeypatch):
+    with pytest.raises(TaskgeomError, match="unknown tracker 'mlflow'"):
+        check_tracker("mlflow")
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(TaskgeomError, match=r"pip install taskgeom\[wandb\]"):
+        check_tracker("wandb")
+    result = runner.invoke(app, ["train", "e1", "--tracker", "mlflow", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown tracker" in result.output
+    assert not any(tmp_path.iterdir())
