@@ -20,6 +20,7 @@ from taskgeom.devices import autocast, resolve_device
 from taskgeom.evaluate import eval_sets, summary
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_text, load_module_state, load_tensors, save_tensors
+from taskgeom.tasks import Batch, TaskFamily
 from taskgeom.trackers import Tracker, open_tracker
 
 ProgressFn = Callable[[int, int, float], None]
@@ -42,7 +43,7 @@ def snapshot_steps(steps: int, count: int, first: int = 10) -> list[int]:
     return sorted({int(round(x)) for x in grid} | {steps})
 
 
-def _optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -63,6 +64,19 @@ def _load_optimizer(opt: torch.optim.AdamW, tensors: dict[str, torch.Tensor]) ->
     full = opt.state_dict()
     full["state"] = state
     opt.load_state_dict(full)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, family: TaskFamily, batch: Batch, where: torch.device,
+               precision: str, grad_clip: float) -> float:
+    """One optimiser step on a CPU-made batch, copied to ``where``; returns the training loss."""
+    batch = batch.to(where)
+    with autocast(where, precision):
+        loss = family.training_loss(model, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    return loss.item()
 
 
 def train(run: Run, progress: ProgressFn | None = None, device: str = "auto", tracker: str = "none") -> dict:
@@ -86,7 +100,7 @@ def _train(run: Run, where: torch.device, progress: ProgressFn | None, tracker: 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     model = run.new_model().to(where).train()
-    opt = _optimizer(model, cfg.lr, cfg.weight_decay)
+    opt = make_optimizer(model, cfg.lr, cfg.weight_decay)
     start, loss_sum, loss_count = 0, 0.0, 0
     if run.checkpoint_path.exists():
         tensors, meta = load_tensors(run.checkpoint_path, run.config.digest())
@@ -102,14 +116,8 @@ def _train(run: Run, where: torch.device, progress: ProgressFn | None, tracker: 
         lr = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_frac)
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = family.sample(pool, cfg.batch_size, run.config.task.seq_len, cfg.seed, step, "train").to(where)
-        with autocast(where, cfg.precision):
-            loss = family.training_loss(model, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        loss_value = loss.item()
+        batch = family.sample(pool, cfg.batch_size, run.config.task.seq_len, cfg.seed, step, "train")
+        loss_value = train_step(model, opt, family, batch, where, cfg.precision, cfg.grad_clip)
         loss_sum, loss_count = loss_sum + loss_value, loss_count + 1
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
