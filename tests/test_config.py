@@ -55,7 +55,7 @@ def test_recipe_errors(tmp_path):
 
 
 # A value away from the default for every later setting (add one here with each new setting).
-LATER_VALUES = {("train", "precision"): "bf16"}
+LATER_VALUES = {("train", "precision"): "bf16", ("model", "arch"): "gpt2"}
 
 
 def test_later_settings_keep_old_run_names_at_their_default():

@@ -141,12 +141,16 @@ def sweep(
 @app.command()
 @_user_errors
 def analyze(
-    run_dir: Path = typer.Argument(..., help="A finished run directory."),
+    run_dir: Path = typer.Argument(..., help="A finished run directory, or a Hugging Face model directory (save_pretrained) with --recipe."),
     layer: Optional[List[int]] = typer.Option(None, "--layer", help="Layers to measure (repeatable); all by default."),
-    site: Optional[List[str]] = typer.Option(None, "--site", help="Sites to measure (repeatable); default resid_mid and resid_post."),
+    site: Optional[List[str]] = typer.Option(None, "--site", help="Sites to measure (repeatable); default resid_mid and resid_post (those there are)."),
     primary: str = typer.Option("resid_post", help="The site of the claims: P3 and steering run at its best layer."),
     sequences: int = typer.Option(512, help="Held-out major-task sequences to analyse."),
     directions: str = typer.Option("task_vectors", help="Steering directions: task_vectors or regression."),
+    recipe: Optional[str] = typer.Option(None, help="Hugging Face directory only: the recipe of the task the model learnt (model section ignored)."),
+    profile: str = typer.Option("quick", help="Hugging Face directory only: the recipe's profile."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Hugging Face directory only: dotted override of the recipe, repeatable."),
+    out: Optional[Path] = typer.Option(None, help="Hugging Face directory only: where analysis/ and figures/ go (default RUN_DIR/taskgeom)."),
 ) -> None:
     """M1 geometry of a trained model (PAPER.md section 4): P0-P2 per layer and site, P3 and causal
     steering at the best layer. Writes analysis/m1.json (tidy rows) and figures/m1_*.png."""
@@ -156,11 +160,18 @@ def analyze(
 
     if directions not in ("task_vectors", "regression"):
         raise TaskgeomError(f"unknown directions {directions!r}; choose task_vectors or regression")
-    run = Run.open(run_dir)
-    sites = tuple(site) if site else Options.sites
-    result = analyze_run(run, Options(tuple(layer) if layer else None, sites, primary, sequences, directions=directions))
+    if recipe is None and not (run_dir / "config.json").is_file():
+        if set_ or out:
+            raise TaskgeomError("--set and --out are for a Hugging Face model directory (with --recipe); a run directory has its own config")
+        run = Run.open(run_dir)
+    else:
+        from taskgeom.hf import open_pretrained
+
+        run = open_pretrained(run_dir, recipe, profile, set_ or [], out)
+    options = Options(tuple(layer) if layer else None, tuple(site) if site else None, primary, sequences, directions=directions)
+    result = analyze_run(run, options)
     write(run, result)
-    (run.path / "figures").mkdir(exist_ok=True)
+    (run.path / "figures").mkdir(parents=True, exist_ok=True)
     plot_retrieval(result, {name: run.path / "figures" / f"m1_{name}.png" for name in FIGURES})
     table = pd.DataFrame(result.rows)
     per_layer = table[table["position"].isna() & ~table["metric"].str.startswith(("p3", "steering"))]
@@ -171,6 +182,20 @@ def analyze(
     for metric in ("p3.tv_first_quarter", "p3.tv_last_quarter", *steering, "steering.ratio"):
         typer.echo(f"  {metric:<24} {result.summary[metric]:.4g}")
     typer.echo(str(run.path / "analysis" / "m1.json"))
+
+
+@app.command("export-hf")
+@_user_errors
+def export_hf(
+    run_dir: Path = typer.Argument(..., help="A finished run directory trained with model.arch gpt2 or llama."),
+    out: Path = typer.Argument(..., help="The folder to write (config.json, model.safetensors)."),
+) -> None:
+    """Write a run's model as a Hugging Face model directory that AutoModelForCausalLM.from_pretrained
+    loads (and `taskgeom analyze OUT --recipe ...` analyses); prints OUT."""
+    from taskgeom.hf import save_pretrained
+    from taskgeom.runs import Run
+
+    typer.echo(str(save_pretrained(Run.open(run_dir), out)))
 
 
 @app.command()

@@ -78,14 +78,16 @@ class ModelConfig(_Strict):
     d_model: PositiveInt = 64
     n_heads: PositiveInt = 2
     d_mlp: PositiveInt = 256
-    positions: Literal["rotary", "learned"] = "rotary"
+    positions: Literal["rotary", "learned"] = Field("rotary", description="arch taskgeom only: gpt2 learns positions, llama rotates")
     max_len: PositiveInt = 256
+    arch: Literal["taskgeom", "gpt2", "llama"] = Field("taskgeom", description="gpt2, llama: a Hugging Face model (taskgeom.hf)")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
-        if self.positions == "rotary" and (self.d_model // self.n_heads) % 2:
+        rotary = self.arch == "llama" or (self.arch == "taskgeom" and self.positions == "rotary")
+        if rotary and (self.d_model // self.n_heads) % 2:
             raise ValueError("rotary positions need an even head width (model.d_model / model.n_heads)")
         return self
 
@@ -107,7 +109,7 @@ class TrainConfig(_Strict):
 
 
 # (section, field) of settings added after the first release; see RunConfig.digest.
-LATER_SETTINGS: tuple[tuple[str, str], ...] = (("train", "precision"),)
+LATER_SETTINGS: tuple[tuple[str, str], ...] = (("train", "precision"), ("model", "arch"))
 
 
 class RunConfig(_Strict):
@@ -123,6 +125,12 @@ class RunConfig(_Strict):
                 raise ValueError(f"task.n_examples ({self.task.n_examples}) needs {self.task.seq_len} positions in the "
                                  f"{self.task.layout!r} layout, more than model.max_len ({self.model.max_len})")
             raise ValueError(f"task.seq_len ({self.task.seq_len}) exceeds model.max_len ({self.model.max_len})")
+        return self
+
+    @model_validator(mode="after")
+    def _hf_arch_reads_tokens(self) -> "RunConfig":
+        if self.model.arch != "taskgeom" and isinstance(self.task, RegressionConfig):
+            raise ValueError(f"model.arch {self.model.arch!r} reads tokens, but the regression family feeds vectors; use model.arch taskgeom")
         return self
 
     def digest(self) -> str:

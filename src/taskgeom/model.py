@@ -80,6 +80,8 @@ class Transformer(nn.Module):
     vector model ``forward(inputs [B, T, d_in] float) -> outputs [B, T, n_out]`` (``d_in`` given:
     a linear read-in replaces the embedding; the blocks and hook sites are the same)."""
 
+    sites = SITES
+
     def __init__(self, cfg: ModelConfig, vocab_size: int | None = None, n_out: int | None = None, d_in: int | None = None):
         super().__init__()
         if (vocab_size is None) == (d_in is None):

@@ -83,12 +83,26 @@ class Run:
         task = self.config.task
         return self.family.sample_pool(task.n_major, tasks.n_minor_for_diversity(task.diversity), task.p_minor, seed=self.config.train.seed)
 
-    def new_model(self) -> Transformer:
-        """A freshly initialised model; its weights depend on the seed alone."""
+    def new_model(self) -> torch.nn.Module:
+        """A freshly initialised model (ours, or for model.arch gpt2 / llama the Hugging Face one
+        behind ``hf.HFCausalLM``); its weights depend on the seed alone."""
         torch.manual_seed(fold_seed(self.config.train.seed, 0, "init"))
+        if self.config.model.arch != "taskgeom":
+            from taskgeom import hf
+
+            return hf.build(self.config.model, **self.family.model_io())
         return Transformer(self.config.model, **self.family.model_io())
 
-    def load_model(self) -> Transformer:
+    @property
+    def sites(self) -> tuple[str, ...]:
+        """The hook sites of this run's model (``new_model().sites``), known without building it."""
+        if self.config.model.arch != "taskgeom":
+            from taskgeom import hf
+
+            return hf.SITES
+        return Transformer.sites
+
+    def load_model(self) -> torch.nn.Module:
         """The finished model; RunDirError if training has not finished."""
         if not self.finished:
             raise RunDirError(f"{self.path} has no finished model (model.safetensors); train it first")
@@ -109,7 +123,7 @@ class Run:
     def snapshot_path(self, step: int) -> Path:
         return self.path / "snapshots" / f"step_{step:07d}.safetensors"
 
-    def snapshots(self) -> dict[int, Transformer]:
+    def snapshots(self) -> dict[int, torch.nn.Module]:
         """{step: model} for every weight snapshot kept during training, in step order."""
         models = {}
         for path in sorted((self.path / "snapshots").glob("step_*.safetensors")):

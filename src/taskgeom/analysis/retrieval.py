@@ -27,7 +27,6 @@ from taskgeom.analysis.steering import (PredictionReadout, Readout, Steering, To
                                         steer)
 from taskgeom.analysis.task_vectors import late_window
 from taskgeom.errors import AnalysisError
-from taskgeom.model import SITES
 from taskgeom.rng import generator
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_json
@@ -35,15 +34,17 @@ from taskgeom.tasks import FAMILIES, Batch, TaskFamily, TaskPool, TokenFamily
 from taskgeom.tasks.regression import Regression
 
 Directions = Literal["task_vectors", "regression"]
+DEFAULT_SITES = ("resid_mid", "resid_post")
 
 
 @dataclass(frozen=True)
 class Options:
-    """layers: None for all; sites: the sites measured; site: the primary site (claims, steering);
-    window: the late fraction of positions (task vectors, P0/P1, steering, P3's last quarter)."""
+    """layers: None for all; sites: the sites measured (None: those of DEFAULT_SITES the model has);
+    site: the primary site (claims, steering); window: the late fraction of positions (task vectors,
+    P0/P1, steering, P3's last quarter)."""
 
     layers: tuple[int, ...] | None = None
-    sites: tuple[str, ...] = ("resid_mid", "resid_post")
+    sites: tuple[str, ...] | None = None
     site: str = "resid_post"
     n_sequences: int = 512
     window: float = 0.25
@@ -107,8 +108,8 @@ def _unsupported(family: TaskFamily) -> str:
     return f"the M1 analysis supports the families {names}; {family.name!r} is not supported yet"
 
 
-def check_request(run: Run, options: Options) -> tuple[int, ...]:
-    """The layers to analyse; AnalysisError (before any work) for what the run cannot give."""
+def check_request(run: Run, options: Options) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The layers and sites to analyse; AnalysisError (before any work) for what the run cannot give."""
     if not isinstance(run.family, _SUPPORTED):
         raise AnalysisError(_unsupported(run.family))
     n_layers = run.config.model.n_layers
@@ -116,18 +117,19 @@ def check_request(run: Run, options: Options) -> tuple[int, ...]:
     bad = [layer for layer in layers if not 0 <= layer < n_layers]
     if bad or not layers:
         raise AnalysisError(f"layers {bad or '(none)'} do not exist; the model has layers 0..{n_layers - 1}")
-    unknown = [s for s in (*options.sites, options.site) if s not in SITES]
+    sites = options.sites or tuple(s for s in DEFAULT_SITES if s in run.sites)
+    unknown = [s for s in (*sites, options.site) if s not in run.sites]
     if unknown:
-        raise AnalysisError(f"unknown sites {unknown}; choose from {list(SITES)}")
-    if options.site not in options.sites:
-        raise AnalysisError(f"the primary site {options.site!r} must be among the measured sites {list(options.sites)}")
+        raise AnalysisError(f"unknown sites {unknown}; this model has {list(run.sites)}")
+    if options.site not in sites:
+        raise AnalysisError(f"the primary site {options.site!r} must be among the measured sites {list(sites)}")
     if run.pool.n_major < 2:
         raise AnalysisError(f"the task subspace needs at least 2 major tasks; this run has {run.pool.n_major}")
     if options.n_sequences < 4 * run.pool.n_major:
         raise AnalysisError(f"n_sequences must be at least 4 per major task ({4 * run.pool.n_major}), got {options.n_sequences}")
     if not 0 < options.window <= 0.5:
         raise AnalysisError(f"window must lie in (0, 0.5], got {options.window}")
-    return layers
+    return layers, sites
 
 
 def _row(experiment: str, layer: int | None, site: str | None, metric: str, value: float, band=None, position: int | None = None,
@@ -139,7 +141,7 @@ def _row(experiment: str, layer: int | None, site: str | None, metric: str, valu
 
 def analyze(run: Run, options: Options = Options()) -> Result:
     """The M1 geometry of a finished run; RunDirError if unfinished, AnalysisError for a bad request."""
-    layers = check_request(run, options)
+    layers, site_names = check_request(run, options)
     model = run.load_model()
     family, pool, experiment = run.family, run.pool.subset("major"), run.config.name
     K, T = pool.size, run.config.task.seq_len
@@ -154,7 +156,7 @@ def analyze(run: Run, options: Options = Options()) -> Result:
 
     rows: list[dict] = []
     kept: dict[int, tuple[Geometry, torch.Tensor]] = {}
-    sites = [(layer, name) for layer in layers for name in options.sites]
+    sites = [(layer, name) for layer in layers for name in site_names]
     for layer, states in stream_layers(model, tokens, sites):
         for name, h in states.items():
             geometry = inputs.fit(h, task, current, K, window)

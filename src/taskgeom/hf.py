@@ -1,0 +1,257 @@
+"""Hugging Face causal language models (GPT-2, Llama) behind taskgeom's model protocol.
+
+``HFCausalLM`` wraps a ``transformers`` causal LM so that the analysis, the hooks and the trainer
+use it like our ``Transformer``: ``forward(tokens [B, T]) -> logits [B, T, V]``,
+``embed_inputs(tokens) -> [B, T, D]``, ``blocks[l]: [B, T, D] -> [B, T, D]``, ``readout(h)`` and
+``site(layer, name)``. Its sites are ``resid_pre``, ``attn_out``, ``mlp_out`` and ``resid_post``;
+there is no ``resid_mid``, which lives inside one call of an HF decoder layer.
+
+``build`` makes the HF model of a run with ``model.arch`` gpt2 or llama (no download),
+``save_pretrained`` writes a run's model as a directory ``from_pretrained`` loads, and
+``open_pretrained`` turns such a directory plus a recipe into a finished run for the analysis.
+``transformers`` is imported only when a model is built or loaded (``pip install taskgeom[hf]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from taskgeom.config import ConfigError, ModelConfig, RegressionConfig, RunConfig
+from taskgeom.errors import AnalysisError, RunDirError, TaskgeomError
+from taskgeom.model import HookPoint
+from taskgeom.recipes import load_recipe
+from taskgeom.runs import Run
+
+SITES = ("resid_pre", "attn_out", "mlp_out", "resid_post")
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")  # those that take an additive [1, 1, T, T] mask
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where an architecture keeps its parts: attribute names in the base model (``layers``,
+    ``final_norm``, ``learned_positions`` or ``rotary``) and in each decoder layer (``attention``,
+    whose first output is attn_out, and ``mlp``); ``d_mlp`` reads the MLP width off the HF config."""
+
+    layers: str
+    final_norm: str
+    attention: str
+    mlp: str
+    d_mlp: Callable[[object], int]
+    learned_positions: str | None = None
+    rotary: str | None = None
+
+
+LAYOUTS = {
+    "gpt2": Layout("h", "ln_f", "attn", "mlp", lambda c: c.n_inner or 4 * c.hidden_size, learned_positions="wpe"),
+    "llama": Layout("layers", "norm", "self_attn", "mlp", lambda c: c.intermediate_size, rotary="rotary_emb"),
+}
+SUPPORTED = tuple(LAYOUTS)
+
+
+def layout(model_type: str | None) -> Layout:
+    """The layout of a supported ``config.model_type``; TaskgeomError naming the supported ones."""
+    if model_type not in LAYOUTS:
+        raise TaskgeomError(f"model type {model_type!r} is not supported; taskgeom analyses the Hugging Face architectures {list(SUPPORTED)}")
+    return LAYOUTS[model_type]
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise TaskgeomError("Hugging Face models need the transformers package: pip install 'taskgeom[hf]'") from None
+    return transformers
+
+
+def causal_mask(T: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[1, 1, T, T] additive mask: 0 on and below the diagonal, the dtype's minimum above it.
+
+    Passed explicitly because HF layers called without one attend causally only under sdpa
+    (eager attention then sees the whole sequence)."""
+    return torch.full((T, T), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)[None, None]
+
+
+def _through(point: HookPoint) -> Callable:
+    """A forward hook that routes a submodule's output (or the first item of its tuple) through ``point``."""
+
+    def hook(_module, _inputs, output):
+        if isinstance(output, tuple):
+            return (point(output[0]), *output[1:])
+        return point(output)
+
+    return hook
+
+
+class DecoderBlock(nn.Module):
+    """One HF decoder layer as a causal map ``x [B, T, D] -> [B, T, D]`` with hook sites: resid_pre
+    and resid_post around the layer, attn_out and mlp_out on the outputs of its attention and MLP.
+
+    The layer (and the rotary module) belong to the wrapped model, which holds their weights, so they
+    are kept here without being registered: the state dict names every weight once."""
+
+    def __init__(self, layer: nn.Module, parts: Layout, rotary: nn.Module | None):
+        super().__init__()
+        for site in SITES:
+            setattr(self, site, HookPoint())
+        object.__setattr__(self, "layer", layer)
+        object.__setattr__(self, "rotary", rotary)
+        getattr(layer, parts.attention).register_forward_hook(_through(self.attn_out))
+        getattr(layer, parts.mlp).register_forward_hook(_through(self.mlp_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.resid_pre(x)
+        T = x.shape[1]
+        inputs = {"attention_mask": causal_mask(T, x.dtype, x.device)}
+        if self.rotary is not None:
+            positions = torch.arange(T, device=x.device)[None]
+            inputs |= {"position_ids": positions, "position_embeddings": self.rotary(x, positions)}
+        out = self.layer(x, **inputs)
+        return self.resid_post(out[0] if isinstance(out, tuple) else out)
+
+
+class HFCausalLM(nn.Module):
+    """A ``transformers`` GPT-2 or Llama causal LM (``model``) with taskgeom's model protocol.
+
+    ``n_out``: keep only the first ``n_out`` logits (a task's tokens, when the model's vocabulary is
+    larger); None keeps all. The weights stay in ``self.hf`` (state dict keys ``hf.<HF name>``).
+    Wrapping adds forward hooks to the model's attention and MLP modules that pass their outputs
+    through the attn_out / mlp_out sites (identity unless those sites are hooked). Embedding dropout
+    is not applied: models built here have no dropout, and analysis runs in eval mode.
+    """
+
+    sites = SITES
+
+    def __init__(self, model: nn.Module, n_out: int | None = None):
+        super().__init__()
+        config = model.config
+        self.parts = layout(getattr(config, "model_type", None))
+        attention = getattr(config, "_attn_implementation", None) or "eager"
+        if attention not in ATTENTION_IMPLEMENTATIONS:
+            raise TaskgeomError(f"attention implementation {attention!r} is not supported; load the model with "
+                                f"attn_implementation one of {list(ATTENTION_IMPLEMENTATIONS)}")
+        self.hf, self.n_out = model, n_out
+        self.model_type, self.vocab_size, self.max_len = config.model_type, config.vocab_size, config.max_position_embeddings
+        base = model.base_model
+        rotary = getattr(base, self.parts.rotary) if self.parts.rotary else None
+        self.blocks = nn.ModuleList(DecoderBlock(layer, self.parts, rotary) for layer in getattr(base, self.parts.layers))
+
+    def embed_inputs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [B, T] long -> resid_pre of layer 0: [B, T, D] (token, plus learned position, embeddings)."""
+        T = tokens.shape[1]
+        if T > self.max_len:
+            raise ValueError(f"sequence length {T} exceeds the model's {self.max_len} positions")
+        x = self.hf.get_input_embeddings()(tokens)
+        if self.parts.learned_positions:
+            x = x + getattr(self.hf.base_model, self.parts.learned_positions)(torch.arange(T, device=tokens.device))
+        return x
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """Final residual state [..., D] -> logits [..., n_out or V] (final norm + LM head)."""
+        logits = self.hf.get_output_embeddings()(getattr(self.hf.base_model, self.parts.final_norm)(h))
+        return logits if self.n_out is None else logits[..., : self.n_out]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed_inputs(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.readout(x)
+
+    def site(self, layer: int, name: str) -> HookPoint:
+        """The hook module for ``name`` (one of ``sites``) in block ``layer``."""
+        if name not in SITES:
+            raise AnalysisError(f"the {self.model_type} adapter has no site {name!r}; its sites are {list(SITES)}")
+        if not 0 <= layer < len(self.blocks):
+            raise AnalysisError(f"layer {layer} does not exist; the model has layers 0..{len(self.blocks) - 1}")
+        return getattr(self.blocks[layer], name)
+
+
+# ---- models of runs with model.arch gpt2 / llama ---------------------------------------------
+def hf_config(cfg: ModelConfig, vocab_size: int):
+    """The transformers config of ``cfg`` (arch gpt2 or llama): no dropout, untied unembedding."""
+    transformers = _transformers()
+    common = {"vocab_size": vocab_size, "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None}
+    if cfg.arch == "gpt2":
+        return transformers.GPT2Config(n_positions=cfg.max_len, n_embd=cfg.d_model, n_layer=cfg.n_layers, n_head=cfg.n_heads,
+                                       n_inner=cfg.d_mlp, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    if cfg.arch == "llama":
+        return transformers.LlamaConfig(hidden_size=cfg.d_model, intermediate_size=cfg.d_mlp, num_hidden_layers=cfg.n_layers,
+                                        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
+                                        max_position_embeddings=cfg.max_len, attention_dropout=0.0, pad_token_id=None, **common)
+    raise ConfigError(f"model.arch {cfg.arch!r} is not a Hugging Face architecture; choose one of {list(SUPPORTED)}")
+
+
+def build(cfg: ModelConfig, vocab_size: int) -> HFCausalLM:
+    """A freshly initialised HF model for ``cfg``, wrapped; its weights follow torch's global seed."""
+    return HFCausalLM(_transformers().AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size)))
+
+
+def model_config(config) -> ModelConfig:
+    """The ModelConfig describing a supported HF config (sizes, positions, arch)."""
+    parts = layout(getattr(config, "model_type", None))
+    return ModelConfig(n_layers=config.num_hidden_layers, d_model=config.hidden_size, n_heads=config.num_attention_heads,
+                       d_mlp=parts.d_mlp(config), positions="rotary" if parts.rotary else "learned",
+                       max_len=config.max_position_embeddings, arch=config.model_type)
+
+
+def save_pretrained(source: Run | HFCausalLM, out: Path | str) -> Path:
+    """Write the HF model of a finished run (model.arch gpt2 or llama), or of an adapter, to ``out``
+    (config.json, model.safetensors) for ``AutoModelForCausalLM.from_pretrained``; returns ``out``."""
+    model = source.load_model() if isinstance(source, Run) else source
+    if not isinstance(model, HFCausalLM):
+        raise TaskgeomError(f"only models of model.arch {list(SUPPORTED)} are Hugging Face models; this one is taskgeom's own "
+                            "(train with --set model.arch=gpt2 to get one)")
+    model.hf.save_pretrained(str(out))
+    return Path(out)
+
+
+# ---- analysing a directory written by save_pretrained ------------------------------------------
+class PretrainedRun(Run):
+    """A Hugging Face model directory (``source``) seen as a finished run: task and seeds from a
+    recipe, the model section from the directory's config.json; analysis output under ``path``."""
+
+    def __init__(self, source: Path, config: RunConfig, path: Path):
+        super().__init__(path, config)
+        self.source = Path(source)
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+    def load_model(self) -> HFCausalLM:
+        """The adapter over ``AutoModelForCausalLM.from_pretrained(source)`` in float32, its logits cut to the task's tokens."""
+        model = _transformers().AutoModelForCausalLM.from_pretrained(str(self.source)).float()
+        return HFCausalLM(model, n_out=self.family.vocab_size).eval()
+
+
+def open_pretrained(source: Path | str, recipe: str | None, profile: str = "quick", overrides: list[str] = (),
+                    out: Path | str | None = None) -> PretrainedRun:
+    """The HF model directory ``source`` with the task of ``recipe`` (profile, dotted overrides; its
+    model section is replaced by the directory's); analysis output goes to ``out`` (default
+    ``source/taskgeom``). TaskgeomError when the directory, its architecture or its sizes do not fit."""
+    source = Path(source)
+    if (source / "run.json").is_file():
+        raise RunDirError(f"{source} is a taskgeom run directory: analyse it without --recipe")
+    if not (source / "config.json").is_file():
+        raise RunDirError(f"{source} is neither a taskgeom run directory nor a Hugging Face model directory (no config.json)")
+    if recipe is None:
+        raise TaskgeomError(f"{source} is a Hugging Face model directory: name the recipe of the task it was trained on with --recipe")
+    transformers = _transformers()
+    try:
+        hf = transformers.AutoConfig.from_pretrained(str(source))
+    except (OSError, ValueError) as err:
+        raise RunDirError(f"{source}/config.json cannot be read by transformers ({err})") from None
+    model = model_config(hf)
+    config = load_recipe(recipe, profile, list(overrides))
+    if isinstance(config.task, RegressionConfig):
+        raise ConfigError(f"a Hugging Face causal LM reads tokens, but the recipe's family {config.task.family!r} feeds vectors")
+    if config.task.seq_len > model.max_len:
+        raise ConfigError(f"the task's sequences have {config.task.seq_len} positions; the model at {source} has {model.max_len}")
+    run = PretrainedRun(source, config.model_copy(update={"model": model}), Path(out) if out is not None else source / "taskgeom")
+    if run.family.vocab_size > hf.vocab_size:
+        raise ConfigError(f"the task has {run.family.vocab_size} tokens; the model at {source} has a vocabulary of {hf.vocab_size}")
+    return run

@@ -1,0 +1,250 @@
+"""The Hugging Face adapter: logits and hidden states equal the HF model's own, interventions act as
+re-running the later blocks predicts, and a GPT-2 trained on E1 by our trainer, saved with
+save_pretrained and loaded back, gives the M1 analysis of the run it came from."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+transformers = pytest.importorskip("transformers")
+
+from taskgeom import hf  # noqa: E402
+from taskgeom.analysis.retrieval import Options, analyze, check_request  # noqa: E402
+from taskgeom.cli import app  # noqa: E402
+from taskgeom.config import ConfigError, ModelConfig, build_config  # noqa: E402
+from taskgeom.errors import AnalysisError, TaskgeomError  # noqa: E402
+from taskgeom.hooks import capture, intervene  # noqa: E402
+from taskgeom.recipes import load_recipe  # noqa: E402
+from taskgeom.runs import Run  # noqa: E402
+from taskgeom.train import train  # noqa: E402
+
+SMALL = ModelConfig(n_layers=3, d_model=32, n_heads=2, d_mlp=64, max_len=16)
+TASK = ["task.seq_len=24", "train.seed=0"]  # the task settings the round-trip model is trained on
+TRAIN = TASK + ["model.max_len=24", "model.d_model=32", "model.d_mlp=64", "model.arch=gpt2", "train.steps=200", "train.batch_size=32",
+                "train.lr=3e-3", "train.eval_every=200", "train.checkpoint_every=200", "train.eval_batch=64", "train.snapshots=2",
+                "train.threads=1"]
+N_SEQUENCES = 96
+
+
+def hf_model(arch: str, attention: str, vocab: int = 7) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = hf.hf_config(SMALL.model_copy(update={"arch": arch}), vocab)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
+
+
+@pytest.fixture(params=[("gpt2", "sdpa"), ("gpt2", "eager"), ("llama", "sdpa"), ("llama", "eager")], ids="-".join)
+def pair(request):
+    model = hf_model(*request.param)
+    return model, hf.HFCausalLM(model).eval()
+
+
+def test_adapter_logits_and_states_equal_the_hf_models_own(pair):
+    """Logits equal HF's forward (which builds its own causal mask; eager attention included, where
+    calling a layer without a mask would not be causal). HF's hidden_states[l + 1] is resid_post of
+    layer l for all but the last layer; its last entry has the final norm applied, so it is compared
+    with the final norm of the last resid_post."""
+    model, adapter = pair
+    tokens = torch.randint(0, 7, (4, 16), generator=torch.Generator().manual_seed(1))
+    n_layers = len(adapter.blocks)
+    with capture(adapter, [(layer, site) for layer in range(n_layers) for site in hf.SITES]) as states:
+        logits = adapter(tokens)
+    with torch.no_grad():
+        theirs = model(tokens, output_hidden_states=True)
+    torch.testing.assert_close(logits, theirs.logits, atol=1e-5, rtol=0)
+    hidden = theirs.hidden_states
+    assert len(hidden) == n_layers + 1
+    torch.testing.assert_close(states[(0, "resid_pre")], hidden[0], atol=1e-6, rtol=0)
+    for layer in range(n_layers - 1):
+        torch.testing.assert_close(states[(layer, "resid_post")], hidden[layer + 1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(states[(layer + 1, "resid_pre")], states[(layer, "resid_post")])
+    final_norm = getattr(model.base_model, adapter.parts.final_norm)
+    torch.testing.assert_close(final_norm(states[(n_layers - 1, "resid_post")]), hidden[-1], atol=1e-5, rtol=0)
+    for layer in range(n_layers):  # attn_out and mlp_out are the residual writes of the HF submodules
+        writes = states[(layer, "resid_pre")] + states[(layer, "attn_out")] + states[(layer, "mlp_out")]
+        torch.testing.assert_close(states[(layer, "resid_post")], writes, atol=1e-5, rtol=0)
+
+
+def test_adapter_is_causal(pair):
+    _, adapter = pair
+    tokens = torch.randint(0, 7, (2, 16), generator=torch.Generator().manual_seed(2))
+    changed = tokens.clone()
+    changed[:, 9:] = (changed[:, 9:] + 1) % 7
+    with torch.no_grad():
+        torch.testing.assert_close(adapter(tokens)[:, :9], adapter(changed)[:, :9])
+        assert not torch.allclose(adapter(tokens)[:, 9:], adapter(changed)[:, 9:])
+
+
+@torch.no_grad()
+def test_intervention_equals_rerunning_the_later_blocks_by_hand(pair):
+    _, adapter = pair
+    tokens = torch.randint(0, 7, (3, 16), generator=torch.Generator().manual_seed(3))
+    shift = torch.randn(32, generator=torch.Generator().manual_seed(4))
+    edit, positions = (lambda h: 2.0 * h + shift), slice(6, None)
+    clean = adapter(tokens)
+    for site in [(0, "resid_post"), (1, "resid_pre")]:
+        with capture(adapter, [site]) as states:
+            adapter(tokens)
+        x = states[site].clone()
+        x[:, positions] = edit(x[:, positions])
+        for block in adapter.blocks[1:]:
+            x = block(x)
+        with intervene(adapter, site, edit, positions):
+            edited = adapter(tokens)
+        torch.testing.assert_close(edited, adapter.readout(x), atol=1e-5, rtol=0)
+        torch.testing.assert_close(edited[:, :6], clean[:, :6])
+        assert (edited[:, 6:] - clean[:, 6:]).abs().max() > 1e-2
+    torch.testing.assert_close(adapter(tokens), clean)  # the hooks left with their blocks
+
+    # attn_out is what the layer adds to the stream: the edited write is what resid_post receives
+    with capture(adapter, [(1, s) for s in hf.SITES]) as states, intervene(adapter, (1, "attn_out"), lambda h: h + shift, positions):
+        adapter(tokens)
+    with capture(adapter, [(1, "attn_out")]) as unedited:
+        adapter(tokens)
+    write = states[(1, "resid_post")] - states[(1, "resid_pre")] - states[(1, "mlp_out")]
+    expected = unedited[(1, "attn_out")].clone()
+    expected[:, positions] += shift
+    torch.testing.assert_close(write, expected, atol=1e-5, rtol=0)
+
+
+def test_sites_the_adapter_lacks_are_clear_errors(pair):
+    _, adapter = pair
+    with pytest.raises(AnalysisError, match=r"no site 'resid_mid'; its sites are \['resid_pre', 'attn_out', 'mlp_out', 'resid_post'\]"):
+        adapter.site(0, "resid_mid")
+    with pytest.raises(AnalysisError, match="layer 3 does not exist"):
+        adapter.site(3, "resid_post")
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    config = transformers.BertConfig(vocab_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    model = transformers.BertForMaskedLM(config)
+    with pytest.raises(TaskgeomError, match=r"model type 'bert' is not supported; .* \['gpt2', 'llama'\]"):
+        hf.HFCausalLM(model)
+    model.save_pretrained(str(tmp_path / "bert"))
+    result = CliRunner().invoke(app, ["analyze", str(tmp_path / "bert"), "--recipe", "e1"])
+    assert result.exit_code == 2
+    assert "model type 'bert' is not supported" in result.output and "['gpt2', 'llama']" in result.output
+    assert not (tmp_path / "bert" / "taskgeom").exists()
+
+
+def test_hf_arch_runs_build_seeded_models_and_need_token_families():
+    run = Run("unused", load_recipe("e1", "quick", TRAIN))
+    a, b = run.new_model(), run.new_model()
+    assert isinstance(a, hf.HFCausalLM) and a.model_type == "gpt2" and len(a.blocks) == 2
+    assert run.sites == a.sites == hf.SITES
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    other = Run("unused", load_recipe("e1", "quick", TRAIN + ["train.seed=1"])).new_model()
+    assert not torch.equal(a.state_dict()["hf.transformer.h.0.attn.c_attn.weight"], other.state_dict()["hf.transformer.h.0.attn.c_attn.weight"])
+    llama = Run("unused", load_recipe("e3", "quick", ["model.arch=llama", "model.d_model=32"])).new_model()
+    assert llama.model_type == "llama" and llama.hf.config.hidden_size == 32 and llama.vocab_size == 8
+    with pytest.raises(ConfigError, match="model.arch 'gpt2' reads tokens, but the regression family feeds vectors"):
+        build_config({"name": "e2", "task": {"family": "regression"}, "model": {"arch": "gpt2"}})
+    with pytest.raises(AnalysisError, match=r"unknown sites \['resid_mid'\]; this model has"):
+        check_request(run, Options(sites=("resid_mid", "resid_post")))
+    assert check_request(run, Options())[1] == ("resid_post",)
+
+
+# ---- round trip: our trainer -> save_pretrained -> from_pretrained -> M1 analysis ----------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Run:
+    run = Run.create(load_recipe("e1", "quick", TRAIN), tmp_path_factory.mktemp("runs"))
+    train(run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "e1-gpt2"
+    result = CliRunner().invoke(app, ["export-hf", str(trained.path), str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _table(rows: list[dict]) -> pd.DataFrame:
+    keys = ["layer", "site", "metric", "position", "task"]
+    return pd.DataFrame(rows).fillna({"position": -1, "task": -1}).set_index(keys).sort_index()
+
+
+def test_exported_model_loads_with_from_pretrained_and_keeps_the_weights(trained, exported):
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).eval()
+    assert type(loaded).__name__ == "GPT2LMHeadModel"
+    ours = trained.load_model()
+    tokens = trained.family.sample(trained.pool, 8, 24, 5, 0, "check").tokens
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, ours(tokens), atol=1e-6, rtol=0)
+    assert sorted(trained.snapshots()) == [10, 200]  # snapshots go through the same state dict
+
+
+def test_m1_of_the_loaded_copy_equals_the_runs_own(trained, exported):
+    own = analyze(trained, Options(n_sequences=N_SEQUENCES))
+    result = CliRunner().invoke(app, ["analyze", str(exported), "--recipe", "e1", *sum((["--set", s] for s in TASK), []),
+                                      "--sequences", str(N_SEQUENCES)])
+    assert result.exit_code == 0, result.output
+    table = pd.read_json(exported / "taskgeom" / "analysis" / "m1.json")
+    assert set(table["site"]) == {"resid_post"}  # the adapter has no resid_mid
+    for name in ("simplex", "layers", "steering"):
+        assert (exported / "taskgeom" / "figures" / f"m1_{name}.png").stat().st_size > 10_000
+    api = analyze(hf.open_pretrained(exported, "e1", overrides=TASK), Options(n_sequences=N_SEQUENCES))
+    expected = _table(own.rows)
+    for rows in (table.to_dict("records"), api.rows):
+        got = _table(rows)
+        assert got.index.equals(expected.index)
+        torch.testing.assert_close(torch.tensor(got["value"].to_numpy()), torch.tensor(expected["value"].to_numpy()), atol=1e-5, rtol=1e-4)
+    assert api.best == own.best
+
+
+def test_the_tiny_gpt2_has_the_m1_geometry(trained):
+    """Not a tautology of the round trip: 200 steps of our trainer give a GPT-2 whose late states
+    are task + token cells (P0, P1), lie on the task simplex (P2, P3) and steer (ratio >= 3)."""
+    from taskgeom.experiments.m1 import claims
+
+    result = analyze(trained, Options(n_sequences=N_SEQUENCES))
+    passed = {c.id: c.passed for c in claims(result, "quick")}
+    assert result.summary["p0.within_share"] < 0.01
+    assert all(passed[f"e1.{name}"] for name in ("P0", "P1", "P2", "P2.vs_random", "P3", "steering")), passed
+
+
+def test_plain_analyze_of_a_gpt2_run_directory(trained):
+    result = CliRunner().invoke(app, ["analyze", str(trained.path), "--sequences", "48", "--layer", "1"])
+    assert result.exit_code == 0, result.output
+    table = pd.read_json(trained.path / "analysis" / "m1.json")
+    assert set(zip(table["layer"], table["site"])) == {(1, "resid_post")}
+
+
+def test_larger_vocabulary_is_cut_to_the_tasks_tokens(tmp_path):
+    torch.manual_seed(0)
+    adapter = hf.build(ModelConfig(n_layers=1, d_model=16, n_heads=2, d_mlp=32, max_len=32, arch="llama"), 10)
+    hf.save_pretrained(adapter, tmp_path / "wide")
+    run = hf.open_pretrained(tmp_path / "wide", "e1", overrides=["task.seq_len=32"])
+    assert run.config.model == ModelConfig(n_layers=1, d_model=16, n_heads=2, d_mlp=32, max_len=32, arch="llama")
+    tokens = torch.randint(0, 6, (2, 32))
+    with torch.no_grad():
+        logits = run.load_model()(tokens)
+        torch.testing.assert_close(logits, adapter.eval()(tokens)[..., :6], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "name the recipe of the task it was trained on with --recipe"),
+    (("--recipe", "e1"), "the task's sequences have 64 positions; the model at"),
+    (("--recipe", "e3", "--set", "task.seq_len=24"), "the task has 8 tokens; the model at"),
+    (("--recipe", "e2"), "a Hugging Face causal LM reads tokens, but the recipe's family 'regression' feeds vectors"),
+])
+def test_pretrained_directory_that_does_not_fit_the_task_exits_2(exported, args, message):
+    result = CliRunner().invoke(app, ["analyze", str(exported), *args, "--out", str(exported / "bad")])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert not (exported / "bad").exists()
+
+
+def test_run_directory_options_and_export_of_our_own_model_are_clear_errors(trained, tmp_path):
+    result = CliRunner().invoke(app, ["analyze", str(trained.path), "--recipe", "e1"])
+    assert result.exit_code == 2 and "analyse it without --recipe" in result.output
+    result = CliRunner().invoke(app, ["analyze", str(trained.path), "--set", "a=1"])
+    assert result.exit_code == 2 and "--set and --out are for a Hugging Face model directory" in result.output
+    ours = Run.create(load_recipe("e1", "quick", [s for s in TRAIN if "arch" not in s] + ["train.steps=2"]), tmp_path)
+    train(ours)
+    result = CliRunner().invoke(app, ["export-hf", str(ours.path), str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "only models of model.arch ['gpt2', 'llama'] are Hugging Face models" in result.output
