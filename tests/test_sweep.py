@@ -6,6 +6,7 @@ import pandas as pd
 import yaml
 
 from conftest import tiny_config
+from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.sweep import Job, run_sweep
 
 
@@ -14,7 +15,7 @@ def test_sweep_isolates_failures_and_resumes(tmp_path):
     recipe.write_text(yaml.safe_dump({"base": tiny_config("dice", steps=30).model_dump(mode="json"), "profiles": {"quick": {}}}))
     root = tmp_path / "runs"
     jobs = [Job(str(recipe), k, 0, "quick", str(root)) for k in (-1, 1, 30)]
-    table = run_sweep(jobs, workers=1, out=tmp_path)
+    table = run_sweep(jobs, Executor(workers=1), out=tmp_path)
     status = table.drop_duplicates(["diversity"]).set_index("diversity")["status"]
     assert status.to_dict() == {-1: "ok", 1: "ok", 30: "failed"}
     assert "diversity" in table[table["diversity"] == 30]["error"].iloc[0]
@@ -27,7 +28,7 @@ def test_sweep_isolates_failures_and_resumes(tmp_path):
     kept = {p: p.stat().st_mtime_ns for p in (done / "model.safetensors", done / "analysis" / "dual.json")}
     (redo / "model.safetensors").unlink()  # as if the sweep had been killed while training this run
     (redo / "analysis" / "dual.json").unlink()
-    again = run_sweep(jobs[:2], workers=2, out=tmp_path)
+    again = run_sweep(jobs[:2], Executor(workers=2), out=tmp_path)
     assert set(again["status"]) == {"ok"}
     assert {p: p.stat().st_mtime_ns for p in kept} == kept
     assert (redo / "model.safetensors").exists() and (redo / "analysis" / "dual.json").exists()
@@ -41,7 +42,7 @@ def test_dual_analysis_runs_on_regression(tmp_path):
     config["task"] = {"family": "regression", "d": 2, "n_examples": 5, "diversity": 1}
     recipe = tmp_path / "reg.yaml"
     recipe.write_text(yaml.safe_dump({"base": config, "profiles": {"quick": {}}}))
-    table = run_sweep([Job(str(recipe), 1, 0, "quick", str(tmp_path / "runs"))], workers=1)
+    table = run_sweep([Job(str(recipe), 1, 0, "quick", str(tmp_path / "runs"))], Executor(workers=1))
     assert set(table["status"]) == {"ok"}, table.get("error")
     metrics = set(table["metric"])
     assert {"projection_r2", "gain_removed_ablate_S", "gain_removed_ablate_V", "gain_removed_random", "probe_r2_complement"} <= metrics

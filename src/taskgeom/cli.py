@@ -112,6 +112,19 @@ def _int_list(text: str, option: str) -> list[int]:
         raise TaskgeomError(f"{option} must be comma-separated integers, got {text!r}") from None
 
 
+# The executor options, shared by `sweep` and `reproduce` (whose sweeps they run).
+_EXECUTOR = typer.Option("local", "--executor", help="Where runs execute: local (a process pool on this machine) or ray "
+                         "(one Ray task per run; needs `pip install taskgeom\\[ray]`).")
+_WORKERS = typer.Option(2, help="local: parallel worker processes (1: run in this process); ray without --address: "
+                        "runs at once on the local Ray instance, which gets workers x cpus-per-run CPUs.")
+_ADDRESS = typer.Option(None, help="ray: join the running Ray cluster at HOST:PORT instead of starting a local instance. "
+                        "Its nodes write the run directories into the output folder by absolute path, so that folder "
+                        "(and a recipe given as a file) must be on a filesystem every node mounts at the same path.")
+_CPUS_PER_RUN = typer.Option(None, show_default="this machine's cores / workers",
+                             help="CPUs per run: its torch threads, and the CPUs each Ray task declares.")
+_GPUS_PER_RUN = typer.Option(0.0, help="ray: GPUs each task declares, a fraction (0.5: two runs share a GPU) or a whole number.")
+
+
 @app.command()
 @_user_errors
 def sweep(
@@ -121,17 +134,25 @@ def sweep(
     profile: str = typer.Option("quick", help="Profile in the recipe."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override applied to every run, repeatable."),
     out: Path = typer.Option(Path("runs"), help="Folder for the run directories and the tables sweep.csv, by_step.csv."),
-    workers: int = typer.Option(2, min=1, help="Parallel worker processes (1: run in this process)."),
+    executor: str = _EXECUTOR,
+    workers: int = _WORKERS,
+    address: Optional[str] = _ADDRESS,
+    cpus_per_run: Optional[int] = _CPUS_PER_RUN,
+    gpus_per_run: float = _GPUS_PER_RUN,
 ) -> None:
     """Train and analyse one run per (k, seed): projection R^2, subspace ablations, probes, the
-    predictor transition and Theorem 2. Finished runs are skipped; failures are reported, not fatal."""
+    predictor transition and Theorem 2. Finished runs are skipped; failures are reported, not fatal.
+    Runs execute on a local process pool or on Ray (--executor ray: a local Ray instance, or a
+    cluster with --address, whose nodes must share the output folder)."""
+    from taskgeom.experiments.executors import Executor
     from taskgeom.experiments.sweep import Job, run_sweep, summary
 
+    where = Executor(executor, workers, address, cpus_per_run, gpus_per_run)
     ks, seed_list = _int_list(diversity, "--diversity"), _int_list(seeds, "--seeds")
     jobs = [Job(config, k, s, profile, str(out), tuple(set_ or [])) for k in ks for s in seed_list]
     for job in jobs:  # validate every config before any work starts
         job.config()
-    table = run_sweep(jobs, workers, out)
+    table = run_sweep(jobs, where, out)
     typer.echo(summary(table).round(4).to_string(index=False))
     typer.echo(f"tables: {out / 'sweep.csv'}, {out / 'by_step.csv'}")
     if (table["status"] == "failed").any():
@@ -204,18 +225,26 @@ def reproduce(
     profile: str = typer.Option("quick", help="quick: reduced sizes for a 2-core CPU; paper: the study's sizes."),
     out: Path = typer.Option(Path("results"), help="Output folder: runs/, figures/, claims.json, report.html."),
     only: Optional[List[str]] = typer.Option(None, help="Run only these experiments (repeatable)."),
+    executor: str = _EXECUTOR,
+    workers: int = _WORKERS,
+    address: Optional[str] = _ADDRESS,
+    cpus_per_run: Optional[int] = _CPUS_PER_RUN,
+    gpus_per_run: float = _GPUS_PER_RUN,
 ) -> None:
     """Reproduce every claim: trains what is missing (finished runs are reused), analyses, and
-    writes claims.json, timings.json and report.html. Exits 1 if a claim fails."""
+    writes claims.json, timings.json and report.html. Exits 1 if a claim fails. The diversity
+    sweeps run on the executor chosen by the executor options (as in `taskgeom sweep`)."""
+    from taskgeom.experiments.executors import Executor
     from taskgeom.experiments import EXPERIMENTS, reproduce as run_all
 
+    where = Executor(executor, workers, address, cpus_per_run, gpus_per_run)
     if profile not in ("quick", "paper"):
         raise TaskgeomError(f"unknown profile {profile!r}; choose quick or paper")
     unknown = set(only or []) - set(EXPERIMENTS)
     if unknown:
         raise TaskgeomError(f"unknown experiments {sorted(unknown)}; available: {list(EXPERIMENTS)}")
     chosen = {k: v for k, v in EXPERIMENTS.items() if not only or k in only}
-    ctx = run_all(out, profile, chosen)
+    ctx = run_all(out, profile, chosen, where)
     for claim in ctx.claims:
         typer.echo(f"{'PASS' if claim.passed else 'FAIL'}  {claim.id:<28} {claim.value:.4g} {claim.comparison} {claim.threshold:.4g}")
     typer.echo(f"{sum(c.passed for c in ctx.claims)}/{len(ctx.claims)} claims pass; report: {ctx.out / 'report.html'}")

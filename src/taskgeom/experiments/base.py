@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from taskgeom.claims import Claim
+from taskgeom.experiments.executors import Executor
 from taskgeom.progress import console, step_bar
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run
@@ -18,10 +19,12 @@ from taskgeom.train import train
 
 @dataclass
 class Context:
-    """Where one reproduction writes, its profile, and what the experiments have produced."""
+    """Where one reproduction writes, its profile, where its sweeps run, and what the experiments
+    have produced."""
 
     out: Path
     profile: str = "quick"
+    executor: Executor = Executor()
     claims: list[Claim] = field(default_factory=list)
     figures: list[tuple[str, str]] = field(default_factory=list)  # (path relative to out, caption)
 
@@ -48,11 +51,12 @@ class Context:
 Experiment = Callable[[Context], None]
 
 
-def reproduce(out: Path, profile: str, experiments: dict[str, Experiment]) -> Context:
-    """Run each experiment, then write ``claims.json``, ``timings.json`` and ``report.html``."""
+def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], executor: Executor = Executor()) -> Context:
+    """Run each experiment (their sweeps on ``executor``), then write ``claims.json``,
+    ``timings.json`` and ``report.html``."""
     from taskgeom.report.html import write_report
 
-    ctx = Context(Path(out), profile)
+    ctx = Context(Path(out), profile, executor)
     ctx.out.mkdir(parents=True, exist_ok=True)
     timings = {}
     for name, experiment in experiments.items():

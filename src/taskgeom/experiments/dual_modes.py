@@ -37,7 +37,7 @@ def _value(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None
 def dual_modes(ctx: Context) -> None:
     diversities, seeds, recipes = GRIDS[ctx.profile]
     jobs = [Job(recipe, k, seed, ctx.profile, str(ctx.runs_root)) for recipe in recipes for k in diversities for seed in seeds]
-    table = run_sweep(jobs, workers=2, out=ctx.out / "tables")
+    table = run_sweep(jobs, ctx.executor, out=ctx.out / "tables")
     ok = table[table["status"] == "ok"]
     low, high = min(diversities), max(diversities)
     for recipe in recipes:

@@ -1,4 +1,4 @@
-"""Diversity x seed sweeps: train and analyse one run per (recipe, k, seed) on a process pool.
+"""Diversity x seed sweeps: train and analyse one run per (recipe, k, seed) on a process pool or Ray.
 
 Finished runs and finished analyses are skipped, so a killed sweep restarted redoes only what is
 unfinished; one failing run is recorded with its error and does not stop the others. The result
@@ -8,17 +8,15 @@ repeated on the weight snapshots (``by_step.csv``).
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import traceback
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
 import torch
 
 from taskgeom.config import RunConfig
+from taskgeom.experiments.executors import Executor, execute
 from taskgeom.progress import console, job_bar
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run
@@ -37,46 +35,43 @@ class Job:
     def config(self) -> RunConfig:
         return load_recipe(self.recipe, self.profile, [*self.overrides, f"task.diversity={self.diversity}", f"train.seed={self.seed}"])
 
+    def located(self) -> "Job":
+        """This job with its root (and its recipe, when that is a file) as absolute paths, which
+        mean the same in any working directory: a Ray worker's, on this machine or another."""
+        recipe = Path(self.recipe)
+        return replace(self, root=str(Path(self.root).resolve()), recipe=str(recipe.resolve()) if recipe.is_file() else self.recipe)
+
 
 def run_job(job: Job, threads: int = 0) -> list[dict]:
-    """Train (or resume) and analyse one run; returns its tidy dual-mode rows, each tagged with
-    the job, or one row with status ``failed`` and the error."""
+    """Train (or resume) and analyse one run; returns its tidy dual-mode rows, or one row with
+    status ``failed`` and the error."""
     from taskgeom.analysis.dual import analyze_dual, load_dual
     from taskgeom.train import train
 
-    tag = {"recipe": job.recipe, "diversity": job.diversity, "seed": job.seed}
     try:
         if threads:
             torch.set_num_threads(threads)
         run = Run.create(job.config(), job.root)
         train(run)
         rows = load_dual(run) or analyze_dual(run)
-        return [{**tag, "run": str(run.path), "status": "ok", **row} for row in rows]
+        return [{"run": str(run.path), "status": "ok", **row} for row in rows]
     except Exception as err:  # one failing run must not stop the sweep
-        return [{**tag, "status": "failed", "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}]
+        return [{"status": "failed", "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}]
 
 
-def run_sweep(jobs: list[Job], workers: int = 2, out: Path | None = None) -> pd.DataFrame:
-    """Run every job (``workers`` processes, 1 = in this process) and gather their rows; with
-    ``out``, also write ``sweep.csv`` (one row per run) and ``by_step.csv`` there."""
+def run_sweep(jobs: list[Job], executor: Executor = Executor(), out: Path | None = None) -> pd.DataFrame:
+    """Run every job on ``executor`` and gather their rows, each tagged with its job; with ``out``,
+    also write ``sweep.csv`` (one row per run) and ``by_step.csv`` there. On Ray the run
+    directories are made under each job's root as an absolute path, which every worker must see."""
     rows: list[dict] = []
-    with job_bar("sweep", len(jobs)) as advance:
-        if workers <= 1:
-            for job in jobs:
-                rows += run_job(job)
-                advance(f"{job.recipe} k={job.diversity} seed={job.seed}")
-        else:
-            threads = max(1, (os.cpu_count() or 1) // workers)
-            context = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(workers, mp_context=context) as pool:
-                futures = {pool.submit(run_job, job, threads): job for job in jobs}
-                for future in as_completed(futures):
-                    job = futures[future]
-                    try:
-                        rows += future.result()
-                    except Exception as err:  # the worker process itself died
-                        rows.append({**asdict(job), "status": "failed", "error": f"{type(err).__name__}: {err}"})
-                    advance(f"{job.recipe} k={job.diversity} seed={job.seed}")
+    submitted = {job.located() if executor.kind == "ray" else job: job for job in jobs}
+    with job_bar("sweep", len(submitted)) as advance:
+        for located, result in execute(run_job, list(submitted), executor):
+            job = submitted[located]
+            if isinstance(result, BaseException):  # the process running the job died
+                result = [{"status": "failed", "error": f"{type(result).__name__}: {result}"}]
+            rows += [{"recipe": job.recipe, "diversity": job.diversity, "seed": job.seed, **row} for row in result]
+            advance(f"{job.recipe} k={job.diversity} seed={job.seed}")
     table = pd.DataFrame(rows)
     for row in table[table["status"] == "failed"].drop_duplicates(["recipe", "diversity", "seed"]).itertuples():
         console.print(f"[red]failed[/red] {row.recipe} k={row.diversity} seed={row.seed}: {row.error}")

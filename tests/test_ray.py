@@ -1,0 +1,147 @@
+"""The Ray executor: a sweep on a local Ray instance equals the local pool's, restarts redo nothing,
+a crashed task is one failure among successes, and bad executor settings stop with exit code 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import ray
+import torch
+import yaml
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from conftest import tiny_config
+from taskgeom.cli import app
+from taskgeom.errors import TaskgeomError
+from taskgeom.experiments.executors import Executor, execute
+from taskgeom.experiments.sweep import Job, run_sweep
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    """A local Ray instance started by the test, not by the executor."""
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def _recipe(folder):
+    recipe = folder / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump({"base": tiny_config("dice", steps=30).model_dump(mode="json"), "profiles": {"quick": {}}}))
+    return recipe
+
+
+def _jobs(recipe, root) -> list[Job]:
+    return [Job(str(recipe), k, seed, "quick", str(root)) for k, seed in ((-1, 0), (1, 1))]
+
+
+@pytest.fixture(scope="module")
+def ray_sweep(tmp_path_factory):
+    """A tiny sweep run on a local Ray instance that the executor starts and stops itself:
+    (its recipe, its folder, whether Ray was stopped afterwards)."""
+    folder = tmp_path_factory.mktemp("ray_sweep")
+    recipe = _recipe(folder)
+    table = run_sweep(_jobs(recipe, folder / "runs"), Executor("ray", workers=2, cpus_per_run=1), folder)
+    assert set(table["status"]) == {"ok"}, table.get("error")
+    return recipe, folder, not ray.is_initialized()
+
+
+def test_ray_sweep_equals_local_pool(ray_sweep, tmp_path):
+    recipe, on_ray, stopped = ray_sweep
+    assert stopped  # the executor stopped the instance it started
+    local = tmp_path
+    table = run_sweep(_jobs(recipe, local / "runs"), Executor("local", workers=2, cpus_per_run=1), local)
+    assert set(table["status"]) == {"ok"}, table.get("error")
+
+    for name in ("sweep.csv", "by_step.csv"):  # floats are written round-trip exact
+        assert (on_ray / name).read_text() == (local / name).read_text()
+    assert len((on_ray / "sweep.csv").read_text().splitlines()) == 1 + 2
+    runs = sorted(p.name for p in (local / "runs").glob("tiny-dice-*"))
+    assert len(runs) == 2 and runs == sorted(p.name for p in (on_ray / "runs").glob("tiny-dice-*"))
+    for name in runs:
+        mine, theirs = (load_file(where / "runs" / name / "model.safetensors") for where in (local, on_ray))
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_restarting_a_finished_ray_sweep_redoes_nothing(ray_sweep, ray_instance):
+    recipe, folder, _ = ray_sweep
+    root = folder / "runs"
+    tables = {name: (folder / name).read_text() for name in ("sweep.csv", "by_step.csv")}
+    written = {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and p.name != "index.sqlite"}
+    assert len([p for p in written if p.name == "model.safetensors"]) == 2
+
+    run_sweep(_jobs(recipe, root), Executor("ray", cpus_per_run=1), folder)
+    assert ray.is_initialized()  # the instance the test started is left running
+    assert {p: p.stat().st_mtime_ns for p in written} == written
+    assert {p for p in root.rglob("*") if p.is_file() and p.name != "index.sqlite"} == set(written)
+    assert {name: (folder / name).read_text() for name in tables} == tables
+
+
+def test_a_crashed_ray_task_is_one_failure(ray_instance):
+    def crash_on_one(item: int, threads: int) -> int:
+        if item == 1:
+            os._exit(3)  # the worker process dies without raising
+        return item * 10
+
+    results = dict(execute(crash_on_one, [0, 1, 2], Executor("ray", cpus_per_run=1)))
+    assert results[0] == 0 and results[2] == 20
+    assert isinstance(results[1], ray.exceptions.RayError)
+
+
+def test_a_dead_job_becomes_a_failed_row(tmp_path, monkeypatch):
+    """What the executor yields for a crashed task turns into that job's failed row; the others stand."""
+    jobs = _jobs(_recipe(tmp_path), tmp_path / "runs")
+    finished = [(jobs[0], ray.exceptions.WorkerCrashedError()), (jobs[1], [{"run": "r", "status": "ok", "metric": "m", "value": 1.5}])]
+    monkeypatch.setattr("taskgeom.experiments.sweep.execute", lambda fn, items, executor: iter(finished))
+    table = run_sweep(jobs, Executor("ray"), tmp_path).set_index("diversity")
+    assert table.loc[-1, "status"] == "failed" and table.loc[-1, "error"].startswith("WorkerCrashedError")
+    assert table.loc[1, "status"] == "ok" and table.loc[1, "seed"] == 1 and table.loc[1, "value"] == 1.5
+    assert len((tmp_path / "sweep.csv").read_text().splitlines()) == 1 + 2
+
+
+def test_ray_refuses_resources_the_cluster_lacks(ray_instance):
+    gpus = ray.cluster_resources().get("GPU", 0)
+    with pytest.raises(TaskgeomError, match="GPU"):
+        list(execute(lambda item, threads: item, [0], Executor("ray", gpus_per_run=gpus + 1)))
+    with pytest.raises(TaskgeomError, match="CPU"):
+        list(execute(lambda item, threads: item, [0], Executor("ray", cpus_per_run=3)))
+
+
+def test_ray_is_imported_only_when_asked_for():
+    code = "import sys, taskgeom.cli, taskgeom.experiments; print('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_missing_ray_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails
+    recipe = _recipe(tmp_path)
+    result = CliRunner().invoke(app, ["sweep", str(recipe), "--diversity", "-1", "--seeds", "0", "--out", str(tmp_path), "--executor", "ray"])
+    assert result.exit_code == 2
+    assert "pip install taskgeom[ray]" in result.output
+    assert not list(tmp_path.glob("tiny-dice-*"))
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--executor", "dask"], "unknown executor 'dask'"),
+    (["--address", "10.0.0.1:6379"], "need --executor ray"),
+    (["--gpus-per-run", "0.5"], "need --executor ray"),
+    (["--executor", "ray", "--cpus-per-run", "-1"], "--cpus-per-run must be at least 1"),
+    (["--executor", "ray", "--gpus-per-run", "-0.5"], "--gpus-per-run must be"),
+    (["--executor", "ray", "--gpus-per-run", "1.5"], "--gpus-per-run must be"),
+    (["--workers", "0"], "--workers must be at least 1"),
+])
+def test_bad_executor_options_exit_2(tmp_path, options, message):
+    result = CliRunner().invoke(app, ["sweep", str(_recipe(tmp_path)), "--out", str(tmp_path), *options])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not list(tmp_path.glob("tiny-dice-*"))
+
+
+def test_reproduce_takes_the_executor_options():
+    result = CliRunner().invoke(app, ["reproduce", "--help"])
+    assert result.exit_code == 0
+    assert all(option in result.output for option in ("--executor", "--address", "--cpus-per-run", "--gpus-per-run", "--workers"))
