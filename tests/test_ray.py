@@ -133,8 +133,11 @@ def test_missing_ray_names_the_extra(tmp_path, monkeypatch):
     (["--executor", "ray", "--gpus-per-run", "-0.5"], "--gpus-per-run must be"),
     (["--executor", "ray", "--gpus-per-run", "1.5"], "--gpus-per-run must be"),
     (["--workers", "0"], "--workers must be at least 1"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--executor", "ray", "--device", "gpu"], "unknown device 'gpu'"),
+    (["--tracker", "mlflow"], "unknown tracker 'mlflow'"),
 ])
-def test_bad_executor_options_exit_2(tmp_path, options, message):
+def test_bad_executor_and_training_options_exit_2(tmp_path, options, message):
     result = CliRunner().invoke(app, ["sweep", str(_recipe(tmp_path)), "--out", str(tmp_path), *options])
     assert result.exit_code == 2, result.output
     assert message in result.output
@@ -144,4 +147,5 @@ def test_bad_executor_options_exit_2(tmp_path, options, message):
 def test_reproduce_takes_the_executor_options():
     result = CliRunner().invoke(app, ["reproduce", "--help"])
     assert result.exit_code == 0
-    assert all(option in result.output for option in ("--executor", "--address", "--cpus-per-run", "--gpus-per-run", "--workers"))
+    assert all(option in result.output for option in ("--executor", "--address", "--cpus-per-run", "--gpus-per-run", "--workers",
+                                                      "--device", "--tracker"))

@@ -6,11 +6,14 @@ from __future__ import annotations
 import sys
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from conftest import tiny_config
 from taskgeom.cli import app
 from taskgeom.errors import TaskgeomError
+from taskgeom.experiments.executors import Executor
+from taskgeom.experiments.sweep import Job, run_sweep
 from taskgeom.runs import Run
 from taskgeom.trackers import check_tracker, scalars
 from taskgeom.train import train
@@ -55,3 +58,13 @@ def test_unknown_and_missing_trackers_are_refused(tmp_path, monkeypatch):
     result = runner.invoke(app, ["train", "e1", "--tracker", "mlflow", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "unknown tracker" in result.output
     assert not any(tmp_path.iterdir())
+
+
+def test_sweep_runs_log_to_the_tracker(tmp_path):
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump({"base": tiny_config("dice", steps=20).model_dump(mode="json"), "profiles": {"quick": {}}}))
+    jobs = [Job(str(recipe), k, 0, "quick", str(tmp_path / "runs"), device="cpu", tracker="tensorboard") for k in (-1, 1)]
+    table = run_sweep(jobs, Executor(workers=1))
+    assert set(table["status"]) == {"ok"}, table.get("error")
+    runs = sorted((tmp_path / "runs").glob("tiny-dice-*"))
+    assert len(runs) == 2 and all(list((run / "tensorboard").glob("events.out.tfevents.*")) for run in runs)

@@ -39,6 +39,19 @@ def _user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+def _check_training(device: str, tracker: str, local: bool = True) -> None:
+    """Refuse a bad --device or --tracker before anything is written; on Ray each task resolves
+    the device on its own node, so only its spelling is checked here."""
+    from taskgeom.devices import check_device_name, resolve_device
+    from taskgeom.trackers import check_tracker
+
+    check_tracker(tracker)
+    if local:
+        resolve_device(device)
+    else:
+        check_device_name(device)
+
+
 @app.command()
 @_user_errors
 def train(
@@ -52,14 +65,12 @@ def train(
 ) -> None:
     """Train one run (or resume it from its last checkpoint); prints the run directory. Mixed
     precision: --set train.precision=bf16."""
-    from taskgeom.devices import resolve_device
     from taskgeom.progress import step_bar
     from taskgeom.recipes import load_recipe
     from taskgeom.runs import Run
-    from taskgeom.trackers import check_tracker
     from taskgeom.train import train as train_run
 
-    resolve_device(device), check_tracker(tracker)  # refuse before anything is written
+    _check_training(device, tracker)
     run = Run.create(load_recipe(config, profile, set_ or []), out, run_dir)
     if run.finished:
         typer.echo(f"{run.path} is already trained")
@@ -139,6 +150,8 @@ def sweep(
     address: Optional[str] = _ADDRESS,
     cpus_per_run: Optional[int] = _CPUS_PER_RUN,
     gpus_per_run: float = _GPUS_PER_RUN,
+    device: str = DEVICE_OPTION,
+    tracker: str = TRACKER_OPTION,
 ) -> None:
     """Train and analyse one run per (k, seed): projection R^2, subspace ablations, probes, the
     predictor transition and Theorem 2. Finished runs are skipped; failures are reported, not fatal.
@@ -148,8 +161,9 @@ def sweep(
     from taskgeom.experiments.sweep import Job, run_sweep, summary
 
     where = Executor(executor, workers, address, cpus_per_run, gpus_per_run)
+    _check_training(device, tracker, where.kind == "local")
     ks, seed_list = _int_list(diversity, "--diversity"), _int_list(seeds, "--seeds")
-    jobs = [Job(config, k, s, profile, str(out), tuple(set_ or [])) for k in ks for s in seed_list]
+    jobs = [Job(config, k, s, profile, str(out), tuple(set_ or []), device, tracker) for k in ks for s in seed_list]
     for job in jobs:  # validate every config before any work starts
         job.config()
     table = run_sweep(jobs, where, out)
@@ -230,6 +244,8 @@ def reproduce(
     address: Optional[str] = _ADDRESS,
     cpus_per_run: Optional[int] = _CPUS_PER_RUN,
     gpus_per_run: float = _GPUS_PER_RUN,
+    device: str = DEVICE_OPTION,
+    tracker: str = TRACKER_OPTION,
 ) -> None:
     """Reproduce every claim: trains what is missing (finished runs are reused), analyses, and
     writes claims.json, timings.json and report.html. Exits 1 if a claim fails. The diversity
@@ -238,13 +254,14 @@ def reproduce(
     from taskgeom.experiments import EXPERIMENTS, reproduce as run_all
 
     where = Executor(executor, workers, address, cpus_per_run, gpus_per_run)
+    _check_training(device, tracker, where.kind == "local")
     if profile not in ("quick", "paper"):
         raise TaskgeomError(f"unknown profile {profile!r}; choose quick or paper")
     unknown = set(only or []) - set(EXPERIMENTS)
     if unknown:
         raise TaskgeomError(f"unknown experiments {sorted(unknown)}; available: {list(EXPERIMENTS)}")
     chosen = {k: v for k, v in EXPERIMENTS.items() if not only or k in only}
-    ctx = run_all(out, profile, chosen, where)
+    ctx = run_all(out, profile, chosen, where, device, tracker)
     for claim in ctx.claims:
         typer.echo(f"{'PASS' if claim.passed else 'FAIL'}  {claim.id:<28} {claim.value:.4g} {claim.comparison} {claim.threshold:.4g}")
     typer.echo(f"{sum(c.passed for c in ctx.claims)}/{len(ctx.claims)} claims pass; report: {ctx.out / 'report.html'}")

@@ -20,13 +20,19 @@ class DeviceError(TaskgeomError):
     """A device that does not exist on this machine or in this torch build."""
 
 
+def check_device_name(name: str) -> None:
+    """DeviceError unless ``name`` is spelt auto, cpu, cuda or cuda:N (whether it exists aside)."""
+    kind, _, index = name.partition(":")
+    if kind not in DEVICE_CHOICES or (index and (kind != "cuda" or not index.isdigit())):
+        raise DeviceError(f"unknown device {name!r}; choose auto, cpu, cuda or cuda:N")
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N`` -> a torch device."""
+    check_device_name(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kind, _, index = name.partition(":")
-    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
-        raise DeviceError(f"unknown device {name!r}; choose auto, cpu, cuda or cuda:N")
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise DeviceError(f"device {name!r} asked for, but CUDA is not available (torch {torch.__version__}); use --device cpu or auto")

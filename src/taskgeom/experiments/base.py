@@ -25,6 +25,8 @@ class Context:
     out: Path
     profile: str = "quick"
     executor: Executor = Executor()
+    device: str = "auto"
+    tracker: str = "none"
     claims: list[Claim] = field(default_factory=list)
     figures: list[tuple[str, str]] = field(default_factory=list)  # (path relative to out, caption)
 
@@ -44,19 +46,20 @@ class Context:
         run = Run.create(load_recipe(recipe, self.profile, list(overrides)), self.runs_root)
         if not run.finished:
             with step_bar(f"train {run.path.name}", run.config.train.steps) as update:
-                train(run, update)
+                train(run, update, self.device, self.tracker)
         return run
 
 
 Experiment = Callable[[Context], None]
 
 
-def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], executor: Executor = Executor()) -> Context:
-    """Run each experiment (their sweeps on ``executor``), then write ``claims.json``,
-    ``timings.json`` and ``report.html``."""
+def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], executor: Executor = Executor(),
+              device: str = "auto", tracker: str = "none") -> Context:
+    """Run each experiment (their sweeps on ``executor``; training on ``device``, also logged to
+    ``tracker``), then write ``claims.json``, ``timings.json`` and ``report.html``."""
     from taskgeom.report.html import write_report
 
-    ctx = Context(Path(out), profile, executor)
+    ctx = Context(Path(out), profile, executor, device, tracker)
     ctx.out.mkdir(parents=True, exist_ok=True)
     timings = {}
     for name, experiment in experiments.items():

@@ -36,7 +36,8 @@ def _value(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None
 
 def dual_modes(ctx: Context) -> None:
     diversities, seeds, recipes = GRIDS[ctx.profile]
-    jobs = [Job(recipe, k, seed, ctx.profile, str(ctx.runs_root)) for recipe in recipes for k in diversities for seed in seeds]
+    jobs = [Job(recipe, k, seed, ctx.profile, str(ctx.runs_root), device=ctx.device, tracker=ctx.tracker)
+            for recipe in recipes for k in diversities for seed in seeds]
     table = run_sweep(jobs, ctx.executor, out=ctx.out / "tables")
     ok = table[table["status"] == "ok"]
     low, high = min(diversities), max(diversities)

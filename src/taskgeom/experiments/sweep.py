@@ -25,12 +25,17 @@ from taskgeom.storage import atomic_write_text
 
 @dataclass(frozen=True)
 class Job:
+    """One run of a sweep: its recipe, diversity k, seed, profile, overrides and run root, and
+    where it trains (``device``) and what it also logs to (``tracker``), as in ``train.train``."""
+
     recipe: str
     diversity: int
     seed: int
     profile: str = "quick"
     root: str = "runs"
     overrides: tuple[str, ...] = ()
+    device: str = "auto"
+    tracker: str = "none"
 
     def config(self) -> RunConfig:
         return load_recipe(self.recipe, self.profile, [*self.overrides, f"task.diversity={self.diversity}", f"train.seed={self.seed}"])
@@ -52,7 +57,7 @@ def run_job(job: Job, threads: int = 0) -> list[dict]:
         if threads:
             torch.set_num_threads(threads)
         run = Run.create(job.config(), job.root)
-        train(run)
+        train(run, device=job.device, tracker=job.tracker)
         rows = load_dual(run) or analyze_dual(run)
         return [{"run": str(run.path), "status": "ok", **row} for row in rows]
     except Exception as err:  # one failing run must not stop the sweep
