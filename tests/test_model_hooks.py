@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from taskgeom.config import ModelConfig
+from taskgeom.errors import AnalysisError
 from taskgeom.hooks import capture, intervene
 from taskgeom.model import SITES, Transformer
 
@@ -64,9 +65,9 @@ def test_intervention_shape_is_checked(model):
 
 
 def test_unknown_sites_and_long_inputs_are_named(model):
-    with pytest.raises(ValueError, match="unknown site 'resid'"):
+    with pytest.raises(AnalysisError, match=r"no site 'resid'; its sites are \['resid_pre', 'attn_out'"):
         model.site(0, "resid")
-    with pytest.raises(ValueError, match="layer 3 does not exist"):
+    with pytest.raises(AnalysisError, match="layer 3 does not exist"):
         model.site(3, "resid_post")
     with pytest.raises(ValueError, match="exceeds the model's max_len"):
         model(torch.zeros(1, 25, dtype=torch.long))

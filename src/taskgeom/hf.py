@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from taskgeom.config import ConfigError, ModelConfig, RegressionConfig, RunConfig
-from taskgeom.errors import AnalysisError, RunDirError, TaskgeomError
-from taskgeom.model import HookPoint
+from taskgeom.errors import RunDirError, TaskgeomError
+from taskgeom.model import HookPoint, ResidualModel
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run
 
@@ -114,7 +114,7 @@ class DecoderBlock(nn.Module):
         return self.resid_post(out[0] if isinstance(out, tuple) else out)
 
 
-class HFCausalLM(nn.Module):
+class HFCausalLM(ResidualModel):
     """A ``transformers`` GPT-2 or Llama causal LM (``model``) with taskgeom's model protocol.
 
     ``n_out``: keep only the first ``n_out`` logits (a task's tokens, when the model's vocabulary is
@@ -154,20 +154,6 @@ class HFCausalLM(nn.Module):
         """Final residual state [..., D] -> logits [..., n_out or V] (final norm + LM head)."""
         logits = self.hf.get_output_embeddings()(getattr(self.hf.base_model, self.parts.final_norm)(h))
         return logits if self.n_out is None else logits[..., : self.n_out]
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed_inputs(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.readout(x)
-
-    def site(self, layer: int, name: str) -> HookPoint:
-        """The hook module for ``name`` (one of ``sites``) in block ``layer``."""
-        if name not in SITES:
-            raise AnalysisError(f"the {self.model_type} adapter has no site {name!r}; its sites are {list(SITES)}")
-        if not 0 <= layer < len(self.blocks):
-            raise AnalysisError(f"layer {layer} does not exist; the model has layers 0..{len(self.blocks) - 1}")
-        return getattr(self.blocks[layer], name)
 
 
 # ---- models of runs with model.arch gpt2 / llama ---------------------------------------------

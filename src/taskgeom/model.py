@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from taskgeom.config import ModelConfig
+from taskgeom.errors import AnalysisError
 
 SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 
@@ -75,12 +76,32 @@ class Block(nn.Module):
         return self.resid_post(x + self.mlp_out(self.mlp(self.ln_mlp(x))))
 
 
-class Transformer(nn.Module):
+class ResidualModel(nn.Module):
+    """What the analysis and the hooks use of a model: ``embed_inputs(tokens) -> [B, T, D]``,
+    ``blocks[l]: [B, T, D] -> [B, T, D]`` holding a HookPoint per name in ``sites``, and
+    ``readout(h [..., D]) -> logits``; subclasses provide those three."""
+
+    sites: tuple[str, ...] = SITES
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed_inputs(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.readout(x)
+
+    def site(self, layer: int, name: str) -> HookPoint:
+        """The hook module for ``name`` (one of ``sites``) in block ``layer``."""
+        if name not in self.sites:
+            raise AnalysisError(f"this model has no site {name!r}; its sites are {list(self.sites)}")
+        if not 0 <= layer < len(self.blocks):
+            raise AnalysisError(f"layer {layer} does not exist; the model has layers 0..{len(self.blocks) - 1}")
+        return getattr(self.blocks[layer], name)
+
+
+class Transformer(ResidualModel):
     """Token model ``forward(tokens [B, T] long) -> logits [B, T, n_out]`` (``vocab_size`` given), or
     vector model ``forward(inputs [B, T, d_in] float) -> outputs [B, T, n_out]`` (``d_in`` given:
     a linear read-in replaces the embedding; the blocks and hook sites are the same)."""
-
-    sites = SITES
 
     def __init__(self, cfg: ModelConfig, vocab_size: int | None = None, n_out: int | None = None, d_in: int | None = None):
         super().__init__()
@@ -121,16 +142,3 @@ class Transformer(nn.Module):
         """Final residual state [..., D] -> logits [..., n_out] (final norm + unembedding)."""
         return self.unembed(self.ln_final(h))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed_inputs(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.readout(x)
-
-    def site(self, layer: int, name: str) -> HookPoint:
-        """The hook module for ``name`` (one of SITES) in block ``layer``."""
-        if name not in SITES:
-            raise ValueError(f"unknown site {name!r}; choose one of {SITES}")
-        if not 0 <= layer < len(self.blocks):
-            raise ValueError(f"layer {layer} does not exist; the model has layers 0..{len(self.blocks) - 1}")
-        return getattr(self.blocks[layer], name)
