@@ -37,3 +37,29 @@ def test_unknown_filter_field_is_named(tmp_path):
     train(run)
     result = runner.invoke(app, ["runs", str(tmp_path), "--where", "colour=red"])
     assert result.exit_code == 2 and "unknown field 'colour'" in result.output
+
+
+def test_index_follows_the_folder_it_lives_in(tmp_path):
+    """Runs deleted or moved away leave the index; a copied folder lists its own runs only; an
+    index of another version's columns is rebuilt; device and precision are listed."""
+    import shutil
+    import sqlite3
+
+    root = tmp_path / "a"
+    runs = [Run.create(tiny_config("dice", steps=5, seed=seed, **extra), root) for seed, extra in ((0, {}), (1, {"precision": "bf16"}))]
+    for run in runs:
+        train(run, device="cpu")
+    table = query(root).set_index("seed")
+    assert table.loc[1, "precision"] == "bf16" and table.loc[0, "precision"] == "fp32" and set(table["device"]) == {"cpu"}
+
+    shutil.copytree(root, tmp_path / "b")  # the index travels with the folder
+    assert refresh(tmp_path / "b") == []
+    assert all(path.startswith(str((tmp_path / "b").resolve())) for path in query(tmp_path / "b")["path"])
+    shutil.rmtree(runs[0].path)
+    refresh(root)
+    assert list(query(root)["seed"]) == [1]
+
+    with sqlite3.connect(root / "index.sqlite") as db:  # an older version's index
+        db.execute("DROP TABLE runs")
+        db.execute("CREATE TABLE runs (path PRIMARY KEY, name, family)")
+    assert refresh(root) == [] and list(query(root)["seed"]) == [1]

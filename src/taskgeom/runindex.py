@@ -1,8 +1,10 @@
 """An SQLite index of the runs under one folder: their key settings and headline metrics.
 
 The trainer records a run when it starts and when it finishes; ``refresh`` re-reads every run
-directory under the folder (so runs copied in, or made by an older session, appear too). A run
-directory that cannot be read is reported by name and reason, never fatal.
+directory under the folder (so runs copied in, or made by an older session, appear too, and runs
+deleted or moved away disappear). A run directory that cannot be read is reported by name and
+reason, never fatal. The index is a cache of the directories: one written with other columns (by
+another version) is rebuilt.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ from taskgeom.errors import TaskgeomError
 from taskgeom.runs import Run
 
 INDEX_NAME = "index.sqlite"
-COLUMNS = ("path", "name", "family", "diversity", "seed", "steps", "digest", "status", "step", "loss_major", "excess_major", "updated")
+COLUMNS = ("path", "name", "family", "diversity", "seed", "steps", "arch", "precision", "digest", "status", "step", "device",
+           "loss_major", "excess_major", "updated")
 ALIASES = {"k": "diversity"}
 
 
 def _connect(root: Path) -> sqlite3.Connection:
     root.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(root / INDEX_NAME, timeout=30)
+    if tuple(row[1] for row in db.execute("PRAGMA table_info(runs)")) not in ((), COLUMNS):
+        db.execute("DROP TABLE runs")  # another version's columns: refresh() refills it
     db.execute(f"CREATE TABLE IF NOT EXISTS runs ({', '.join(c + (' PRIMARY KEY' if c == 'path' else '') for c in COLUMNS)})")
     return db
 
@@ -35,8 +40,9 @@ def summarise(run: Run) -> dict:
     last = metrics[-1] if metrics else {}
     major = last.get("eval", {}).get("major", {})
     return {"path": str(run.path.resolve()), "name": cfg.name, "family": cfg.task.family, "diversity": cfg.task.diversity,
-            "seed": cfg.train.seed, "steps": cfg.train.steps, "digest": cfg.digest(),
-            "status": "finished" if run.finished else "unfinished", "step": last.get("step", 0),
+            "seed": cfg.train.seed, "steps": cfg.train.steps, "arch": cfg.model.arch, "precision": cfg.train.precision,
+            "digest": cfg.digest(), "status": "finished" if run.finished else "unfinished", "step": last.get("step", 0),
+            "device": last.get("device"),
             "loss_major": major.get("loss"), "excess_major": major.get("excess"), "updated": time.time()}
 
 
@@ -48,14 +54,20 @@ def record(run: Run) -> None:
 
 
 def refresh(root: Path) -> list[str]:
-    """Re-read every run directory under ``root`` into the index; returns 'path: reason' for each
-    directory that could not be read (and drops it from the index)."""
+    """Re-read every run directory under ``root`` into the index, dropping entries of directories
+    no longer there; returns 'path: reason' for each directory that could not be read (and drops
+    it from the index)."""
     root = Path(root)
     if not root.is_dir():
         raise TaskgeomError(f"{root} is not a folder of runs")
     bad = []
+    folders = sorted(p for p in root.iterdir() if p.is_dir())
     with _connect(root) as db:
-        for path in sorted(p for p in root.iterdir() if p.is_dir()):
+        present = {str(p.resolve()) for p in folders}
+        for (path,) in db.execute("SELECT path FROM runs").fetchall():
+            if path not in present:
+                db.execute("DELETE FROM runs WHERE path = ?", [path])
+        for path in folders:
             try:
                 row = summarise(Run.open(path))
             except (TaskgeomError, OSError, ValueError, KeyError, json.JSONDecodeError) as err:
