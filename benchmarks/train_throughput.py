@@ -24,12 +24,12 @@ from taskgeom.runs import Run
 
 
 def hf_gpt2(cfg, vocab_size: int) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """A stock GPT2LMHeadModel of ``cfg``'s sizes (the config taskgeom's ``model.arch: gpt2`` uses)."""
+    from transformers import GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=vocab_size, n_positions=cfg.max_len, n_embd=cfg.d_model, n_layer=cfg.n_layers, n_head=cfg.n_heads,
-                        n_inner=cfg.d_mlp, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config)
+    from taskgeom.hf import hf_config
+
+    return GPT2LMHeadModel(hf_config(cfg.model_copy(update={"arch": "gpt2"}), vocab_size))
 
 
 def hf_loss(model: torch.nn.Module, batch) -> torch.Tensor:
