@@ -33,7 +33,7 @@ def test_auto_picks_cuda_only_when_available(monkeypatch):
         resolve_device("cuda")
 
 
-@pytest.mark.parametrize("name", ["tpu", "cpu:1", "cuda:x", "gpu"])
+@pytest.mark.parametrize("name", ["tpu", "cpu:1", "cuda:x", "gpu", "auto:", "cpu:", "cuda:"])
 def test_unknown_device_names_are_refused(name):
     with pytest.raises(DeviceError, match="choose auto, cpu, cuda or cuda:N"):
         resolve_device(name)

@@ -242,9 +242,25 @@ def test_run_directory_options_and_export_of_our_own_model_are_clear_errors(trai
     result = CliRunner().invoke(app, ["analyze", str(trained.path), "--recipe", "e1"])
     assert result.exit_code == 2 and "analyse it without --recipe" in result.output
     result = CliRunner().invoke(app, ["analyze", str(trained.path), "--set", "a=1"])
-    assert result.exit_code == 2 and "--set and --out are for a Hugging Face model directory" in result.output
+    assert result.exit_code == 2 and "analyse it without --recipe, --set and --out" in result.output
     ours = Run.create(load_recipe("e1", "quick", [s for s in TRAIN if "arch" not in s] + ["train.steps=2"]), tmp_path)
     train(ours)
     result = CliRunner().invoke(app, ["export-hf", str(ours.path), str(tmp_path / "out")])
     assert result.exit_code == 2
     assert "only models of model.arch ['gpt2', 'llama'] are Hugging Face models" in result.output
+
+
+def test_export_never_overwrites_and_weightless_directories_are_named(trained, exported, tmp_path):
+    """export-hf into a run directory (or any non-empty folder) is refused and the run stays whole;
+    a Hugging Face folder with a config but no weights is a one-line error, not a traceback."""
+    before = {p: p.read_bytes() for p in trained.path.glob("*.safetensors")}
+    result = CliRunner().invoke(app, ["export-hf", str(trained.path), str(trained.path)])
+    assert result.exit_code == 2 and "not an empty folder" in result.output
+    assert {p: p.read_bytes() for p in trained.path.glob("*.safetensors")} == before
+    assert Run.open(trained.path).load_model() is not None
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((exported / "config.json").read_text())
+    result = CliRunner().invoke(app, ["analyze", str(bare), "--recipe", "e1", *sum((["--set", s] for s in TASK), []), "--sequences", "48"])
+    assert result.exit_code == 2 and "the Hugging Face model cannot be loaded" in result.output

@@ -195,9 +195,9 @@ def analyze(
 
     if directions not in ("task_vectors", "regression"):
         raise TaskgeomError(f"unknown directions {directions!r}; choose task_vectors or regression")
-    if recipe is None and not (run_dir / "config.json").is_file():
-        if set_ or out:
-            raise TaskgeomError("--set and --out are for a Hugging Face model directory (with --recipe); a run directory has its own config")
+    if (run_dir / "run.json").is_file() or (recipe is None and not (run_dir / "config.json").is_file()):
+        if recipe or set_ or out:
+            raise TaskgeomError(f"{run_dir} is a taskgeom run directory, which has its own config: analyse it without --recipe, --set and --out")
         run = Run.open(run_dir)
     else:
         from taskgeom.hf import open_pretrained

@@ -22,8 +22,8 @@ class DeviceError(TaskgeomError):
 
 def check_device_name(name: str) -> None:
     """DeviceError unless ``name`` is spelt auto, cpu, cuda or cuda:N (whether it exists aside)."""
-    kind, _, index = name.partition(":")
-    if kind not in DEVICE_CHOICES or (index and (kind != "cuda" or not index.isdigit())):
+    kind, colon, index = name.partition(":")
+    if kind not in DEVICE_CHOICES or (colon and (kind != "cuda" or not index.isdigit())):
         raise DeviceError(f"unknown device {name!r}; choose auto, cpu, cuda or cuda:N")
 
 

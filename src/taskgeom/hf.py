@@ -186,13 +186,17 @@ def model_config(config) -> ModelConfig:
 
 def save_pretrained(source: Run | HFCausalLM, out: Path | str) -> Path:
     """Write the HF model of a finished run (model.arch gpt2 or llama), or of an adapter, to ``out``
-    (config.json, model.safetensors) for ``AutoModelForCausalLM.from_pretrained``; returns ``out``."""
+    (config.json, model.safetensors) for ``AutoModelForCausalLM.from_pretrained``; returns ``out``.
+    ``out`` must be new or empty, so nothing already written (a run directory, say) is replaced."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise TaskgeomError(f"{out} already exists and is not an empty folder; choose a new folder for the Hugging Face model")
     model = source.load_model() if isinstance(source, Run) else source
     if not isinstance(model, HFCausalLM):
         raise TaskgeomError(f"only models of model.arch {list(SUPPORTED)} are Hugging Face models; this one is taskgeom's own "
                             "(train with --set model.arch=gpt2 to get one)")
     model.hf.save_pretrained(str(out))
-    return Path(out)
+    return out
 
 
 # ---- analysing a directory written by save_pretrained ------------------------------------------
@@ -210,7 +214,10 @@ class PretrainedRun(Run):
 
     def load_model(self) -> HFCausalLM:
         """The adapter over ``AutoModelForCausalLM.from_pretrained(source)`` in float32, its logits cut to the task's tokens."""
-        model = _transformers().AutoModelForCausalLM.from_pretrained(str(self.source)).float()
+        try:
+            model = _transformers().AutoModelForCausalLM.from_pretrained(str(self.source)).float()
+        except OSError as err:  # no or unreadable weights beside config.json
+            raise RunDirError(f"{self.source}: the Hugging Face model cannot be loaded ({err})") from None
         return HFCausalLM(model, n_out=self.family.vocab_size).eval()
 
 
