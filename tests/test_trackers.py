@@ -68,3 +68,43 @@ def test_sweep_runs_log_to_the_tracker(tmp_path):
     assert set(table["status"]) == {"ok"}, table.get("error")
     runs = sorted((tmp_path / "runs").glob("tiny-dice-*"))
     assert len(runs) == 2 and all(list((run / "tensorboard").glob("events.out.tfevents.*")) for run in runs)
+
+
+class Interrupt(Exception):
+    pass
+
+
+def _interrupt_at(step: int):
+    def progress(done: int, _total: int, _loss: float) -> None:
+        if done == step:
+            raise Interrupt
+
+    return progress
+
+
+@pytest.mark.parametrize("kind", ["tensorboard", "wandb"])
+def test_a_resumed_run_continues_its_tracker_without_duplicates(tmp_path, monkeypatch, kind):
+    """Stopped at step 30 with the checkpoint at 20, then resumed: TensorBoard holds each step once
+    with metrics.jsonl's values; W&B continues the run under the same id."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = Run.create(tiny_config("dice", checkpoint_every=20), path=tmp_path / "r")
+    with pytest.raises(Interrupt):
+        train(run, _interrupt_at(30), device="cpu", tracker=kind)
+    if kind == "wandb":
+        first_id = (run.path / "wandb" / "taskgeom-id").read_text()
+    train(run, device="cpu", tracker=kind)
+    records = run.metrics()
+    assert [r["step"] for r in records] == [10, 20, 30, 40]
+    if kind == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(run.path / "tensorboard"))
+        events.Reload()
+        logged = events.Scalars("major/loss")
+        assert [e.step for e in logged] == [10, 20, 30, 40]
+        assert [e.value for e in logged] == pytest.approx([scalars(r)["major/loss"] for r in records], rel=1e-6)
+    else:
+        assert (run.path / "wandb" / "taskgeom-id").read_text() == first_id
+        offline = list((run.path / "wandb").glob("offline-run-*"))  # one per session
+        assert offline and all(first_id in path.name for path in offline)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import uuid
 from typing import Protocol
 
 from taskgeom.errors import TaskgeomError
 from taskgeom.runs import Run
+from taskgeom.storage import atomic_write_text
 
 TRACKERS = ("none", "tensorboard", "wandb")
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # tracker -> the package it imports
@@ -20,7 +22,8 @@ class Tracker(Protocol):
     def log(self, record: dict) -> None:
         """Record one evaluation record of metrics.jsonl (``step``, ``lr``, ``train_loss``, ``eval``)."""
 
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None:
+        """Flush and end; ``failed`` when training stopped on an error."""
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -32,29 +35,38 @@ def scalars(record: dict) -> dict[str, float]:
 
 
 class TensorBoardTracker:
-    """Event files in ``{run}/tensorboard`` (view with ``tensorboard --logdir RUN_ROOT``)."""
+    """Event files in ``{run}/tensorboard`` (view with ``tensorboard --logdir RUN_ROOT``). A run
+    resumed from step ``start`` purges the events logged after it, as metrics.jsonl is cut back."""
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Run, start: int):
         from torch.utils.tensorboard import SummaryWriter
-        self.writer = SummaryWriter(log_dir=str(run.path / "tensorboard"))
+
+        self.writer = SummaryWriter(log_dir=str(run.path / "tensorboard"), purge_step=start + 1 if start else None)
 
     def log(self, record: dict) -> None:
         for name, value in scalars(record).items():
             self.writer.add_scalar(name, value, record["step"])
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
 class WandbTracker:
-    """A W&B run named after the run directory, resumed with it, kept in ``{run}/wandb``; offline by
-    default (``wandb sync`` uploads it later), ``WANDB_MODE=online`` to stream."""
+    """A W&B run named after the run directory and kept in ``{run}/wandb``; offline by default
+    (``wandb sync`` uploads it later), ``WANDB_MODE=online`` to stream. Its id is drawn when
+    training starts from step 0 and kept in ``{run}/wandb/taskgeom-id``, so a resumed run continues
+    the same W&B run (whose steps after the checkpoint come again, with the same values)."""
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Run, start: int):
         import wandb
+
+        id_path = run.path / "wandb" / "taskgeom-id"
+        if start == 0 or not id_path.is_file():
+            id_path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(id_path, uuid.uuid4().hex[:12])
         self.session = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "taskgeom"),
-            id=run.path.name,
+            id=id_path.read_text().strip(),
             name=run.path.name,
             dir=str(run.path),
             config=run.config.model_dump(mode="json"),
@@ -65,8 +77,8 @@ class WandbTracker:
     def log(self, record: dict) -> None:
         self.session.log(scalars(record), step=record["step"])
 
-    def close(self) -> None:
-        self.session.finish()
+    def close(self, failed: bool = False) -> None:
+        self.session.finish(exit_code=1 if failed else 0)
 
 
 def check_tracker(kind: str) -> None:
@@ -77,9 +89,10 @@ def check_tracker(kind: str) -> None:
         raise TaskgeomError(f"the {kind} tracker needs `pip install taskgeom[{kind}]`")
 
 
-def open_tracker(kind: str, run: Run) -> Tracker | None:
-    """The tracker named ``kind`` (none, tensorboard, wandb) for ``run``; None for ``none``."""
+def open_tracker(kind: str, run: Run, start: int = 0) -> Tracker | None:
+    """The tracker named ``kind`` (none, tensorboard, wandb) for ``run`` training on from step
+    ``start``; None for ``none``."""
     check_tracker(kind)
     if kind == "none":
         return None
-    return TensorBoardTracker(run) if kind == "tensorboard" else WandbTracker(run)
+    return (TensorBoardTracker if kind == "tensorboard" else WandbTracker)(run, start)

@@ -21,7 +21,7 @@ from taskgeom.evaluate import eval_sets, summary
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_text, load_module_state, load_tensors, save_tensors
 from taskgeom.tasks import Batch, TaskFamily
-from taskgeom.trackers import Tracker, open_tracker
+from taskgeom.trackers import Tracker, check_tracker, open_tracker
 
 ProgressFn = Callable[[int, int, float], None]
 
@@ -86,29 +86,43 @@ def train(run: Run, progress: ProgressFn | None = None, device: str = "auto", tr
     if run.finished:
         return run.metrics()[-1]
     where = resolve_device(device)
-    sink = open_tracker(tracker, run)
-    try:
-        return _train(run, where, progress, sink)
-    finally:
-        if sink is not None:
-            sink.close()
-
-
-def _train(run: Run, where: torch.device, progress: ProgressFn | None, tracker: Tracker | None) -> dict:
-    """The loop of ``train`` on a resolved device, with an open tracker (or None)."""
-    cfg, family, pool = run.config.train, run.family, run.pool
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model = run.new_model().to(where).train()
-    opt = make_optimizer(model, cfg.lr, cfg.weight_decay)
-    start, loss_sum, loss_count = 0, 0.0, 0
-    if run.checkpoint_path.exists():
-        tensors, meta = load_tensors(run.checkpoint_path, run.config.digest())
-        load_module_state(model, tensors, run.checkpoint_path, prefix="model.")
-        _load_optimizer(opt, tensors)
-        start, loss_sum, loss_count = int(meta["step"]), float(meta["loss_sum"]), int(meta["loss_count"])
+    check_tracker(tracker)
+    if run.config.train.threads:
+        torch.set_num_threads(run.config.train.threads)
+    model, opt, start, loss_sum, loss_count = _restore(run, where)
     _truncate_metrics(run, start)
     runindex.record(run)
+    sink = open_tracker(tracker, run, start)
+    failed = True
+    try:
+        record = _steps(run, model, opt, where, start, loss_sum, loss_count, progress, sink)
+        failed = False
+    finally:
+        if sink is not None:
+            sink.close(failed)
+    save_tensors(run.model_path, model.state_dict(), {"config_digest": run.config.digest(), "step": str(run.config.train.steps)})
+    runindex.record(run)
+    return record or run.metrics()[-1]
+
+
+def _restore(run: Run, where: torch.device) -> tuple[torch.nn.Module, torch.optim.AdamW, int, float, int]:
+    """(model on ``where``, optimiser, step, running loss sum, count): fresh, or from the checkpoint."""
+    cfg = run.config.train
+    model = run.new_model().to(where).train()
+    opt = make_optimizer(model, cfg.lr, cfg.weight_decay)
+    if not run.checkpoint_path.exists():
+        return model, opt, 0, 0.0, 0
+    tensors, meta = load_tensors(run.checkpoint_path, run.config.digest())
+    load_module_state(model, tensors, run.checkpoint_path, prefix="model.")
+    _load_optimizer(opt, tensors)
+    return model, opt, int(meta["step"]), float(meta["loss_sum"]), int(meta["loss_count"])
+
+
+def _steps(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, where: torch.device, start: int, loss_sum: float,
+           loss_count: int, progress: ProgressFn | None, tracker: Tracker | None) -> dict:
+    """Steps ``start`` to the end: evaluation records, checkpoints and snapshots on their schedule;
+    returns the last evaluation record."""
+    cfg, family, pool = run.config.train, run.family, run.pool
     sets = [evalset.to(where) for evalset in eval_sets(run)]
     record: dict = {}
     keep = set(snapshot_steps(cfg.steps, cfg.snapshots))
@@ -135,9 +149,7 @@ def _train(run: Run, where: torch.device, progress: ProgressFn | None, tracker: 
             save_tensors(run.snapshot_path(done), model.state_dict(), {"config_digest": run.config.digest(), "step": str(done)})
         if progress:
             progress(done, cfg.steps, loss_value)
-    save_tensors(run.model_path, model.state_dict(), {"config_digest": run.config.digest(), "step": str(cfg.steps)})
-    runindex.record(run)
-    return record or run.metrics()[-1]
+    return record
 
 
 def _truncate_metrics(run: Run, step: int) -> None:
