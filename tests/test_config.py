@@ -22,6 +22,7 @@ BASE = {"name": "x", "task": {"family": "dice"}}
         (["task.family=dicey"], "dicey"),
         (["task.p_minor=1.5"], "'task.p_minor'"),
         (["steps"], "section.key=value"),
+        (["model.arch=gpt2", "model.positions=rotary"], "^model.arch gpt2 has learned positions; leave model.positions out"),
     ],
 )
 def test_bad_settings_are_named(overrides, message):

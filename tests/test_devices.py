@@ -4,6 +4,8 @@ CUDA run matches the CPU run."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -87,3 +89,22 @@ def test_cuda_run_matches_the_cpu_run(tmp_path):
     for set_name, metrics in cpu["eval"].items():
         for metric, value in metrics.items():
             assert cuda["eval"][set_name][metric] == pytest.approx(value, abs=CUDA_TOLERANCE), (set_name, metric)
+
+
+def test_training_sends_every_batch_and_evaluation_set_to_its_device(tmp_path, monkeypatch):
+    """The trainer copies each step's batch and each held-out set to the resolved device (CPU here;
+    the same calls carry them to CUDA, through pinned memory)."""
+    import taskgeom.tasks.base as base
+
+    moved = []
+
+    def spy(tensor, device):
+        moved.append((tuple(tensor.shape), device))
+        return tensor.to(device)
+
+    monkeypatch.setattr(base, "to_device", spy)
+    config = tiny_config("dice")  # 40 steps of 8 x 16 tokens; held-out sets of 16 x 16 (major, ood)
+    train(Run.create(config, path=tmp_path / "r"), device="cpu")
+    token_moves = [(shape[0], device) for shape, device in moved if shape[1:] == (config.task.seq_len,)]
+    assert Counter(rows for rows, _ in token_moves) == {config.train.batch_size: config.train.steps, config.train.eval_batch: 2}
+    assert {device for _, device in token_moves} == {torch.device("cpu")}

@@ -95,7 +95,8 @@ def test_a_crashed_ray_task_is_one_failure(ray_instance):
 def test_a_dead_job_becomes_a_failed_row(tmp_path, monkeypatch):
     """What the executor yields for a crashed task turns into that job's failed row; the others stand."""
     jobs = _jobs(_recipe(tmp_path), tmp_path / "runs")
-    finished = [(jobs[0], ray.exceptions.WorkerCrashedError()), (jobs[1], [{"run": "r", "status": "ok", "metric": "m", "value": 1.5}])]
+    submitted = [job.for_ray(0) for job in jobs]  # what run_sweep hands the executor
+    finished = [(submitted[0], ray.exceptions.WorkerCrashedError()), (submitted[1], [{"run": "r", "status": "ok", "metric": "m", "value": 1.5}])]
     monkeypatch.setattr("taskgeom.experiments.sweep.execute", lambda fn, items, executor: iter(finished))
     table = run_sweep(jobs, Executor("ray"), tmp_path).set_index("diversity")
     assert table.loc[-1, "status"] == "failed" and table.loc[-1, "error"].startswith("WorkerCrashedError")
@@ -109,6 +110,37 @@ def test_ray_refuses_resources_the_cluster_lacks(ray_instance):
         list(execute(lambda item, threads: item, [0], Executor("ray", gpus_per_run=gpus + 1)))
     with pytest.raises(TaskgeomError, match="CPU"):
         list(execute(lambda item, threads: item, [0], Executor("ray", cpus_per_run=3)))
+
+
+def test_resources_are_checked_per_node_not_summed():
+    """Two 4-CPU nodes cannot run a 6-CPU task, though they hold 8 CPUs together."""
+    from taskgeom.experiments.executors import _check_resources
+
+    nodes = [{"CPU": 4.0, "GPU": 1.0}, {"CPU": 4.0}]
+    _check_resources(nodes, Executor("ray", cpus_per_run=4, gpus_per_run=1))
+    with pytest.raises(TaskgeomError, match="no node of the Ray cluster has more than 4"):
+        _check_resources(nodes, Executor("ray", cpus_per_run=6))
+
+
+def test_an_address_nobody_answers_is_refused_at_once(tmp_path):
+    """In a fresh process (this one may already hold a Ray connection, which a sweep reuses)."""
+    recipe = _recipe(tmp_path)
+    for address, message in (("127.0.0.1:1", "no Ray cluster answers at 127.0.0.1:1"), ("nohost", "must look like HOST:PORT")):
+        result = subprocess.run([sys.executable, "-m", "taskgeom", "sweep", str(recipe), "--diversity", "-1", "--seeds", "0",
+                                 "--out", str(tmp_path), "--executor", "ray", "--address", address], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert not list(tmp_path.glob("tiny-dice-*"))
+
+
+def test_ray_jobs_use_a_gpu_only_when_they_declare_one():
+    """Ray hides no GPU from a task declaring none, so `auto` must mean the CPU there."""
+    job = Job("e1", -1, 0, device="auto")
+    assert job.for_ray(0).device == "cpu" and job.for_ray(0.5).device == "auto"
+    assert Job("e1", -1, 0, device="cuda").for_ray(1).device == "cuda"
+    with pytest.raises(TaskgeomError, match="needs --gpus-per-run above 0"):
+        Job("e1", -1, 0, device="cuda").for_ray(0)
+    with pytest.raises(TaskgeomError, match="uses the GPU Ray assigns it"):
+        Job("e1", -1, 0, device="cuda:1").for_ray(1)
 
 
 def test_ray_is_imported_only_when_asked_for():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from conftest import tiny_config
@@ -63,3 +64,13 @@ def test_index_follows_the_folder_it_lives_in(tmp_path):
         db.execute("DROP TABLE runs")
         db.execute("CREATE TABLE runs (path PRIMARY KEY, name, family)")
     assert refresh(root) == [] and list(query(root)["seed"]) == [1]
+
+
+def test_a_damaged_index_never_stops_training_and_is_rebuilt(tmp_path):
+    run = Run.create(tiny_config("dice", steps=5), tmp_path)
+    (tmp_path / "index.sqlite").write_bytes(b"this is not a database" * 100)
+    with pytest.warns(UserWarning, match="not updated"):
+        train(run, device="cpu")
+    assert run.finished
+    assert refresh(tmp_path) == []
+    assert list(query(tmp_path)["status"]) == ["finished"]

@@ -249,12 +249,13 @@ def reproduce(
 ) -> None:
     """Reproduce every claim: trains what is missing (finished runs are reused), analyses, and
     writes claims.json, timings.json and report.html. Exits 1 if a claim fails. The diversity
-    sweeps run on the executor chosen by the executor options (as in `taskgeom sweep`)."""
+    sweeps run on the executor chosen by the executor options (as in `taskgeom sweep`); the other
+    experiments' runs train in this process, on --device."""
     from taskgeom.experiments.executors import Executor
     from taskgeom.experiments import EXPERIMENTS, reproduce as run_all
 
     where = Executor(executor, workers, address, cpus_per_run, gpus_per_run)
-    _check_training(device, tracker, where.kind == "local")
+    _check_training(device, tracker)  # its single runs train in this process
     if profile not in ("quick", "paper"):
         raise TaskgeomError(f"unknown profile {profile!r}; choose quick or paper")
     unknown = set(only or []) - set(EXPERIMENTS)

@@ -73,21 +73,35 @@ TaskConfig = Annotated[Union[TASK_CONFIGS], Field(discriminator="family")]
 FAMILY_TAGS = {cls.model_fields["family"].default for cls in TASK_CONFIGS}
 
 
+ARCH_POSITIONS = {"gpt2": "learned", "llama": "rotary"}  # the position scheme each Hugging Face architecture has
+
+
 class ModelConfig(_Strict):
     n_layers: PositiveInt = 2
     d_model: PositiveInt = 64
     n_heads: PositiveInt = 2
     d_mlp: PositiveInt = 256
-    positions: Literal["rotary", "learned"] = Field("rotary", description="arch taskgeom only: gpt2 learns positions, llama rotates")
+    positions: Literal["rotary", "learned"] = Field("rotary", description="fixed by arch for gpt2 (learned) and llama (rotary)")
     max_len: PositiveInt = 256
     arch: Literal["taskgeom", "gpt2", "llama"] = Field("taskgeom", description="gpt2, llama: a Hugging Face model (taskgeom.hf)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _arch_fixes_positions(cls, data: Any) -> Any:
+        """A Hugging Face architecture has its own positions: filled in, and a contrary setting refused
+        (so one model never gets two run names)."""
+        fixed = ARCH_POSITIONS.get(data.get("arch")) if isinstance(data, dict) else None
+        if fixed is None:
+            return data
+        if data.get("positions", fixed) != fixed:
+            raise ValueError(f"model.arch {data['arch']} has {fixed} positions; leave model.positions out (got {data['positions']!r})")
+        return {**data, "positions": fixed}
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
-        rotary = self.arch == "llama" or (self.arch == "taskgeom" and self.positions == "rotary")
-        if rotary and (self.d_model // self.n_heads) % 2:
+        if self.positions == "rotary" and (self.d_model // self.n_heads) % 2:
             raise ValueError("rotary positions need an even head width (model.d_model / model.n_heads)")
         return self
 
@@ -204,7 +218,7 @@ def _describe(err: ValidationError) -> str:
         where = ".".join(str(p) for p in item["loc"] if p not in FAMILY_TAGS)
         if item["type"] == "extra_forbidden":
             lines.append(f"unknown config field {where!r}")
-        elif not where:  # a whole-config check: its message names the fields
+        elif not where or item["type"] == "value_error":  # a check of ours: its message names the fields
             lines.append(item["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"config field {where!r}: {item['msg']} (got {item.get('input')!r})")

@@ -1,6 +1,6 @@
 """Context managers that capture or rewrite residual-stream sites; hooks leave on exit, even on error.
 
-A site is ``(layer, name)`` with ``name`` in ``model.SITES``. Captured tensors are detached
+A site is ``(layer, name)`` with ``name`` one of the model's ``sites`` (``model.SITES`` for ours). Captured tensors are detached
 ``[B, T, D]`` (or ``[B, len(positions), D]`` when positions are given).
 """
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -25,10 +26,20 @@ COLUMNS = ("path", "name", "family", "diversity", "seed", "steps", "arch", "prec
 ALIASES = {"k": "diversity"}
 
 
-def _connect(root: Path) -> sqlite3.Connection:
+def _connect(root: Path, rebuild_damaged: bool = False) -> sqlite3.Connection:
+    """The index of ``root``; with ``rebuild_damaged``, an unreadable index file is replaced by an
+    empty one (for ``refresh`` to fill), else sqlite3.Error."""
     root.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(root / INDEX_NAME, timeout=30)
-    if tuple(row[1] for row in db.execute("PRAGMA table_info(runs)")) not in ((), COLUMNS):
+    try:
+        columns = tuple(row[1] for row in db.execute("PRAGMA table_info(runs)"))
+    except sqlite3.DatabaseError:
+        db.close()
+        if not rebuild_damaged:
+            raise
+        (root / INDEX_NAME).unlink()
+        return _connect(root)
+    if columns not in ((), COLUMNS):
         db.execute("DROP TABLE runs")  # another version's columns: refresh() refills it
     db.execute(f"CREATE TABLE IF NOT EXISTS runs ({', '.join(c + (' PRIMARY KEY' if c == 'path' else '') for c in COLUMNS)})")
     return db
@@ -47,10 +58,15 @@ def summarise(run: Run) -> dict:
 
 
 def record(run: Run) -> None:
-    """Insert or update ``run`` in the index of its parent folder."""
+    """Insert or update ``run`` in the index of its parent folder. The index is a cache: if it
+    cannot be written (damaged, or locked too long on a network filesystem), training goes on
+    with a warning and ``refresh`` restores it later."""
     row = summarise(run)
-    with _connect(run.path.parent) as db:
-        db.execute(f"INSERT OR REPLACE INTO runs VALUES ({', '.join('?' * len(COLUMNS))})", [row[c] for c in COLUMNS])
+    try:
+        with _connect(run.path.parent) as db:
+            db.execute(f"INSERT OR REPLACE INTO runs VALUES ({', '.join('?' * len(COLUMNS))})", [row[c] for c in COLUMNS])
+    except sqlite3.Error as err:
+        warnings.warn(f"run index {run.path.parent / INDEX_NAME} not updated ({err}); `taskgeom runs` rebuilds it", stacklevel=2)
 
 
 def refresh(root: Path) -> list[str]:
@@ -62,7 +78,7 @@ def refresh(root: Path) -> list[str]:
         raise TaskgeomError(f"{root} is not a folder of runs")
     bad = []
     folders = sorted(p for p in root.iterdir() if p.is_dir())
-    with _connect(root) as db:
+    with _connect(root, rebuild_damaged=True) as db:
         present = {str(p.resolve()) for p in folders}
         for (path,) in db.execute("SELECT path FROM runs").fetchall():
             if path not in present:

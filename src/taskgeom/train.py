@@ -2,8 +2,8 @@
 evaluation against the Bayes predictors, atomic checkpoints and exact resume.
 
 Every batch is a pure function of (seed, step), and the checkpoint holds model, optimiser and the
-running loss sums, so a resumed run ends bitwise equal to one never interrupted (on the same
-device). Batches are made on the CPU and copied to the training device; ``train.precision: bf16``
+running loss sums, so a resumed run ends bitwise equal to one never interrupted on the CPU (on
+CUDA, some kernels are not deterministic: equal within float tolerance). Batches are made on the CPU and copied to the training device; ``train.precision: bf16``
 runs the forward pass under bfloat16 autocast (weights, optimiser and evaluation stay float32).
 """
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -88,12 +89,16 @@ def _on_ray(fn: Task, items: list, executor: Executor) -> Finished:
         raise TaskgeomError("the Ray executor needs `pip install taskgeom[ray]`") from None
     started = not ray.is_initialized()
     if started:
-        if executor.address:
-            ray.init(address=executor.address)
-        else:
-            ray.init(num_cpus=executor.workers * executor.threads, include_dashboard=False)
+        try:
+            if executor.address:
+                _check_reachable(executor.address)
+                ray.init(address=executor.address)
+            else:
+                ray.init(num_cpus=executor.workers * executor.threads, include_dashboard=False)
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            raise TaskgeomError(f"Ray did not start{f' at {executor.address}' if executor.address else ''}: {err}") from None
     try:
-        _check_resources(ray.cluster_resources(), executor)
+        _check_resources([node["Resources"] for node in ray.nodes() if node.get("Alive")], executor)
         task = ray.remote(num_cpus=executor.threads, num_gpus=executor.gpus_per_run, max_retries=0)(fn)
         pending = {task.remote(item, executor.threads): item for item in items}
         while pending:
@@ -108,9 +113,26 @@ def _on_ray(fn: Task, items: list, executor: Executor) -> Finished:
             ray.shutdown()
 
 
-def _check_resources(total: dict[str, float], executor: Executor) -> None:
-    """A task asking for more than the whole cluster holds would wait forever: refuse it now."""
+def _check_resources(nodes: list[dict[str, float]], executor: Executor) -> None:
+    """A task asking for more than any one node holds would wait forever: refuse it now.
+
+    nodes: the resources of each live node ({"CPU": 16.0, "GPU": 2.0, ...})."""
     for name, wanted in (("CPU", executor.threads), ("GPU", executor.gpus_per_run)):
-        if wanted > total.get(name, 0):
-            raise TaskgeomError(f"each run asks for {wanted:g} {name} (--{name.lower()}s-per-run) but the whole Ray cluster "
-                                f"has {total.get(name, 0):g}")
+        largest = max((node.get(name, 0) for node in nodes), default=0)
+        if wanted > largest:
+            raise TaskgeomError(f"each run asks for {wanted:g} {name} (--{name.lower()}s-per-run) but no node of the Ray cluster "
+                                f"has more than {largest:g}")
+
+
+def _check_reachable(address: str, timeout: float = 10.0) -> None:
+    """Refuse an address whose HOST:PORT does not answer within ``timeout`` seconds (Ray itself
+    retries for minutes); ``auto`` (the cluster this machine belongs to) is left to Ray."""
+    if address == "auto":
+        return
+    host, colon, port = address.removeprefix("ray://").rpartition(":")
+    if not colon or not host or not port.isdigit():
+        raise TaskgeomError(f"--address {address!r} must look like HOST:PORT (or ray://HOST:PORT, or auto)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as err:
+        raise TaskgeomError(f"no Ray cluster answers at {address} ({err})") from None

@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 
 from taskgeom.config import RunConfig
+from taskgeom.errors import TaskgeomError
 from taskgeom.experiments.executors import Executor, execute
 from taskgeom.progress import console, job_bar
 from taskgeom.recipes import load_recipe
@@ -40,11 +41,21 @@ class Job:
     def config(self) -> RunConfig:
         return load_recipe(self.recipe, self.profile, [*self.overrides, f"task.diversity={self.diversity}", f"train.seed={self.seed}"])
 
-    def located(self) -> "Job":
-        """This job with its root (and its recipe, when that is a file) as absolute paths, which
-        mean the same in any working directory: a Ray worker's, on this machine or another."""
+    def for_ray(self, gpus_per_run: float) -> "Job":
+        """This job as a Ray task runs it: its root (and its recipe, when that is a file) as
+        absolute paths, which mean the same in any worker's working directory, and its device
+        fitted to the GPUs the task declares. Ray hides no GPU from a task that declares none, so
+        ``auto`` becomes ``cpu`` there (else every such task would crowd onto GPU 0)."""
         recipe = Path(self.recipe)
-        return replace(self, root=str(Path(self.root).resolve()), recipe=str(recipe.resolve()) if recipe.is_file() else self.recipe)
+        device = self.device
+        if device.startswith("cuda") and not gpus_per_run:
+            raise TaskgeomError(f"--device {device} on Ray needs --gpus-per-run above 0, so that Ray gives each run a GPU")
+        if device.startswith("cuda:"):
+            raise TaskgeomError(f"--device {device}: on Ray each run uses the GPU Ray assigns it; say --device cuda or auto")
+        if device == "auto" and not gpus_per_run:
+            device = "cpu"
+        return replace(self, root=str(Path(self.root).resolve()), recipe=str(recipe.resolve()) if recipe.is_file() else self.recipe,
+                       device=device)
 
 
 def run_job(job: Job, threads: int = 0) -> list[dict]:
@@ -69,7 +80,7 @@ def run_sweep(jobs: list[Job], executor: Executor = Executor(), out: Path | None
     also write ``sweep.csv`` (one row per run) and ``by_step.csv`` there. On Ray the run
     directories are made under each job's root as an absolute path, which every worker must see."""
     rows: list[dict] = []
-    submitted = {job.located() if executor.kind == "ray" else job: job for job in jobs}
+    submitted = {job.for_ray(executor.gpus_per_run) if executor.kind == "ray" else job: job for job in jobs}
     with job_bar("sweep", len(submitted)) as advance:
         for located, result in execute(run_job, list(submitted), executor):
             job = submitted[located]
