@@ -19,8 +19,9 @@ from taskgeom.train import train
 
 @dataclass
 class Context:
-    """Where one reproduction writes, its profile, where its sweeps run, and what the experiments
-    have produced."""
+    """Where one reproduction writes, its profile, where its sweeps run (``executor``), where its
+    runs train and what they also log to (``device``, ``tracker``), and what the experiments have
+    produced."""
 
     out: Path
     profile: str = "quick"
