@@ -71,7 +71,12 @@ def train(
     from taskgeom.train import train as train_run
 
     _check_training(device, tracker)
-    run = Run.create(load_recipe(config, profile, set_ or []), out, run_dir)
+    settings = load_recipe(config, profile, set_ or [])
+    if settings.model.arch != "taskgeom":
+        from taskgeom.hf import require_transformers
+
+        require_transformers()  # before the run directory is made
+    run = Run.create(settings, out, run_dir)
     if run.finished:
         typer.echo(f"{run.path} is already trained")
     else:

@@ -60,7 +60,8 @@ def layout(model_type: str | None) -> Layout:
     return LAYOUTS[model_type]
 
 
-def _transformers():
+def require_transformers():
+    """The transformers module; TaskgeomError naming the extra when it is not installed."""
     try:
         import transformers
     except ImportError:
@@ -159,7 +160,7 @@ class HFCausalLM(ResidualModel):
 # ---- models of runs with model.arch gpt2 / llama ---------------------------------------------
 def hf_config(cfg: ModelConfig, vocab_size: int):
     """The transformers config of ``cfg`` (arch gpt2 or llama): no dropout, untied unembedding."""
-    transformers = _transformers()
+    transformers = require_transformers()
     common = {"vocab_size": vocab_size, "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None}
     if cfg.arch == "gpt2":
         return transformers.GPT2Config(n_positions=cfg.max_len, n_embd=cfg.d_model, n_layer=cfg.n_layers, n_head=cfg.n_heads,
@@ -173,7 +174,7 @@ def hf_config(cfg: ModelConfig, vocab_size: int):
 
 def build(cfg: ModelConfig, vocab_size: int) -> HFCausalLM:
     """A freshly initialised HF model for ``cfg``, wrapped; its weights follow torch's global seed."""
-    return HFCausalLM(_transformers().AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size)))
+    return HFCausalLM(require_transformers().AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size)))
 
 
 def model_config(config) -> ModelConfig:
@@ -215,7 +216,7 @@ class PretrainedRun(Run):
     def load_model(self) -> HFCausalLM:
         """The adapter over ``AutoModelForCausalLM.from_pretrained(source)`` in float32, its logits cut to the task's tokens."""
         try:
-            model = _transformers().AutoModelForCausalLM.from_pretrained(str(self.source)).float()
+            model = require_transformers().AutoModelForCausalLM.from_pretrained(str(self.source)).float()
         except OSError as err:  # no or unreadable weights beside config.json
             raise RunDirError(f"{self.source}: the Hugging Face model cannot be loaded ({err})") from None
         return HFCausalLM(model, n_out=self.family.vocab_size).eval()
@@ -233,7 +234,7 @@ def open_pretrained(source: Path | str, recipe: str | None, profile: str = "quic
         raise RunDirError(f"{source} is neither a taskgeom run directory nor a Hugging Face model directory (no config.json)")
     if recipe is None:
         raise TaskgeomError(f"{source} is a Hugging Face model directory: name the recipe of the task it was trained on with --recipe")
-    transformers = _transformers()
+    transformers = require_transformers()
     try:
         hf = transformers.AutoConfig.from_pretrained(str(source))
     except (OSError, ValueError) as err:
