@@ -14,8 +14,7 @@ from taskgeom.errors import TaskgeomError
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_text
 
-TRACKERS = ("none", "tensorboard", "wandb")
-_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # tracker -> the package it imports
+TRACKERS = ("none", "tensorboard", "wandb")  # each but none imports the package of its name
 
 
 class Tracker(Protocol):
@@ -85,7 +84,7 @@ def check_tracker(kind: str) -> None:
     """TaskgeomError unless ``kind`` is a known tracker whose package is installed."""
     if kind not in TRACKERS:
         raise TaskgeomError(f"unknown tracker {kind!r}; choose one of {', '.join(TRACKERS)}")
-    if kind in _PACKAGES and importlib.util.find_spec(_PACKAGES[kind]) is None:
+    if kind != "none" and importlib.util.find_spec(kind) is None:
         raise TaskgeomError(f"the {kind} tracker needs `pip install taskgeom[{kind}]`")
 
 

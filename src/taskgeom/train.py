@@ -3,8 +3,9 @@ evaluation against the Bayes predictors, atomic checkpoints and exact resume.
 
 Every batch is a pure function of (seed, step), and the checkpoint holds model, optimiser and the
 running loss sums, so a resumed run ends bitwise equal to one never interrupted on the CPU (on
-CUDA, some kernels are not deterministic: equal within float tolerance). Batches are made on the CPU and copied to the training device; ``train.precision: bf16``
-runs the forward pass under bfloat16 autocast (weights, optimiser and evaluation stay float32).
+CUDA, some kernels are not deterministic: equal within float tolerance). Batches are made on the
+CPU and copied to the training device; ``train.precision: bf16`` runs the forward pass under
+bfloat16 autocast (weights, optimiser and evaluation stay float32).
 """
 
 from __future__ import annotations
