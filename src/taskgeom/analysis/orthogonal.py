@@ -1,0 +1,179 @@
+"""PAPER.md section 7, "Orthogonal search": directions V outside the task and token subspaces whose
+ablation ``h <- h - V V^T h`` hurts minor/OOD sequences most.
+
+Shapes: ``D`` width, ``V`` tokens, ``m`` avoided directions, ``n = D - m`` free coordinates,
+``r`` the rank of the search.
+
+The protocol (the study's; our own choices marked **[ours]**):
+
+- **Avoided span.** V is kept orthogonal to the task subspace S and to the token subspace
+  (``token_subspace``: the directions holding 90% of the variance of the token effects ``nu``);
+  ``avoid_basis`` joins them into one orthonormal basis.
+- **Parametrisation.** ``V = C Q(A)``: C [D, n] an orthonormal basis of the complement of the
+  avoided span, Q(A) the QR factor of a free matrix A [n, r]. **[ours]** Q is taken with a positive
+  diagonal of R (Gram-Schmidt), so Q(A) is continuous in A: LAPACK's sign convention flips a column
+  when its leading entry crosses zero, which does not change the ablation but would cancel
+  iterates in the moving average below.
+- **Start.** A's columns are Gaussian, normalised to unit norm (``initial_coordinates``), drawn
+  from ``rng.generator(seed, 0, "orthogonal-search")``.
+- **Steps.** Each of at most ``steps`` (200) steps evaluates ``loss_fn(model, step)`` -- the loss on
+  a fresh batch, batch ``step`` of the caller's search stream of minor/OOD sequences -- under the
+  ablation at ``site`` and takes one Adam step (lr 0.01) of gradient *ascent* on it, the gradient
+  of A clipped to norm 1.0. The caller sizes the batch: ``BATCH_SIZE`` (32) sequences is the
+  protocol's. Model parameters are frozen during the search and their ``requires_grad`` flags
+  restored afterwards, even on error; the model's train/eval mode is left as the caller set it.
+- **Kept direction.** The exponential moving average (decay 0.995) of the evaluated iterates
+  Q(A_t), bias-corrected like Adam's moments (``m_t / (1 - 0.995^t)``), re-orthonormalised by QR at
+  the end and mapped through C, so it is orthonormal and inside the complement. **[ours]** The
+  average is taken in the complement's coordinates, so orthogonality to the avoided span is exact
+  up to the precision of C (float64). (For a direction the bias correction is only a scale, which
+  the final QR removes; with decay 0.995 the average is close to a uniform mean of the iterates
+  run, so the random start weighs about 1/t after t steps.)
+- **Early stopping.** **[ours]** The loss is smoothed by the same bias-corrected EMA (decay
+  ``ema``); the search stops once that smoothed loss has not exceeded its best value for
+  ``patience`` (30) consecutive steps. With decay 0.995 the smoothed loss is nearly a running mean,
+  so it stops only when the raw losses stay at or below that mean: a plateau or a decline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from taskgeom.analysis.subspace import complement_basis, direction_ablation
+from taskgeom.errors import AnalysisError
+from taskgeom.hooks import Site, intervene
+from taskgeom.rng import generator
+
+BATCH_SIZE = 32  # sequences per search step, the protocol's; the caller's loss_fn draws them
+TOKEN_SHARE = 0.9  # share of the token-effect variance the token subspace holds
+RANK_RTOL = 1e-6  # [ours] singular values below this fraction of the largest are cut from a span
+
+
+def token_subspace(nu: torch.Tensor, share: float = TOKEN_SHARE, centre: bool = True) -> torch.Tensor:
+    """[D, m] orthonormal directions holding ``share`` of the variance of the token effects
+    nu: [V, D], rows centred first; m is the fewest principal directions whose variance reaches the
+    share. For E2, nu is the linear map A: [d, D] and the effect of x_t is ``x_t A``: pass
+    ``centre=False`` **[ours]**, so that its row space is used uncentred (the covariance of x A for
+    isotropic x is A^T A; centring the rows would drop the direction of their mean)."""
+    if not 0 < share <= 1:
+        raise AnalysisError(f"share must lie in (0, 1], got {share}")
+    x = nu.double()
+    if centre:
+        x = x - x.mean(0)
+    _, s, vh = torch.linalg.svd(x, full_matrices=False)
+    variance = s**2
+    if variance.sum() <= 0:
+        return nu.new_zeros(nu.shape[1], 0)
+    cumulative = variance.cumsum(0) / variance.sum()
+    m = int((cumulative < share - 1e-12).sum()) + 1
+    return vh[:m].T.to(nu.dtype)
+
+
+def avoid_basis(*bases: torch.Tensor, rtol: float = RANK_RTOL) -> torch.Tensor:
+    """[D, m] orthonormal basis of the span of the given bases [D, k_i] (e.g. the task subspace S
+    and the token subspace). The rank cut is explicit: directions whose singular value in the
+    concatenation is below ``rtol`` times the largest are dropped, so overlapping bases count once."""
+    if not bases:
+        raise AnalysisError("avoid_basis needs at least one basis [D, k]")
+    widths = {b.shape[0] for b in bases}
+    if len(widths) != 1 or any(b.ndim != 2 for b in bases):
+        raise AnalysisError(f"avoid_basis takes [D, k] bases of one width D, got shapes {[tuple(b.shape) for b in bases]}")
+    joined = torch.cat([b.double() for b in bases], 1)
+    if joined.shape[1] == 0:
+        return bases[0].new_zeros(bases[0].shape[0], 0)
+    u, s, _ = torch.linalg.svd(joined, full_matrices=False)
+    rank = int((s > s.max() * rtol).sum()) if s.max() > 0 else 0
+    return u[:, :rank].to(bases[0].dtype)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """directions: [D, rank] orthonormal, orthogonal to the avoided span; losses: the loss at each
+    step run; steps: the number of steps run (fewer than asked when early stopping fired)."""
+
+    directions: torch.Tensor
+    losses: list[float]
+    steps: int
+
+
+def initial_coordinates(n: int, rank: int, seed: int) -> torch.Tensor:
+    """[n, rank] the search's starting A (float64): Gaussian columns normalised to unit norm."""
+    a = torch.randn(n, rank, generator=generator(seed, 0, "orthogonal-search"), dtype=torch.float64)
+    return a / a.norm(dim=0, keepdim=True)
+
+
+def _orthonormal(a: torch.Tensor) -> torch.Tensor:
+    """Q of the QR factorisation of a: [n, r] with R's diagonal made positive (Gram-Schmidt), so
+    that Q is continuous in a."""
+    q, r = torch.linalg.qr(a)
+    signs = torch.sign(torch.diagonal(r))
+    return q * torch.where(signs == 0, torch.ones_like(signs), signs)
+
+
+def orthogonal_search(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, int], torch.Tensor],
+    site: Site,
+    avoid: torch.Tensor,
+    rank: int = 1,
+    steps: int = 200,
+    lr: float = 0.01,
+    clip: float = 1.0,
+    ema: float = 0.995,
+    patience: int = 30,
+    seed: int = 0,
+) -> SearchResult:
+    """Directions orthogonal to span(avoid: [D, m]) whose ablation ``h <- h - V V^T h`` at ``site``
+    maximises the loss, by the protocol in this module's docstring.
+
+    loss_fn(model, step) -> scalar tensor: the model's loss on a fresh batch, batch ``step`` of the
+    caller's search stream (``BATCH_SIZE`` minor/OOD sequences). The ablated directions are cast to
+    ``avoid``'s dtype and device, which should be those of the states at ``site``.
+    """
+    D, m = avoid.shape
+    n = D - m
+    if not 1 <= rank <= n:
+        raise AnalysisError(f"rank must lie in 1..{n} (width {D} minus {m} avoided directions), got {rank}")
+    if steps < 1 or patience < 1 or not 0 < ema < 1:
+        raise AnalysisError(f"need steps >= 1, patience >= 1 and 0 < ema < 1; got steps={steps}, patience={patience}, ema={ema}")
+    complement = complement_basis(avoid.double().cpu()).to(avoid.device)  # [D, n] float64 (built on the CPU)
+    work = torch.promote_types(avoid.dtype, torch.float32)
+    coords = initial_coordinates(n, rank, seed).to(device=avoid.device, dtype=work).requires_grad_(True)
+    c_work = complement.to(work)
+    opt = torch.optim.Adam([coords], lr=lr)
+    mean_q = torch.zeros(n, rank, dtype=torch.float64, device=avoid.device)  # EMA of Q(A_t), uncorrected
+    mean_loss, best, stale, losses = 0.0, -float("inf"), 0, []
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        for step in range(steps):
+            q = _orthonormal(coords)
+            directions = (c_work @ q).to(avoid.dtype)
+            with intervene(model, site, direction_ablation(directions)):
+                loss = loss_fn(model, step)
+            opt.zero_grad()
+            (-loss).backward()
+            torch.nn.utils.clip_grad_norm_([coords], clip)
+            opt.step()
+
+            value = float(loss.detach())
+            losses.append(value)
+            mean_q = ema * mean_q + (1 - ema) * q.detach().double()
+            mean_loss = ema * mean_loss + (1 - ema) * value
+            smoothed = mean_loss / (1 - ema ** (step + 1))
+            if smoothed > best:
+                best, stale = smoothed, 0
+            else:
+                stale += 1
+                if stale >= patience:
+                    break
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+    kept = complement @ _orthonormal(mean_q / (1 - ema ** len(losses)))
+    return SearchResult(kept.to(avoid.dtype), losses, len(losses))

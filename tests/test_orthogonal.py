@@ -1,0 +1,150 @@
+"""The study's orthogonal search (PAPER.md section 7) on a planted problem, and its subspaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from taskgeom.analysis.orthogonal import (BATCH_SIZE, avoid_basis, initial_coordinates, orthogonal_search, token_subspace)
+from taskgeom.analysis.subspace import complement_basis
+from taskgeom.model import HookPoint
+from taskgeom.rng import generator
+
+D, T = 16, 4
+SITE = (0, "state")
+
+
+class PlantedReadout(nn.Module):
+    """h: [B, T, D] -> h . w through a hook point; w = u + 2 s reads the free direction u and the
+    avoided direction s, so the ablation the search may use that hurts most is u's."""
+
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        self.state = HookPoint()
+        self.readout = nn.Linear(D, 1, bias=False)
+        with torch.no_grad():
+            self.readout.weight.copy_(w[None])
+
+    def site(self, layer: int, name: str) -> HookPoint:
+        return self.state
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.readout(self.state(h))[..., 0]
+
+
+@pytest.fixture
+def planted():
+    """(model, avoid [D, 4], u [D], loss_fn, steps seen by loss_fn)."""
+    frame = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(0)))[0]
+    avoid, u, s = frame[:, :4], frame[:, 4], frame[:, 0]
+    model = PlantedReadout(u + 2 * s)
+    target = u + 2 * s
+    seen: list[int] = []
+
+    def loss_fn(m: nn.Module, step: int) -> torch.Tensor:
+        seen.append(step)
+        h = torch.randn(BATCH_SIZE, T, D, generator=generator(0, step, "search"))
+        return ((m(h) - h @ target) ** 2).mean()
+
+    return model, avoid, u, loss_fn, seen
+
+
+def test_search_recovers_the_planted_direction(planted):
+    model, avoid, u, loss_fn, _ = planted
+    result = orthogonal_search(model, loss_fn, SITE, avoid)
+    assert result.directions.shape == (D, 1)
+    assert abs(float(result.directions[:, 0] @ u)) > 0.95
+    assert result.steps == len(result.losses) <= 200
+    assert result.losses[-1] > result.losses[0] + 0.5  # ascent: ablating u costs ||u||^2 = 1
+
+
+def test_result_is_orthonormal_and_orthogonal_to_avoid(planted):
+    model, avoid, _, loss_fn, _ = planted
+    result = orthogonal_search(model, loss_fn, SITE, avoid, rank=3, steps=40)
+    v = result.directions
+    assert v.shape == (D, 3)
+    torch.testing.assert_close(v.T @ v, torch.eye(3), atol=1e-5, rtol=0)
+    assert (v.T @ avoid).abs().max() < 1e-5
+
+
+def test_each_step_draws_a_fresh_batch(planted):
+    model, avoid, _, loss_fn, seen = planted
+    result = orthogonal_search(model, loss_fn, SITE, avoid, steps=25)
+    assert seen == list(range(result.steps))
+
+
+def test_early_stopping_fires_on_a_flat_loss():
+    model = PlantedReadout(torch.zeros(D))
+    avoid = torch.eye(D)[:, :2]
+    calls: list[int] = []
+
+    def flat(m: nn.Module, step: int) -> torch.Tensor:
+        calls.append(step)
+        h = torch.ones(1, T, D)
+        return m(h).sum() * 0 + 1.0 - 1e-3 * step  # the loss only falls: no step improves on the first
+
+    result = orthogonal_search(model, flat, SITE, avoid, steps=200, patience=30)
+    assert result.steps == 31 == len(calls)
+
+
+def test_parameters_are_restored_even_when_loss_fn_raises(planted):
+    model, avoid, _, loss_fn, _ = planted
+    extra = nn.Parameter(torch.ones(3), requires_grad=False)
+    model.register_parameter("extra", extra)
+    before = {name: (p.detach().clone(), p.requires_grad) for name, p in model.named_parameters()}
+    assert before["readout.weight"][1] and not before["extra"][1]
+
+    def failing(m: nn.Module, step: int) -> torch.Tensor:
+        assert not any(p.requires_grad for p in m.parameters())  # frozen during the search
+        if step == 3:
+            raise RuntimeError("boom")
+        return loss_fn(m, step)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        orthogonal_search(model, failing, SITE, avoid)
+    orthogonal_search(model, loss_fn, SITE, avoid, steps=10)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name][0], atol=0, rtol=0)
+        assert p.requires_grad == before[name][1]
+        assert p.grad is None
+    assert not model.state._forward_hooks
+
+
+def test_token_subspace_finds_the_planted_token_directions():
+    gen = torch.Generator().manual_seed(1)
+    frame = torch.linalg.qr(torch.randn(D, D, generator=gen))[0]
+    scores = torch.randn(50, 2, generator=gen) * torch.tensor([3.0, 2.0])
+    offset = 10 * frame[:, 5]  # common to every token: centring removes it
+    nu = scores @ frame[:, :2].T + offset + 0.01 * torch.randn(50, D, generator=gen)
+    basis = token_subspace(nu)
+    assert basis.shape == (D, 2)
+    torch.testing.assert_close(basis @ basis.T, frame[:, :2] @ frame[:, :2].T, atol=1e-2, rtol=0)
+    assert token_subspace(nu, share=0.5).shape == (D, 1)
+    # E2: the map A [d, D] is used uncentred; its rows span exactly three directions
+    a = torch.randn(3, 3, generator=gen) @ frame[:, 6:9].T + 5 * frame[:, 9]
+    span = token_subspace(a, share=1.0, centre=False)
+    assert span.shape == (D, 3)
+    torch.testing.assert_close(span @ span.T @ a.T, a.T, atol=1e-4, rtol=0)
+
+
+def test_avoid_basis_joins_overlapping_spans_once():
+    frame = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(2)))[0]
+    task, token = frame[:, :3], frame[:, 2:5]  # share frame[:, 2]
+    basis = avoid_basis(task, token)
+    assert basis.shape == (D, 5)
+    torch.testing.assert_close(basis.T @ basis, torch.eye(5), atol=1e-5, rtol=0)
+    torch.testing.assert_close(basis @ basis.T, frame[:, :5] @ frame[:, :5].T, atol=1e-5, rtol=0)
+    assert avoid_basis(task, torch.zeros(D, 0)).shape == (D, 3)
+
+
+def test_search_starts_from_unit_norm_columns(planted):
+    a = initial_coordinates(12, 3, seed=4)
+    torch.testing.assert_close(a.norm(dim=0), torch.ones(3, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(a, initial_coordinates(12, 3, seed=4), atol=0, rtol=0)
+    assert not torch.allclose(a, initial_coordinates(12, 3, seed=5))
+    # after one step the kept direction is the first iterate: the complement image of the start
+    model, avoid, _, loss_fn, _ = planted
+    result = orthogonal_search(model, loss_fn, SITE, avoid, steps=1, seed=4)
+    start = complement_basis(avoid.double()) @ initial_coordinates(D - 4, 1, seed=4)
+    torch.testing.assert_close(result.directions.double(), start, atol=1e-6, rtol=0)
