@@ -111,8 +111,8 @@ def test_intervention_equals_rerunning_the_later_blocks_by_hand(pair):
 
 def test_sites_the_adapter_lacks_are_clear_errors(pair):
     _, adapter = pair
-    with pytest.raises(AnalysisError, match=r"no site 'resid_mid'; its sites are \['resid_pre', 'attn_out', 'mlp_out', 'resid_post'\]"):
-        adapter.site(0, "resid_mid")
+    with pytest.raises(AnalysisError, match=r"no site 'mlp_in'; its sites are \['resid_pre', 'attn_out', 'resid_mid', 'mlp_out', 'resid_post'\]"):
+        adapter.site(0, "mlp_in")
     with pytest.raises(AnalysisError, match="layer 3 does not exist"):
         adapter.site(3, "resid_post")
 
@@ -141,9 +141,87 @@ def test_hf_arch_runs_build_seeded_models_and_need_token_families():
     assert llama.model_type == "llama" and llama.hf.config.hidden_size == 32 and llama.vocab_size == 8
     with pytest.raises(ConfigError, match="model.arch 'gpt2' reads tokens, but the regression family feeds vectors"):
         build_config({"name": "e2", "task": {"family": "regression"}, "model": {"arch": "gpt2"}})
-    with pytest.raises(AnalysisError, match=r"unknown sites \['resid_mid'\]; this model has"):
-        check_request(run, Options(sites=("resid_mid", "resid_post")))
-    assert check_request(run, Options())[1] == ("resid_post",)
+    with pytest.raises(AnalysisError, match=r"unknown sites \['mlp_in'\]; this model has"):
+        check_request(run, Options(sites=("mlp_in", "resid_post")))
+    assert check_request(run, Options())[1] == ("resid_mid", "resid_post")
+
+
+# ---- resid_mid: formed inside the HF layer, edited through attn_out ------------------------------
+MLP_NORM = {"gpt2": "ln_2", "llama": "post_attention_layernorm"}  # the norm before each layer's MLP
+
+
+def test_resid_mid_obeys_the_site_identities(pair):
+    _, adapter = pair
+    tokens = torch.randint(0, 7, (4, 16), generator=torch.Generator().manual_seed(5))
+    with capture(adapter, [(layer, site) for layer in range(len(adapter.blocks)) for site in hf.SITES]) as states:
+        adapter(tokens)
+    for layer in range(len(adapter.blocks)):
+        mid = states[(layer, "resid_mid")]
+        assert (mid - states[(layer, "resid_pre")]).abs().max() > 1e-3  # attention writes something
+        torch.testing.assert_close(mid, states[(layer, "resid_pre")] + states[(layer, "attn_out")], atol=1e-6, rtol=0)
+        torch.testing.assert_close(states[(layer, "resid_post")], mid + states[(layer, "mlp_out")], atol=1e-6, rtol=0)
+
+
+def _edits() -> dict:
+    shift = torch.randn(32, generator=torch.Generator().manual_seed(6))
+    u = torch.randn(32, generator=torch.Generator().manual_seed(7))
+    u = u / u.norm()
+    return {"shift": lambda h: h + shift, "project_out": lambda h: h - (h @ u)[..., None] * u}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("edit_name", ["shift", "project_out"])
+@pytest.mark.parametrize("positions", [slice(6, None), [2, 9, 10]], ids=["from6", "some"])
+def test_resid_mid_intervention_is_an_edit_of_the_true_resid_mid(pair, edit_name, positions):
+    """Editing resid_mid of layer 1 gives the model in which the layer's MLP reads the edited state
+    and adds to it (run by hand from the HF layer's own norm and MLP, then the later blocks), and the
+    same logits as adding the change at attn_out; resid_post = edited resid_mid + mlp_out."""
+    model, adapter = pair
+    edit = _edits()[edit_name]
+    tokens = torch.randint(0, 7, (3, 16), generator=torch.Generator().manual_seed(8))
+    clean = adapter(tokens)
+    with capture(adapter, [(1, "resid_mid")]) as states:
+        adapter(tokens)
+    mid = states[(1, "resid_mid")]
+    edited_mid = mid.clone()
+    edited_mid[:, positions] = edit(mid[:, positions])
+
+    layer = adapter.blocks[1].layer
+    x = edited_mid + getattr(layer, adapter.parts.mlp)(getattr(layer, MLP_NORM[adapter.model_type])(edited_mid))
+    for block in adapter.blocks[2:]:
+        x = block(x)
+    by_hand = adapter.readout(x)
+
+    with intervene(adapter, (1, "resid_mid"), edit, positions), capture(adapter, [(1, s) for s in hf.SITES]) as after:
+        edited = adapter(tokens)
+    change = edited_mid - mid
+    with intervene(adapter, (1, "attn_out"), lambda a: a + change[:, positions], positions):
+        through_attn_out = adapter(tokens)
+
+    assert (edited - clean).abs().max() > 1e-2
+    torch.testing.assert_close(edited, by_hand, atol=1e-5, rtol=0)
+    torch.testing.assert_close(edited, through_attn_out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(after[(1, "resid_mid")], edited_mid, atol=1e-6, rtol=0)
+    torch.testing.assert_close(after[(1, "resid_post")], edited_mid + after[(1, "mlp_out")], atol=1e-5, rtol=0)
+    torch.testing.assert_close(adapter(tokens), clean)  # the hooks left with the block
+
+
+@torch.no_grad()
+def test_resid_mid_edit_changes_only_its_positions_and_later(pair):
+    _, adapter = pair
+    tokens = torch.randint(0, 7, (2, 16), generator=torch.Generator().manual_seed(9))
+    shift = torch.randn(32, generator=torch.Generator().manual_seed(10))
+    for layer in range(len(adapter.blocks)):
+        with capture(adapter, [(layer, "resid_pre"), (layer, "resid_post")]) as clean:
+            logits = adapter(tokens)
+        with intervene(adapter, (layer, "resid_mid"), lambda h: h + shift, [7, 11]), \
+                capture(adapter, [(layer, "resid_pre"), (layer, "resid_post")]) as edited:
+            changed = adapter(tokens)
+        torch.testing.assert_close(edited[(layer, "resid_pre")], clean[(layer, "resid_pre")], atol=0, rtol=0)
+        torch.testing.assert_close(changed[:, :7], logits[:, :7], atol=0, rtol=0)
+        torch.testing.assert_close(edited[(layer, "resid_post")][:, :7], clean[(layer, "resid_post")][:, :7], atol=0, rtol=0)
+        assert (changed[:, 7] - logits[:, 7]).abs().max() > 1e-3
+        assert (edited[(layer, "resid_post")][:, 11] - clean[(layer, "resid_post")][:, 11]).abs().max() > 1e-2
 
 
 # ---- round trip: our trainer -> save_pretrained -> from_pretrained -> M1 analysis ----------------
@@ -183,7 +261,7 @@ def test_m1_of_the_loaded_copy_equals_the_runs_own(trained, exported):
                                       "--sequences", str(N_SEQUENCES)])
     assert result.exit_code == 0, result.output
     table = pd.read_json(exported / "taskgeom" / "analysis" / "m1.json")
-    assert set(table["site"]) == {"resid_post"}  # the adapter has no resid_mid
+    assert set(table["site"]) == {"resid_mid", "resid_post"}
     for name in ("simplex", "layers", "steering"):
         assert (exported / "taskgeom" / "figures" / f"m1_{name}.png").stat().st_size > 10_000
     api = analyze(hf.open_pretrained(exported, "e1", overrides=TASK), Options(n_sequences=N_SEQUENCES))
@@ -210,7 +288,7 @@ def test_plain_analyze_of_a_gpt2_run_directory(trained):
     result = CliRunner().invoke(app, ["analyze", str(trained.path), "--sequences", "48", "--layer", "1"])
     assert result.exit_code == 0, result.output
     table = pd.read_json(trained.path / "analysis" / "m1.json")
-    assert set(zip(table["layer"], table["site"])) == {(1, "resid_post")}
+    assert set(zip(table["layer"], table["site"])) == {(1, "resid_mid"), (1, "resid_post")}
 
 
 def test_larger_vocabulary_is_cut_to_the_tasks_tokens(tmp_path):

@@ -3,8 +3,10 @@
 ``HFCausalLM`` wraps a ``transformers`` causal LM so that the analysis, the hooks and the trainer
 use it like our ``Transformer``: ``forward(tokens [B, T]) -> logits [B, T, V]``,
 ``embed_inputs(tokens) -> [B, T, D]``, ``blocks[l]: [B, T, D] -> [B, T, D]``, ``readout(h)`` and
-``site(layer, name)``. Its sites are ``resid_pre``, ``attn_out``, ``mlp_out`` and ``resid_post``;
-there is no ``resid_mid``, which lives inside one call of an HF decoder layer.
+``site(layer, name)``. Its sites are those of our model, with the same identities:
+``resid_pre``, ``attn_out``, ``resid_mid = resid_pre + attn_out``, ``mlp_out`` and
+``resid_post = resid_mid + mlp_out``. ``resid_mid`` lives inside one call of an HF decoder layer, so
+it is formed in the hook on the layer's attention and edited through that module's output.
 
 ``build`` makes the HF model of a run with ``model.arch`` gpt2 or llama (no download),
 ``save_pretrained`` writes a run's model as a directory ``from_pretrained`` loads, and
@@ -27,7 +29,7 @@ from taskgeom.model import HookPoint, ResidualModel
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run
 
-SITES = ("resid_pre", "attn_out", "mlp_out", "resid_post")
+SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")  # as taskgeom.model.SITES
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")  # those that take an additive [1, 1, T, T] mask
 
 
@@ -90,7 +92,14 @@ def _through(point: HookPoint) -> Callable:
 
 class DecoderBlock(nn.Module):
     """One HF decoder layer as a causal map ``x [B, T, D] -> [B, T, D]`` with hook sites: resid_pre
-    and resid_post around the layer, attn_out and mlp_out on the outputs of its attention and MLP.
+    and resid_post around the layer, attn_out and mlp_out on the outputs of its attention and MLP,
+    and resid_mid = resid_pre + attn_out, formed in the attention's hook.
+
+    The layer adds its attention's output to its input itself, so resid_mid is rewritten through
+    attn_out: an edit ``mid -> mid'`` adds ``mid' - mid`` to the attention's output, and the layer's
+    own sum then is ``mid'`` (up to rounding); unhooked, the change is exactly zero. The hook knows
+    resid_pre because ``forward`` keeps it (``stream``) while the layer runs; calling the HF model
+    directly, not through ``forward``, passes resid_mid over, as it does resid_pre and resid_post.
 
     The layer (and the rotary module) belong to the wrapped model, which holds their weights, so they
     are kept here without being registered: the state dict names every weight once."""
@@ -101,8 +110,19 @@ class DecoderBlock(nn.Module):
             setattr(self, site, HookPoint())
         object.__setattr__(self, "layer", layer)
         object.__setattr__(self, "rotary", rotary)
-        getattr(layer, parts.attention).register_forward_hook(_through(self.attn_out))
+        self.stream: torch.Tensor | None = None  # resid_pre [B, T, D] while the layer runs under forward
+        getattr(layer, parts.attention).register_forward_hook(self._attention)
         getattr(layer, parts.mlp).register_forward_hook(_through(self.mlp_out))
+
+    def _attention(self, _module, _inputs, output):
+        """Forward hook on the attention: its output [B, T, D] (or the first item of its tuple)
+        through attn_out, then resid_mid's change added to it."""
+        rest = output[1:] if isinstance(output, tuple) else None
+        write = self.attn_out(output[0] if rest is not None else output)
+        if self.stream is not None:
+            mid = self.stream + write
+            write = write + (self.resid_mid(mid) - mid)
+        return write if rest is None else (write, *rest)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.resid_pre(x)
@@ -111,7 +131,11 @@ class DecoderBlock(nn.Module):
         if self.rotary is not None:
             positions = torch.arange(T, device=x.device)[None]
             inputs |= {"position_ids": positions, "position_embeddings": self.rotary(x, positions)}
-        out = self.layer(x, **inputs)
+        self.stream = x
+        try:
+            out = self.layer(x, **inputs)
+        finally:
+            self.stream = None
         return self.resid_post(out[0] if isinstance(out, tuple) else out)
 
 
@@ -121,8 +145,8 @@ class HFCausalLM(ResidualModel):
     ``n_out``: keep only the first ``n_out`` logits (a task's tokens, when the model's vocabulary is
     larger); None keeps all. The weights stay in ``self.hf`` (state dict keys ``hf.<HF name>``).
     Wrapping adds forward hooks to the model's attention and MLP modules that pass their outputs
-    through the attn_out / mlp_out sites (identity unless those sites are hooked). Embedding dropout
-    is not applied: models built here have no dropout, and analysis runs in eval mode.
+    through the attn_out / resid_mid / mlp_out sites (identity unless those sites are hooked).
+    Embedding dropout is not applied: models built here have no dropout, and analysis runs in eval mode.
     """
 
     sites = SITES
