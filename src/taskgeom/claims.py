@@ -1,18 +1,34 @@
-"""Claims of PAPER.md as named checks: a measured value against a documented threshold."""
+"""Claims of PAPER.md as named checks: a measured value against a documented threshold.
+
+Each claim has a status: ``pass``, ``fail``, or ``n/a`` when the claim does not apply to what was
+measured (PAPER.md section 7: P3 shrinks needs at least 5 uncertain positions). An n/a claim is
+counted neither as passed nor as failed. A ratio or share is written beside its ``parts``, the
+numbers it is made of, so that a reader can judge it (a share of a tiny gain says little).
+"""
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Iterable, Literal, Optional, Union
 
 Comparison = Literal["<=", ">=", "<", ">"]
+Status = Literal["pass", "fail", "n/a"]
+STATUSES: tuple[str, ...] = ("pass", "fail", "n/a")
+Part = Union[float, int, bool, str]
 _OPS = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b, "<": lambda a, b: a < b, ">": lambda a, b: a > b}
+
+# Share of in-context gain (PAPER.md section 7): the share removed by an ablation is unreliable when
+# the gain it divides by, L_0 - L (loss at the first position minus the clean loss), is below this
+# many nats.
+MIN_RELIABLE_GAIN = 0.05
 
 
 @dataclass(frozen=True)
 class Claim:
-    """One row of claims.json."""
+    """One row of claims.json. ``passed`` is true only for status ``pass``; ``parts`` are the numbers
+    a ratio or share is made of (or None); ``reason`` says why an ``n/a`` claim does not apply."""
 
     id: str
     experiment: str
@@ -22,13 +38,95 @@ class Claim:
     passed: bool
     profile: str
     comparison: str
+    status: Status
+    parts: Optional[dict[str, Part]] = None
+    reason: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"claim {self.id}: status must be one of {list(STATUSES)}, not {self.status!r}")
+        if self.passed != (self.status == "pass"):
+            raise ValueError(f"claim {self.id}: passed={self.passed} contradicts status {self.status!r}")
+        if self.status == "n/a" and not self.reason:
+            raise ValueError(f"claim {self.id}: an n/a claim needs a reason")
+        if self.parts is not None:
+            object.__setattr__(self, "parts", _clean_parts(self.id, self.parts))
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The claims.json row: strict JSON (a NaN or infinite number is written as null)."""
+        row = asdict(self)
+        row["value"], row["threshold"] = _json_number(self.value), _json_number(self.threshold)
+        if self.parts is not None:
+            row["parts"] = {k: _json_number(v) if isinstance(v, float) else v for k, v in self.parts.items()}
+        return row
 
 
-def check(claim_id: str, experiment: str, description: str, value: float, comparison: Comparison, threshold: float, profile: str) -> Claim:
-    """A Claim that passes when ``value <comparison> threshold`` (NaN never passes)."""
+def check(claim_id: str, experiment: str, description: str, value: float, comparison: Comparison, threshold: float,
+          profile: str, parts: Optional[dict[str, Part]] = None) -> Claim:
+    """A Claim with status ``pass`` when ``value <comparison> threshold``, else ``fail`` (NaN never
+    passes). ``parts``: the numbers the value is made of, written beside it."""
     value = float(value)
     passed = not math.isnan(value) and bool(_OPS[comparison](value, threshold))
-    return Claim(claim_id, experiment, description, value, float(threshold), passed, profile, comparison)
+    return Claim(claim_id, experiment, description, value, float(threshold), passed, profile, comparison,
+                 "pass" if passed else "fail", parts)
+
+
+def not_applicable(claim_id: str, experiment: str, description: str, comparison: Comparison, threshold: float,
+                   profile: str, reason: str, parts: Optional[dict[str, Part]] = None) -> Claim:
+    """A Claim with status ``n/a`` (value NaN, not passed, not failed) and why it does not apply."""
+    if comparison not in _OPS:
+        raise ValueError(f"claim {claim_id}: comparison must be one of {list(_OPS)}, not {comparison!r}")
+    return Claim(claim_id, experiment, description, math.nan, float(threshold), False, profile, comparison,
+                 "n/a", parts, reason)
+
+
+def gain_parts(clean: float, ablated: float, first: float, min_gain: float = MIN_RELIABLE_GAIN) -> dict[str, Part]:
+    """The parts of a share of in-context gain: the clean and ablated losses, the loss at the first
+    position ``first`` (L_0) and the gain ``L_0 - clean`` in nats. ``unreliable`` is true when the gain
+    is below ``min_gain`` (or is NaN). The share itself is computed by the experiment."""
+    clean, ablated, first = float(clean), float(ablated), float(first)
+    gain = first - clean
+    return {"clean_loss": clean, "ablated_loss": ablated, "loss_first": first, "gain": gain,
+            "unreliable": not gain >= min_gain}
+
+
+def counts(claims: Iterable[Claim]) -> dict[str, int]:
+    """How many claims have each status: {"pass": ., "fail": ., "n/a": .}."""
+    tally = dict.fromkeys(STATUSES, 0)
+    for claim in claims:
+        tally[claim.status] += 1
+    return tally
+
+
+def summary(claims: Iterable[Claim]) -> str:
+    """'X pass, Y fail, Z n/a of N claims'."""
+    tally = counts(claims)
+    return f"{tally['pass']} pass, {tally['fail']} fail, {tally['n/a']} n/a of {sum(tally.values())} claims"
+
+
+def exit_code(claims: Iterable[Claim]) -> int:
+    """1 when some claim failed, else 0 (n/a claims count neither way)."""
+    return 1 if any(claim.status == "fail" for claim in claims) else 0
+
+
+def _clean_parts(claim_id: str, parts: dict) -> dict[str, Part]:
+    """Parts as plain JSON-able Python values (numpy and torch scalars converted); anything else refused."""
+    clean: dict[str, Part] = {}
+    for name, value in parts.items():
+        if not isinstance(name, str):
+            raise TypeError(f"claim {claim_id}: part names must be strings, not {name!r}")
+        if hasattr(value, "item") and tuple(getattr(value, "shape", (0,))) == ():  # a numpy or torch scalar
+            value = value.item()
+        if isinstance(value, (bool, str)):
+            clean[name] = value
+        elif isinstance(value, numbers.Integral):
+            clean[name] = int(value)
+        elif isinstance(value, numbers.Real):
+            clean[name] = float(value)
+        else:
+            raise TypeError(f"claim {claim_id}: part {name!r} must be a float, int, bool or str, not {type(value).__name__}")
+    return clean
+
+
+def _json_number(x: float) -> Optional[float]:
+    return x if math.isfinite(x) else None

@@ -253,11 +253,13 @@ def reproduce(
     tracker: str = TRACKER_OPTION,
 ) -> None:
     """Reproduce every claim: trains what is missing (finished runs are reused), analyses, and
-    writes claims.json, timings.json and report.html. Exits 1 if a claim fails. The diversity
+    writes claims.json, timings.json and report.html. Exits 1 if a claim fails (an n/a claim, one
+    that does not apply to what was measured, fails nothing). The diversity
     sweeps run on the executor chosen by the executor options (as in `taskgeom sweep`); the other
     experiments' runs train in this process, on --device."""
     from taskgeom.experiments.executors import Executor
     from taskgeom.experiments import EXPERIMENTS, reproduce as run_all
+    from taskgeom.claims import exit_code, summary
 
     where = Executor(executor, workers, address, cpus_per_run, gpus_per_run)
     _check_training(device, tracker)  # its single runs train in this process
@@ -269,7 +271,8 @@ def reproduce(
     chosen = {k: v for k, v in EXPERIMENTS.items() if not only or k in only}
     ctx = run_all(out, profile, chosen, where, device, tracker)
     for claim in ctx.claims:
-        typer.echo(f"{'PASS' if claim.passed else 'FAIL'}  {claim.id:<28} {claim.value:.4g} {claim.comparison} {claim.threshold:.4g}")
-    typer.echo(f"{sum(c.passed for c in ctx.claims)}/{len(ctx.claims)} claims pass; report: {ctx.out / 'report.html'}")
-    if not all(c.passed for c in ctx.claims):
+        measured = f"not applicable: {claim.reason}" if claim.status == "n/a" else f"{claim.value:.4g} {claim.comparison} {claim.threshold:.4g}"
+        typer.echo(f"{claim.status.upper():<4}  {claim.id:<28} {measured}")
+    typer.echo(f"{summary(ctx.claims)}; report: {ctx.out / 'report.html'}")
+    if exit_code(ctx.claims):
         raise typer.Exit(1)
