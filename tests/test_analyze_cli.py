@@ -29,12 +29,16 @@ def test_analyze_writes_tidy_rows_and_figures(trained):
     result = invoke(str(trained.path), "--sequences", "48")
     assert result.exit_code == 0, result.output
     table = pd.read_json(trained.path / "analysis" / "m1.json")
-    assert set(table.columns) == {"experiment", "layer", "site", "metric", "value", "band", "position", "task"}
+    assert set(table.columns) == {"experiment", "batch", "layer", "site", "metric", "value", "band", "position", "task"}
     assert set(table["experiment"]) == {"e1"}
-    per_layer = table[table["position"].isna()]
-    for metric in ("p0.within_share", "p0.cell_r2", "p1.additive_share", "p2.r2_task", "p2.r2_random"):
-        rows = per_layer[per_layer["metric"] == metric]
-        assert sorted(zip(rows["layer"], rows["site"])) == [(0, "resid_mid"), (0, "resid_post"), (1, "resid_mid"), (1, "resid_post")]
+    assert set(table["batch"]) == {"selection", "measure"}
+    for batch in ("selection", "measure"):
+        per_layer = table[table["position"].isna() & (table["batch"] == batch)]
+        for metric in ("p0.within_share", "p0.cell_r2", "p1.additive_share", "p2.r2_task", "p2.r2_random"):
+            rows = per_layer[per_layer["metric"] == metric]
+            assert sorted(zip(rows["layer"], rows["site"])) == [(0, "resid_mid"), (0, "resid_post"), (1, "resid_mid"), (1, "resid_post")]
+    per_position = table[(table["metric"] == "p2.r2_task") & table["position"].notna()]
+    assert len(per_position) == 4 * 24 and set(per_position["batch"]) == {"measure"}
     within, cell = (per_layer[per_layer["metric"] == m].set_index(["layer", "site"])["value"] for m in ("p0.within_share", "p0.cell_r2"))
     assert ((within + cell) - 1).abs().max() < 1e-9
     tv = table[(table["metric"] == "p3.tv") & table["position"].notna() & table["task"].isna()]
@@ -42,7 +46,7 @@ def test_analyze_writes_tidy_rows_and_figures(trained):
     per_task = table[(table["metric"] == "p3.tv") & table["task"].notna()]
     assert sorted(zip(per_task["task"].astype(int), per_task["position"].astype(int))) == [(k, t) for k in range(3) for t in range(24)]
     assert all(low <= value <= high for value, (low, high) in zip(tv["value"], tv["band"]))
-    for name in ("simplex", "layers", "steering"):
+    for name in ("simplex", "layers", "positions", "steering"):
         assert (trained.path / "figures" / f"m1_{name}.png").stat().st_size > 10_000
 
 
@@ -75,7 +79,7 @@ def test_missing_run_directory_exits_2(tmp_path):
     assert "not a taskgeom run directory" in result.output
 
 
-def test_m1_claims_read_the_best_layer_rows(trained):
+def test_the_place_is_selected_on_one_batch_and_the_claims_measured_on_another(trained):
     from taskgeom.analysis.retrieval import Options, analyze
     from taskgeom.experiments.m1 import MIN_CELL_R2, MIN_STEERING_RATIO, claims as m1_claims
 
@@ -83,13 +87,23 @@ def test_m1_claims_read_the_best_layer_rows(trained):
     claims = {c.id: c for c in m1_claims(result, "quick")}
     assert list(claims) == ["e1.P0", "e1.P1", "e1.P2", "e1.P2.vs_random", "e1.P3", "e1.P3.shrinks", "e1.steering"]
     table = pd.DataFrame(result.rows)
+    per_place = table[table["position"].isna() & table["task"].isna()]
+    selection = per_place[(per_place["batch"] == "selection") & (per_place["metric"] == "p2.r2_task")].set_index(["layer", "site"])["value"]
+    ranked = selection.sort_values(ascending=False).index.tolist()
+    assert result.best == ranked[0] and result.runner_up == ranked[1]
+    chosen = per_place[per_place["metric"] == "place.selected"]
+    assert (int(chosen["layer"].iloc[0]), chosen["site"].iloc[0]) == result.best
     layer, site = result.best
-    best = table[(table["layer"] == layer) & (table["site"] == site) & table["position"].isna()].set_index("metric")["value"]
-    cell_r2 = table[(table["metric"] == "p0.cell_r2") & (table["site"] == site)]["value"]
-    assert best["p0.cell_r2"] == cell_r2.max() == claims["e1.P0"].value
+    best = per_place[(per_place["batch"] == "measure") & (per_place["layer"] == layer) & (per_place["site"] == site)].set_index("metric")["value"]
+    assert best["p2.r2_task"] != selection[result.best]  # measured on other sequences
+    assert claims["e1.P0"].value == best["p0.cell_r2"]
+    assert claims["e1.P2"].value == best["p2.r2_task"]
     assert claims["e1.P2.vs_random"].value == pytest.approx(best["p2.r2_task"] - best["p2.r2_random"])
     assert claims["e1.steering"].value == pytest.approx(best["steering.kl_unsteered"] / best["steering.kl_steered"])
     assert claims["e1.P0"].threshold == MIN_CELL_R2 and claims["e1.steering"].threshold == MIN_STEERING_RATIO
+
+    fixed = analyze(trained, Options(n_sequences=48, n_random=2, site="resid_post"))
+    assert fixed.best[1] == "resid_post" and fixed.runner_up[1] == "resid_post"
 
 
 def test_analyze_e2_regression_run(tmp_path):
@@ -112,12 +126,12 @@ def test_analyze_e2_regression_run(tmp_path):
     assert set(per_layer["metric"]) >= {"p0.cell_r2", "p1.additive_share", "p2.r2_task", "p2.r2_random", "steering.sq_unsteered",
                                         "steering.sq_steered", "steering.sq_random", "steering.ratio"}
     tv = table[(table["metric"] == "p3.tv") & table["position"].notna() & table["task"].isna()]
-    assert sorted(tv["position"].astype(int)) == list(range(12))
-    for name in ("simplex", "layers", "steering"):
+    assert sorted(tv["position"].astype(int)) == list(range(4))  # one per separator (example)
+    for name in ("simplex", "layers", "positions", "steering"):
         assert (run.path / "figures" / f"m1_{name}.png").stat().st_size > 10_000
 
     analysed = analyze(run, Options(n_sequences=48, n_random=2))
-    assert analysed.alpha.shape == (48, 12, 3) and torch.allclose(analysed.alpha.sum(-1), torch.ones(48, 12))
+    assert analysed.alpha.shape == (48, 4, 3) and torch.allclose(analysed.alpha.sum(-1), torch.ones(48, 4))
     claims = {c.id: c for c in m1_claims(analysed, "quick")}
     assert list(claims) == ["e2.P0", "e2.P1", "e2.P2", "e2.P2.vs_random", "e2.P3", "e2.P3.shrinks", "e2.steering"]
     s = analysed.summary

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from taskgeom.analysis.properties import alignment, interpolation, stability, KL_FLOOR
+from taskgeom.analysis.properties import alignment, interpolation, shrinkage, stability, KL_FLOOR
 from taskgeom.analysis.states import collect, stream_layers
 from taskgeom.analysis.steering import AdditiveCode, code_from_regression, random_edit, steer_edit
 from conftest import planted_paths
@@ -40,10 +40,11 @@ def test_planted_convex_combinations_give_r2_one_and_the_planted_coefficients():
     assert geometry.layout.within_share == pytest.approx(0.0, abs=1e-12)
     assert geometry.layout.cell_r2 == pytest.approx(1.0, abs=1e-12)
     assert geometry.layout.additive_share == pytest.approx(1.0, abs=1e-12)
-    assert torch.allclose(geometry.vectors.theta.double(), theta, atol=1e-5)
-    fit = interpolation(geometry.residual(h, tokens), geometry.vectors.theta, n_random=4)
+    assert torch.allclose(geometry.subspace.theta.double(), theta, atol=1e-5)
+    fit = interpolation(geometry.residual(h, tokens), geometry.subspace.theta, window, n_random=4)
     assert fit.r2_task == pytest.approx(1.0, abs=1e-6)
     assert fit.r2_exact == pytest.approx(1.0, abs=1e-6)
+    assert torch.allclose(fit.r2_by_position, torch.ones(T, dtype=torch.float64), atol=1e-6)
     assert torch.allclose(fit.beta.double(), beta, atol=1e-5)
     assert (fit.r2_random < 0.9).all()  # rotated vertices do not span the planted subspace
     tv, kl = alignment(fit.beta, beta)
@@ -158,3 +159,24 @@ def test_analysis_sequences_are_held_out_and_labelled(tmp_path):
     assert major.tokens.shape == (16, run.config.task.seq_len)
     assert not torch.equal(major.tokens, eval_sets(run)[0].batch.tokens)
     assert torch.equal(major.tokens, analysis_batch(run, "major", 16).tokens)  # a pure function of the seed
+
+
+def test_shrinkage_compares_quarters_of_the_uncertain_positions_or_is_not_applicable():
+    N, T, K_ = 4, 20, 3
+    alpha = torch.zeros(N, T, K_, dtype=torch.float64)
+    alpha[..., 0] = 1.0
+    tv = torch.rand(N, T, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    settled = shrinkage(tv, alpha)
+    assert settled.reason is not None and "only 0 positions" in settled.reason
+    assert math.isnan(settled.tv_first) and math.isnan(settled.tv_last)
+
+    uncertain = [2, 3, 5, 8, 9, 11, 12, 15]  # 8 positions: quarters of 2
+    alpha[:, uncertain] = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+    alpha[0, 15] = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)  # one certain sequence does not move the median
+    result = shrinkage(tv, alpha)
+    assert result.reason is None and result.positions == uncertain
+    assert result.tv_first == pytest.approx(float(tv[:, [2, 3]].mean()))
+    assert result.tv_last == pytest.approx(float(tv[:, [12, 15]].mean()))
+
+    alpha[:, uncertain[4:]] = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+    assert shrinkage(tv, alpha).reason is not None  # 4 < MIN_UNCERTAIN_POSITIONS

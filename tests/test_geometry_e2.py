@@ -32,9 +32,9 @@ def test_planted_linear_effect_gives_r2_one_and_the_planted_coefficients():
     assert geometry.layout.within_share == pytest.approx(0.0, abs=1e-10)
     assert geometry.layout.cell_r2 == pytest.approx(1.0, abs=1e-10)
     assert geometry.layout.additive_share == pytest.approx(1.0, abs=1e-10)
-    assert torch.allclose(geometry.vectors.theta.double(), theta, atol=1e-5)
+    assert torch.allclose(geometry.subspace.theta.double(), theta, atol=1e-5)
     assert torch.allclose(geometry.nu.double(), A, atol=1e-5)
-    fit = interpolation(geometry.residual(h, x), geometry.vectors.theta, n_random=4)
+    fit = interpolation(geometry.residual(h, x), geometry.subspace.theta, window, n_random=4)
     assert fit.r2_task == pytest.approx(1.0, abs=1e-6)
     assert fit.r2_exact == pytest.approx(1.0, abs=1e-6)
     assert torch.allclose(fit.beta.double(), beta, atol=1e-5)
@@ -89,9 +89,59 @@ def test_prediction_readout_scores_the_mixture_prediction_at_prediction_position
     batch = family.make_batch(params[torch.tensor([0, 1])], torch.tensor([0, 1]), 12, torch.Generator().manual_seed(0))
     readout = PredictionReadout(family, batch, params)
     a = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]], dtype=torch.float64)
-    window = late_window(12, 0.5)  # positions 6..11: examples 2 and 3, predicted at positions 7 and 10
+    window = late_window(4, 0.5)  # examples 2 and 3 of 4, predicted at their separators, positions 7 and 10
     out = torch.zeros(2, 12, 1)
     out[:, 7, 0], out[:, 10, 0] = 1.0, -1.0
     target = torch.stack([batch.x[0, 2:] @ params[1], batch.x[1, 2:] @ (0.5 * params[0] + 0.5 * params[2])])
     expected = (torch.tensor([1.0, -1.0], dtype=torch.float64) - target) ** 2
     assert torch.allclose(readout.distance(a, window)(out), expected)
+
+
+def test_paired_batch_gives_every_task_the_same_x_and_fresh_noise():
+    family = Regression(d=3, noise=0.5)
+    pool = family.sample_pool(3, 0, seed=0)
+    batch = family.sample_paired(pool, 13, 15, seed=1)  # 13 // 3 = 4 x sequences per task
+    assert batch.task.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    x = batch.x.view(3, 4, 5, 3)
+    assert torch.equal(x[1], x[0]) and torch.equal(x[2], x[0])
+    noise = batch.y - torch.einsum("bnd,bd->bn", batch.x, pool.params[batch.task])
+    assert not torch.allclose(noise[:4], noise[4:8])
+    assert torch.equal(batch.tokens, family.encode(batch.x, batch.y))
+    with pytest.raises(ValueError, match="at least one sequence per task"):
+        family.sample_paired(pool, 2, 15)
+
+
+def test_paired_design_cancels_a_nonlinear_x_effect_in_the_task_vectors():
+    """States = tanh(x W) + theta_task: the additive model's linear x term misses the curvature,
+    but with shared x sequences it misses it equally for every task, so theta comes out exact."""
+    gen = torch.Generator().manual_seed(7)
+    family = Regression(d=DX, noise=0.5)
+    pool = family.sample_pool(K, 0, seed=2)
+    theta = torch.randn(K, D, generator=gen, dtype=torch.float64)
+    theta -= theta.mean(0)
+    W = torch.randn(DX, D, generator=gen, dtype=torch.float64)
+
+    def fitted_theta(batch):
+        h = torch.tanh(batch.x @ W) + theta[batch.task][:, None]
+        return stability_linear(h, batch.task, batch.x, K, late_window(batch.x.shape[1])).subspace.theta
+
+    paired = family.sample_paired(pool, 30, 3 * 16, seed=3)
+    torch.testing.assert_close(fitted_theta(paired), theta, atol=1e-10, rtol=0)
+    unpaired = family.sample(pool, 30, 3 * 16, seed=3)
+    assert (fitted_theta(unpaired) - theta).abs().max() > 1e-3
+
+
+def test_e2_inputs_read_the_separators_with_the_posterior_before_y():
+    from taskgeom.analysis.retrieval import family_inputs
+
+    family = Regression(d=2, noise=0.5)
+    pool = family.sample_pool(3, 0, seed=0)
+    batch = family.sample_paired(pool, 6, 3 * 5, seed=1)
+    inputs = family_inputs(family, batch, pool)
+    assert inputs.positions.tolist() == [1, 4, 7, 10, 13]
+    assert torch.equal(batch.tokens[:, inputs.positions, -1], torch.ones(6, 5))  # the separator flag
+    torch.testing.assert_close(inputs.alpha, family.log_posterior(batch, pool).exp())
+    assert torch.equal(inputs.current, batch.x)
+    marker = torch.arange(15.0)[None, :, None].expand(6, 15, 1)
+    assert inputs.select(marker)[0, :, 0].tolist() == [1.0, 4.0, 7.0, 10.0, 13.0]
+    assert inputs.model_positions(slice(3, 5)).tolist() == [10, 13]

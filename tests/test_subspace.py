@@ -1,4 +1,4 @@
-"""Section-5 machinery on planted geometry: projection R^2, ablations, the orthogonal search,
+"""Section-5 machinery on planted geometry: projection R^2 (plain and token-conditioned), ablations,
 the generalising predictor and the Theorem-2 estimators."""
 
 from __future__ import annotations
@@ -7,39 +7,90 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from taskgeom import tasks
-from taskgeom.analysis.subspace import complement_basis, direction_ablation, gain_removed, orthogonal_search, projection_r2, task_ablation
-from taskgeom.hooks import intervene
-from taskgeom.analysis.task_vectors import TaskVectors
+from taskgeom.analysis.subspace import complement_basis, gain_removed, projection_r2, task_ablation
+from taskgeom.analysis.task_vectors import task_subspace, token_conditioned
 from taskgeom.analysis.theory import participation_ratio, readout_lipschitz
 from taskgeom.analysis.transition import predict_generalising
-from taskgeom.model import HookPoint
 
 
 def test_projection_r2_is_one_inside_and_zero_orthogonal():
     gen = torch.Generator().manual_seed(0)
     theta = torch.zeros(3, 10)
     theta[0, 0], theta[1, 1], theta[2, :2] = 1.0, 1.0, -1.0
+    basis = task_subspace(theta, torch.zeros(4, 10), slice(2, 4)).basis
     inside = torch.randn(50, 3, generator=gen) @ theta
     orthogonal = torch.zeros(50, 10)
     orthogonal[:, 2:] = torch.randn(50, 8, generator=gen)
-    assert torch.allclose(projection_r2(inside, theta), torch.ones(50), atol=1e-6)
-    assert projection_r2(orthogonal, theta).max() < 0.05
-    mixed = projection_r2(inside * 0.1 + orthogonal, theta)
+    assert torch.allclose(projection_r2(inside, basis), torch.ones(50), atol=1e-6)
+    assert projection_r2(orthogonal, basis).max() < 0.05
+    mixed = projection_r2(inside * 0.1 + orthogonal, basis)
     assert 0 < mixed.mean() < 0.2
+
+
+def test_projection_r2_regresses_on_exactly_k_minus_1_directions_despite_rounding_noise():
+    """float32 task vectors sum to zero only up to rounding: the old lstsq on theta took that noise
+    direction as a third regressor and biased R^2 upward; the rank-(K-1) basis gives the exact answer."""
+    gen = torch.Generator().manual_seed(4)
+    D, K = 32, 3
+    frame = torch.linalg.qr(torch.randn(D, D, generator=gen, dtype=torch.float64))[0]
+    exact = torch.stack([frame[:, 0], frame[:, 1], -frame[:, 0] - frame[:, 1]])  # [K, D], sums to zero exactly
+    noisy = (exact + 1e-7 * frame[:, 2]).float()  # planted rounding noise along a third direction
+    x = torch.randn(200, D, generator=gen, dtype=torch.float64)
+    fitted = x @ frame[:, :2] @ frame[:, :2].T
+    truth = 1 - ((x - fitted) ** 2).sum(-1) / ((x - x.mean(-1, keepdim=True)) ** 2).sum(-1)
+
+    new = projection_r2(x, task_subspace(noisy, torch.zeros(1, D), slice(0, 1)).basis)
+    torch.testing.assert_close(new.double(), truth.clamp(0, 1), atol=1e-6, rtol=0)
+
+    # the old estimator: least squares on the K raw vectors, default cut-off
+    coef = torch.linalg.lstsq(noisy.double().T.expand(200, -1, -1), x[..., None]).solution
+    old = 1 - ((x - (noisy.double().T @ coef).squeeze(-1)) ** 2).sum(-1) / ((x - x.mean(-1, keepdim=True)) ** 2).sum(-1)
+    assert (old - truth).mean() > 0.01  # biased upward: the noise direction explains about 1/D more
+
+
+def test_token_conditioned_projection_regresses_on_each_tokens_own_vectors():
+    """Planted: task effects that rotate with the current token. The token-conditioned form finds
+    states built from theta_{k,a} fully inside; the plain form, on the averaged vectors, does not."""
+    gen = torch.Generator().manual_seed(5)
+    D, K, V = 16, 3, 4
+    raw = torch.randn(K, V, D, generator=gen, dtype=torch.float64)
+    conditioned = raw - raw.mean(0)  # theta_{k,a}
+    theta = conditioned.mean(1)  # the plain task effects
+    subspace = task_subspace(theta, torch.zeros(1, D), slice(0, 1), conditioned)
+    tokens = torch.randint(0, V, (100,), generator=gen)
+    beta = torch.distributions.Dirichlet(torch.ones(K)).sample((100,)).double()
+    x = torch.einsum("nk,knd->nd", beta, conditioned[:, tokens])
+    token_form = projection_r2(x, subspace.conditioned_basis(tokens))
+    torch.testing.assert_close(token_form, torch.ones(100), atol=1e-6, rtol=0)
+    brute = torch.stack([projection_r2(x[i : i + 1], torch.linalg.qr(conditioned[:, tokens[i]].T)[0][:, :K - 1])[0] for i in range(100)])
+    torch.testing.assert_close(token_form, brute, atol=1e-6, rtol=0)
+    assert projection_r2(x, subspace.basis).mean() < 0.9
+
+
+def test_token_conditioned_vectors_are_centred_cell_means_with_the_plain_fallback():
+    gen = torch.Generator().manual_seed(6)
+    K, V, D = 3, 3, 5
+    task = torch.randint(0, K, (400,), generator=gen)
+    tokens = torch.randint(0, V - 1, (400,), generator=gen)  # token V-1 never appears
+    h = torch.randn(400, D, generator=gen, dtype=torch.float64)
+    theta = torch.randn(K, D, generator=gen, dtype=torch.float64)
+    out = token_conditioned(h, task, tokens, K, V, theta)
+    for a in range(V - 1):
+        means = torch.stack([h[(task == k) & (tokens == a)].mean(0) for k in range(K)])
+        torch.testing.assert_close(out[:, a], means - means.mean(0))
+    torch.testing.assert_close(out[:, V - 1], theta - theta.mean(0))
 
 
 def test_task_ablation_removes_exactly_the_centred_task_component():
     gen = torch.Generator().manual_seed(1)
     theta = torch.randn(3, 6, generator=gen)
-    theta -= theta.mean(0)
     mu = torch.randn(5, 6, generator=gen)
-    vectors = TaskVectors(theta, mu, slice(3, 5))
+    subspace = task_subspace(theta, mu, slice(3, 5))
     h = torch.randn(2, 5, 6, generator=gen)
-    edited = task_ablation(vectors)(h)
-    basis = vectors.basis
+    edited = task_ablation(subspace)(h)
+    basis = subspace.basis.float()
     assert basis.shape == (6, 2)
     torch.testing.assert_close((edited - mu) @ basis, torch.zeros(2, 5, 2), atol=1e-5, rtol=0)
     complement = complement_basis(basis)
@@ -47,55 +98,17 @@ def test_task_ablation_removes_exactly_the_centred_task_component():
     torch.testing.assert_close(complement.T @ complement, torch.eye(4), atol=1e-5, rtol=0)
 
 
-def test_gain_removed_formula():
+def test_a_degenerate_task_subspace_is_refused():
+    theta = torch.tensor([[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]])  # rank 1 after centring, K - 1 = 2
+    with pytest.raises(ValueError, match="span fewer than 2"):
+        task_subspace(theta, torch.zeros(1, 2), slice(0, 1))
+
+
+def test_gain_removed_formula_averages_every_prediction_after_the_first():
     clean = torch.tensor([2.0, 1.5, 1.0, 1.0])
     ablated = torch.tensor([2.0, 1.8, 1.5, 1.5])
-    assert gain_removed(ablated, clean, slice(2, 4)) == pytest.approx(50.0)
-
-
-class PlantedModel(nn.Module):
-    """Binary tokens that mostly repeat; the state carries the token along ``planted`` (the only
-    direction the readout reads), a task-subspace component and token-independent noise along
-    ``noise_dirs``."""
-
-    def __init__(self, planted: torch.Tensor, noise_dirs: torch.Tensor, task_dirs: torch.Tensor):
-        super().__init__()
-        self.planted, self.noise_dirs, self.task_dirs = planted, noise_dirs, task_dirs
-        self.state = HookPoint()
-
-    def site(self, layer: int, name: str) -> HookPoint:
-        return self.state
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        sign = (2.0 * tokens - 1.0)[..., None]
-        gen = torch.Generator().manual_seed(0)
-        noise = 0.3 * torch.randn(*tokens.shape, self.noise_dirs.shape[1], generator=gen) @ self.noise_dirs.T
-        h = self.state(sign * (self.planted + self.task_dirs.sum(1)) + noise)
-        score = math.log(9.0) * h @ self.planted  # calibrated: tokens repeat with probability 0.9
-        return torch.stack([-score, score], dim=-1) / 2
-
-
-def cross_entropy(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens)
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 2), tokens[:, 1:].reshape(-1))
-
-
-def test_orthogonal_search_recovers_a_planted_direction():
-    gen = torch.Generator().manual_seed(2)
-    D = 12
-    frame = torch.linalg.qr(torch.randn(D, D, generator=gen))[0]
-    task_basis, planted, noise_dirs = frame[:, :2], frame[:, 2], frame[:, 3:]
-    model = PlantedModel(planted, noise_dirs, task_basis)
-    first = torch.randint(0, 2, (200, 1), generator=gen)
-    flips = (torch.rand(200, 15, generator=gen) < 0.1).long()
-    tokens = torch.cat([first, (first + flips.cumsum(1)) % 2], dim=1)
-    found = orthogonal_search(model, lambda m: cross_entropy(m, tokens), (0, "state"), task_basis, rank=1, steps=300, lr=0.05)
-    assert found.shape == (D, 1)
-    assert (found.T @ task_basis).abs().max() < 1e-5
-    assert abs(float(found[:, 0] @ planted)) >= 0.95
-    with torch.no_grad(), intervene(model, (0, "state"), direction_ablation(found)):
-        ablated = cross_entropy(model, tokens)
-    assert ablated > cross_entropy(model, tokens) + 0.3
+    late, late_ablated = (1.5 + 1.0 + 1.0) / 3, (1.8 + 1.5 + 1.5) / 3
+    assert gain_removed(ablated, clean) == pytest.approx(100 * (late_ablated - late) / (2.0 - late))
 
 
 def test_generalising_predictor_interpolates_majors_and_the_prior():

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pandas as pd
 import yaml
 
 from conftest import tiny_config
 from taskgeom.experiments.executors import Executor
+from taskgeom.analysis.dual import load_dual
 from taskgeom.experiments.sweep import Job, run_sweep
+from taskgeom.runs import Run
 
 
 def test_sweep_isolates_failures_and_resumes(tmp_path):
@@ -22,9 +27,29 @@ def test_sweep_isolates_failures_and_resumes(tmp_path):
     wide = pd.read_csv(tmp_path / "sweep.csv")
     assert len(wide) == 3 and {"projection_r2@ood", "gain_removed_ablate_S@major", "gain_removed_ablate_V@ood"} <= set(wide.columns)
     steps = pd.read_csv(tmp_path / "by_step.csv")
-    assert set(steps["diversity"]) == {-1, 1} and {"log_ratio", "projection_r2"} <= set(steps.columns)
+    assert set(steps["diversity"]) == {-1, 1} and {"log_ratio", "projection_r2", "projection_r2_token"} <= set(steps.columns)
+    one = table[(table["diversity"] == -1) & table["step"].isna()]
+    search = one[one["metric"] == "search_gain_removed"]
+    n_layers = tiny_config("dice", steps=30).model.n_layers
+    assert sorted(zip(search["layer"], search["site"])) == [(layer, "resid_mid") for layer in range(n_layers)]  # every layer's
+    chosen = one[one["metric"] == "v_layer_selected"]
+    best = search.loc[search["value"].idxmax()]
+    assert (chosen["layer"].iloc[0], chosen["site"].iloc[0]) == (best["layer"], best["site"])
+    ablate_v = one[one["metric"] == "gain_removed_ablate_V"]
+    assert set(ablate_v["layer"]) == {best["layer"]}
+    d0 = one[one["metric"] == "d0"]["value"].iloc[0]
+    ranks = one[one["metric"].str.startswith("gain_removed_ablate_V_rank")]
+    assert len(ranks) == math.ceil(d0)
+    assert {"place_selected", "projection_r2_token", "loss_ablate_S", "loss_ablate_V"} <= set(one["metric"])
 
     done, redo = (sorted(root.glob("tiny-dice-*"))[i] for i in (0, 1))
+    run = Run.open(done)
+    assert load_dual(run) is not None
+    old = run.path / "analysis" / "dual.json"
+    rows = json.loads(old.read_text())
+    old.write_text(json.dumps([{k: v for k, v in r.items() if k != "version"} for r in rows]))
+    assert load_dual(run) is None  # an analysis of an earlier version is measured again
+    old.write_text(json.dumps(rows))
     kept = {p: p.stat().st_mtime_ns for p in (done / "model.safetensors", done / "analysis" / "dual.json")}
     (redo / "model.safetensors").unlink()  # as if the sweep had been killed while training this run
     (redo / "analysis" / "dual.json").unlink()

@@ -15,7 +15,7 @@ import torch
 
 @dataclass(frozen=True)
 class Layout:
-    """A fit of states on (task, current input): within_share: the share of SS_total the full model
+    """A fit of states on (task, current input), float64: within_share: the share of SS_total the full model
     leaves; cell_r2 = 1 - within_share; additive_share: the share of the full model's explained SS
     that the additive model keeps (P1); effect_a: [A, D] centred task effects; effect_b: the
     input's effects; intercept: [D]."""
@@ -66,7 +66,7 @@ def two_way(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, n_a: int, n_b: in
     intercept = (w[:, None] * fitted).sum(0)
     share = float(within / total) if total > 0 else 0.0
     additive = float(1 - interaction / between) if between > 0 else 1.0
-    return TwoWay(share, 1 - share, additive, effect_a.float(), effect_b.float(), intercept.float())
+    return TwoWay(share, 1 - share, additive, effect_a, effect_b, intercept)
 
 
 @dataclass(frozen=True)
@@ -103,4 +103,4 @@ def task_linear(h: torch.Tensor, a: torch.Tensor, x: torch.Tensor, n_a: int) -> 
     intercept = (w[:, None] * raw).sum(0)
     share = res_full / total if total > 0 else 0.0
     kept = 1 - (res_add - res_full) / explained if explained > 0 else 1.0
-    return TaskLinear(share, 1 - share, kept, (raw - intercept).float(), coef[n_a:].float(), intercept.float())
+    return TaskLinear(share, 1 - share, kept, raw - intercept, coef[n_a:], intercept)

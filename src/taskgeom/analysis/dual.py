@@ -1,34 +1,56 @@
-"""One run's dual-mode measurements (PAPER.md section 5), saved as ``analysis/dual.json``.
+"""One run's dual-mode measurements (PAPER.md sections 5 and 7), saved as ``analysis/dual.json``.
 
 Rows are tidy ``{metric, value, band, set, step, layer, site}`` records (``band`` an
-interquartile pair or null) that ``pandas.read_json`` loads in one call. The site defaults to the
-last layer's ``resid_post``; task vectors come from major-task sequences, the orthogonal
-directions from a separate batch of OOD sequences, and every loss from held-out sequences of their
-own streams. Losses are the family's own (nats for token families, squared error for E2); the
-predictor transition and Theorem 2 compare next-token distributions, so they are measured for
-token families only.
+interquartile pair or null) that ``pandas.read_json`` loads in one call. Where each is measured:
+
+- **The place** of the task subspace: chosen as the M1 analysis chooses it (highest R^2_task of P2
+  on the M1 selection batch, ``retrieval.select_place``), so the same run gets the same place in
+  both analyses. Projection R^2 and the S ablation are measured there, on the ``dual`` batches.
+- **The task subspace** is the one ``TaskSubspace`` of the M1 geometry (the layout's task effects,
+  rank K - 1), fitted on the ``dual`` major batch at each place that needs one.
+- **Projection R^2** of late OOD states, in two forms: plain (centred by mu_t, regressed on S)
+  and token-conditioned (centred by mu_t + nu(x_t), regressed on theta_{k, x_t}); the claims read
+  the token-conditioned one.
+- **The orthogonal search** (``orthogonal.orthogonal_search``) runs at ``resid_mid`` of every layer,
+  avoiding S and the token subspace of that place, with a fresh batch of OOD sequences per step;
+  the layer where ablating V removes the most OOD gain on the search-selection batch is chosen, and
+  V is measured on the fresh ``dual`` batches. At that layer the gain removed by V of rank
+  r = 1..ceil(d0) is the rank curve.
+- **Losses and shares** average every prediction after the first; the clean, ablated and first
+  losses are written beside each share.
+
+Losses are the family's own (nats for token families, squared error for E2); the predictor
+transition and Theorem 2 compare next-token distributions, so they are measured for token families
+only.
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
+from taskgeom.analysis.orthogonal import BATCH_SIZE, avoid_basis, orthogonal_search, token_subspace
 from taskgeom.analysis.probes import linear_probe
-from taskgeom.analysis.states import collect
-from taskgeom.analysis.subspace import (complement_basis, direction_ablation, gain_removed, model_losses, orthogonal_search,
-                                        projection_r2, random_directions, task_ablation)
-from taskgeom.analysis.task_vectors import late_window, task_vectors
-from taskgeom.analysis.theory import clr, theorem2
+from taskgeom.analysis.properties import Geometry
+from taskgeom.analysis.retrieval import SELECTION_STREAM, Inputs, analysis_inputs, family_inputs, select_place
+from taskgeom.analysis.states import stream_layers
+from taskgeom.analysis.subspace import complement_basis, direction_ablation, gain_removed, model_losses, projection_r2, random_directions, task_ablation
+from taskgeom.analysis.task_vectors import late_window
+from taskgeom.analysis.theory import clr, participation_ratio, theorem2
 from taskgeom.analysis.transition import transition_statistic
 from taskgeom.hooks import Site
 from taskgeom.rng import generator
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_json
 from taskgeom.tasks import Batch, TokenFamily
+from taskgeom.tasks.regression import Regression
 
+DUAL_VERSION = 2  # 2: the measurement conventions of PAPER.md section 7
 N_RANDOM_CONTROLS = 5
+SELECTION_SEQUENCES = 512  # the M1 analysis' default, so both select the same place
+SEARCH_SITE = "resid_mid"
 
 
 def _quartiles(x: torch.Tensor) -> list[float]:
@@ -36,108 +58,175 @@ def _quartiles(x: torch.Tensor) -> list[float]:
     return [float(q[0]), float(q[1])]
 
 
-def _projection_r2(h_major: torch.Tensor, h_ood: torch.Tensor, task: torch.Tensor, n_major: int, window: slice) -> torch.Tensor:
-    """[N * W] projection R^2 of late OOD states [N, T, D] on the task vectors of h_major."""
-    vectors = task_vectors(h_major, task, n_major, window)
-    return projection_r2((h_ood - vectors.mu)[:, window].reshape(-1, h_ood.shape[-1]), vectors.theta)
+def _projection_r2(geometry: Geometry, h_ood: torch.Tensor, current: torch.Tensor, window: slice) -> dict[str, torch.Tensor]:
+    """{"plain", "token"}: [N * W] projection R^2 of late OOD states h_ood: [N, P, D] (current: their
+    inputs, [N, P] or [N, P, d]) on the task subspace of ``geometry``."""
+    subspace = geometry.subspace
+    late = current[:, window]
+    centred = h_ood[:, window].double() - subspace.mu[window]
+    flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
+    token_centred = centred - geometry.layout.effect(late).double()
+    basis = subspace.conditioned_basis(late)
+    return {"plain": projection_r2(flat(centred), subspace.basis),
+            "token": projection_r2(flat(token_centred), basis.reshape(-1, *basis.shape[-2:]))}
 
 
 def _batches(run: Run, size: int) -> dict[str, Batch]:
-    """Held-out batches: major, minor (if the pool has minors), ood, and ood-search."""
+    """Held-out batches for losses: major, minor (if the pool has minors) and ood."""
     family, pool, cfg = run.family, run.pool, run.config
     T, seed = cfg.task.seq_len, cfg.train.seed
     out = {"major": family.sample(pool, size, T, seed, 0, "dual", "major")}
     if pool.n_minor:
         out["minor"] = family.sample(pool, size, T, seed, 0, "dual", "minor")
     out["ood"] = family.sample_ood(size, T, seed, 0, "dual-ood")
-    out["ood-search"] = family.sample_ood(size, T, seed, 0, "dual-ood-search")
     return out
 
 
-def analyze_dual(run: Run, site: Site | None = None, n_seq: int = 256, rank: int = 1, search_steps: int = 200) -> list[dict]:
-    """All section-5 measurements of a finished run at ``site``; writes and returns the rows."""
-    model, family, pool = run.load_model(), run.family, run.pool
-    site = site or (run.config.model.n_layers - 1, "resid_post")
-    window = late_window(run.config.task.seq_len)
-    batches = _batches(run, n_seq)
+def _geometries(model: torch.nn.Module, major: Inputs, ood: Inputs, sites: list[Site],
+                window: slice) -> dict[Site, tuple[Geometry, torch.Tensor]]:
+    """{site: (geometry fitted on the major inputs, OOD states [N, P, D])} from one streamed pass."""
+    n, K = major.batch.tokens.shape[0], major.alpha.shape[-1]
+    out = {}
+    for layer, states in stream_layers(model, torch.cat([major.batch.tokens, ood.batch.tokens]), sites):
+        for name, h in states.items():
+            geometry = major.fit(major.select(h[:n]), major.batch.task, major.current, K, window)
+            out[(layer, name)] = (geometry, ood.select(h[n:]))
+    return out
+
+
+def intrinsic_dimension(run: Run) -> float:
+    """d0 of the OOD prediction map: the PCA participation ratio of the OOD-optimal predictions
+    (CLR) at the last position over 2048 OOD tasks (token families); d for E2's ridge map."""
+    family, cfg = run.family, run.config
+    if isinstance(family, Regression):
+        return float(family.d)
+    prior = family.predict_ood(family.sample_ood(2048, cfg.task.seq_len, cfg.train.seed, 0, "dual-prior").tokens)[:, -1]
+    return participation_ratio(clr(prior))
+
+
+def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 200) -> list[dict]:
+    """All section-5 measurements of a finished run; writes and returns the rows."""
+    model, family, pool, cfg = run.load_model(), run.family, run.pool, run.config
+    majors, seed, n_layers = pool.subset("major"), cfg.train.seed, cfg.model.n_layers
     rows: list[dict] = []
 
-    def add(metric: str, value: float, band: list[float] | None = None, set_name: str | None = None, step: int | None = None) -> None:
-        rows.append({"metric": metric, "value": float(value), "band": band, "set": set_name, "step": step})
+    def add(metric: str, value: float, band: list[float] | None = None, set_name: str | None = None, step: int | None = None,
+            place: Site | None = None) -> None:
+        layer, site = place if place is not None else (None, None)
+        rows.append({"metric": metric, "value": float(value), "band": band, "set": set_name, "step": step, "layer": layer, "site": site})
 
-    major, ood = batches["major"], batches["ood"]
-    states = collect(model, torch.cat([major.tokens, ood.tokens]), [site])[site]
-    h_major, h_ood = states[:n_seq], states[n_seq:]
-    vectors = task_vectors(h_major, major.task, pool.n_major, window)
-    basis = vectors.basis
-    add("task_rank", basis.shape[1])
+    site_names = [s for s in ("resid_mid", "resid_post") if s in run.sites]
+    all_sites = [(layer, name) for layer in range(n_layers) for name in site_names]
+    selection = analysis_inputs(run, SELECTION_STREAM, SELECTION_SEQUENCES)
+    place, runner_up, _ = select_place(model, selection, all_sites, late_window(selection.current.shape[1]), 0, seed)
+    add("place_selected", 1.0, place=place)
+    if runner_up is not None:
+        add("place_runner_up", 1.0, place=runner_up)
 
-    r2 = _projection_r2(h_major, h_ood, major.task, pool.n_major, window)
-    add("projection_r2", r2.mean(), _quartiles(r2), "ood")
-    checkpoints = {**run.snapshots(), run.config.train.steps: model}  # {step: model} across training
+    major_inputs = analysis_inputs(run, "dual-geometry", n_seq)
+    ood = family.sample_ood(n_seq, cfg.task.seq_len, seed, 0, "dual-geometry-ood")
+    ood_inputs = family_inputs(family, ood, majors)
+    window = late_window(major_inputs.current.shape[1])
+    search_sites = [(layer, SEARCH_SITE if SEARCH_SITE in run.sites else "resid_post") for layer in range(n_layers)]
+    readout_site = (n_layers - 1, "resid_post")
+    fitted = _geometries(model, major_inputs, ood_inputs, list(dict.fromkeys([place, *search_sites, readout_site])), window)
+
+    geometry, h_ood = fitted[place]
+    add("task_rank", geometry.subspace.rank, place=place)
+    for form, r2 in _projection_r2(geometry, h_ood, ood_inputs.current, window).items():
+        add("projection_r2" if form == "plain" else "projection_r2_token", r2.mean(), _quartiles(r2), "ood", place=place)
+    checkpoints = {**run.snapshots(), cfg.train.steps: model}  # {step: model} across training
     for step, snapshot in checkpoints.items():
-        if snapshot is model:
-            r2_step = r2
-        else:
-            early = collect(snapshot, torch.cat([major.tokens, ood.tokens]), [site])[site]
-            r2_step = _projection_r2(early[:n_seq], early[n_seq:], major.task, pool.n_major, window)
-        add("projection_r2", r2_step.mean(), _quartiles(r2_step), "ood", step)
+        early_geometry, early_ood = _geometries(snapshot, major_inputs, ood_inputs, [place], window)[place]
+        for form, r2 in _projection_r2(early_geometry, early_ood, ood_inputs.current, window).items():
+            add("projection_r2" if form == "plain" else "projection_r2_token", r2.mean(), _quartiles(r2), "ood", step, place)
 
-    search = batches["ood-search"]
-    directions = orthogonal_search(model, lambda m: family.training_loss(m, search), site, basis, rank=rank, steps=search_steps,
-                                   seed=run.config.train.seed)
-    complement = complement_basis(basis)
-    gen = generator(run.config.train.seed, 0, "dual-random")
+    T = cfg.task.seq_len
+    search_select = family.sample_ood(n_seq, T, seed, 0, "dual-ood-search-select")
+    search_refs = family.reference_predictions(search_select, pool)
+    search_clean = model_losses(family, model, search_select, search_refs)
+
+    def search(site: Site, r: int) -> torch.Tensor:
+        g = fitted[site][0]
+        avoid = avoid_basis(g.subspace.basis.float(), token_subspace(g.nu.float(), centre=not isinstance(family, Regression)))
+        return orthogonal_search(model, lambda m, step: family.training_loss(m, family.sample_ood(BATCH_SIZE, T, seed, step, "dual-ood-search")),
+                                 site, avoid, rank=r, steps=search_steps, seed=seed).directions
+
+    found, removed = {}, {}
+    for site in search_sites:
+        found[site] = search(site, rank)
+        removed[site] = gain_removed(model_losses(family, model, search_select, search_refs, site, direction_ablation(found[site])), search_clean)
+        add("search_gain_removed", removed[site], set_name="ood-search", place=site)
+    v_site = max(search_sites, key=removed.get)
+    directions = found[v_site]
+    add("v_layer_selected", 1.0, place=v_site)
+    v_geometry = fitted[v_site][0]
+    complement = complement_basis(v_geometry.subspace.basis.float())
+    add("orthogonality", (directions.T.double() @ v_geometry.subspace.basis).abs().max(), place=v_site)
+
+    gen = generator(seed, 0, "dual-random")
     controls = [random_directions(complement, rank, gen) for _ in range(N_RANDOM_CONTROLS)]
-    add("orthogonality", (directions.T @ basis).abs().max())
-    for name in [n for n in ("major", "minor", "ood") if n in batches]:
-        batch = batches[name]
+    batches = _batches(run, n_seq)
+    s_positions = major_inputs.model_positions(slice(None))
+    for name, batch in batches.items():
         references = family.reference_predictions(batch, pool)
         clean = model_losses(family, model, batch, references)
-        late = late_window(len(clean))
-        add("loss", clean[late].mean(), set_name=name)
+        add("loss", clean[1:].mean(), set_name=name)
         add("loss_first", clean[0], set_name=name)
-        for label, edit in (("ablate_S", task_ablation(vectors)), ("ablate_V", direction_ablation(directions))):
-            ablated = model_losses(family, model, batch, references, site, edit)
-            add(f"loss_{label}", ablated[late].mean(), set_name=name)
-            add(f"gain_removed_{label}", gain_removed(ablated, clean, late), set_name=name)
-        shares = torch.tensor([gain_removed(model_losses(family, model, batch, references, site, direction_ablation(v)), clean, late)
+        for label, site, edit, positions in (("ablate_S", place, task_ablation(geometry.subspace), s_positions),
+                                             ("ablate_V", v_site, direction_ablation(directions), None)):
+            ablated = model_losses(family, model, batch, references, site, edit, positions)
+            add(f"loss_{label}", ablated[1:].mean(), set_name=name, place=site)
+            add(f"gain_removed_{label}", gain_removed(ablated, clean), set_name=name, place=site)
+        shares = torch.tensor([gain_removed(model_losses(family, model, batch, references, v_site, direction_ablation(v)), clean)
                                for v in controls])
-        add("gain_removed_random", shares.mean(), [float(shares.min()), float(shares.max())], name)
+        add("gain_removed_random", shares.mean(), [float(shares.min()), float(shares.max())], name, place=v_site)
+
+    ood_batch = batches["ood"]
+    ood_refs = family.reference_predictions(ood_batch, pool)
+    ood_clean = model_losses(family, model, ood_batch, ood_refs)
+    d0 = intrinsic_dimension(run)
+    add("d0", d0)
+    for r in range(1, min(math.ceil(d0), complement.shape[1]) + 1):
+        v = directions if r == rank else search(v_site, r)
+        add(f"gain_removed_ablate_V_rank{r}", gain_removed(model_losses(family, model, ood_batch, ood_refs, v_site, direction_ablation(v)),
+                                                           ood_clean), set_name="ood", place=v_site)
 
     positions, target = family.context_statistic(ood)
     late = positions[late_window(len(positions))]
     target = target[:, late_window(len(positions))]
-    groups = torch.arange(n_seq)[:, None].expand(-1, len(late)).reshape(-1)
-    for label, x in (("V", h_ood[:, late] @ directions), ("complement", h_ood[:, late] @ complement)):
+    groups = torch.arange(ood.tokens.shape[0])[:, None].expand(-1, len(late)).reshape(-1)
+    v_states = next(states for _, states in stream_layers(model, ood.tokens, [v_site]))[v_site[1]][:, late]
+    for label, x in (("V", v_states @ directions), ("complement", v_states @ complement)):
         probe = linear_probe(x.reshape(-1, x.shape[-1]).double(), target.reshape(-1, target.shape[-1]).double(), "regression", groups=groups)
-        add(f"probe_r2_{label}", probe.score, set_name="ood")
-        add(f"probe_r2_{label}_shuffled", probe.control, set_name="ood")
+        add(f"probe_r2_{label}", probe.score, set_name="ood", place=v_site)
+        add(f"probe_r2_{label}_shuffled", probe.control, set_name="ood", place=v_site)
 
     if isinstance(family, TokenFamily):
-        _token_predictions(run, model, checkpoints, h_ood, vectors.mu, basis, ood.tokens, site, add)
+        _token_predictions(run, model, checkpoints, fitted[readout_site], ood.tokens, readout_site, add)
     for row in rows:
-        row.update(layer=site[0], site=site[1])
+        row["version"] = DUAL_VERSION
     atomic_write_json(run.path / "analysis" / "dual.json", rows)
     return rows
 
 
-def _token_predictions(run: Run, model, checkpoints, h_ood, mu, basis, tokens, site: Site, add) -> None:
-    """Theorem 2 (at the last layer's resid_post) and the predictor transition over the
-    checkpoints {step: model}."""
+def _token_predictions(run: Run, model, checkpoints, readout_place: tuple[Geometry, torch.Tensor], tokens, site: Site, add) -> None:
+    """Theorem 2 (at the last layer's resid_post, where the readout is the final norm and
+    unembedding) and the predictor transition over the checkpoints {step: model}."""
     family, pool, T, seed = run.family, run.pool, run.config.task.seq_len, run.config.train.seed
-    if site == (run.config.model.n_layers - 1, "resid_post"):
-        t = T - 1
-        with torch.no_grad():
-            logits = model(tokens)[:, t]
-        prior = family.predict_ood(family.sample_ood(2048, T, seed, 0, "dual-prior").tokens)[:, t]
-        n = tokens.shape[0]
-        theory = theorem2(model.readout, h_ood[:, t], mu[t].expand(n, -1), basis, logits, family.predict_ood(tokens)[:, t], prior)
-        for key in ("k_star", "d0", "lipschitz"):
-            add(f"theorem2_{key}", theory[key])
-        for key in ("c", "delta", "bound", "distance"):
-            add(f"theorem2_{key}", theory[key].median(), _quartiles(theory[key]), "ood")
-        add("theorem2_share_bound_holds", (theory["distance"] >= theory["bound"]).double().mean(), set_name="ood")
+    geometry, h_ood = readout_place
+    subspace, t = geometry.subspace, T - 1
+    with torch.no_grad():
+        logits = model(tokens)[:, t]
+    prior = family.predict_ood(family.sample_ood(2048, T, seed, 0, "dual-prior").tokens)[:, t]
+    n = tokens.shape[0]
+    theory = theorem2(model.readout, h_ood[:, t], subspace.mu[t].float().expand(n, -1), subspace.basis.float(), logits,
+                      family.predict_ood(tokens)[:, t], prior)
+    for key in ("k_star", "d0", "lipschitz"):
+        add(f"theorem2_{key}", theory[key], place=site)
+    for key in ("c", "delta", "bound", "distance"):
+        add(f"theorem2_{key}", theory[key].median(), _quartiles(theory[key]), "ood", place=site)
+    add("theorem2_share_bound_holds", (theory["distance"] >= theory["bound"]).double().mean(), set_name="ood", place=site)
     for step, snapshot in checkpoints.items():
         stat = transition_statistic(snapshot, family, tokens, pool, run.config.task.p_minor)
         for key, value in stat.items():
@@ -145,6 +234,10 @@ def _token_predictions(run: Run, model, checkpoints, h_ood, mu, basis, tokens, s
 
 
 def load_dual(run: Run) -> list[dict] | None:
-    """The saved rows, or None if this run has not been analysed."""
+    """The saved rows, or None if this run has not been analysed under the current conventions
+    (rows of an earlier ``DUAL_VERSION`` are measured again; the run is not retrained)."""
     path = run.path / "analysis" / "dual.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    rows = json.loads(path.read_text())
+    return rows if rows and all(isinstance(r, dict) and r.get("version") == DUAL_VERSION for r in rows) else None

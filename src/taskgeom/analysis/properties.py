@@ -6,14 +6,18 @@ Shapes: ``N`` sequences, ``T`` positions, ``D`` width, ``K`` major tasks, ``V`` 
   for E2 (``stability_linear``) the token effect is a linear map of the current example's x_t: P0
   fits a per-task intercept and linear map of x_t, P1 the additive ``c + theta_task + A x_t``.
 - P2 (``interpolation``): ``y_t = h_t - mu_t - nu(x_t)`` (``nu(x) = A x`` for E2) fitted as ``sum_k beta_k theta_k`` with the
-  sum-to-one fit projected onto the simplex, R^2_task over all positions, beside the same fit on
+  sum-to-one fit projected onto the simplex; R^2_task over the states given (the caller passes the
+  late window for the claim, single positions for the per-position curve), beside the same fit on
   randomly rotated vertices (a random subspace of the same dimension and the same geometry).
-- P3 (``alignment``): per-state distances between beta_t and the exact posterior alpha_t.
+- P3 (``alignment``): per-state distances between beta_t and the exact posterior alpha_t;
+  ``shrinkage`` compares them early and late among the positions where the posterior is uncertain.
 
 **[ours]** The vertices ``theta_k`` of P2 are the task effects of the two-way layout, centred over
 the tasks, rather than the raw late-window task means: the raw means also carry each task's typical
 token code, which P2 already removes through ``nu(x_t)``; with near-disjoint tasks (E1) the two
-differ. Both span the task subspace S when tokens and tasks are balanced.
+differ. Both span the task subspace S when tokens and tasks are balanced (E2's paired design makes
+them equal). ``Geometry.subspace`` is the one ``TaskSubspace`` that P2, steering, projection R^2, the
+ablations, Theorem 2 and the probes all use.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 
 from taskgeom.analysis.anova import Layout, task_linear, two_way
 from taskgeom.analysis.simplex import project_simplex, residual_r2, simplex_lstsq, sum_to_one_fit
-from taskgeom.analysis.task_vectors import TaskVectors, task_vectors
+from taskgeom.analysis.task_vectors import TaskSubspace, position_means, task_subspace, token_conditioned
 
 KL_FLOOR = 1e-3  # [ours] beta is mixed with this much of the uniform law before KL(alpha || beta)
 
@@ -32,11 +36,11 @@ KL_FLOOR = 1e-3  # [ours] beta is mixed with this much of the uniform law before
 @dataclass(frozen=True)
 class Geometry:
     """The M1 geometry of one (layer, site): layout: P0/P1 fit on the late window (``TwoWay`` over
-    tokens, or ``TaskLinear`` over continuous x_t); vectors: TaskVectors whose theta [K, D] are the
-    centred task effects (mu [T, D] as measured)."""
+    tokens, or ``TaskLinear`` over continuous x_t); subspace: the task subspace whose theta [K, D]
+    are the centred task effects of the layout (mu [T, D] as measured)."""
 
     layout: Layout
-    vectors: TaskVectors
+    subspace: TaskSubspace
 
     @property
     def nu(self) -> torch.Tensor:
@@ -45,19 +49,24 @@ class Geometry:
 
     def residual(self, h: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """[N, T, D] y_t = h_t - mu_t - nu(x_t) for h: [N, T, D], inputs: [N, T] tokens or [N, T, d] x_t."""
-        return h - self.vectors.mu - self.layout.effect(inputs)
+        return h.double() - self.subspace.mu[: h.shape[1]] - self.layout.effect(inputs).double()
 
 
 def stability(h: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor, n_tasks: int, vocab: int, window: slice) -> Geometry:
-    """P0 and P1 of h: [N, T, D] for sequences of task: [N], tokens: [N, T], over ``window``."""
+    """P0 and P1 of h: [N, T, D] for sequences of task: [N], tokens: [N, T], over ``window``; the
+    subspace also carries the token-conditioned vectors theta_{k,a} of the same late states."""
     late, cells = _late(h, task, window)
-    return _geometry(two_way(late, cells, tokens[:, window].reshape(-1), n_tasks, vocab), h, task, n_tasks, window)
+    late_tokens = tokens[:, window].reshape(-1)
+    layout = two_way(late, cells, late_tokens, n_tasks, vocab)
+    conditioned = token_conditioned(late, cells, late_tokens, n_tasks, vocab, layout.effect_a)
+    return Geometry(layout, task_subspace(layout.effect_a, position_means(h, task, n_tasks), window, conditioned))
 
 
 def stability_linear(h: torch.Tensor, task: torch.Tensor, x: torch.Tensor, n_tasks: int, window: slice) -> Geometry:
     """P0 and P1 of h: [N, T, D] when the current input is continuous, x: [N, T, d] (E2's x_t)."""
     late, cells = _late(h, task, window)
-    return _geometry(task_linear(late, cells, x[:, window].reshape(-1, x.shape[-1]), n_tasks), h, task, n_tasks, window)
+    layout = task_linear(late, cells, x[:, window].reshape(-1, x.shape[-1]), n_tasks)
+    return Geometry(layout, task_subspace(layout.effect_a, position_means(h, task, n_tasks), window))
 
 
 def _late(h: torch.Tensor, task: torch.Tensor, window: slice) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,21 +75,17 @@ def _late(h: torch.Tensor, task: torch.Tensor, window: slice) -> tuple[torch.Ten
     return late.reshape(-1, h.shape[-1]), task[:, None].expand(-1, late.shape[1]).reshape(-1)
 
 
-def _geometry(layout: Layout, h: torch.Tensor, task: torch.Tensor, n_tasks: int, window: slice) -> Geometry:
-    """The layout with its task vectors: theta = the centred task effects, mu as measured."""
-    mu = task_vectors(h, task, n_tasks, window).mu
-    return Geometry(layout, TaskVectors(layout.effect_a - layout.effect_a.mean(0), mu, window))
-
-
 @dataclass(frozen=True)
 class Interpolation:
-    """beta: [N, T, K] projected sum-to-one fit; r2_task: its R^2; r2_exact: R^2 of the exact
-    simplex least squares; r2_random: [n_random] R^2 of the same fit on rotated vertices."""
+    """beta: [N, T, K] projected sum-to-one fit at every position; r2_task: its R^2 over the window;
+    r2_exact: R^2 of the exact simplex least squares there; r2_random: [n_random] R^2 of the same
+    fit on rotated vertices there; r2_by_position: [T] R^2_task of the states at each position."""
 
     beta: torch.Tensor
     r2_task: float
     r2_exact: float
     r2_random: torch.Tensor
+    r2_by_position: torch.Tensor
 
 
 def fit_beta(y: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
@@ -95,19 +100,22 @@ def random_rotation(dim: int, gen: torch.Generator) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r))
 
 
-def interpolation(y: torch.Tensor, theta: torch.Tensor, n_random: int = 8, seed: int = 0) -> Interpolation:
-    """P2 for y: [N, T, D] (``Geometry.residual``) and theta: [K, D]; R^2 over all states."""
+def interpolation(y: torch.Tensor, theta: torch.Tensor, window: slice, n_random: int = 8, seed: int = 0) -> Interpolation:
+    """P2 for y: [N, T, D] (``Geometry.residual``) and theta: [K, D]: beta at every state, R^2 over
+    the states of ``window`` (and per position)."""
     theta = theta.double()
-    flat = y.reshape(-1, y.shape[-1]).double()
-    beta = fit_beta(flat, theta)
-    exact = simplex_lstsq(flat, theta)
+    y = y.double()
+    beta = fit_beta(y, theta)  # [N, T, K]
+    fitted = beta @ theta
+    late, late_fit = y[:, window].reshape(-1, y.shape[-1]), fitted[:, window].reshape(-1, y.shape[-1])
+    exact = simplex_lstsq(late, theta)
     gen = torch.Generator().manual_seed(seed)
     random = []
     for _ in range(n_random):  # a handful of draws, each vectorised over all states
         rotated = theta @ random_rotation(theta.shape[1], gen)
-        random.append(residual_r2(flat, fit_beta(flat, rotated) @ rotated))
-    return Interpolation(beta.reshape(*y.shape[:-1], -1).float(), residual_r2(flat, beta @ theta), residual_r2(flat, exact @ theta),
-                         torch.tensor(random))
+        random.append(residual_r2(late, fit_beta(late, rotated) @ rotated))
+    by_position = torch.tensor([residual_r2(y[:, t], fitted[:, t]) for t in range(y.shape[1])], dtype=torch.float64)
+    return Interpolation(beta.float(), residual_r2(late, late_fit), residual_r2(late, exact @ theta), torch.tensor(random), by_position)
 
 
 def alignment(beta: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,6 +130,36 @@ def alignment(beta: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, to
     smooth = (beta + KL_FLOOR / K) / (1 + KL_FLOOR)
     kl = torch.special.xlogy(alpha, alpha).sum(-1) - (alpha * smooth.log()).sum(-1)
     return tv, kl
+
+
+UNCERTAIN_BELOW = 0.99  # a position is uncertain while the median largest posterior weight is below this
+MIN_UNCERTAIN_POSITIONS = 5  # fewer uncertain positions than this: P3.shrinks is not applicable
+
+
+@dataclass(frozen=True)
+class Shrinkage:
+    """P3.shrinks: mean TV over the first and the last quarter of the uncertain positions
+    (``positions``, sorted); ``reason`` is set (and the means NaN) when there are too few."""
+
+    positions: list[int]
+    tv_first: float
+    tv_last: float
+    reason: str | None = None
+
+
+def shrinkage(tv: torch.Tensor, alpha: torch.Tensor) -> Shrinkage:
+    """Compare the TV [N, T] early and late among the positions at which the posterior alpha:
+    [N, T, K] is still uncertain (median over sequences of max_k alpha_t below UNCERTAIN_BELOW).
+    **[ours]** The median makes "uncertain" a property of the position, so both quarters average
+    the same sequences."""
+    uncertain = torch.nonzero(alpha.double().amax(-1).median(0).values < UNCERTAIN_BELOW).flatten().tolist()
+    if len(uncertain) < MIN_UNCERTAIN_POSITIONS:
+        reason = (f"the posterior is uncertain (median max alpha_t < {UNCERTAIN_BELOW}) at only {len(uncertain)} positions, "
+                  f"fewer than {MIN_UNCERTAIN_POSITIONS}")
+        return Shrinkage(uncertain, float("nan"), float("nan"), reason)
+    quarter = max(1, round(len(uncertain) / 4))
+    first, last = uncertain[:quarter], uncertain[-quarter:]
+    return Shrinkage(uncertain, float(tv[:, first].double().mean()), float(tv[:, last].double().mean()))
 
 
 def quantiles(x: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

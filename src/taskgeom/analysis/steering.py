@@ -45,7 +45,7 @@ class AdditiveCode:
 
 def code_from_layout(layout: Layout) -> AdditiveCode:
     """The additive fit of the layout: centre_k = intercept + theta_k, token = nu (or the map A)."""
-    return AdditiveCode(layout.intercept + layout.effect_a, layout.effect_b)
+    return AdditiveCode((layout.intercept + layout.effect_a).float(), layout.effect_b.float())
 
 
 def code_from_regression(h: torch.Tensor, alpha: torch.Tensor, inputs: torch.Tensor, vocab: int | None) -> AdditiveCode:
@@ -98,17 +98,18 @@ class TokenReadout:
     measure = "kl"
     label = "KL(model || target mixture)"
 
-    def distance(self, a: torch.Tensor, positions: slice) -> Callable[[torch.Tensor], torch.Tensor]:
-        """For mixtures a: [B, K], a function of the model's output [B, T, V] -> [B, T']."""
+    def distance(self, a: torch.Tensor, late: slice) -> Callable[[torch.Tensor], torch.Tensor]:
+        """For mixtures a: [B, K], a function of the model's output [B, T, V] -> [B, T'] at the
+        positions ``late``."""
         B, T = self.tokens.shape
-        target = self.family.mix_predictive(self.tokens, self.params.double(), a[:, None].expand(B, T, a.shape[1]))[:, positions]
-        return lambda out: kl_rows(torch.log_softmax(out[:, positions].double(), -1), target)
+        target = self.family.mix_predictive(self.tokens, self.params.double(), a[:, None].expand(B, T, a.shape[1]))[:, late]
+        return lambda out: kl_rows(torch.log_softmax(out[:, late].double(), -1), target)
 
 
 @dataclass(frozen=True)
 class PredictionReadout:
     """E2: squared error between the model's prediction of y_i and the target mixture's
-    ``sum_k a_k w_k . x_i``, at the prediction positions among the edited ones."""
+    ``sum_k a_k w_k . x_i``, for the examples i of the analysed (separator) positions."""
 
     family: Regression
     batch: Batch
@@ -116,15 +117,13 @@ class PredictionReadout:
     measure = "sq"
     label = "squared error to the target mixture's prediction"
 
-    def distance(self, a: torch.Tensor, positions: slice) -> Callable[[torch.Tensor], torch.Tensor]:
-        """For mixtures a: [B, K], a function of the model's output [B, T, 1] -> [B, P']."""
-        B, n, T = self.batch.x.shape[0], self.batch.x.shape[1], self.batch.tokens.shape[1]
-        where = self.family.prediction_positions(n)
-        start, stop, _ = positions.indices(T)
-        keep = (where >= start) & (where < stop)
-        weights = a[:, None].expand(B, n, a.shape[1])
-        target = self.family.mix_prediction(self.batch.x, self.params, weights)[:, keep]
-        return lambda out: (out[..., 0].double()[:, where[keep]] - target) ** 2
+    def distance(self, a: torch.Tensor, late: slice) -> Callable[[torch.Tensor], torch.Tensor]:
+        """For mixtures a: [B, K], a function of the model's output [B, T, 1] -> [B, n'] over the
+        examples ``late``, each read at its separator."""
+        B, n = self.batch.x.shape[:2]
+        where = self.family.prediction_positions(n)[late]
+        target = self.family.mix_prediction(self.batch.x, self.params, a[:, None].expand(B, n, a.shape[1]))[:, late]
+        return lambda out: (out[..., 0].double()[:, where] - target) ** 2
 
 
 Readout = TokenReadout | PredictionReadout
@@ -145,18 +144,19 @@ class Steering:
 
 @torch.no_grad()
 def steer(
-    model: torch.nn.Module, readout: Readout, tokens: torch.Tensor, inputs: torch.Tensor, site: Site, positions: slice,
-    basis: torch.Tensor, code: AdditiveCode, gen: torch.Generator,
+    model: torch.nn.Module, readout: Readout, tokens: torch.Tensor, inputs: torch.Tensor, site: Site, positions: slice | torch.Tensor,
+    late: slice, basis: torch.Tensor, code: AdditiveCode, gen: torch.Generator,
 ) -> Steering:
-    """Steer the model input tokens: [B, T, ...] at ``site`` on ``positions`` toward a ~ Dirichlet(1)
-    over the K tasks of ``readout.params``; inputs: [B, T] tokens or [B, T, d] x_t (what the code's
-    token term reads); basis: [D, r] of the task subspace."""
+    """Steer the model input tokens: [B, T, ...] at ``site`` on the model ``positions`` (the
+    analysed positions ``late``) toward a ~ Dirichlet(1) over the K tasks of ``readout.params``;
+    inputs: [B, T'] tokens or [B, T', d] x_t at those positions (what the code's token term reads);
+    basis: [D, r] of the task subspace."""
     model.eval()
     B, K = tokens.shape[0], readout.params.shape[0]
     gamma = torch._standard_gamma(torch.ones(B, K, dtype=torch.float64), gen)
     a = gamma / gamma.sum(-1, keepdim=True)
-    distance = readout.distance(a, positions)
-    edit = steer_edit(basis.float(), code, a, inputs[:, positions])
+    distance = readout.distance(a, late)
+    edit = steer_edit(basis.float(), code, a, inputs)
 
     def run(change: Edit | None) -> torch.Tensor:
         if change is None:

@@ -23,18 +23,48 @@ def _per_k(rows: pd.DataFrame, metric: str, set_name: str | None = "ood") -> pd.
 
 
 def plot_projection_r2(rows: pd.DataFrame, path: Path) -> None:
-    """Projection R^2 of OOD states onto the task subspace against diversity k, one line per recipe."""
-    fig, ax = plt.subplots(figsize=(5.2, 3.6))
-    for recipe, group in rows.groupby("recipe"):
-        table = _per_k(group, "projection_r2")
-        ax.plot(table["diversity"], table["value"], "o-", label=recipe.upper())
-        ax.fill_between(table["diversity"], table["low"], table["high"], alpha=0.2)
+    """Projection R^2 of OOD states onto the task subspace against diversity k, one colour per
+    recipe: token-conditioned (solid, what the claims read) and plain (dashed)."""
+    fig, ax = plt.subplots(figsize=(5.6, 3.8))
+    for i, (recipe, group) in enumerate(rows.groupby("recipe")):
+        for metric, style, form in (("projection_r2_token", "o-", "token-conditioned"), ("projection_r2", "s--", "plain")):
+            table = _per_k(group, metric)
+            ax.plot(table["diversity"], table["value"], style, color=f"C{i}", label=f"{recipe.upper()} {form}")
+            if metric == "projection_r2_token":
+                ax.fill_between(table["diversity"], table["low"], table["high"], color=f"C{i}", alpha=0.2)
     ax.set_xlabel("task diversity k (2^k minor tasks; -1: majors only)")
     ax.set_ylabel("projection R$^2$ of OOD states on S")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(frameon=False)
+    ax.legend(frameon=False, fontsize=8)
     ax.set_title("OOD states leave the task subspace as diversity grows")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def rank_curve(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per (recipe, diversity, seed, rank r): the % of OOD gain removed by V of rank r at
+    the layer the orthogonal search chose."""
+    pick = rows[rows["metric"].str.startswith("gain_removed_ablate_V_rank") & rows["step"].isna()]
+    rank = pick["metric"].str.removeprefix("gain_removed_ablate_V_rank").astype(int)
+    return pick.assign(rank=rank)[["recipe", "diversity", "seed", "layer", "site", "rank", "value"]].sort_values(
+        ["recipe", "diversity", "seed", "rank"]).reset_index(drop=True)
+
+
+def plot_rank_curve(curve: pd.DataFrame, path: Path) -> None:
+    """% of OOD in-context gain removed by ablating V of rank r = 1..ceil(d0), one line per recipe
+    and diversity."""
+    fig, ax = plt.subplots(figsize=(5.6, 3.8))
+    for (recipe, k), group in curve.groupby(["recipe", "diversity"]):
+        mean = group.groupby("rank")["value"].mean()
+        ax.plot(mean.index, mean.values, "o-", label=f"{recipe.upper()} k = {k}")
+    ax.axhline(50, color="0.5", ls=":", lw=1)
+    ax.set_xlabel("rank r of the ablated orthogonal subspace V")
+    ax.set_ylabel("% of OOD in-context gain removed")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)
+    ax.set_title("How many directions the OOD mode needs")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -81,7 +81,7 @@ _LAYER_METRICS = (("p0.cell_r2", "P0 cell-means R^2", "C0"), ("p1.additive_share
 def plot_properties_by_layer(table: pd.DataFrame, path: Path, title: str = "") -> None:
     """P0, P1 and P2 (with the random-subspace control and its range over draws) against the
     layer, one line style per site; left the shares, right the unexplained part 1 - share (log)."""
-    rows = table[table["position"].isna() & table["metric"].isin([m for m, _, _ in _LAYER_METRICS])]
+    rows = table[table["position"].isna() & (table["batch"] == "measure") & table["metric"].isin([m for m, _, _ in _LAYER_METRICS])]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for s, (site, group) in enumerate(rows.groupby("site", sort=False)):
         style = ("-", "--", ":", "-.")[s % 4]
@@ -131,7 +131,30 @@ def plot_steering(steering: Steering, path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-FIGURES = ("simplex", "layers", "steering")
+def plot_r2_by_position(table: pd.DataFrame, place: tuple[int, str], window_start: int, path: Path, title: str = "") -> None:
+    """P2's R^2_task of the states at each position, one line per site and layer (the selected
+    place bold); the shaded span is the late window the claim averages."""
+    rows = table[(table["metric"] == "p2.r2_task") & table["position"].notna() & (table["batch"] == "measure")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (layer, site), group in rows.groupby(["layer", "site"], sort=True):
+        group = group.sort_values("position")
+        chosen = (int(layer), site) == tuple(place)
+        ax.plot(group["position"], group["value"], "-" if site == "resid_mid" else "--", lw=2.2 if chosen else 1, alpha=1 if chosen else 0.6,
+                label=f"layer {int(layer)} {site}{' (selected)' if chosen else ''}")
+    if len(rows):
+        ax.axvspan(window_start - 0.5, rows["position"].max() + 0.5, color="0.9", zorder=0, label="late window")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("analysed position (E2: example index, read at its separator)")
+    ax.set_ylabel("R^2_task at that position")
+    ax.set_title(title or "P2 per position")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+FIGURES = ("simplex", "layers", "positions", "steering")
 
 
 def plot_retrieval(result, paths: dict[str, Path]) -> None:
@@ -141,5 +164,6 @@ def plot_retrieval(result, paths: dict[str, Path]) -> None:
     name = result.experiment.upper()
     plot_simplex_trajectories(result.alpha, result.beta, result.task, table[(table["layer"] == layer) & (table["site"] == site)],
                               paths["simplex"], f"{name}: fitted task coefficients vs the exact posterior (layer {layer}, {site})")
-    plot_properties_by_layer(table, paths["layers"], f"{name}: P0-P2 per layer")
+    plot_properties_by_layer(table, paths["layers"], f"{name}: P0-P2 per layer (measurement batch)")
+    plot_r2_by_position(table, result.best, result.window.start, paths["positions"], f"{name}: P2 R^2_task per position")
     plot_steering(result.steering, paths["steering"], f"{name}: steering at layer {layer}, {site}")

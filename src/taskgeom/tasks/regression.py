@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from taskgeom.rng import generator
 from taskgeom.tasks.base import Batch, TaskFamily, TaskPool
 
 Layout = Literal["separator", "pair"]
@@ -86,10 +87,25 @@ class Regression(TaskFamily):
         return torch.randn(n, self.d, generator=gen, dtype=torch.float64)
 
     def make_batch(self, params: torch.Tensor, task: torch.Tensor, seq_len: int, gen: torch.Generator) -> Batch:
-        n = self.n_examples(seq_len)
-        x = torch.randn(params.shape[0], n, self.d, generator=gen, dtype=torch.float64)
-        y = torch.einsum("bnd,bd->bn", x, params.double()) + self.noise * torch.randn(params.shape[0], n, generator=gen, dtype=torch.float64)
+        x = torch.randn(params.shape[0], self.n_examples(seq_len), self.d, generator=gen, dtype=torch.float64)
+        return self._labelled(x, params, task, gen)
+
+    def _labelled(self, x: torch.Tensor, params: torch.Tensor, task: torch.Tensor, gen: torch.Generator) -> Batch:
+        """The batch of examples x: [B, n, d] labelled by the tasks params: [B, d] (fresh noise)."""
+        y = torch.einsum("bnd,bd->bn", x, params.double()) + self.noise * torch.randn(*x.shape[:2], generator=gen, dtype=torch.float64)
         return Batch(self.encode(x, y), task, params, x, y)
+
+    def sample_paired(self, pool: TaskPool, batch_size: int, seq_len: int, seed: int = 0, step: int = 0, stream: str = "paired") -> Batch:
+        """A paired design: ``batch_size // K`` x sequences, each labelled once by every pool task
+        (rows ``k * m .. (k + 1) * m - 1`` are task k), with independent noise; [K * m] sequences."""
+        K = pool.size
+        m = batch_size // K
+        if m < 1:
+            raise ValueError(f"a paired batch needs at least one sequence per task: batch_size {batch_size} < {K} tasks")
+        gen = generator(seed, step, f"{stream}/paired")
+        x = torch.randn(m, self.n_examples(seq_len), self.d, generator=gen, dtype=torch.float64).repeat(K, 1, 1)
+        task = torch.arange(K).repeat_interleave(m)
+        return self._labelled(x, pool.params[task].double(), task, gen)
 
     # ---- the model's side -------------------------------------------------------------------
     def model_io(self) -> dict[str, int]:
