@@ -147,18 +147,19 @@ def test_streamed_states_equal_one_full_forward():
     assert torch.equal(part, full[(2, "resid_pre")][:, 4:9])
 
 
-def test_analysis_sequences_are_held_out_and_labelled(tmp_path):
-    from taskgeom.analysis.states import analysis_batch
+def test_selection_and_measurement_sequences_are_held_out_and_independent(tmp_path):
+    from taskgeom.analysis.retrieval import MEASURE_STREAM, SELECTION_STREAM, analysis_inputs
     from taskgeom.evaluate import eval_sets
     from taskgeom.recipes import load_recipe
     from taskgeom.runs import Run
 
     run = Run.create(load_recipe("e1", "quick", ["task.diversity=1", "train.eval_batch=16"]), tmp_path)
-    major, minor, ood = (analysis_batch(run, which, 16) for which in ("major", "minor", "ood"))
-    assert major.task.lt(run.pool.n_major).all() and minor.task.ge(run.pool.n_major).all() and ood.task.eq(-1).all()
-    assert major.tokens.shape == (16, run.config.task.seq_len)
-    assert not torch.equal(major.tokens, eval_sets(run)[0].batch.tokens)
-    assert torch.equal(major.tokens, analysis_batch(run, "major", 16).tokens)  # a pure function of the seed
+    select, measure = (analysis_inputs(run, stream, 16).batch for stream in (SELECTION_STREAM, MEASURE_STREAM))
+    for batch in (select, measure):
+        assert batch.task.lt(run.pool.n_major).all() and batch.tokens.shape == (16, run.config.task.seq_len)
+        assert not torch.equal(batch.tokens, eval_sets(run)[0].batch.tokens)
+    assert not torch.equal(select.tokens, measure.tokens)
+    assert torch.equal(select.tokens, analysis_inputs(run, SELECTION_STREAM, 16).batch.tokens)  # a pure function of the seed
 
 
 def test_shrinkage_compares_quarters_of_the_uncertain_positions_or_is_not_applicable():

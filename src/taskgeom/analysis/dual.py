@@ -63,12 +63,10 @@ def _projection_r2(geometry: Geometry, h_ood: torch.Tensor, current: torch.Tenso
     inputs, [N, P] or [N, P, d]) on the task subspace of ``geometry``."""
     subspace = geometry.subspace
     late = current[:, window]
-    centred = h_ood[:, window].double() - subspace.mu[window]
-    flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
-    token_centred = centred - geometry.layout.effect(late).double()
-    basis = subspace.conditioned_basis(late)
-    return {"plain": projection_r2(flat(centred), subspace.basis),
-            "token": projection_r2(flat(token_centred), basis.reshape(-1, *basis.shape[-2:]))}
+    centred = (h_ood[:, window].double() - subspace.mu[window]).flatten(0, 1)  # [N * W, D]
+    token_centred = centred - geometry.layout.effect(late).double().flatten(0, 1)
+    return {"plain": projection_r2(centred, subspace.basis),
+            "token": projection_r2(token_centred, subspace.conditioned_basis(late).flatten(0, 1))}
 
 
 def _batches(run: Run, size: int) -> dict[str, Batch]:

@@ -13,8 +13,6 @@ from typing import Iterator, Sequence
 import torch
 
 from taskgeom.hooks import Site, capture
-from taskgeom.runs import Run
-from taskgeom.tasks import Batch
 
 
 @torch.no_grad()
@@ -50,12 +48,3 @@ def collect(
 ) -> dict[Site, torch.Tensor]:
     """{site: [N, T', D] float32} for tokens: [N, T]; T' = positions' length (all by default)."""
     return {(layer, name): h for layer, states in stream_layers(model, tokens, sites, batch_size, positions) for name, h in states.items()}
-
-
-def analysis_batch(run: Run, which: str, size: int, stream: str = "analysis") -> Batch:
-    """Held-out sequences for analysis: ``which`` is major, minor or ood; disjoint from the
-    training and evaluation streams."""
-    family, cfg = run.family, run.config
-    if which == "ood":
-        return family.sample_ood(size, cfg.task.seq_len, cfg.train.seed, 0, f"{stream}-ood")
-    return family.sample(run.pool, size, cfg.task.seq_len, cfg.train.seed, 0, stream, which)
