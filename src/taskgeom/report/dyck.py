@@ -10,8 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def plot_p0_comparison(series: dict[str, list[float]], path: Path, title: str = "") -> None:
-    """One line per (family, grouping): the within-cell share of variance at each layer.
+def plot_p0_comparison(series: dict[str, list[float]], path: Path, title: str = "", site: str = "resid_mid") -> None:
+    """One line per (family, grouping): the within-cell share of variance at each layer's ``site``.
 
     series: {label: [share at layer 0, layer 1, ...]}; a label containing "E4" is drawn dashed.
     """
@@ -19,7 +19,7 @@ def plot_p0_comparison(series: dict[str, list[float]], path: Path, title: str = 
     for label, shares in series.items():
         ax.plot(range(len(shares)), shares, "--o" if "E4" in label else "-o", label=label)
     ax.set_yscale("log")
-    ax.set_xlabel("layer (resid_post)")
+    ax.set_xlabel(f"layer ({site})")
     ax.set_ylabel("within-cell share SS_within / SS_total")
     ax.set_xticks(range(max(len(s) for s in series.values())))
     ax.grid(alpha=0.3, which="both")
@@ -30,38 +30,69 @@ def plot_p0_comparison(series: dict[str, list[float]], path: Path, title: str = 
     plt.close(fig)
 
 
-def _by_back(rows: list[dict], site: str) -> tuple[list[int], list[dict]]:
-    pairs = sorted((int(r["target"].split("_")[1]), r) for r in rows if r["site"] == site and r["target"].startswith("back_"))
+def _by_back(rows: list[dict]) -> tuple[list[int], list[dict]]:
+    """The ``back_j`` rows of one probe table and site, ordered by j."""
+    pairs = sorted((int(r["target"].split("_")[1]), r) for r in rows if r["target"].startswith("back_"))
     return [j for j, _ in pairs], [r for _, r in pairs]
 
 
-def plot_prefix_probes(rows: list[dict], baseline: list[dict], path: Path, title: str = "") -> None:
-    """Left: accuracy of probes for the bracket j back, per site, against the shuffled control;
-    right: R^2 of the depth probe per site. rows: {target, site, score, control} with target
-    ``back_j`` or ``depth``; baseline: the same rows for one site of a reference network (grey)."""
-    sites = list(dict.fromkeys(r["site"] for r in rows))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), gridspec_kw={"width_ratios": [2, 1]})
-    for i, site in enumerate(sites):
-        back, chosen = _by_back(rows, site)
-        left.plot(back, [r["score"] for r in chosen], "-o", color=f"C{i}", label=site)
-        left.plot(back, [r["control"] for r in chosen], ":", color=f"C{i}", alpha=0.7)
-        depth = next(r for r in rows if r["site"] == site and r["target"] == "depth")
-        right.bar(i - 0.2, depth["score"], 0.4, color=f"C{i}")
-        right.bar(i + 0.2, depth["control"], 0.4, color=f"C{i}", alpha=0.35)
-    if baseline:
-        back, chosen = _by_back(baseline, baseline[0]["site"])
-        left.plot(back, [r["score"] for r in chosen], "-.", color="grey", label=f"untrained, {baseline[0]['site']}")
-        depth = next(r for r in baseline if r["target"] == "depth")
-        right.bar(len(sites), depth["score"], 0.4, color="grey")
-        sites = [*sites, "untrained"]
-    left.set_xlabel("j: the planted bracket j back (1 = the latest)")
-    left.set_ylabel("held-out accuracy (dotted: shuffled labels)")
-    left.grid(alpha=0.3)
-    left.legend(frameon=False, fontsize=8)
-    right.set_xticks(range(len(sites)), sites, rotation=30, ha="right", fontsize=8)
-    right.set_ylabel("held-out R^2 of depth (pale: shuffled)")
-    right.grid(alpha=0.3, axis="y")
-    fig.suptitle(title or "E4: linear probes for the bracket prefix")
-    fig.tight_layout()
+def _sites(rows: list[dict], site: str) -> list[tuple[int, str]]:
+    """(layer, site name) of the embedding (layer 0's resid_pre) and of ``site`` at each layer, in order."""
+    found = {(r["layer"], r["site"]) for r in rows if r["site"] in ("resid_pre", site)}
+    return sorted(found, key=lambda s: (s[1] != "resid_pre", s[0]))
+
+
+def _label(layer: int, name: str) -> str:
+    return "embedding" if name == "resid_pre" else f"layer {layer}"
+
+
+SET_NAMES = {"pool": "in-distribution (pool) sequences", "ood": "OOD sequences"}
+SET_STYLES = {"pool": "-", "ood": "--"}
+
+
+def plot_prefix_probes(rows: list[dict], baseline: list[dict], path: Path, title: str = "", site: str = "resid_mid") -> None:
+    """Held-out linear probes for the bracket prefix. One accuracy panel per probe set (pool
+    sequences solid, OOD dashed): the bracket j back against j, one line per layer's ``site`` and
+    the embedding, its shuffled-label control dotted. Last panel: the depth probe's R^2 per layer,
+    each set in its line style, controls dotted.
+
+    rows: tidy rows {set, site, layer, target, score, control}, target ``back_j`` or ``depth``;
+    baseline: rows of one site of a reference network (the untrained one), drawn grey.
+    """
+    sets = [s for s in SET_NAMES if any(r["set"] == s for r in rows)]
+    sites = _sites(rows, site)
+    colours = {key: plt.cm.viridis(0.85 * i / max(1, len(sites) - 1)) for i, key in enumerate(sites)}
+    fig, axes = plt.subplots(1, len(sets) + 1, figsize=(5 * len(sets) + 4, 4.2), gridspec_kw={"width_ratios": [5] * len(sets) + [4]})
+    depth_ax = axes[-1]
+    for ax, which in zip(axes, sets):
+        style = SET_STYLES[which]
+        for key in sites:
+            back, chosen = _by_back([r for r in rows if r["set"] == which and (r["layer"], r["site"]) == key])
+            ax.plot(back, [r["score"] for r in chosen], style, marker="o", ms=3, color=colours[key], label=_label(*key))
+            ax.plot(back, [r["control"] for r in chosen], ":", color=colours[key], alpha=0.7)
+        back, chosen = _by_back([r for r in baseline if r["set"] == which])
+        if chosen:
+            ax.plot(back, [r["score"] for r in chosen], style, marker="x", color="grey", label=f"untrained, {_label(chosen[0]['layer'], chosen[0]['site'])}")
+        ax.set_title(f"bracket j back, {SET_NAMES[which]}; dotted: shuffled labels", fontsize=9)
+        ax.set_xlabel("j: the planted bracket j back (1 = the latest)")
+        ax.set_ylabel(f"held-out accuracy at {site}")
+        ax.set_ylim(min(0.4, *(r["score"] - 0.02 for r in rows if r["target"] != "depth")), 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(frameon=False, fontsize=7)
+    positions = range(len(sites))
+    for which in sets:
+        depth = {(r["layer"], r["site"]): r for r in rows if r["set"] == which and r["target"] == "depth"}
+        depth_ax.plot(positions, [depth[key]["score"] for key in sites], SET_STYLES[which], marker="o", color="C0" if which == "pool" else "C1", label=SET_NAMES[which])
+        depth_ax.plot(positions, [depth[key]["control"] for key in sites], ":", color="C0" if which == "pool" else "C1", alpha=0.7)
+        base = next((r for r in baseline if r["set"] == which and r["target"] == "depth"), None)
+        if base is not None:
+            depth_ax.plot([len(sites) - 1], [base["score"]], "x", color="grey", label="untrained network" if which == sets[0] else None)
+    depth_ax.set_xticks(list(positions), [_label(*key) for key in sites], rotation=30, ha="right", fontsize=8)
+    depth_ax.set_ylabel(f"held-out R^2 of the depth at {site}")
+    depth_ax.set_title("depth (opens minus closes); dotted: shuffled labels", fontsize=9)
+    depth_ax.grid(alpha=0.3)
+    depth_ax.legend(frameon=False, fontsize=7)
+    fig.suptitle(title or f"E4: linear probes for the bracket prefix at {site}", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=120)
     plt.close(fig)
