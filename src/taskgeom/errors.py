@@ -1,4 +1,6 @@
-"""Errors that mean "this input cannot be used": the CLI prints them on one line and exits 2."""
+"""Errors the CLI turns into one line and an exit code: 2 for bad input (``TaskgeomError`` and
+most subclasses), 3 when the environment refused (``EnvironmentRefused``), 1 when training
+diverged (``TrainingDiverged``)."""
 
 
 class TaskgeomError(Exception):
@@ -15,3 +17,17 @@ class CheckpointError(TaskgeomError):
 
 class AnalysisError(TaskgeomError):
     """An analysis request that cannot be met: a layer or site that does not exist, too few states."""
+
+
+class RunLockedError(TaskgeomError):
+    """A run directory another process is writing (its lock is held): exit code 2."""
+
+
+class EnvironmentRefused(TaskgeomError):
+    """The environment refused the work (disk full, permission denied, out of memory, an
+    unreachable cluster): the CLI exits with code 3."""
+
+
+class TrainingDiverged(TaskgeomError):
+    """Training met a non-finite loss; the run is marked diverged: the CLI exits with code 1 (the
+    work ran and failed)."""
