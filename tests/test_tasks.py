@@ -140,11 +140,32 @@ def test_unknown_family_is_named():
         tasks.make("dices")
 
 
-def test_bayes_posterior_brute_force_over_all_short_sequences():
-    """Summing the predictive chain over every sequence of length 3 gives total probability 1."""
-    fam = tasks.make("markov", vocab_size=2)
-    pool = fam.sample_pool(2, 1, 0.3, seed=0)
-    seqs = torch.tensor(list(itertools.product(range(2), repeat=3)))
-    pred = fam.predict_id(seqs, pool)
-    prob = 0.5 * pred[:, 0].gather(-1, seqs[:, 1:2]).squeeze(-1) * pred[:, 1].gather(-1, seqs[:, 2:3]).squeeze(-1)
-    assert prob.sum().item() == pytest.approx(1.0, abs=1e-12)
+@pytest.mark.parametrize("name,V,T", [("dice", 3, 3), ("markov", 2, 4), ("markov", 3, 3)])
+def test_bayes_posterior_brute_force_over_all_short_sequences(name, V, T):
+    """For every sequence of length T: the posterior after each prefix equals prior x product of
+    likelihoods (a plain loop over tokens, no tensor code of the family), normalised; and the chain
+    of Bayes predictives gives each whole sequence the pool mixture's probability sum_k w_k p_k(seq)."""
+    fam = tasks.make(name, vocab_size=V)
+    pool = fam.sample_pool(2, 2, 0.3, seed=0)
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=T)))  # all V**T sequences
+    post = fam.log_posterior(seqs, pool).exp()  # [V**T, T, K]
+    pred = fam.predict_id(seqs, pool)  # [V**T, T, V]
+    weights, params = pool.weights.tolist(), pool.params.tolist()
+
+    def likelihood(seq: list[int], k: int) -> float:
+        if name == "dice":
+            return math.prod(params[k][x] for x in seq)
+        return (1 / V) * math.prod(params[k][a][b] for a, b in zip(seq, seq[1:]))
+
+    total = 0.0
+    for i, seq in enumerate(seqs.tolist()):
+        for t in range(T):
+            joint = [weights[k] * likelihood(seq[: t + 1], k) for k in range(pool.size)]
+            expected = [j / sum(joint) for j in joint]
+            assert post[i, t].tolist() == pytest.approx(expected, rel=1e-12, abs=1e-15), (seq, t)
+        first = sum(weights[k] * likelihood(seq[:1], k) for k in range(pool.size))  # no predictive before the first token
+        chain = first * math.prod(pred[i, t, seq[t + 1]].item() for t in range(T - 1))
+        mixture = sum(weights[k] * likelihood(seq, k) for k in range(pool.size))
+        assert chain == pytest.approx(mixture, rel=1e-12), seq
+        total += mixture
+    assert total == pytest.approx(1.0, abs=1e-12)
