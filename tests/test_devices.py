@@ -5,6 +5,7 @@ CUDA run matches the CPU run."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import fields
 
 import pytest
 import torch
@@ -12,9 +13,9 @@ from typer.testing import CliRunner
 
 from conftest import tiny_config
 from taskgeom.cli import app
-from taskgeom.devices import DeviceError, autocast, resolve_device
+from taskgeom.devices import DeviceError, autocast, resolve_device, to_device
 from taskgeom.runs import Run
-from taskgeom.tasks import make
+from taskgeom.tasks import Batch, make
 from taskgeom.train import train
 
 runner = CliRunner()
@@ -50,14 +51,60 @@ def test_cli_refuses_a_bad_device_before_making_the_run(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("family", ["dice", "regression"])
 def test_batches_keep_their_tensors_on_the_way_to_a_device(family):
+    """Every tensor a batch holds reaches the device with its shape and dtype, and the batch it came
+    from stays on the CPU. The "meta" device stands in for an accelerator: a tensor left behind, or
+    moved in place, would still be on the CPU."""
     fam = make(family)
     batch = fam.sample(fam.sample_pool(2, 0), 4, 12, seed=0)
-    moved = batch.to(torch.device("cpu"))
-    for name in ("tokens", "task", "params", "x", "y"):
-        before, after = getattr(batch, name), getattr(moved, name)
-        assert (before is None) == (after is None)
+    moved = batch.to(torch.device("meta"))
+    held = [f.name for f in fields(Batch) if getattr(batch, f.name) is not None]
+    assert held == (["tokens", "task", "params"] if family == "dice" else ["tokens", "task", "params", "x", "y"])
+    for f in fields(Batch):
+        before, after = getattr(batch, f.name), getattr(moved, f.name)
+        assert (before is None) == (after is None), f.name
         if before is not None:
-            assert torch.equal(before, after) and after.device.type == "cpu"
+            assert after.device.type == "meta", f.name
+            assert (after.shape, after.dtype) == (before.shape, before.dtype), f.name
+            assert before.device.type == "cpu", f.name
+
+
+class _FakeTensor:
+    """Records the transfer calls ``to_device`` makes; no CUDA needed."""
+
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls = name, calls
+
+    def pin_memory(self) -> "_FakeTensor":
+        self.calls.append(("pin_memory", self.name))
+        return _FakeTensor(f"{self.name}+pinned", self.calls)
+
+    def to(self, device, non_blocking: bool = False) -> "_FakeTensor":
+        self.calls.append(("to", self.name, device, non_blocking))
+        return _FakeTensor(f"{self.name}@{device}", self.calls)
+
+
+def test_cuda_transfers_go_through_pinned_memory_without_blocking():
+    """To CUDA: pin first, then an asynchronous copy of the pinned tensor; to the CPU: a plain copy."""
+    calls: list = []
+    cuda = torch.device("cuda", 0)  # a device object needs no CUDA
+    out = to_device(_FakeTensor("t", calls), cuda)
+    assert calls == [("pin_memory", "t"), ("to", "t+pinned", cuda, True)] and out.name == "t+pinned@cuda:0"
+    calls.clear()
+    to_device(_FakeTensor("t", calls), torch.device("cpu"))
+    assert calls == [("to", "t", torch.device("cpu"), False)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["dice", "regression"])
+def test_batches_arrive_on_cuda_with_their_values(family):
+    fam = make(family)
+    batch = fam.sample(fam.sample_pool(2, 0), 4, 12, seed=0)
+    moved = batch.to(torch.device("cuda"))
+    torch.cuda.synchronize()
+    for f in fields(Batch):
+        before, after = getattr(batch, f.name), getattr(moved, f.name)
+        if before is not None:
+            assert after.device.type == "cuda" and torch.equal(before, after.cpu()), f.name
 
 
 def test_bf16_autocast_engages_only_when_asked():
