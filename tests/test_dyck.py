@@ -11,7 +11,8 @@ import torch
 from taskgeom import tasks
 from taskgeom.rng import generator
 from taskgeom.tasks.base import TaskPool
-from taskgeom.tasks.dyck import completion_counts
+from taskgeom.tasks.dyck import OPEN
+from taskgeom.tasks.dyck import completion_counts, open_probability
 
 torch.set_num_threads(1)
 
@@ -186,6 +187,78 @@ def test_ood_marginal_matches_enumeration():
         for t in range(len(row)):
             marginal = sum(math.exp(sum(brute_log_likelihood(fam, row[: t + 1], w))) for w in words) / len(words)
             assert got[b, t].item() == pytest.approx(math.log(marginal), rel=1e-9)
+
+
+def ballot(r: int, d: int) -> int:
+    """N[r, d] in exact integers: strings of length r taking depth d to 0 without going below 0."""
+    if d < 0 or d > r or (r - d) % 2:
+        return 0
+    up = (r - d) // 2
+    return math.comb(r, up) - (math.comb(r, up - 1) if up >= 1 else 0)
+
+
+def test_open_probability_is_the_ratio_of_ballot_numbers():
+    """Against the float64 count table where it is finite, and against exact integers at n_pairs =
+    600, where the table overflows (Catalan(600) ~ 1e357)."""
+    for n_pairs in (1, 3, 8, 40):
+        table, length = completion_counts(n_pairs), 2 * n_pairs
+        r, d = torch.meshgrid(torch.arange(length + 1), torch.arange(-2, length + 3), indexing="ij")
+        got = open_probability(r, d)
+        for i, j in zip(r.flatten().tolist(), d.flatten().tolist()):
+            total = table[i, j].item() if 1 <= i and 0 <= j <= length else 0.0
+            expected = table[i - 1, j + 1].item() / total if total > 0 else 0.5
+            assert got[i, j + 2].item() == pytest.approx(expected, rel=1e-14, abs=0), (n_pairs, i, j)
+    for r, d in ((1200, 0), (1199, 1), (1000, 2), (900, 40), (600, 598), (3, 1), (1, 1)):
+        expected = ballot(r - 1, d + 1) / ballot(r, d)  # exact ints; the division rounds once
+        assert open_probability(torch.tensor(r), torch.tensor(d)).item() == pytest.approx(expected, rel=1e-15)
+
+
+def _old_predict_ood(fam, tokens: torch.Tensor) -> torch.Tensor:
+    """predict_ood as it was computed from the float64 count table (finite for n_pairs < 518)."""
+    counts = completion_counts(fam.n_pairs)
+    depth = fam.depth(tokens)
+    remaining = (fam.length - fam.bracket_count(tokens)).clamp(1, fam.length)
+    valid = (depth.cummin(dim=1).values >= 0) & (depth <= remaining)
+    d = depth.clamp(0, fam.length - 1)
+    total = counts[remaining, d]
+    p_open = torch.where(valid & (total > 0), counts[remaining - 1, d + 1] / total.clamp_min(1), 0.5)
+    return fam._predictive(tokens, p_open)
+
+
+@pytest.mark.parametrize("n_pairs", [2, 10, 80])
+def test_ood_predictive_equals_the_count_table_where_that_is_finite(n_pairs):
+    fam = tasks.make("dyck", n_pairs=n_pairs, p_bracket=0.7)
+    seq_len = 2 * n_pairs + 30
+    tokens = torch.cat([fam.sample_ood(16, seq_len, seed=3).tokens,  # Dyck prefixes, and finished words
+                        torch.randint(0, fam.vocab_size, (16, seq_len), generator=generator(3, 0, "junk"))])  # invalid ones too
+    old = _old_predict_ood(fam, tokens)
+    assert torch.isfinite(old).all()
+    torch.testing.assert_close(fam.predict_ood(tokens), old, rtol=0, atol=1e-10)
+
+
+def test_bayes_losses_are_finite_for_600_pairs():
+    """n_pairs = 600 overflowed the count table: the prior drew unbalanced words and the OOD-Bayes
+    loss was NaN. Words must be Dyck words, every Bayes quantity finite, the first steps exact."""
+    fam = tasks.make("dyck", n_pairs=600, p_bracket=0.9)
+    pool = fam.sample_pool(2, 2, seed=0)
+    words = pool.params
+    depths = (1 - 2 * words).cumsum(dim=1)
+    assert (depths.min(dim=1).values >= 0).all() and (depths[:, -1] == 0).all()
+    draws = fam.sample_params(2000, generator(0, 0, "big"))  # the overflowing sampler always opened here
+    share = (draws[:, 1] == OPEN).double().mean().item()
+    assert abs(share - 1797 / 2398) < 5 * math.sqrt(0.75 * 0.25 / 2000), share  # N[1198, 2] / N[1199, 1]
+    batch = fam.sample(pool, 4, 1400, seed=1)  # long enough to place all 1200 brackets
+    assert (fam.bracket_count(batch.tokens)[:, -1] == fam.length).all()
+    bayes_id, bayes_ood = fam.reference_predictions(batch, pool)
+    for probs in (bayes_id, bayes_ood):
+        assert torch.isfinite(probs).all()
+        torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:2], dtype=torch.float64))
+    nll = -bayes_ood[:, :-1].log().gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    assert torch.isfinite(nll).all() and torch.isfinite(fam.log_marginal_ood(batch.tokens)).all()
+    # after "(" the next bracket of a uniform 600-pair word is "(" with chance N[1198, 2] / N[1199, 1]
+    tokens = torch.tensor([[fam.n_noise + OPEN]])
+    expected = ballot(1198, 2) / ballot(1199, 1)
+    assert fam.predict_ood(tokens)[0, 0, fam.n_noise + OPEN].item() == pytest.approx(0.9 * expected, rel=1e-14)
 
 
 def test_family_rejects_bad_settings():

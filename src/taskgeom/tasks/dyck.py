@@ -25,7 +25,9 @@ OPEN, CLOSE = 0, 1
 
 def completion_counts(n_pairs: int) -> torch.Tensor:
     """[2n + 1, 2n + 2] float64 table N[r, d]: the number of bracket strings of length r that take
-    depth d back to 0 without going below 0 (ballot numbers; N[2n, 0] is the Catalan number)."""
+    depth d back to 0 without going below 0 (ballot numbers; N[2n, 0] is the Catalan number).
+    A reference for tests: from n_pairs = 518 the counts overflow float64 (Catalan(600) is about
+    1e357); the family uses only their ratios, through ``open_probability``."""
     length = 2 * n_pairs
     table = torch.zeros(length + 1, length + 2, dtype=torch.float64)
     table[0, 0] = 1.0
@@ -33,6 +35,21 @@ def completion_counts(n_pairs: int) -> torch.Tensor:
         table[r, :-1] = table[r - 1, 1:]  # open one more: d -> d + 1
         table[r, 1:] += table[r - 1, :-1]  # close one: d -> d - 1
     return table
+
+
+def open_probability(remaining: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """float64, shape of the inputs: N[r - 1, d + 1] / N[r, d], the chance that a uniform
+    completion of ``remaining`` = r brackets from ``depth`` = d opens next; 0.5 where no
+    completion exists (d < 0, d > r, or r - d odd) [ours].
+
+    The ballot number N[r, d] = C(r, o) (d + 1) / (o + d + 1) with o = (r - d) / 2 opens left, so
+    the ratio is o (d + 2) / (r (d + 1)): exact and finite for every size, where the counts
+    themselves overflow float64 (n_pairs = 600 made them inf and the OOD-Bayes loss NaN)."""
+    r, d = remaining.double(), depth.double()
+    exists = (depth >= 0) & (depth <= remaining) & ((remaining - depth) % 2 == 0) & (remaining >= 1)
+    opens = (r - d) / 2
+    ratio = opens * (d + 2) / (r.clamp_min(1) * (d + 1).clamp_min(1))
+    return torch.where(exists, ratio, 0.5)
 
 
 class Dyck(TokenFamily):
@@ -49,7 +66,6 @@ class Dyck(TokenFamily):
             raise ValueError(f"p_bracket must lie in (0, 1), got {p_bracket}")
         self.n_noise, self.n_pairs, self.p_bracket = n_noise, n_pairs, p_bracket
         self.vocab_size = n_noise + 2
-        self.counts = completion_counts(n_pairs)
 
     @property
     def length(self) -> int:
@@ -59,13 +75,13 @@ class Dyck(TokenFamily):
     # ---- the prior: uniform Dyck words ------------------------------------------------------
     def sample_params(self, n: int, gen: torch.Generator) -> torch.Tensor:
         """[n, 2 * n_pairs] uniform Dyck words: each bracket is "(" with probability
-        N[r - 1, d + 1] / N[r, d] (r brackets left, depth d), which makes every word equally likely."""
+        N[r - 1, d + 1] / N[r, d] (r brackets left, depth d; ``open_probability``), which makes
+        every word equally likely."""
         words = torch.empty(n, self.length, dtype=torch.long)
         depth = torch.zeros(n, dtype=torch.long)
         u = torch.rand(n, self.length, generator=gen, dtype=torch.float64)
         for i in range(self.length):  # the loop is over bracket slots, vectorised over words
-            r = self.length - i
-            p_open = self.counts[r - 1, depth + 1] / self.counts[r, depth]
+            p_open = open_probability(torch.full_like(depth, self.length - i), depth)
             bracket = (u[:, i] >= p_open).long()
             words[:, i] = bracket
             depth = depth + 1 - 2 * bracket
@@ -138,7 +154,7 @@ class Dyck(TokenFamily):
     def _predictive(self, tokens: torch.Tensor, p_open: torch.Tensor) -> torch.Tensor:
         """[B, T, V] from p_open: [B, T], the chance that the next bracket is "(" given one is due."""
         pending = self.bracket_count(tokens) < self.length  # [B, T]
-        p = torch.where(pending, self.p_bracket, 0.0).double()
+        p = torch.where(pending, torch.tensor(self.p_bracket, dtype=torch.float64), 0.0)  # not float32
         noise = ((1 - p) / self.n_noise)[..., None].expand(*tokens.shape, self.n_noise)
         return torch.cat([noise, (p * p_open)[..., None], (p * (1 - p_open))[..., None]], dim=-1)
 
@@ -150,14 +166,12 @@ class Dyck(TokenFamily):
 
     def predict_ood(self, tokens: torch.Tensor) -> torch.Tensor:
         """Predictive under a fresh uniform Dyck word: the next bracket is "(" with probability
-        N[r - 1, d + 1] / N[r, d]. A bracket prefix that no Dyck word extends (never produced by
-        the family) gets an even split [ours]."""
+        N[r - 1, d + 1] / N[r, d] (``open_probability``, finite for every n_pairs). A bracket
+        prefix that no Dyck word extends (never produced by the family) gets an even split [ours]."""
         depth = self.depth(tokens)
-        remaining = (self.length - self.bracket_count(tokens)).clamp(1, self.length)
-        valid = (depth.cummin(dim=1).values >= 0) & (depth <= remaining)
-        d = depth.clamp(0, self.length - 1)
-        total = self.counts[remaining, d]
-        p_open = torch.where(valid & (total > 0), self.counts[remaining - 1, d + 1] / total.clamp_min(1), 0.5)
+        remaining = self.length - self.bracket_count(tokens)
+        valid = depth.cummin(dim=1).values >= 0  # a prefix that once went below 0 stays invalid
+        p_open = torch.where(valid, open_probability(remaining, depth), 0.5)
         return self._predictive(tokens, p_open)
 
     def initial_log_prob(self) -> float:
