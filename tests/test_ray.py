@@ -1,14 +1,16 @@
 """The Ray executor: a sweep on a local Ray instance equals the local pool's, restarts redo nothing,
-a crashed task is one failure among successes, and bad executor settings stop with exit code 2."""
+a crashed task is one failure among successes, and bad executor settings stop with exit code 2.
+Ray is an optional extra: the tests that need it are skipped where it is not installed."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
-import ray
 import torch
 import yaml
 from safetensors.torch import load_file
@@ -20,9 +22,17 @@ from taskgeom.errors import TaskgeomError
 from taskgeom.experiments.executors import Executor, execute
 from taskgeom.experiments.sweep import Job, run_sweep
 
+HAS_RAY = importlib.util.find_spec("ray") is not None
+
 
 @pytest.fixture(scope="module")
-def ray_instance():
+def ray():
+    """The ray module; the test is skipped where the extra is not installed."""
+    return pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_instance(ray):
     """A local Ray instance started by the test, not by the executor."""
     ray.init(num_cpus=2, include_dashboard=False)
     yield
@@ -40,7 +50,7 @@ def _jobs(recipe, root) -> list[Job]:
 
 
 @pytest.fixture(scope="module")
-def ray_sweep(tmp_path_factory):
+def ray_sweep(tmp_path_factory, ray):
     """A tiny sweep run on a local Ray instance that the executor starts and stops itself:
     (its recipe, its folder, whether Ray was stopped afterwards)."""
     folder = tmp_path_factory.mktemp("ray_sweep")
@@ -67,7 +77,7 @@ def test_ray_sweep_equals_local_pool(ray_sweep, tmp_path):
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
-def test_restarting_a_finished_ray_sweep_redoes_nothing(ray_sweep, ray_instance):
+def test_restarting_a_finished_ray_sweep_redoes_nothing(ray_sweep, ray_instance, ray):
     recipe, folder, _ = ray_sweep
     root = folder / "runs"
     tables = {name: (folder / name).read_text() for name in ("sweep.csv", "by_step.csv")}
@@ -81,7 +91,7 @@ def test_restarting_a_finished_ray_sweep_redoes_nothing(ray_sweep, ray_instance)
     assert {name: (folder / name).read_text() for name in tables} == tables
 
 
-def test_a_crashed_ray_task_is_one_failure(ray_instance):
+def test_a_crashed_ray_task_is_one_failure(ray_instance, ray):
     def crash_on_one(item: int, threads: int) -> int:
         if item == 1:
             os._exit(3)  # the worker process dies without raising
@@ -92,7 +102,7 @@ def test_a_crashed_ray_task_is_one_failure(ray_instance):
     assert isinstance(results[1], ray.exceptions.RayError)
 
 
-def test_a_dead_job_becomes_a_failed_row(tmp_path, monkeypatch):
+def test_a_dead_job_becomes_a_failed_row(tmp_path, monkeypatch, ray):
     """What the executor yields for a crashed task turns into that job's failed row; the others stand."""
     jobs = _jobs(_recipe(tmp_path), tmp_path / "runs")
     submitted = [job.for_ray(0) for job in jobs]  # what run_sweep hands the executor
@@ -104,7 +114,7 @@ def test_a_dead_job_becomes_a_failed_row(tmp_path, monkeypatch):
     assert len((tmp_path / "sweep.csv").read_text().splitlines()) == 1 + 2
 
 
-def test_ray_refuses_resources_the_cluster_lacks(ray_instance):
+def test_ray_refuses_resources_the_cluster_lacks(ray_instance, ray):
     gpus = ray.cluster_resources().get("GPU", 0)
     with pytest.raises(TaskgeomError, match="GPU"):
         list(execute(lambda item, threads: item, [0], Executor("ray", gpus_per_run=gpus + 1)))
@@ -122,7 +132,7 @@ def test_resources_are_checked_per_node_not_summed():
         _check_resources(nodes, Executor("ray", cpus_per_run=6))
 
 
-def test_an_address_nobody_answers_is_refused_at_once(tmp_path):
+def test_an_address_nobody_answers_is_refused_at_once(tmp_path, ray):
     """In a fresh process (this one may already hold a Ray connection, which a sweep reuses)."""
     recipe = _recipe(tmp_path)
     for address, message in (("127.0.0.1:1", "no Ray cluster answers at 127.0.0.1:1"), ("nohost", "must look like HOST:PORT")):
@@ -176,8 +186,44 @@ def test_bad_executor_and_training_options_exit_2(tmp_path, options, message):
     assert not list(tmp_path.glob("tiny-dice-*"))
 
 
-def test_reproduce_takes_the_executor_options():
-    result = CliRunner().invoke(app, ["reproduce", "--help"])
-    assert result.exit_code == 0
-    assert all(option in result.output for option in ("--executor", "--address", "--cpus-per-run", "--gpus-per-run", "--workers",
-                                                      "--device", "--tracker"))
+@pytest.mark.parametrize("options, executor, device, tracker", [
+    ([], Executor(), "auto", "none"),
+    (["--workers", "3", "--cpus-per-run", "2", "--device", "cpu", "--tracker", "tensorboard"], Executor("local", 3, None, 2, 0.0), "cpu",
+     "tensorboard"),
+    pytest.param(["--executor", "ray", "--workers", "1", "--cpus-per-run", "1", "--device", "cpu"], Executor("ray", 1, None, 1, 0.0), "cpu",
+                 "none", marks=pytest.mark.skipif(not HAS_RAY, reason="needs the ray extra")),
+])
+def test_reproduce_takes_the_executor_options(tmp_path, monkeypatch, options, executor, device, tracker):
+    """The options of `reproduce` reach the context every experiment receives."""
+    import taskgeom.experiments
+
+    seen = []
+    monkeypatch.setattr(taskgeom.experiments, "EXPERIMENTS", {"record": seen.append})
+    result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), *options])
+    assert result.exit_code == 0, result.output
+    (ctx,) = seen
+    assert (ctx.executor, ctx.device, ctx.tracker) == (executor, device, tracker)
+
+
+def test_the_sweeps_of_reproduce_run_on_its_executor(tmp_path, monkeypatch):
+    """dual_modes hands the context's executor to its sweep, and its device and tracker to every job."""
+    from taskgeom.experiments.base import Context
+
+    dual_modes = importlib.import_module("taskgeom.experiments.dual_modes")  # the package exports a function of that name
+
+    class Stop(Exception):
+        pass
+
+    calls = []
+
+    def record(jobs, executor, out=None):
+        calls.append((jobs, executor, out))
+        raise Stop
+
+    monkeypatch.setattr(dual_modes, "run_sweep", record)
+    executor = Executor("local", workers=3, cpus_per_run=2)
+    with pytest.raises(Stop):
+        dual_modes.dual_modes(Context(tmp_path, "quick", executor, device="cpu", tracker="tensorboard"))
+    ((jobs, used, out),) = calls
+    assert used is executor and out == tmp_path / "tables"
+    assert jobs and {(job.device, job.tracker, job.root) for job in jobs} == {("cpu", "tensorboard", str(tmp_path / "runs"))}
