@@ -26,6 +26,29 @@ def invoke(*args: str):
 
 
 def test_analyze_writes_tidy_rows_and_figures(trained):
+    import numpy as np
+
+    from taskgeom.analysis.retrieval import MEASURE_STREAM, SELECTION_STREAM, analysis_inputs
+    from taskgeom.analysis.task_vectors import late_window
+    from taskgeom.hooks import capture
+
+    def p0_p1_by_hand(h: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor, window: slice) -> tuple[float, float]:
+        """(SS_within / SS_total over cells (task, current token), 1 - SS_interaction / SS_between) of
+        the late-window states h: [N, T, D]: cells by a loop, the additive model by least squares on
+        the observations."""
+        x = h[:, window].double().reshape(-1, h.shape[-1]).numpy()
+        k = task[:, None].expand(-1, tokens.shape[1])[:, window].reshape(-1).numpy()
+        a = tokens[:, window].reshape(-1).numpy()
+        total = ((x - x.mean(0)) ** 2).sum()
+        within = 0.0
+        for cell in set(zip(k.tolist(), a.tolist())):
+            members = x[(k == cell[0]) & (a == cell[1])]
+            within += ((members - members.mean(0)) ** 2).sum()
+        design = np.concatenate([np.ones((len(x), 1)), np.eye(k.max() + 1)[k], np.eye(a.max() + 1)[a]], axis=1)
+        residual = x - design @ np.linalg.lstsq(design, x, rcond=None)[0]
+        interaction = (residual**2).sum() - within
+        return within / total, 1 - interaction / (total - within)
+
     result = invoke(str(trained.path), "--sequences", "48")
     assert result.exit_code == 0, result.output
     table = pd.read_json(trained.path / "analysis" / "m1.json")
@@ -39,8 +62,20 @@ def test_analyze_writes_tidy_rows_and_figures(trained):
             assert sorted(zip(rows["layer"], rows["site"])) == [(0, "resid_mid"), (0, "resid_post"), (1, "resid_mid"), (1, "resid_post")]
     per_position = table[(table["metric"] == "p2.r2_task") & table["position"].notna()]
     assert len(per_position) == 4 * 24 and set(per_position["batch"]) == {"measure"}
-    within, cell = (per_layer[per_layer["metric"] == m].set_index(["layer", "site"])["value"] for m in ("p0.within_share", "p0.cell_r2"))
-    assert ((within + cell) - 1).abs().max() < 1e-9
+    # P0 and P1 recomputed from states captured on the same batches, by a plain loop over cells and
+    # ordinary least squares on the observations
+    model = trained.load_model()
+    places = [(layer, site) for layer in range(2) for site in ("resid_mid", "resid_post")]
+    for batch, stream in (("selection", SELECTION_STREAM), ("measure", MEASURE_STREAM)):
+        inputs = analysis_inputs(trained, stream, 48)
+        with torch.no_grad(), capture(model, places) as states:
+            model(inputs.batch.tokens)
+        rows = table[table["position"].isna() & (table["batch"] == batch)].set_index(["metric", "layer", "site"])["value"]
+        for place in places:
+            within, additive = p0_p1_by_hand(states[place], inputs.batch.task, inputs.batch.tokens, late_window(24))
+            assert rows[("p0.within_share", *place)] == pytest.approx(within, rel=1e-6, abs=1e-9), (batch, place)
+            assert rows[("p0.cell_r2", *place)] == pytest.approx(1 - within, rel=1e-6, abs=1e-9), (batch, place)
+            assert rows[("p1.additive_share", *place)] == pytest.approx(additive, rel=1e-6, abs=1e-9), (batch, place)
     tv = table[(table["metric"] == "p3.tv") & table["position"].notna() & table["task"].isna()]
     assert sorted(tv["position"].astype(int)) == list(range(24))
     per_task = table[(table["metric"] == "p3.tv") & table["task"].notna()]
@@ -65,12 +100,17 @@ def test_unfinished_run_is_a_clear_error(tmp_path):
     (("--directions", "sideways"), "unknown directions 'sideways'"),
 ])
 def test_bad_requests_exit_2_before_any_work(trained, tmp_path, args, message):
-    before = (trained.path / "analysis" / "m1.json").stat().st_mtime_ns if (trained.path / "analysis" / "m1.json").exists() else None
+    """A bad request changes nothing an earlier analysis wrote: m1.json and the figures keep their bytes."""
+    if not (trained.path / "analysis" / "m1.json").exists():  # this test alone: analyse once first
+        assert invoke(str(trained.path), "--sequences", "48").exit_code == 0
+    written = sorted(p for folder in ("analysis", "figures") for p in (trained.path / folder).iterdir())
+    assert trained.path / "analysis" / "m1.json" in written
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in written}
     result = invoke(str(trained.path), *args)
     assert result.exit_code == 2
     assert message in result.output
-    after = (trained.path / "analysis" / "m1.json").stat().st_mtime_ns if (trained.path / "analysis" / "m1.json").exists() else None
-    assert before == after
+    assert sorted(p for folder in ("analysis", "figures") for p in (trained.path / folder).iterdir()) == written
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in written} == before
 
 
 def test_missing_run_directory_exits_2(tmp_path):
