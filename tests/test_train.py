@@ -1,7 +1,10 @@
-"""The trainer: determinism, exact resume after SIGKILL, and refusing bad run directories."""
+"""The trainer: determinism, exact resume after SIGKILL, refusing bad run directories and
+checkpoints, and divergence as an outcome."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -16,8 +19,13 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from conftest import tiny_config
+from safetensors.torch import save_file
+
+from taskgeom import train as train_module
 from taskgeom.cli import app
+from taskgeom.errors import CheckpointError, RunDirError, TrainingDiverged
 from taskgeom.runs import Run
+from taskgeom.storage import CHECKPOINT_FORMAT
 from taskgeom.train import learning_rate, train
 
 runner = CliRunner()
@@ -150,3 +158,175 @@ def test_cli_eval_writes_tidy_rows(finished):
     assert set(table.columns) == {"set", "position", "metric", "value"}
     assert set(table["set"]) == {"major", "ood"} and table["position"].max() == 14
     assert (finished.path / "figures" / "loss_by_position.png").stat().st_size > 0
+
+
+# ---- checkpoint metadata ----------------------------------------------------------------------
+def _hand_made_checkpoint(run: Run, **meta: str) -> None:
+    """checkpoint.safetensors with the weights of a fresh model and the metadata ``meta`` (besides
+    format and config digest): what a damaged or foreign writer could leave."""
+    tensors = {f"model.{k}": v.contiguous() for k, v in run.new_model().state_dict().items()}
+    save_file(tensors, str(run.checkpoint_path), metadata={"format": CHECKPOINT_FORMAT, "config_digest": run.config.digest(), **meta})
+
+
+@pytest.mark.parametrize("meta, shown", [
+    ({"loss_sum": "0.0", "loss_count": "0"}, "'step' is missing"),
+    ({"step": "ten", "loss_sum": "0.0", "loss_count": "0"}, "'step' is 'ten'"),
+    ({"step": "2.5", "loss_sum": "0.0", "loss_count": "0"}, "'step' is '2.5'"),
+    ({"step": "-1", "loss_sum": "0.0", "loss_count": "0"}, "'step' is '-1'"),
+    ({"step": "41", "loss_sum": "0.0", "loss_count": "0"}, "'step' is '41', expected an integer in 0..40"),
+    ({"step": "10", "loss_sum": "nan", "loss_count": "0"}, "'loss_sum' is 'nan'"),
+    ({"step": "10", "loss_sum": "0.0"}, "'loss_count' is missing"),
+])
+def test_checkpoint_metadata_is_checked_and_the_message_says_how_to_restart(tmp_path, meta, shown):
+    run = Run.create(tiny_config("dice"), path=tmp_path / "r")
+    _hand_made_checkpoint(run, **meta)
+    with pytest.raises(CheckpointError) as caught:
+        train(run)
+    message = str(caught.value)
+    assert shown in message and f"delete {run.checkpoint_path} to train the run from scratch" in message and "\n" not in message
+    assert not run.model_path.exists() and not run.metrics_path.exists()
+    run.checkpoint_path.unlink()  # the advice works
+    assert train(run)["step"] == 40
+
+
+def test_a_valid_hand_made_checkpoint_is_resumed_from_its_step(tmp_path):
+    run = Run.create(tiny_config("dice"), path=tmp_path / "r")
+    _hand_made_checkpoint(run, step="30", loss_sum="0.0", loss_count="0")
+    train(run)
+    assert [record["step"] for record in run.metrics()] == [40]
+
+
+def test_cli_corrupt_checkpoint_message_says_how_to_restart(tmp_path):
+    config = tiny_config("dice", steps=20)
+    run = Run.create(config, path=tmp_path / "r")
+    _hand_made_checkpoint(run, step="many")
+    result = runner.invoke(app, ["train", str(write_recipe(tmp_path / "c.yaml", config)), "--run-dir", str(run.path)])
+    assert result.exit_code == 2 and "'step' is 'many'" in result.output and "to train the run from scratch" in result.output
+
+
+# ---- divergence -------------------------------------------------------------------------------
+def _strict_json(line: str) -> dict:
+    """json.loads that refuses NaN and Infinity (not standard JSON)."""
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_strict_json_refuses_nan():
+    with pytest.raises(ValueError):
+        _strict_json('{"loss": NaN}')
+
+
+def _poison_training_loss(monkeypatch, at_call: int, value: float) -> None:
+    """Make train_step report ``value`` from its ``at_call``-th call on (1-based)."""
+    real, calls = train_module.train_step, []
+
+    def poisoned(*args, **kwargs):
+        calls.append(1)
+        loss = real(*args, **kwargs)
+        return value if len(calls) >= at_call else loss
+
+    monkeypatch.setattr(train_module, "train_step", poisoned)
+
+
+def _assert_diverged(run: Run, step: int, metric: str, value: str, caught: pytest.ExceptionInfo) -> None:
+    message = str(caught.value)
+    assert "\n" not in message and f"diverged at step {step} of 40: {metric} is {value}" in message and str(run.path) in message
+    assert _strict_json(run.path.joinpath("run.json").read_text())["status"] == "diverged"
+    assert Run.open(run.path).diverged == {"step": step, "metric": metric, "value": value}
+    assert Run.open(run.path).status == "diverged"
+    assert not run.model_path.exists()
+    with pytest.raises(RunDirError, match=f"diverged at step {step} "):
+        run.load_model()
+
+
+def test_a_nan_training_loss_stops_training_and_marks_the_run(tmp_path, monkeypatch):
+    run = Run.create(tiny_config("dice"), path=tmp_path / "r")
+    _poison_training_loss(monkeypatch, at_call=25, value=math.nan)
+    with pytest.raises(TrainingDiverged) as caught:
+        train(run)
+    _assert_diverged(run, 25, "train_loss", "nan", caught)
+    lines = run.metrics_path.read_text().splitlines()
+    assert [_strict_json(line)["step"] for line in lines] == [10, 20]  # nothing from the diverged stretch
+    monkeypatch.undo()
+    with pytest.raises(TrainingDiverged, match="not trained again"):  # refused at once, nothing retrained
+        train(run)
+    assert run.metrics_path.read_text().splitlines() == lines
+
+
+def test_an_infinite_held_out_loss_stops_training(tmp_path, monkeypatch):
+    run = Run.create(tiny_config("dice"), path=tmp_path / "r")
+    real, calls = train_module.summary, []
+
+    def poisoned(model, sets):
+        calls.append(1)
+        result = real(model, sets)
+        if len(calls) == 3:
+            result["major"]["loss"] = math.inf
+        return result
+
+    monkeypatch.setattr(train_module, "summary", poisoned)
+    with pytest.raises(TrainingDiverged) as caught:
+        train(run)
+    _assert_diverged(run, 30, "eval.major.loss", "inf", caught)
+    assert [_strict_json(line)["step"] for line in run.metrics_path.read_text().splitlines()] == [10, 20]
+
+
+def test_a_non_finite_reference_value_is_written_as_null(tmp_path, monkeypatch):
+    run = Run.create(tiny_config("dice"), path=tmp_path / "r")
+    real = train_module.summary
+
+    def with_nan_reference(model, sets):
+        result = real(model, sets)
+        result["ood"]["bayes_ood_loss"] = math.nan
+        return result
+
+    monkeypatch.setattr(train_module, "summary", with_nan_reference)
+    train(run)
+    records = [_strict_json(line) for line in run.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [10, 20, 30, 40]
+    assert all(r["eval"]["ood"]["bayes_ood_loss"] is None and math.isfinite(r["eval"]["ood"]["loss"]) for r in records)
+    assert run.status == "finished" and run.diverged is None
+
+
+def test_a_huge_learning_rate_diverges_through_the_cli(tmp_path):
+    config = tiny_config("dice", lr=1e6)
+    recipe = write_recipe(tmp_path / "huge.yaml", config)
+    result = runner.invoke(app, ["train", str(recipe), "--run-dir", str(tmp_path / "r")])
+    assert result.exit_code != 0, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "diverged at step" in errors[0] and "Traceback" not in result.output
+    run = Run.open(tmp_path / "r")
+    assert run.status == "diverged" and not run.model_path.exists()
+    for line in run.metrics_path.read_text().splitlines() if run.metrics_path.exists() else []:
+        _strict_json(line)
+    for command in (["eval", str(run.path)], ["analyze", str(run.path)]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2 and f"run {run.path} diverged at step" in result.output, (command, result.output)
+        assert "Traceback" not in result.output
+
+
+def test_a_run_json_without_status_still_opens(finished):
+    meta = {"format": 1, "taskgeom": "0.1.0", "digest": finished.config.digest()}  # as written before the status field
+    (finished.path / "run.json").write_text(json.dumps(meta))
+    run = Run.open(finished.path)
+    assert run.status == "finished" and run.diverged is None and run.load_model() is not None
+
+
+def test_a_model_with_non_finite_weights_is_refused(finished):
+    from safetensors.torch import load_file as load
+
+    tensors = load(str(finished.model_path))
+    name = sorted(tensors)[0]
+    tensors[name][0] = math.nan
+    save_file(tensors, str(finished.model_path), metadata={"format": CHECKPOINT_FORMAT, "config_digest": finished.config.digest(), "step": "10"})
+    with pytest.raises(RunDirError, match="non-finite weights"):
+        finished.load_model()
+
+
+@pytest.mark.parametrize("content", [b"[1, 2]", b"\xff\xfe not utf-8"])
+def test_an_odd_run_json_is_a_run_dir_error(finished, content):
+    (finished.path / "run.json").write_bytes(content)
+    with pytest.raises(RunDirError, match="run.json"):
+        Run.open(finished.path)

@@ -1,13 +1,20 @@
 """Run directories: one per resolved config, named ``{name}-{digest}``.
 
-Layout: ``run.json`` (format, version, digest), ``config.yaml``, ``metrics.jsonl``,
+Layout: ``run.json`` (format, version, digest; ``status: diverged`` and ``diverged: {step,
+metric, value}`` once training met a non-finite loss), ``config.yaml``, ``metrics.jsonl``,
 ``checkpoint.safetensors`` (model + optimiser, for resuming), ``model.safetensors`` (final
-weights), ``analysis/*.json``, ``figures/*.png``.
+weights), ``analysis/*.json``, ``figures/*.png``, and ``.lock``, the lock file of the one process
+allowed to write the run (``Run.writer``).
+
+The run.json fields after ``digest`` are optional, so run.json files written before them still
+open (the format number changes only when a reader of this version could misread a file).
 """
 
 from __future__ import annotations
 
 import json
+import math
+from contextlib import AbstractContextManager
 from functools import cached_property
 from pathlib import Path
 
@@ -16,12 +23,13 @@ import yaml
 
 from taskgeom import __version__, tasks
 from taskgeom.config import ConfigError, RunConfig, build_config
-from taskgeom.errors import RunDirError
+from taskgeom.errors import CheckpointError, RunDirError
 from taskgeom.model import Transformer
 from taskgeom.rng import fold_seed
-from taskgeom.storage import atomic_write_json, atomic_write_text, load_module_state, load_tensors
+from taskgeom.storage import atomic_write_json, atomic_write_text, exclusive_lock, load_module_state, load_tensors, meta_int
 
 RUN_FORMAT = 1
+LOCK_NAME = ".lock"
 _FAMILY_SETTINGS = {"family", "n_major", "diversity", "p_minor", "seq_len", "n_examples"}
 
 
@@ -39,17 +47,21 @@ class Run:
         An existing directory must hold the same config and format, else RunDirError.
         """
         path = Path(path) if path is not None else Path(root) / f"{config.name}-{config.digest()}"
-        if (path / "config.yaml").exists() or (path / "run.json").exists():
-            existing = cls.open(path)
-            if existing.config.digest() != config.digest():
-                raise RunDirError(f"run directory {path} was made by a different config ({existing.config.digest()}, this one is {config.digest()})")
-            return existing
-        if path.exists() and any(path.iterdir()):
-            raise RunDirError(f"{path} exists and is not a taskgeom run directory; choose another path")
-        path.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-        atomic_write_json(path / "run.json", {"format": RUN_FORMAT, "taskgeom": __version__, "digest": config.digest()})
-        return cls(path, config)
+        if path.exists() and not path.is_dir():
+            raise RunDirError(f"{path} is a file, not a run directory; choose another path")
+        if not ((path / "config.yaml").exists() or (path / "run.json").exists()):
+            if path.exists() and any(not _ours(entry.name) for entry in path.iterdir()):
+                raise RunDirError(f"{path} exists and is not a taskgeom run directory; choose another path")
+            path.mkdir(parents=True, exist_ok=True)
+            with exclusive_lock(path / LOCK_NAME, f"run directory {path}"):
+                if not (path / "run.json").exists():  # else another process made it while we looked
+                    atomic_write_text(path / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+                    atomic_write_json(path / "run.json", {"format": RUN_FORMAT, "taskgeom": __version__, "digest": config.digest()})
+                    return cls(path, config)
+        existing = cls.open(path)
+        if existing.config.digest() != config.digest():
+            raise RunDirError(f"run directory {path} was made by a different config ({existing.config.digest()}, this one is {config.digest()})")
+        return existing
 
     @classmethod
     def open(cls, path: Path | str) -> "Run":
@@ -57,11 +69,11 @@ class Run:
         path = Path(path)
         if not (path / "run.json").is_file() or not (path / "config.yaml").is_file():
             raise RunDirError(f"{path} is not a taskgeom run directory (no run.json / config.yaml)")
+        meta = _read_meta(path)
         try:
-            meta = json.loads((path / "run.json").read_text())
             raw = yaml.safe_load((path / "config.yaml").read_text())
-        except (json.JSONDecodeError, yaml.YAMLError) as err:
-            raise RunDirError(f"{path}: run.json or config.yaml is unreadable ({err})") from None
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            raise RunDirError(f"{path}/config.yaml is unreadable ({err})") from None
         if meta.get("format") != RUN_FORMAT:
             raise RunDirError(f"{path} was written by taskgeom {meta.get('taskgeom')} (run format {meta.get('format')}); this version reads format {RUN_FORMAT}")
         try:
@@ -103,10 +115,23 @@ class Run:
         return Transformer.sites
 
     def load_model(self) -> torch.nn.Module:
-        """The finished model; RunDirError if training has not finished."""
+        """The finished model; RunDirError if training diverged or has not finished, or if the
+        weights are not finite (a run trained before divergence was checked)."""
+        diverged = self.diverged
+        if diverged is not None:
+            raise RunDirError(f"run {self.path} diverged at step {diverged['step']} ({diverged['metric']} was {diverged['value']}) and has no "
+                              "model to evaluate or analyse; train it again with a lower train.lr (a new run directory)")
         if not self.finished:
             raise RunDirError(f"{self.path} has no finished model (model.safetensors); train it first")
-        tensors, _ = load_tensors(self.model_path, self.config.digest())
+        remedy = f"delete it and run `taskgeom train` on this run again to rewrite it from {self.checkpoint_path.name}"
+        try:
+            tensors, _ = load_tensors(self.model_path, self.config.digest())
+        except CheckpointError as err:
+            raise CheckpointError(f"{err}; {remedy}") from None
+        bad = sorted(name for name, value in tensors.items() if value.is_floating_point() and not torch.isfinite(value).all())
+        if bad:
+            raise RunDirError(f"run {self.path} diverged: model.safetensors holds non-finite weights ({', '.join(bad[:3])}); "
+                              "train it again with a lower train.lr (a new run directory)")
         model = self.new_model()
         load_module_state(model, tensors, self.model_path)
         return model.eval()
@@ -128,9 +153,10 @@ class Run:
         models = {}
         for path in sorted((self.path / "snapshots").glob("step_*.safetensors")):
             tensors, meta = load_tensors(path, self.config.digest())
+            step = meta_int(meta, "step", path, 0, self.config.train.steps, "delete this snapshot (the others are kept)")
             model = self.new_model()
             load_module_state(model, tensors, path)
-            models[int(meta["step"])] = model.eval()
+            models[step] = model.eval()
         return models
 
     @property
@@ -141,8 +167,60 @@ class Run:
     def finished(self) -> bool:
         return self.model_path.is_file()
 
+    @property
+    def diverged(self) -> dict | None:
+        """``{step, metric, value}`` if training stopped on a non-finite loss, else None."""
+        try:
+            meta = _read_meta(self.path)
+        except RunDirError:
+            return None
+        if meta.get("status") != "diverged":
+            return None
+        info = meta.get("diverged") if isinstance(meta.get("diverged"), dict) else {}
+        return {"step": info.get("step", "unknown"), "metric": info.get("metric", "loss"), "value": info.get("value", "non-finite")}
+
+    @property
+    def status(self) -> str:
+        """finished, diverged or unfinished."""
+        return "finished" if self.finished else "diverged" if self.diverged is not None else "unfinished"
+
+    def mark_diverged(self, step: int, metric: str, value: float) -> None:
+        """Record in run.json that training stopped at ``step`` because ``metric`` (train_loss, or
+        eval.SET.loss) was ``value`` (non-finite: stored as the string nan, inf or -inf, so that
+        run.json stays standard JSON)."""
+        meta = _read_meta(self.path)
+        meta |= {"status": "diverged", "diverged": {"step": step, "metric": metric, "value": _number_text(value)}}
+        atomic_write_json(self.path / "run.json", meta)
+
+    def writer(self) -> AbstractContextManager[None]:
+        """Hold the run's lock for the ``with`` block: RunLockedError, naming the lock file and the
+        holder's process id, if another process is writing this run."""
+        return exclusive_lock(self.path / LOCK_NAME, f"run directory {self.path}")
+
     def metrics(self) -> list[dict]:
         """The evaluation records of metrics.jsonl, in order."""
         if not self.metrics_path.exists():
             return []
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+
+def _read_meta(path: Path) -> dict:
+    """run.json of the run directory ``path`` as a dict; RunDirError if it is not one."""
+    try:
+        meta = json.loads((path / "run.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RunDirError(f"{path}/run.json is unreadable ({err})") from None
+    except OSError as err:
+        raise RunDirError(f"{path}/run.json cannot be read ({err.strerror})") from None
+    if not isinstance(meta, dict):
+        raise RunDirError(f"{path}/run.json is not a JSON object (found {type(meta).__name__})")
+    return meta
+
+
+def _ours(name: str) -> bool:
+    """A name a run directory being made may already hold: the lock file or a temporary file."""
+    return name == LOCK_NAME or (name.startswith(".") and name.endswith(".tmp"))
+
+
+def _number_text(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)

@@ -1,33 +1,70 @@
-"""Atomic file writes and safetensors checkpoints that refuse foreign or damaged files."""
+"""Atomic file writes, safetensors checkpoints that refuse foreign or damaged files, and the
+exclusive lock that keeps one writer per run directory.
+
+Files are written to a uniquely named temporary file beside their target, then renamed over it,
+with the mode an ordinary ``open`` would give them (0666 less the umask).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from taskgeom.errors import CheckpointError
+from taskgeom.errors import CheckpointError, EnvironmentRefused, RunLockedError
 
 CHECKPOINT_FORMAT = "taskgeom-checkpoint-1"
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary file beside ``path``, then rename over it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux shows it (/proc/self/status)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (not atomic, but only where /proc is missing)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode ``open`` gives a new file: 0666 less the umask."""
+    return 0o666 & ~current_umask()
+
+
+def temp_path(path: Path) -> Path:
+    """A new, uniquely named empty file beside ``path`` (``.NAME.XXXXXXXX.tmp``) with the mode of
+    ``file_mode``; the caller writes it and renames it over ``path``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        os.fchmod(fd, file_mode())
+    finally:
+        os.close(fd)
+    return Path(tmp)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a uniquely named temporary file beside ``path``, then rename over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        tmp.write_text(text)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -39,9 +76,14 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, s
     """Atomic safetensors write with string metadata (``format`` added)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata={"format": CHECKPOINT_FORMAT, **meta})
-    os.replace(tmp, path)
+    tmp = temp_path(path)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata={"format": CHECKPOINT_FORMAT, **meta})
+        os.chmod(tmp, file_mode())  # save_file makes the file anew (mode 0600)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_tensors(path: Path, digest: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -73,3 +115,58 @@ def load_module_state(module: torch.nn.Module, tensors: dict[str, torch.Tensor],
         if value.shape != expected[key].shape:
             raise CheckpointError(f"checkpoint {path}: {key} has shape {tuple(value.shape)}, the model expects {tuple(expected[key].shape)}")
     module.load_state_dict(state)
+
+
+def meta_int(meta: dict[str, str], key: str, path: Path, low: int, high: int, remedy: str) -> int:
+    """The integer ``meta[key]`` of checkpoint ``path``, within ``low..high``; else CheckpointError
+    naming the value, the allowed range and ``remedy``."""
+    raw = meta.get(key)
+    try:
+        value = int(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not low <= value <= high:
+        found = "is missing" if raw is None else f"is {raw!r}"
+        raise CheckpointError(f"checkpoint {path}: metadata {key!r} {found}, expected an integer in {low}..{high}; {remedy}")
+    return value
+
+
+def meta_float(meta: dict[str, str], key: str, path: Path, remedy: str) -> float:
+    """The finite float ``meta[key]`` of checkpoint ``path``; else CheckpointError with ``remedy``."""
+    raw = meta.get(key)
+    try:
+        value = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value):
+        found = "is missing" if raw is None else f"is {raw!r}"
+        raise CheckpointError(f"checkpoint {path}: metadata {key!r} {found}, expected a finite number; {remedy}")
+    return value
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive OS lock (flock) on the file ``path`` for the ``with`` block, writing this
+    process id into it. Never waits: if another process holds it, RunLockedError naming ``what``,
+    the lock file and the holder's process id. The kernel releases the lock when the process
+    ends, however it ends, so a lock file left by a killed process does not block. The file is
+    kept (removing it would let two processes lock two different files of one name)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as err:
+        raise EnvironmentRefused(f"cannot open the lock file {path}: {err.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise EnvironmentRefused(f"cannot lock {path}: {err.strerror}") from None
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            raise RunLockedError(f"{what} is being written by another process (pid {holder}, holding the lock {path}); "
+                                 "wait for it to finish, or stop it") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

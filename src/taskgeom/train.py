@@ -6,21 +6,31 @@ running loss sums, so a resumed run ends bitwise equal to one never interrupted 
 CUDA, some kernels are not deterministic: equal within float tolerance). Batches are made on the
 CPU and copied to the training device; ``train.precision: bf16`` runs the forward pass under
 bfloat16 autocast (weights, optimiser and evaluation stay float32).
+
+One process trains a run at a time: ``train`` holds the run's lock (``Run.writer``) from before it
+reads the checkpoint until the model is written. Divergence is an outcome, not a crash: a
+non-finite training loss, or a non-finite held-out loss at an evaluation, stops training before
+anything of that step is written, marks the run diverged in run.json (``Run.status``), records it
+in the run index again and raises TrainingDiverged; a diverged run is not trained again.
+metrics.jsonl holds standard JSON only (a non-finite value of a reference metric is written as
+null).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Callable
+import math
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from taskgeom import runindex
 from taskgeom.devices import autocast, resolve_device
+from taskgeom.errors import CheckpointError, TrainingDiverged
 from taskgeom.evaluate import eval_sets, summary
 from taskgeom.runs import Run
-from taskgeom.storage import atomic_write_text, load_module_state, load_tensors, save_tensors
+from taskgeom.storage import atomic_write_text, load_module_state, load_tensors, meta_float, meta_int, save_tensors
 from taskgeom.tasks import Batch, TaskFamily
 from taskgeom.trackers import Tracker, check_tracker, open_tracker
 
@@ -90,20 +100,66 @@ def train(run: Run, progress: ProgressFn | None = None, device: str = "auto", tr
     check_tracker(tracker)
     if run.config.train.threads:
         torch.set_num_threads(run.config.train.threads)
-    model, opt, start, loss_sum, loss_count = _restore(run, where)
-    _truncate_metrics(run, start)
-    runindex.record(run)
-    sink = open_tracker(tracker, run, start)
-    failed = True
-    try:
-        record = _steps(run, model, opt, where, start, loss_sum, loss_count, progress, sink)
-        failed = False
-    finally:
-        if sink is not None:
-            sink.close(failed)
-    save_tensors(run.model_path, model.state_dict(), {"config_digest": run.config.digest(), "step": str(run.config.train.steps)})
-    runindex.record(run)
+    with run.writer():  # RunLockedError if another process trains this run
+        if run.finished:  # it finished while we waited to look
+            return run.metrics()[-1]
+        diverged = run.diverged
+        if diverged is not None:  # the same config would meet the same loss again
+            raise TrainingDiverged(_diverged_message(run, **diverged, again=True))
+        model, opt, start, loss_sum, loss_count = _restore(run, where)
+        _truncate_metrics(run, start)
+        runindex.record(run)
+        sink = open_tracker(tracker, run, start)
+        failed = True
+        try:
+            record = _steps(run, model, opt, where, start, loss_sum, loss_count, progress, sink)
+            failed = False
+        except _Diverged as stop:
+            run.mark_diverged(stop.step, stop.metric, stop.value)
+            runindex.record(run)
+            raise TrainingDiverged(_diverged_message(run, stop.step, stop.metric, stop.value)) from None
+        finally:
+            if sink is not None:
+                sink.close(failed)
+        save_tensors(run.model_path, model.state_dict(), {"config_digest": run.config.digest(), "step": str(run.config.train.steps)})
+        runindex.record(run)
     return record or run.metrics()[-1]
+
+
+class _Diverged(Exception):
+    """Raised inside the loop at the first non-finite loss; ``train`` turns it into TrainingDiverged."""
+
+    def __init__(self, step: int, metric: str, value: float):
+        super().__init__(step, metric, value)
+        self.step, self.metric, self.value = step, metric, value
+
+
+def _diverged_message(run: Run, step: Any, metric: str, value: Any, again: bool = False) -> str:
+    cfg = run.config.train
+    head = f"run {run.path} diverged at step {step} of {cfg.steps}: {metric} is {value}"
+    if again:
+        return f"{head} (recorded in run.json), so it is not trained again: lower train.lr (now {cfg.lr:g}) for a new run, or delete the run directory to retry"
+    return f"{head}; stopped and marked diverged in run.json: lower train.lr (now {cfg.lr:g}) or lengthen train.warmup_frac"
+
+
+def _first_nonfinite(evaluation: dict[str, dict[str, float]]) -> tuple[str, float] | None:
+    """(metric, value) of the first held-out model loss that is not finite (metric named by its
+    place in a metrics.jsonl record, e.g. ``eval.major.loss``), else None."""
+    for name, values in evaluation.items():
+        if not math.isfinite(values["loss"]):
+            return f"eval.{name}.loss", values["loss"]
+    return None
+
+
+def _standard_json(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (standard JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _standard_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_standard_json(v) for v in value]
+    return value
 
 
 def _restore(run: Run, where: torch.device) -> tuple[torch.nn.Module, torch.optim.AdamW, int, float, int]:
@@ -113,10 +169,18 @@ def _restore(run: Run, where: torch.device) -> tuple[torch.nn.Module, torch.opti
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay)
     if not run.checkpoint_path.exists():
         return model, opt, 0, 0.0, 0
-    tensors, meta = load_tensors(run.checkpoint_path, run.config.digest())
-    load_module_state(model, tensors, run.checkpoint_path, prefix="model.")
+    path = run.checkpoint_path
+    restart = f"delete {path} to train the run from scratch"
+    try:
+        tensors, meta = load_tensors(path, run.config.digest())
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}; {restart}") from None
+    step = meta_int(meta, "step", path, 0, cfg.steps, restart)
+    loss_count = meta_int(meta, "loss_count", path, 0, cfg.steps, restart)
+    loss_sum = meta_float(meta, "loss_sum", path, restart)
+    load_module_state(model, tensors, path, prefix="model.")
     _load_optimizer(opt, tensors)
-    return model, opt, int(meta["step"]), float(meta["loss_sum"]), int(meta["loss_count"])
+    return model, opt, step, loss_sum, loss_count
 
 
 def _steps(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, where: torch.device, start: int, loss_sum: float,
@@ -133,12 +197,17 @@ def _steps(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, where: 
             group["lr"] = lr
         batch = family.sample(pool, cfg.batch_size, run.config.task.seq_len, cfg.seed, step, "train")
         loss_value = train_step(model, opt, family, batch, where, cfg.precision, cfg.grad_clip)
-        loss_sum, loss_count = loss_sum + loss_value, loss_count + 1
         done = step + 1
+        if not math.isfinite(loss_value):
+            raise _Diverged(done, "train_loss", loss_value)
+        loss_sum, loss_count = loss_sum + loss_value, loss_count + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
             record = {"step": done, "lr": lr, "train_loss": loss_sum / loss_count, "eval": summary(model, sets), "device": str(where)}
+            bad = _first_nonfinite(record["eval"])
+            if bad is not None:
+                raise _Diverged(done, *bad)
             with run.metrics_path.open("a") as handle:
-                handle.write(json.dumps(record, sort_keys=True) + "\n")
+                handle.write(json.dumps(_standard_json(record), sort_keys=True, allow_nan=False) + "\n")
             if tracker is not None:
                 tracker.log(record)
             loss_sum, loss_count = 0.0, 0
