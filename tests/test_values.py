@@ -1,0 +1,294 @@
+"""Quantities that had no test against an independent value: P3's per-position and per-quarter
+medians, the predictor-transition statistic, the Theorem-2 quantities, the E4 claims and the exit
+codes of ``reproduce``. Each is computed here by hand (plain loops, numpy, closed forms) on a
+planted case and compared with what the package measures."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import taskgeom.experiments
+from taskgeom.analysis.properties import KL_FLOOR
+from taskgeom.analysis.retrieval import _alignment_rows
+from taskgeom.analysis.task_vectors import late_window
+from taskgeom.analysis.theory import theorem2
+from taskgeom.analysis.transition import transition_statistic
+from taskgeom.cli import app
+from taskgeom.claims import check
+from taskgeom.errors import EnvironmentRefused, TaskgeomError, TrainingDiverged
+from taskgeom.experiments.base import Context
+from taskgeom.tasks import TaskPool, make
+
+# ---------------------------------------------------------------- P3: medians per position and per quarter
+
+
+def _planted_alignment(N: int = 5, T: int = 12, K: int = 3):
+    """beta, alpha: [N, T, K] Dirichlet draws; alpha uncertain at positions 0..7 and one-hot on the
+    sequence's task from 8 on; TV grows with the position, so a wrong span changes every median."""
+    gen = torch.Generator().manual_seed(7)
+    task = torch.tensor([0, 1, 2, 0, 1])[:N]
+    gamma = torch._standard_gamma(torch.full((N, T, K), 2.0, dtype=torch.float64), gen)
+    alpha = gamma / gamma.sum(-1, keepdim=True)
+    alpha[:, :8] = 0.6 * alpha[:, :8] + 0.4 / K  # max below 0.99
+    alpha[:, 8:] = torch.nn.functional.one_hot(task, K).double()[:, None]
+    noise = torch._standard_gamma(torch.ones(N, T, K, dtype=torch.float64), gen)
+    weight = torch.linspace(0.05, 0.9, T, dtype=torch.float64)[None, :, None]
+    beta = (1 - weight) * alpha + weight * noise / noise.sum(-1, keepdim=True)
+    return beta, alpha, task
+
+
+def test_p3_rows_are_medians_and_quartiles_over_the_stated_positions_and_sequences():
+    beta, alpha, task = _planted_alignment()
+    N, T, K = beta.shape
+    window = late_window(T)
+    assert (window.start, window.stop) == (9, 12)
+    rows, shrink = _alignment_rows("e1", (1, "resid_mid"), beta.float(), alpha, task, window)
+    b, al = beta.float().double().numpy(), alpha.numpy()
+    tv = np.array([[0.5 * sum(abs(b[n, t, k] - al[n, t, k]) for k in range(K)) for t in range(T)] for n in range(N)])
+    smooth = (b + KL_FLOOR / K) / (1 + KL_FLOOR)
+    kl = np.array([[sum(al[n, t, k] * math.log(al[n, t, k] / smooth[n, t, k]) for k in range(K) if al[n, t, k] > 0)
+                    for t in range(T)] for n in range(N)])
+    got = {(r["metric"], r["position"], r["task"]): r for r in rows}
+    for metric, values in (("p3.tv", tv), ("p3.kl", kl)):
+        for t in range(T):
+            for k in (None, 0, 1, 2):
+                chosen = values[:, t] if k is None else values[task.numpy() == k, t]
+                med, low, high = np.percentile(chosen, [50, 25, 75])
+                row = got[(metric, t, k)]
+                assert row["value"] == pytest.approx(med, rel=1e-9, abs=1e-12), (metric, t, k)
+                assert row["band"] == pytest.approx([low, high], rel=1e-9, abs=1e-12), (metric, t, k)
+        for part, span in (("first_quarter", range(0, 3)), ("last_quarter", range(9, 12))):
+            flat = values[:, list(span)].reshape(-1)
+            med, low, high = np.percentile(flat, [50, 25, 75])
+            row = got[(f"{metric}_{part}", None, None)]
+            assert row["value"] == pytest.approx(med, rel=1e-9), (metric, part)
+            assert row["band"] == pytest.approx([low, high], rel=1e-9), (metric, part)
+    assert got[("p3.tv_last_quarter", None, None)]["value"] > got[("p3.tv_first_quarter", None, None)]["value"]
+    # P3.shrinks: 8 uncertain positions (0..7), quarters of 2
+    assert got[("p3.uncertain_positions", None, None)]["value"] == 8 and shrink.positions == list(range(8))
+    assert got[("p3.tv_first_uncertain", None, None)]["value"] == pytest.approx(tv[:, [0, 1]].mean(), rel=1e-9)
+    assert got[("p3.tv_last_uncertain", None, None)]["value"] == pytest.approx(tv[:, [6, 7]].mean(), rel=1e-9)
+    assert all((r["experiment"], r["batch"], r["layer"], r["site"]) == ("e1", "measure", 1, "resid_mid") for r in rows)
+    assert len(rows) == 2 * (4 * T + 2) + 3
+
+
+# ---------------------------------------------------------------- the predictor transition
+
+
+class FixedLogits(torch.nn.Module):
+    """A "model" whose output does not depend on its input."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.logits
+
+
+def test_transition_statistic_on_a_case_computed_by_hand():
+    """Dice with two faces: majors A, B and one minor C (p_minor = 0.1). Memorising: Bayes over
+    {A, B, C}; generalising: Bayes over {A, B, a new task with the uniform Beta prior}, whose
+    evidence and prediction follow Laplace's rule. KL(reference || model), averaged over the
+    sequences and the positions that have a next token."""
+    params = [[0.8, 0.2], [0.3, 0.7], [0.5, 0.5]]
+    weights = [0.45, 0.45, 0.1]
+    pool = TaskPool(torch.tensor(params, dtype=torch.float64), torch.tensor(weights, dtype=torch.float64), n_major=2)
+    family = make("dice", vocab_size=2, alpha=1.0)
+    tokens = torch.tensor([[0, 0, 1, 0], [1, 1, 1, 0]])
+    logits = torch.randn(2, 4, 2, generator=torch.Generator().manual_seed(0))
+    model = torch.softmax(logits.double(), -1).tolist()
+
+    def mixture(components: list[tuple[float, list[float]]]) -> list[float]:
+        total = sum(w for w, _ in components)
+        return [sum(w * p[v] for w, p in components) / total for v in range(2)]
+
+    to_mem, to_gen = [], []
+    for b, seq in enumerate(tokens.tolist()):
+        for t in range(3):  # positions 0..T-2
+            seen = seq[: t + 1]
+            like = [math.prod(params[k][x] for x in seen) for k in range(3)]
+            memorising = mixture([(weights[k] * like[k], params[k]) for k in range(3)])
+            evidence = math.prod((seen[:i].count(x) + 1) / (i + 2) for i, x in enumerate(seen))  # Laplace's rule, sequentially
+            laplace = [(seen.count(v) + 1) / (len(seen) + 2) for v in range(2)]
+            generalising = mixture([(0.45 * like[0], params[0]), (0.45 * like[1], params[1]), (0.1 * evidence, laplace)])
+            for reference, out in ((memorising, to_mem), (generalising, to_gen)):
+                out.append(sum(r * math.log(r / m) for r, m in zip(reference, model[b][t])))
+    kl_mem, kl_gen = sum(to_mem) / len(to_mem), sum(to_gen) / len(to_gen)
+    stat = transition_statistic(FixedLogits(logits), family, tokens, pool, p_new=0.1)
+    assert stat["kl_to_memorising"] == pytest.approx(kl_mem, rel=1e-6)
+    assert stat["kl_to_generalising"] == pytest.approx(kl_gen, rel=1e-6)
+    assert stat["log_ratio"] == pytest.approx(math.log(kl_mem / kl_gen), rel=1e-5, abs=1e-7)
+    assert abs(stat["log_ratio"]) > 1e-3  # the two predictors differ on this case
+
+    # a model that is the generalising predictor itself: KL 0 to it
+    exact = torch.tensor([[mixture([(0.45 * math.prod(params[k][x] for x in seq[: t + 1]), params[k]) for k in range(2)]
+                                   + [(0.1 * math.prod((seq[:i].count(x) + 1) / (i + 2) for i, x in enumerate(seq[: t + 1])),
+                                       [(seq[: t + 1].count(v) + 1) / (t + 3) for v in range(2)])])
+                           for t in range(4)] for seq in tokens.tolist()], dtype=torch.float64)
+    perfect = transition_statistic(FixedLogits(exact.log().float()), family, tokens, pool, p_new=0.1)
+    assert perfect["kl_to_generalising"] == pytest.approx(0.0, abs=1e-6)
+    assert perfect["log_ratio"] > 5
+
+
+# ---------------------------------------------------------------- Theorem 2 on a linear readout
+
+
+def test_theorem2_quantities_of_a_linear_isometric_readout():
+    """The readout h -> h @ W^T with W = Q + 1 b^T: its centred logits are Q h, where Q [4, 3] has
+    orthonormal columns summing to zero, so the readout is an isometry onto the centred logits
+    (L = 1). With S = span(e1) through mu and OOD-optimal CLR vectors Q z*: c = the distance of
+    z* - mu from span(e1), delta = |z* - h|, distance = the distance of h - mu from span(e1). The
+    prior predictions' CLR vectors are Q (+-2 e1), Q (+-1 e2): participation ratio (4 + 1)^2 / (16 + 1)."""
+    Q = torch.tensor([[1 / math.sqrt(2), 1 / math.sqrt(6), 1 / math.sqrt(12)],
+                      [-1 / math.sqrt(2), 1 / math.sqrt(6), 1 / math.sqrt(12)],
+                      [0.0, -2 / math.sqrt(6), 1 / math.sqrt(12)],
+                      [0.0, 0.0, -3 / math.sqrt(12)]])
+    assert torch.allclose(Q.T @ Q, torch.eye(3), atol=1e-6) and torch.allclose(Q.sum(0), torch.zeros(3), atol=1e-6)
+    W = Q + torch.ones(4, 1) * torch.tensor([[0.7, -1.3, 2.0]])
+    readout = lambda h: h @ W.T + 0.25  # noqa: E731
+    gen = torch.Generator().manual_seed(4)
+    N = 5
+    h, mu, z = (torch.randn(N, 3, generator=gen) for _ in range(3))
+    basis = torch.tensor([[1.0], [0.0], [0.0]])
+    ood_optimal = torch.softmax((z @ Q.T).double(), -1)
+    prior = torch.softmax(torch.tensor([[2.0, 0, 0], [-2.0, 0, 0], [0, 1.0, 0], [0, -1.0, 0]]) @ Q.T, -1).double()
+    result = theorem2(readout, h, mu, basis, readout(h), ood_optimal, prior)
+
+    off_s = lambda v: v[:, 1:].norm(dim=-1)  # noqa: E731  distance from span(e1)
+    c, delta, distance = off_s(z - mu), (z - h).norm(dim=-1), off_s(h - mu)
+    assert result["k_star"] == 1
+    assert result["d0"] == pytest.approx(25 / 17, rel=1e-5)
+    assert result["lipschitz"] == pytest.approx(1.0, rel=1e-5)
+    torch.testing.assert_close(result["c"], c, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(result["delta"], delta, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(result["distance"], distance, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(result["bound"], c - delta, atol=1e-4, rtol=1e-4)
+    assert (result["distance"] >= result["bound"] - 1e-4).all()  # the triangle inequality the theorem rests on
+
+    # doubling the readout's slope doubles L and every gap, and halves nothing else
+    steep = lambda v: 2 * readout(v)  # noqa: E731
+    doubled = theorem2(steep, h, mu, basis, steep(h), torch.softmax((2 * z @ Q.T).double(), -1), prior)
+    assert doubled["lipschitz"] == pytest.approx(2.0, rel=1e-5)
+    torch.testing.assert_close(doubled["c"], 2 * c, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(doubled["bound"], c - delta, atol=2e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- the E4 claims
+
+
+def _probe(site: str, layer: int, target: str, score: float, control: float, which: str = "pool") -> dict:
+    return {"set": which, "site": site, "layer": layer, "target": target, "metric": "accuracy", "score": score, "control": control}
+
+
+@pytest.mark.parametrize("e4_shares, status", [((0.3, 0.12), "pass"), ((0.3, 0.08), "fail")])
+def test_e4_claims_read_planted_shares_and_probes(tmp_path, monkeypatch, e4_shares, status):
+    """e4.P0_failure = E4's smallest share at resid_mid over layers and both groupings, divided by
+    the larger of E1's and E3's smallest at resid_mid; e4.prefix_probe = the smallest over targets
+    of the best layer's score minus control at resid_mid. resid_post holds numbers that would give
+    other answers."""
+    e4 = importlib.import_module("taskgeom.experiments.e4")
+    references = {"e1": {"resid_mid": [0.05, 0.02], "resid_post": [0.001, 0.5]},
+                  "e3": {"resid_mid": [0.04, 0.03], "resid_post": [0.3, 0.2]}}
+    token_due = [e4_shares[0], 0.5]
+    dyck = {"resid_mid": {"token_due": token_due, "last3_due": [0.25, e4_shares[1]], "token_late": [0.001, 0.001], "last3_late": [0.001, 0.001]},
+            "resid_post": {"token_due": [0.9, 0.9], "last3_due": [0.9, 0.9], "token_late": [0.9, 0.9], "last3_late": [0.9, 0.9]}}
+    trained_rows = {
+        "pool": [_probe("resid_mid", 0, "back_1", 0.9, 0.5), _probe("resid_mid", 1, "back_1", 0.7, 0.5),  # best gain 0.4
+                 _probe("resid_mid", 0, "depth", 0.2, 0.05), _probe("resid_mid", 1, "depth", 0.35, 0.1),  # best gain 0.25: the weakest
+                 _probe("resid_post", 1, "depth", 0.1, 0.1), _probe("resid_post", 0, "back_1", 0.5, 0.5)],
+        "ood": [_probe("resid_mid", 0, "back_1", 0.5, 0.5, "ood"), _probe("resid_mid", 0, "depth", 0.0, 0.0, "ood")],
+    }
+    untrained_rows = [_probe("resid_mid", 0, "back_1", 0.56, 0.5), _probe("resid_mid", 1, "back_1", 0.52, 0.5),
+                      _probe("resid_mid", 0, "depth", 0.03, 0.0), _probe("resid_mid", 1, "depth", 0.07, 0.01)]  # weakest: back_1, 0.06
+    trained, untrained = object(), object()
+    runs = {}
+
+    def fake_trained(self, recipe, overrides=()):
+        runs[(recipe, overrides)] = run = SimpleNamespace(recipe=recipe, config=SimpleNamespace(model=SimpleNamespace(n_layers=2)),
+                                                          load_model=lambda: trained, new_model=lambda: untrained)
+        return run
+
+    monkeypatch.setattr(Context, "trained", fake_trained)
+    monkeypatch.setattr(e4, "reference_p0", lambda run: references[run.recipe])
+    monkeypatch.setattr(e4, "dyck_p0", lambda run: dyck)
+    monkeypatch.setattr(e4, "prefix_probes", lambda run, model, which: trained_rows[which] if model is trained else
+                        untrained_rows if which == "pool" else [{**r, "set": "ood", "score": r["control"] + 0.5} for r in untrained_rows])
+    monkeypatch.setattr(e4, "plot_p0_comparison", lambda *a, **k: None)
+    monkeypatch.setattr(e4, "plot_prefix_probes", lambda *a, **k: None)
+
+    ctx = Context(tmp_path, "quick")
+    e4.e4(ctx)
+    claims = {c.id: c for c in ctx.claims}
+    assert list(claims) == ["e4.P0_failure", "e4.prefix_probe"]
+    p0 = claims["e4.P0_failure"]
+    assert p0.value == pytest.approx(e4_shares[1] / 0.03, rel=1e-12)
+    assert p0.parts == {"e4_smallest": e4_shares[1], "reference_smallest": 0.03}
+    assert (p0.threshold, p0.comparison, p0.status) == (e4.P0_FACTOR, ">=", status)
+    probe = claims["e4.prefix_probe"]
+    assert probe.value == pytest.approx(0.25, rel=1e-12) and probe.status == "pass"
+    assert probe.parts == {"score": 0.35, "control": 0.1, "target": "depth", "layer": 1, "untrained_gain": pytest.approx(0.06, rel=1e-9)}
+    assert (probe.threshold, probe.comparison) == (e4.PROBE_MARGIN, ">=")
+    assert set(runs) == {("e4", ("task.diversity=-1",)), ("e4", (f"task.diversity={e4.PROBE_DIVERSITY}",)),
+                         ("e1", ("task.diversity=-1",)), ("e3", ("task.diversity=-1",))}
+    written = json.loads((tmp_path / "analysis" / "e4.json").read_text())
+    assert written["p0"]["resid_mid"] == {"e1": [0.05, 0.02], "e3": [0.04, 0.03], **{f"e4_{k}": v for k, v in dyck["resid_mid"].items()}}
+    assert written["probes"] == trained_rows["pool"] and written["probes_ood"] == trained_rows["ood"]
+
+
+# ---------------------------------------------------------------- reproduce's exit codes
+
+
+def _raiser(error: Exception):
+    def experiment(ctx: Context) -> None:
+        ctx.claims.append(check("x.ok", "x", "a claim before the error", 1.0, ">=", 0.5, ctx.profile))
+        raise error
+
+    return experiment
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--profile", "huge"], "unknown profile 'huge'"),
+    (["--only", "e9"], "unknown experiments ['e9']"),
+    (["--executor", "dask"], "unknown executor 'dask'"),
+    (["--workers", "0"], "--workers must be at least 1"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+])
+def test_reproduce_exits_2_on_bad_input_before_writing(tmp_path, monkeypatch, options, message):
+    ran = []
+    monkeypatch.setattr(taskgeom.experiments, "EXPERIMENTS", {"fake": ran.append})
+    result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path / "out"), *options])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not ran and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("error, code", [
+    (TaskgeomError("recipe e1: task.seq_len must be positive"), 2),
+    (EnvironmentRefused("no space left on device: results/runs"), 3),
+    (TrainingDiverged("training diverged at step 7: the loss is nan"), 1),
+])
+def test_reproduce_exit_code_says_what_stopped_it(tmp_path, monkeypatch, error, code):
+    """The contract of issue 12: 2 bad input, 3 the environment refused, 1 the work ran and failed;
+    one line naming the problem, no traceback."""
+    monkeypatch.setattr(taskgeom.experiments, "EXPERIMENTS", {"fake": _raiser(error)})
+    result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), "--device", "cpu"])
+    assert result.exit_code == code, result.output
+    assert str(error) in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("statuses, code", [((), 0), (("pass",), 0), (("pass", "fail"), 1), (("fail", "fail"), 1)])
+def test_reproduce_exit_code_follows_the_claims(tmp_path, monkeypatch, statuses, code):
+    claims = [check(f"x.{i}", "x", "d", 1.0 if s == "pass" else 0.0, ">=", 0.5, "quick") for i, s in enumerate(statuses)]
+    monkeypatch.setattr(taskgeom.experiments, "EXPERIMENTS", {"fake": lambda ctx: ctx.claims.extend(claims)})
+    result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), "--device", "cpu"])
+    assert result.exit_code == code, result.output
+    assert [row["status"] for row in json.loads((tmp_path / "claims.json").read_text())] == list(statuses)
