@@ -45,9 +45,10 @@ def _connect(root: Path, rebuild_damaged: bool = False) -> sqlite3.Connection:
         if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
             raise sqlite3.DatabaseError("database disk image is malformed (quick_check)")
         columns = tuple(row[1] for row in db.execute("PRAGMA table_info(runs)"))
-    except sqlite3.DatabaseError:
+    except sqlite3.DatabaseError as err:
         db.close()
-        if not rebuild_damaged or not (root / INDEX_NAME).is_file():
+        # damaged is SQLITE_NOTADB or SQLITE_CORRUPT; an OperationalError (locked, unreadable) is not
+        if not rebuild_damaged or isinstance(err, sqlite3.OperationalError) or not (root / INDEX_NAME).is_file():
             raise
         (root / INDEX_NAME).unlink()
         return _connect(root)
