@@ -67,3 +67,107 @@ def test_later_settings_keep_old_run_names_at_their_default():
     assert set(LATER_VALUES) == set(LATER_SETTINGS)
     for (section, key), value in LATER_VALUES.items():
         assert build_config(BASE, [f"{section}.{key}={value}"]).digest() != build_config(BASE).digest()
+
+
+# ---- strict types, finite numbers, family constraints (issue 12) ---------------------------------
+@pytest.mark.parametrize("overrides,message", [
+    (["train.steps=true"], r"^config field 'train.steps': Input should be a valid integer \(got True\)$"),
+    (["train.steps=1.0"], r"^config field 'train.steps': Input should be a valid integer \(got 1.0\)$"),
+    (["task.diversity=false"], r"^config field 'task.diversity': Input should be a valid integer \(got False\)$"),
+    (["train.seed='3'"], r"^config field 'train.seed': Input should be a valid integer \(got '3'\)$"),
+    (["train.lr=.inf"], r"^config field 'train.lr': Input should be a finite number \(got inf\)$"),
+    (["train.lr=-.inf"], r"^config field 'train.lr': Input should be a finite number \(got -inf\)$"),
+    (["train.grad_clip=.nan"], r"^config field 'train.grad_clip': Input should be a finite number \(got nan\)$"),
+    (["train.weight_decay=true"], r"^config field 'train.weight_decay': Input should be a number, not a boolean \(got True\)$"),
+    (["task.vocab_size=2", "task.n_major=5"], r"^task.majors disjoint gives each major task faces of its own: task.n_major \(5\) must not "
+                                              r"exceed task.vocab_size \(2\); raise task.vocab_size or set task.majors=prior$"),
+    (["train.steps=[1"], r"^override 'train.steps=\[1': the value is not valid YAML \(.* at line 1, column 3\)$"),
+    (["train.steps=!!int 3"], r"^override 'train.steps=!!int 3': YAML tags \(!...\) are not allowed in a value"),
+    (["name=!!python/name:os.system"], r"YAML tags"),
+])
+def test_strict_values_are_refused_with_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(BASE, overrides)
+
+
+def test_plain_values_still_read_as_before():
+    cfg = build_config(BASE, ["train.lr=1e-3", "train.lr=2.5e-3", "train.weight_decay=0", "task.majors=prior", "task.vocab_size=2",
+                              "task.n_major=5", "train.steps=7"])
+    assert (cfg.train.lr, cfg.train.weight_decay, cfg.task.n_major, cfg.train.steps) == (2.5e-3, 0.0, 5, 7)
+    assert build_config(BASE, ["train.lr='1e-3'"]).train.lr == 1e-3  # YAML 1.1 reads 1e-3 as text; a number in text stays allowed
+
+
+@pytest.mark.parametrize("text,message", [
+    ("profiles: [quick]\n", r"'profiles' must be a mapping of profile names to settings, got a list$"),
+    ("profiles: {quick: 5}\n", r"profiles.quick must be a mapping of settings, got the int 5$"),
+    ("profiles: {quick: x}\n", r"profiles.quick must be a mapping of settings, got the str 'x'$"),
+    ("profiles: {quick: {}}\nbase2: 1\n", r"unknown top-level keys \['base2'\]"),
+    ("profiles: {quick: {}}\n1: 2\n", r"unknown top-level keys \[1\]"),
+    ("profiles: {quick: !!python/tuple [1]}\n", r"not valid YAML \(could not determine a constructor .* at line 2, column 19\)$"),
+])
+def test_malformed_recipes_are_one_line_errors(tmp_path, text, message):
+    path = tmp_path / "r.yaml"
+    path.write_text("base: {name: a, task: {family: dice}}\n" + text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(path)
+    assert "\n" not in str(info.value)
+
+
+def test_a_recipe_that_is_not_utf8(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_bytes(b"base: {name: caf\xe9, task: {family: dice}}\nprofiles: {quick: {}}\n")
+    with pytest.raises(ConfigError, match=r"r.yaml: not UTF-8 text \(byte 0xe9 at offset 16\); save the recipe as UTF-8$"):
+        load_config(path)
+
+
+# ---- memory estimates ----------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["dice", "markov", "dyck", "regression"])
+@pytest.mark.parametrize("arch", ["taskgeom", "taskgeom-learned", "gpt2", "llama"])
+def test_parameter_count_matches_the_built_model(family, arch):
+    from taskgeom.config import parameter_count
+    from taskgeom.runs import Run
+
+    if arch in ("gpt2", "llama"):
+        if family == "regression":
+            pytest.skip("the Hugging Face models read tokens")
+        pytest.importorskip("transformers")
+    model = {"n_layers": 2, "d_model": 32, "n_heads": 2, "d_mlp": 64, "max_len": 64}
+    model |= {"positions": "learned"} if arch == "taskgeom-learned" else {"arch": arch}
+    task = {"family": family} | ({} if family == "regression" else {"seq_len": 32})
+    cfg = build_config({"name": "x", "task": task, "model": model})
+    real = sum(p.numel() for p in Run("unused", cfg).new_model().parameters())
+    if arch.startswith("taskgeom"):
+        assert parameter_count(cfg) == real
+    else:
+        assert abs(parameter_count(cfg) / real - 1) < 0.03
+
+
+def test_training_memory_parts_and_the_refusal():
+    from taskgeom.config import MemoryRefused, check_training_memory, parameter_count, training_memory
+    from taskgeom.errors import EnvironmentRefused
+
+    cfg = build_config(BASE, ["train.batch_size=8", "train.eval_batch=16", "task.seq_len=32", "model.d_model=64", "model.d_mlp=256",
+                              "task.diversity=3"])
+    need = training_memory(cfg)
+    assert need["weights"] == 16 * parameter_count(cfg)
+    assert need["bayes"] == 3 * 8 * 16 * 32 * (3 + 8)  # three float64 [eval_batch, T, pool] tensors
+    assert need["activations"] == max(8 * 32 * (2 * 4 * (10 * 64 + 2 * 256) + 3 * 4 * 6), 16 * 32 * (4 * (10 * 64 + 2 * 256) + 2 * 8 * 6))
+    total = sum(need.values())
+    check_training_memory(cfg, total, "here")  # exactly enough
+    check_training_memory(cfg, None, "here")  # unknown: not checked
+    with pytest.raises(MemoryRefused, match=r"^training x \(.* parameters\) needs at least .* \(weights .*, activations .*, bayes .*\), "
+                                            r"more than the 1.0 KiB of memory available on here; reduce model.d_model") as info:
+        check_training_memory(cfg, 1024, "here")
+    assert isinstance(info.value, EnvironmentRefused)
+    with pytest.raises(MemoryRefused, match="bayes"):  # on a GPU the exact posterior is checked against the host
+        check_training_memory(cfg, total, "cuda:0", host=(need["bayes"] - 1, "this machine (cpu)"))
+
+
+def test_analysis_memory_grows_with_the_sequences():
+    from taskgeom.config import analysis_memory, format_bytes
+
+    cfg = build_config(BASE)
+    assert analysis_memory(cfg, 2000) - analysis_memory(cfg, 1000) == analysis_memory(cfg, 1000) - analysis_memory(cfg, 0) > 0
+    assert analysis_memory(load_recipe("e1", "quick"), 100_000_000) > 2**40  # the issue's input: terabytes
+    assert analysis_memory(load_recipe("e1", "paper"), 512) < 2**30  # the default stays well below a laptop's memory
+    assert [format_bytes(n) for n in (5, 1536, 3 * 2**30)] == ["5 bytes", "1.5 KiB", "3.0 GiB"]

@@ -1,5 +1,7 @@
-"""Validated run settings: pydantic models (unknown keys rejected), YAML recipes with profiles,
-and dotted command-line overrides (``train.steps=200``)."""
+"""Validated run settings: pydantic models (unknown keys rejected, counts strictly integers, real
+numbers finite), YAML recipes with profiles, dotted command-line overrides (``train.steps=200``),
+and the memory a config needs (``training_memory``, ``analysis_memory``), checked against the
+machine's before anything is written (``check_memory``)."""
 
 from __future__ import annotations
 
@@ -10,22 +12,42 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from taskgeom.errors import TaskgeomError
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+from taskgeom.errors import EnvironmentRefused, TaskgeomError
 
 
 class ConfigError(TaskgeomError, ValueError):
     """A configuration that cannot be run; the message names the field and what is allowed."""
 
 
+class MemoryRefused(EnvironmentRefused):
+    """A config that needs more memory than the machine has (exit code 3); the message gives the estimate."""
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise PydanticCustomError("float_type", "Input should be a number, not a boolean")
+    return value
+
+
+# Counts are integers in the YAML sense only: true, 1.0 and "3" are refused (pydantic would read them as 1, 1, 3).
+Int = Annotated[int, Strict()]
+PositiveInt = Annotated[int, Strict(), Field(gt=0)]
+# Real numbers: finite (the models below set allow_inf_nan=False) and never a boolean.
+Real = Annotated[float, BeforeValidator(_not_bool)]
+PositiveFloat = Annotated[float, BeforeValidator(_not_bool), Field(gt=0)]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class _TaskBase(_Strict):
     n_major: PositiveInt = 3
-    diversity: int = Field(-1, ge=-1, le=20, description="k: 2**k minor tasks; -1 means majors only")
-    p_minor: float = Field(0.1, ge=0.0, lt=1.0)
+    diversity: Int = Field(-1, ge=-1, le=20, description="k: 2**k minor tasks; -1 means majors only")
+    p_minor: Real = Field(0.1, ge=0.0, lt=1.0)
 
 
 class _TokenTaskBase(_TaskBase):
@@ -34,23 +56,30 @@ class _TokenTaskBase(_TaskBase):
 
 class DiceConfig(_TokenTaskBase):
     family: Literal["dice"] = "dice"
-    vocab_size: int = Field(6, ge=2)
+    vocab_size: Int = Field(6, ge=2)
     alpha: PositiveFloat = 1.0
     majors: Literal["prior", "disjoint"] = "disjoint"
-    floor: float = Field(0.02, ge=0.0)
+    floor: Real = Field(0.02, ge=0.0)
+
+    @model_validator(mode="after")
+    def _disjoint_majors_have_faces(self) -> "DiceConfig":
+        if self.majors == "disjoint" and self.n_major > self.vocab_size:
+            raise ValueError(f"task.majors disjoint gives each major task faces of its own: task.n_major ({self.n_major}) "
+                             f"must not exceed task.vocab_size ({self.vocab_size}); raise task.vocab_size or set task.majors=prior")
+        return self
 
 
 class MarkovConfig(_TokenTaskBase):
     family: Literal["markov"] = "markov"
-    vocab_size: int = Field(8, ge=2)
+    vocab_size: Int = Field(8, ge=2)
     alpha: PositiveFloat = 1.0
 
 
 class DyckConfig(_TokenTaskBase):
     family: Literal["dyck"] = "dyck"
-    n_noise: int = Field(7, ge=1)
+    n_noise: Int = Field(7, ge=1)
     n_pairs: PositiveInt = 10
-    p_bracket: float = Field(0.25, gt=0.0, lt=1.0)
+    p_bracket: Real = Field(0.25, gt=0.0, lt=1.0)
 
 
 class RegressionConfig(_TaskBase):
@@ -110,15 +139,15 @@ class TrainConfig(_Strict):
     steps: PositiveInt = 1500
     batch_size: PositiveInt = 64
     lr: PositiveFloat = 4e-4
-    weight_decay: float = Field(4e-4, ge=0.0)
-    warmup_frac: float = Field(0.5, ge=0.0, le=1.0, description="share of steps in linear warm-up")
+    weight_decay: Real = Field(4e-4, ge=0.0)
+    warmup_frac: Real = Field(0.5, ge=0.0, le=1.0, description="share of steps in linear warm-up")
     grad_clip: PositiveFloat = 1.0
-    seed: int = 0
+    seed: Int = 0
     eval_every: PositiveInt = 250
     eval_batch: PositiveInt = 256
     checkpoint_every: PositiveInt = 250
-    threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
-    snapshots: int = Field(0, ge=0, description="weights kept at this many log-spaced steps (snapshots/)")
+    threads: Int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
+    snapshots: Int = Field(0, ge=0, description="weights kept at this many log-spaced steps (snapshots/)")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: forward passes under bfloat16 autocast")
 
 
@@ -160,11 +189,23 @@ class RunConfig(_Strict):
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """``"train.steps=200"`` -> (["train", "steps"], 200); the value is read as YAML."""
+    """``"train.steps=200"`` -> (["train", "steps"], 200); the value is read as plain YAML (no tags)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     key, value = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(value)
+    try:
+        if any(isinstance(token, yaml.TagToken) for token in yaml.scan(value)):
+            raise ConfigError(f"override {text!r}: YAML tags (!...) are not allowed in a value; write the plain value")
+        return key.strip().split("."), yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({yaml_problem(err)})") from None
+
+
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """One line for a YAML error: what is wrong and where (line and column, counted from 1)."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    mark = getattr(err, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def merge(base: dict, update: dict) -> dict:
@@ -198,18 +239,34 @@ def load_config(path: str | Path, profile: str = "quick", overrides: list[str] =
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        recipe = yaml.safe_load(path.read_text())
+        recipe = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); save the recipe as UTF-8") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({err})") from None
+        raise ConfigError(f"{path}: not valid YAML ({yaml_problem(err)})") from None
     if not isinstance(recipe, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     unknown = set(recipe) - {"base", "profiles"}
     if unknown:
-        raise ConfigError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: base, profiles")
-    profiles = recipe.get("profiles") or {}
+        raise ConfigError(f"{path}: unknown top-level keys {sorted(unknown, key=str)}; allowed: base, profiles")
+    base, profiles = recipe.get("base") or {}, recipe.get("profiles") or {}
+    if not isinstance(base, dict):
+        raise ConfigError(f"{path}: 'base' must be a mapping of settings, got {_kind(base)}")
+    if not isinstance(profiles, dict):
+        raise ConfigError(f"{path}: 'profiles' must be a mapping of profile names to settings, got {_kind(profiles)}")
     if profile not in profiles:
-        raise ConfigError(f"{path}: unknown profile {profile!r}; available: {sorted(profiles)}")
-    return build_config(merge(recipe.get("base") or {}, profiles[profile] or {}), overrides)
+        raise ConfigError(f"{path}: unknown profile {profile!r}; available: {sorted(map(str, profiles))}")
+    settings = profiles[profile] or {}
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{path}: profiles.{profile} must be a mapping of settings, got {_kind(settings)}")
+    return build_config(merge(base, settings), overrides)
+
+
+def _kind(value: Any) -> str:
+    """``a list``, ``the int 5``: how a wrong YAML value is named in a message."""
+    if isinstance(value, list):
+        return "a list"
+    return f"the {type(value).__name__} {value!r}"[:80]
 
 
 def _describe(err: ValidationError) -> str:
@@ -223,3 +280,92 @@ def _describe(err: ValidationError) -> str:
         else:
             lines.append(f"config field {where!r}: {item['msg']} (got {item.get('input')!r})")
     return "; ".join(lines)
+
+
+# ---- memory: what a config needs, checked against the machine before anything is written --------
+def _io_widths(task: TaskConfig) -> tuple[int, int]:
+    """(input width, output width) of the model for ``task``: the vocabulary of a token family; x_t
+    and y_t features in, one prediction out for regression."""
+    if isinstance(task, RegressionConfig):
+        return task.d + 2, 1
+    vocab = task.n_noise + 2 if isinstance(task, DyckConfig) else task.vocab_size
+    return vocab, vocab
+
+
+def parameter_count(config: RunConfig) -> int:
+    """Parameters of the model of ``config``: exact for ours; within a few per cent for the Hugging
+    Face ones (llama's gated MLP counted with three matrices, gpt2's biases left out)."""
+    m, (n_in, n_out) = config.model, _io_widths(config.task)
+    mlp_mats = 3 if m.arch == "llama" else 2
+    per_layer = 4 * m.d_model * m.d_model + mlp_mats * m.d_model * m.d_mlp + m.d_mlp + 5 * m.d_model
+    positions = m.max_len * m.d_model if m.positions == "learned" else 0
+    embed = n_in * m.d_model + (m.d_model if isinstance(config.task, RegressionConfig) else 0)  # a Linear (with bias) for vectors
+    return embed + positions + m.n_layers * per_layer + 2 * m.d_model + m.d_model * n_out
+
+
+def _pool_size(task: TaskConfig) -> int:
+    return task.n_major + (0 if task.diversity == -1 else 2 ** task.diversity)
+
+
+def training_memory(config: RunConfig) -> dict[str, int]:
+    """Bytes training ``config`` needs at least (a lower bound), by part: ``weights`` (fp32 parameters, gradients
+    and AdamW's two moments: 16 bytes a parameter), ``activations`` (those the backward pass of one
+    batch keeps, or one evaluation forward pass, whichever is larger) and ``bayes`` (the exact
+    posterior over the task pool of an evaluation batch, float64)."""
+    m, t, (_, n_out) = config.model, config.train, _io_widths(config.task)
+    T = config.task.seq_len
+    # per token and layer, fp32: residual, norms, q/k/v, attention output (~10 d_model) and the
+    # MLP's two hidden tensors (attention scores left out: fused attention need not keep them)
+    kept = 4 * (10 * m.d_model + 2 * m.d_mlp)
+    train = t.batch_size * T * (m.n_layers * kept + 3 * 4 * n_out)
+    evaluate = t.eval_batch * T * (kept + 2 * 8 * n_out)  # no grad: one layer at a time, float64 log-probs
+    bayes = 3 * 8 * t.eval_batch * T * _pool_size(config.task)  # log-likelihoods, their cumulative sum, the posterior
+    return {"weights": 16 * parameter_count(config), "activations": max(train, evaluate), "bayes": bayes}
+
+
+def analysis_memory(config: RunConfig, n_sequences: int) -> int:
+    """Bytes the M1 analysis of ``n_sequences`` sequences per batch needs at least: fp32 weights;
+    tokens (int64) and the exact posterior over the majors (float64) of the selection and measurement
+    batches; one streamed forward pass over all sequences (attention and MLP of one layer, logits);
+    the states of the measured sites with their float64 copies for the fits. A lower bound: steering
+    and the fits' own work come on top."""
+    m, (n_in, n_out) = config.model, _io_widths(config.task)
+    T, K, sites = config.task.seq_len, config.task.n_major, 2
+    per_token = (2 * 8 * (1 + K if not isinstance(config.task, RegressionConfig) else n_in + K)
+                 + 4 * (m.d_mlp + 4 * m.d_model + n_out)
+                 + sites * m.d_model * (4 + 2 * 8))
+    return 4 * parameter_count(config) + n_sequences * T * per_token
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_memory(needed: int | dict[str, int], available: int | None, where: str, what: str, advice: str) -> None:
+    """MemoryRefused (exit code 3) when ``needed`` bytes (a total, or parts that add up to it) exceed
+    the ``available`` bytes of ``where`` (None: unknown, nothing is checked); ``what`` names the work,
+    ``advice`` the settings to reduce."""
+    total = sum(needed.values()) if isinstance(needed, dict) else needed
+    if available is None or total <= available:
+        return
+    parts = f" ({', '.join(f'{name} {format_bytes(size)}' for name, size in needed.items())})" if isinstance(needed, dict) else ""
+    raise MemoryRefused(f"{what} needs at least {format_bytes(total)}{parts}, more than the {format_bytes(available)} of memory "
+                        f"available on {where}; {advice}")
+
+
+def check_training_memory(config: RunConfig, available: int | None, where: str, host: tuple[int | None, str] | None = None) -> None:
+    """Refuse ``config`` (before its run directory is made) when training it cannot fit in the
+    ``available`` bytes of ``where``. ``host``: (bytes, name) of the CPU memory when the model is on
+    a GPU; the exact posterior, computed on the CPU, is checked against it."""
+    need = training_memory(config)
+    what = f"training {config.name} ({parameter_count(config):.3g} parameters)"
+    advice = "reduce model.d_model, model.d_mlp, model.n_layers, task.seq_len, train.batch_size, train.eval_batch or task.diversity"
+    if host is None:
+        check_memory(need, available, where, what, advice)
+    else:
+        check_memory({"bayes": need.pop("bayes")}, host[0], host[1], what, advice)
+        check_memory(need, available, where, what, advice)

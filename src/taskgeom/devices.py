@@ -7,6 +7,7 @@ from it only by floating-point arithmetic.
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager
 
 import torch
@@ -51,3 +52,30 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes of memory free for new work on ``device``: CUDA's free memory, or on the CPU
+    MemAvailable of /proc/meminfo (else the physical memory, from os.sysconf); None if unknown."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def describe(device: torch.device) -> str:
+    """``this machine (cpu)`` or ``cuda:0 (NVIDIA H200)``: where memory is checked, in words."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+    return "this machine (cpu)"
