@@ -330,3 +330,21 @@ def test_an_odd_run_json_is_a_run_dir_error(finished, content):
     (finished.path / "run.json").write_bytes(content)
     with pytest.raises(RunDirError, match="run.json"):
         Run.open(finished.path)
+
+
+def test_eval_json_is_standard_json_when_a_reference_is_not_finite(finished, monkeypatch):
+    from taskgeom import evaluate
+
+    real = evaluate.per_position
+
+    def with_nan_reference(model, evalset):
+        rows = real(model, evalset)
+        rows["bayes_ood_loss"][0] = math.nan
+        return rows
+
+    monkeypatch.setattr(evaluate, "per_position", with_nan_reference)
+    rows = evaluate.evaluate_run(finished)
+    on_disk = _strict_json((finished.path / "analysis" / "eval.json").read_text())
+    assert on_disk == rows
+    assert [r["position"] for r in rows if r["value"] is None] == [0, 0]  # major and ood
+    assert all(math.isfinite(r["value"]) for r in rows if r["value"] is not None)
