@@ -13,7 +13,9 @@ import fcntl
 import json
 import math
 import os
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -162,11 +164,25 @@ def exclusive_lock(path: Path, what: str) -> Iterator[None]:
         except OSError as err:
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise EnvironmentRefused(f"cannot lock {path}: {err.strerror}") from None
-            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-            raise RunLockedError(f"{what} is being written by another process (pid {holder}, holding the lock {path}); "
+            raise RunLockedError(f"{what} is being written by another process ({_holder(fd)}, holding the lock {path}); "
                                  "wait for it to finish, or stop it") from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _holder(fd: int) -> str:
+    """'pid N on host H' from a lock file another process holds. The holder writes its id just
+    after taking the lock, so an empty file, or one still naming the previous holder (this
+    process, when it made the run directory), is read again for up to 0.2 s."""
+    mine = f"{os.getpid()} {socket.gethostname()}"
+    text = ""
+    for _ in range(20):
+        text = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
+        if text and text != mine:
+            break
+        time.sleep(0.01)
+    pid, _, host = text.partition(" ")
+    return f"pid {pid or 'unknown'}" + (f" on host {host}" if host else "")
