@@ -120,8 +120,9 @@ def summarise(run: Run) -> dict:
 
 
 def scan(root: Path) -> tuple[list[dict], list[str]]:
-    """The index rows of every readable run directory under ``root``, and 'WHAT: REASON' for each
-    directory left out and each metrics line read around. Writes nothing."""
+    """The index rows of every readable run directory under ``root``, and one line for each thing
+    left out: 'RUN_DIR: reason' for a directory, 'METRICS line N (reason); ...' for a metrics line
+    read around. Writes nothing; TaskgeomError if ``root`` is not a folder."""
     root = Path(root)
     if not root.is_dir():
         raise TaskgeomError(f"{root} is not a folder of runs")
@@ -201,8 +202,8 @@ def _filters(where: list[str]) -> tuple[str, list[str]]:
 
 def list_runs(root: Path, where: list[str] = ()) -> tuple[pd.DataFrame, list[str]]:
     """The runs under ``root`` matching every ``field=value`` in ``where`` (fields: the columns, or
-    ``k`` for diversity), read from their directories, and 'WHAT: REASON' for each thing left out
-    (a run directory, a metrics line, the index write). The index is rewritten to match when it
+    ``k`` for diversity), read from their directories, and one line for each thing left out (a
+    run directory, a metrics line, the index write: ``scan``'s lines and ``_store``'s). The index is rewritten to match when it
     can be; the table never depends on it."""
     clause, values = _filters(list(where))
     rows, problems = scan(root)
@@ -220,8 +221,8 @@ def list_runs(root: Path, where: list[str] = ()) -> tuple[pd.DataFrame, list[str
 
 def refresh(root: Path) -> list[str]:
     """Re-read every run directory under ``root`` into the index (rebuilt if damaged, left alone
-    if it cannot be written); returns 'WHAT: REASON' for each run directory, metrics line or index
-    write that had to be left out."""
+    if it cannot be written); returns one line for each run directory, metrics line or index
+    write that had to be left out (as ``list_runs``)."""
     rows, problems = scan(root)
     note = _store(Path(root), rows)
     return problems + ([note] if note else [])
