@@ -1,23 +1,96 @@
-"""The ``taskgeom`` command line. Errors in the input print one line and exit with code 2."""
+"""The ``taskgeom`` command line.
+
+Every command shares one error contract (``ContractGroup``), documented in the README: exit 0 done;
+1 the work ran and some claims or runs failed (or training diverged); 2 bad input (config, recipe,
+paths, run directories, checkpoints); 3 the environment refused (permissions, a full disk, memory,
+an unreachable Ray cluster); 4 a bug in taskgeom. An error prints one line on stderr naming the
+file or field; ``--debug`` (or TASKGEOM_DEBUG=1) adds the traceback.
+"""
 
 from __future__ import annotations
 
-import functools
+import errno
+import os
+import traceback
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import pandas as pd
 import typer
+from typer.core import TyperGroup
+from typer.exceptions import TyperException
 
-from taskgeom.errors import TaskgeomError
+from taskgeom.errors import EnvironmentRefused, TaskgeomError, TrainingDiverged
+
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_BUG = 1, 2, 3, 4
+
+# OSError numbers that mean a path given was wrong (exit 2); every other OSError is the environment refusing (exit 3).
+_PATH_ERRNOS = {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENOENT, errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTEMPTY}
+_DEBUG_ENV = "TASKGEOM_DEBUG"
+
+
+def classify(err: BaseException) -> tuple[int, str]:
+    """(exit code, message) for an exception that ended a command; see the module docstring."""
+    if isinstance(err, TrainingDiverged):
+        return EXIT_FAILED, str(err)
+    if isinstance(err, EnvironmentRefused):
+        return EXIT_REFUSED, str(err)
+    if isinstance(err, TaskgeomError):
+        return EXIT_BAD_INPUT, str(err)
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError" or (
+            isinstance(err, RuntimeError) and ("can't allocate memory" in str(err) or "out of memory" in str(err).lower())):
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return EXIT_REFUSED, f"out of memory{f' ({first})' if first else ''}"
+    if isinstance(err, OSError):
+        names = " -> ".join(str(name) for name in (err.filename, err.filename2) if name is not None)
+        text = f"{names}: {err.strerror or err}" if names else (err.strerror or str(err) or type(err).__name__)
+        return (EXIT_BAD_INPUT if err.errno in _PATH_ERRNOS else EXIT_REFUSED), text
+    return EXIT_BUG, f"internal error ({type(err).__name__}: {err}); this is a bug in taskgeom: rerun with --debug and report the traceback"
+
+
+def one_line(text: str) -> str:
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+def _debug(ctx: typer.Context) -> bool:
+    return bool(ctx.meta.get("taskgeom.debug")) or os.environ.get(_DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class ContractGroup(TyperGroup):
+    """The command group: every command runs under the error contract, so any exception becomes
+    one line on stderr and its exit code (with the traceback above it under --debug)."""
+
+    def invoke(self, ctx: typer.Context):
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, TyperException, BrokenPipeError):
+            raise  # typer.Exit codes, Ctrl-C (130), usage errors (2) and a closed pipe are typer's to report
+        except Exception as err:
+            code, message = classify(err)
+            if _debug(ctx):
+                traceback.print_exc()
+            typer.echo(f"error: {one_line(message)}", err=True)
+            raise typer.Exit(code) from None
+
 
 app = typer.Typer(
+    cls=ContractGroup,
     help="Train small transformers on latent-task data and measure the geometry of task inference "
-    "(Yan, Yang, Zhong 2026). `taskgeom reproduce` runs every experiment and writes claims.json and report.html.",
+    "(Yan, Yang, Zhong 2026). `taskgeom reproduce` runs every experiment and writes claims.json and report.html. "
+    "Exit codes: 0 done, 1 some claims or runs failed, 2 bad input, 3 the environment refused (disk, permissions, "
+    "memory, Ray), 4 a bug.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    debug: bool = typer.Option(False, "--debug", help=f"Print the traceback of an error too (or set {_DEBUG_ENV}=1)."),
+) -> None:
+    ctx.meta["taskgeom.debug"] = debug
 
 
 DEVICE_OPTION = typer.Option("auto", help="Where to train: auto (CUDA if available, else CPU), cpu, cuda or cuda:N.")
@@ -25,18 +98,29 @@ TRACKER_OPTION = typer.Option("none", help="Also log metrics to: none, tensorboa
                               "unless WANDB_MODE=online). metrics.jsonl is always written.")
 
 
-def _user_errors(fn: Callable) -> Callable:
-    """Turn TaskgeomError into a one-line message on stderr and exit code 2."""
+def _folder(path: Path, option: str) -> Path:
+    """Refuse (before any work) a folder option that names a regular file or a path under one."""
+    for part in (path, *path.parents):
+        if part.exists() or part.is_symlink():
+            if not part.is_dir():
+                what = "is a file, not a folder" if part.is_file() else "exists and is not a folder"
+                raise TaskgeomError(f"{option} {path} {what}" if part == path else f"{option} {path}: {part} {what}")
+            break
+    return path
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except TaskgeomError as err:
-            typer.echo(f"error: {err}", err=True)
-            raise typer.Exit(2) from None
 
-    return wrapper
+def _check_training_memory(settings, device: str) -> None:
+    """Refuse a config whose training cannot fit in this machine's memory (exit 3), before its
+    run directory is made; ``device`` is resolved here, as the run will be."""
+    import torch
+
+    from taskgeom.config import check_training_memory
+    from taskgeom.devices import available_memory, describe, resolve_device
+
+    where = resolve_device(device)
+    cpu = torch.device("cpu")
+    host = (available_memory(cpu), describe(cpu)) if where.type == "cuda" else None
+    check_training_memory(settings, available_memory(where), describe(where), host)
 
 
 def _check_training(device: str, tracker: str, local: bool = True) -> None:
@@ -53,7 +137,6 @@ def _check_training(device: str, tracker: str, local: bool = True) -> None:
 
 
 @app.command()
-@_user_errors
 def train(
     config: str = typer.Argument(..., help="A recipe name (e1, e3, ...) or a path to a YAML recipe."),
     profile: str = typer.Option("quick", help="Profile in the recipe: quick (CPU, minutes) or paper (the study's sizes)."),
@@ -76,7 +159,8 @@ def train(
         from taskgeom.hf import require_transformers
 
         require_transformers()  # before the run directory is made
-    run = Run.create(settings, out, run_dir)
+    _check_training_memory(settings, device)
+    run = Run.create(settings, _folder(out, "--out"), run_dir and _folder(run_dir, "--run-dir"))
     if run.finished:
         typer.echo(f"{run.path} is already trained")
     else:
@@ -88,7 +172,6 @@ def train(
 
 
 @app.command("eval")
-@_user_errors
 def eval_(run_dir: Path = typer.Argument(..., help="A finished run directory.")) -> None:
     """Per-position loss of a trained model against the Bayes predictors: writes
     analysis/eval.json (tidy rows) and figures/loss_by_position.png, prints the means."""
@@ -104,7 +187,6 @@ def eval_(run_dir: Path = typer.Argument(..., help="A finished run directory."))
 
 
 @app.command()
-@_user_errors
 def runs(
     root: Path = typer.Argument(Path("runs"), help="The folder holding run directories."),
     where: Optional[List[str]] = typer.Option(None, help="Filter field=value, repeatable: --where family=dice --where k=4"),
@@ -122,10 +204,17 @@ def runs(
 
 
 def _int_list(text: str, option: str) -> list[int]:
+    """At least one integer, none twice (two runs of one config would share a run directory)."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise TaskgeomError(f"{option} must be comma-separated integers, got {text!r}") from None
+    if not values:
+        raise TaskgeomError(f"{option} must name at least one integer, got {text!r}")
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise TaskgeomError(f"{option} names {', '.join(map(str, twice))} more than once, got {text!r}")
+    return values
 
 
 # The executor options, shared by `sweep` and `reproduce` (whose sweeps they run).
@@ -142,7 +231,6 @@ _GPUS_PER_RUN = typer.Option(0.0, help="ray: GPUs each task declares, a fraction
 
 
 @app.command()
-@_user_errors
 def sweep(
     config: str = typer.Argument(..., help="A recipe name (e1, e3, ...) or a path to a YAML recipe."),
     diversity: str = typer.Option("-1,0,2,4,6,8,10", help="Comma-separated diversity indices k (2^k minor tasks; -1: majors only)."),
@@ -168,9 +256,13 @@ def sweep(
     where = Executor(executor, workers, address, cpus_per_run, gpus_per_run)
     _check_training(device, tracker, where.kind == "local")
     ks, seed_list = _int_list(diversity, "--diversity"), _int_list(seeds, "--seeds")
+    _folder(out, "--out")
     jobs = [Job(config, k, s, profile, str(out), tuple(set_ or []), device, tracker) for k in ks for s in seed_list]
     for job in jobs:  # validate every config before any work starts
-        job.config()
+        settings = job.config()
+        if where.kind == "local":  # a Ray task's node and device are known only there
+            _check_training_memory(settings, device)
+    where.check()  # Ray importable and its address answering
     table = run_sweep(jobs, where, out)
     typer.echo(summary(table).round(4).to_string(index=False))
     typer.echo(f"tables: {out / 'sweep.csv'}, {out / 'by_step.csv'}")
@@ -179,7 +271,6 @@ def sweep(
 
 
 @app.command()
-@_user_errors
 def analyze(
     run_dir: Path = typer.Argument(..., help="A finished run directory, or a Hugging Face model directory (save_pretrained) with --recipe."),
     layer: Optional[List[int]] = typer.Option(None, "--layer", help="Layers to measure (repeatable); all by default."),
@@ -203,6 +294,8 @@ def analyze(
 
     if directions not in ("task_vectors", "regression"):
         raise TaskgeomError(f"unknown directions {directions!r}; choose task_vectors or regression")
+    if out is not None:
+        _folder(out, "--out")
     if (run_dir / "run.json").is_file() or (recipe is None and not (run_dir / "config.json").is_file()):
         if recipe or set_ or out:
             raise TaskgeomError(f"{run_dir} is a taskgeom run directory, which has its own config: analyse it without --recipe, --set and --out")
@@ -212,6 +305,7 @@ def analyze(
 
         run = open_pretrained(run_dir, recipe, profile, set_ or [], out)
     options = Options(tuple(layer) if layer else None, tuple(site) if site else None, primary, sequences, directions=directions)
+    _check_analysis_memory(run.config, sequences)
     result = analyze_run(run, options)
     write(run, result)
     (run.path / "figures").mkdir(parents=True, exist_ok=True)
@@ -230,8 +324,19 @@ def analyze(
     typer.echo(str(run.path / "analysis" / "m1.json"))
 
 
+def _check_analysis_memory(settings, sequences: int) -> None:
+    """Refuse (exit 3), before any work, an analysis whose batches cannot fit in this machine's memory."""
+    import torch
+
+    from taskgeom.config import analysis_memory, check_memory
+    from taskgeom.devices import available_memory, describe
+
+    cpu = torch.device("cpu")  # the analysis runs on the CPU
+    check_memory(analysis_memory(settings, max(sequences, 0)), available_memory(cpu), describe(cpu),
+                 f"analysing {sequences} sequences per batch of {settings.name}", "ask for fewer with --sequences")
+
+
 @app.command("export-hf")
-@_user_errors
 def export_hf(
     run_dir: Path = typer.Argument(..., help="A finished run directory trained with model.arch gpt2 or llama."),
     out: Path = typer.Argument(..., help="The folder to write (config.json, model.safetensors)."),
@@ -241,11 +346,11 @@ def export_hf(
     from taskgeom.hf import save_pretrained
     from taskgeom.runs import Run
 
+    _folder(out, "OUT")
     typer.echo(str(save_pretrained(Run.open(run_dir), out)))
 
 
 @app.command()
-@_user_errors
 def reproduce(
     profile: str = typer.Option("quick", help="quick: reduced sizes for a 2-core CPU; paper: the study's sizes."),
     out: Path = typer.Option(Path("results"), help="Output folder: runs/, figures/, claims.json, report.html."),
@@ -269,12 +374,14 @@ def reproduce(
 
     where = Executor(executor, workers, address, cpus_per_run, gpus_per_run)
     _check_training(device, tracker)  # its single runs train in this process
+    _folder(out, "--out")
     if profile not in ("quick", "paper"):
         raise TaskgeomError(f"unknown profile {profile!r}; choose quick or paper")
     unknown = set(only or []) - set(EXPERIMENTS)
     if unknown:
         raise TaskgeomError(f"unknown experiments {sorted(unknown)}; available: {list(EXPERIMENTS)}")
     chosen = {k: v for k, v in EXPERIMENTS.items() if not only or k in only}
+    where.check()  # Ray importable and its address answering, before any training
     ctx = run_all(out, profile, chosen, where, device, tracker)
     for claim in ctx.claims:
         measured = f"not applicable: {claim.reason}" if claim.status == "n/a" else f"{claim.value:.4g} {claim.comparison} {claim.threshold:.4g}"

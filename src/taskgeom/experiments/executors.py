@@ -14,7 +14,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from taskgeom.errors import TaskgeomError
+from taskgeom.errors import EnvironmentRefused, TaskgeomError
 
 Task = Callable[[Any, int], Any]  # fn(item, threads) -> result
 Finished = Iterator[tuple[Any, Any]]  # (item, result or the exception that killed its process)
@@ -50,6 +50,17 @@ class Executor:
             raise TaskgeomError(f"--gpus-per-run must be a fraction in [0, 1] or a whole number of GPUs, got {self.gpus_per_run}")
         if self.kind != "ray" and (self.address or self.gpus_per_run):
             raise TaskgeomError("--address and --gpus-per-run need --executor ray")
+        if self.address:
+            _split_address(self.address)
+
+    def check(self) -> None:
+        """Before any work: for Ray, that it imports (TaskgeomError naming the extra) and that
+        ``address`` answers (EnvironmentRefused, exit code 3). A sweep or reproduction calls this
+        first, so a missing or unreachable Ray never waits behind minutes of training."""
+        if self.kind == "ray":
+            _import_ray()
+            if self.address:
+                _check_reachable(self.address)
 
     @property
     def threads(self) -> int:
@@ -83,10 +94,7 @@ def _on_ray(fn: Task, items: list, executor: Executor) -> Finished:
     """One Ray task per item, gathered with ``ray.wait`` as they finish. Connects to (or starts)
     Ray unless this process already has, and disconnects (or stops) only what it started. Tasks
     are not retried: a crashed worker's item comes back as a failure, like a dead pool process."""
-    try:
-        import ray
-    except ImportError:
-        raise TaskgeomError("the Ray executor needs `pip install taskgeom[ray]`") from None
+    ray = _import_ray()
     started = not ray.is_initialized()
     if started:
         try:
@@ -96,7 +104,7 @@ def _on_ray(fn: Task, items: list, executor: Executor) -> Finished:
             else:
                 ray.init(num_cpus=executor.workers * executor.threads, include_dashboard=False)
         except (ConnectionError, RuntimeError, ValueError) as err:
-            raise TaskgeomError(f"Ray did not start{f' at {executor.address}' if executor.address else ''}: {err}") from None
+            raise EnvironmentRefused(f"Ray did not start{f' at {executor.address}' if executor.address else ''}: {err}") from None
     try:
         _check_resources([node["Resources"] for node in ray.nodes() if node.get("Alive")], executor)
         task = ray.remote(num_cpus=executor.threads, num_gpus=executor.gpus_per_run, max_retries=0)(fn)
@@ -113,26 +121,43 @@ def _on_ray(fn: Task, items: list, executor: Executor) -> Finished:
             ray.shutdown()
 
 
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise TaskgeomError("the Ray executor needs `pip install taskgeom[ray]`") from None
+    return ray
+
+
 def _check_resources(nodes: list[dict[str, float]], executor: Executor) -> None:
-    """A task asking for more than any one node holds would wait forever: refuse it now.
+    """A task asking for more than any one node holds would wait forever: refuse it now
+    (EnvironmentRefused: the cluster cannot give it).
 
     nodes: the resources of each live node ({"CPU": 16.0, "GPU": 2.0, ...})."""
     for name, wanted in (("CPU", executor.threads), ("GPU", executor.gpus_per_run)):
         largest = max((node.get(name, 0) for node in nodes), default=0)
         if wanted > largest:
-            raise TaskgeomError(f"each run asks for {wanted:g} {name} (--{name.lower()}s-per-run) but no node of the Ray cluster "
+            raise EnvironmentRefused(f"each run asks for {wanted:g} {name} (--{name.lower()}s-per-run) but no node of the Ray cluster "
                                 f"has more than {largest:g}")
 
 
-def _check_reachable(address: str, timeout: float = 10.0) -> None:
-    """Refuse an address whose HOST:PORT does not answer within ``timeout`` seconds (Ray itself
-    retries for minutes); ``auto`` (the cluster this machine belongs to) is left to Ray."""
+def _split_address(address: str) -> tuple[str, int] | None:
+    """(host, port) of HOST:PORT or ray://HOST:PORT; None for ``auto``; TaskgeomError otherwise."""
     if address == "auto":
-        return
+        return None
     host, colon, port = address.removeprefix("ray://").rpartition(":")
     if not colon or not host or not port.isdigit():
         raise TaskgeomError(f"--address {address!r} must look like HOST:PORT (or ray://HOST:PORT, or auto)")
+    return host, int(port)
+
+
+def _check_reachable(address: str, timeout: float = 10.0) -> None:
+    """Refuse an address whose HOST:PORT does not answer within ``timeout``
+    seconds (Ray itself retries for minutes); ``auto`` (the cluster this machine belongs to) is left to Ray."""
+    where = _split_address(address)
+    if where is None:
+        return
     try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
+        socket.create_connection(where, timeout=timeout).close()
     except OSError as err:
         raise TaskgeomError(f"no Ray cluster answers at {address} ({err})") from None
