@@ -214,7 +214,7 @@ def test_ray_missing_is_refused_before_any_training(root, monkeypatch, no_traini
 def test_ray_unreachable_is_refused_before_any_training(root, monkeypatch, no_training, command):
     monkeypatch.setitem(sys.modules, "ray", type(sys)("ray"))  # importable whether or not the extra is installed
     port = _closed_port()
-    line = refused(root, [*command, "--out", "out", "--executor", "ray", "--address", f"127.0.0.1:{port}", "--device", "cpu"], 2,
+    line = refused(root, [*command, "--out", "out", "--executor", "ray", "--address", f"127.0.0.1:{port}", "--device", "cpu"], 3,
                    starts=f"no Ray cluster answers at 127.0.0.1:{port} (")
     assert "refused" in line.lower()
 

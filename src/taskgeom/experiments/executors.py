@@ -152,7 +152,7 @@ def _split_address(address: str) -> tuple[str, int] | None:
 
 
 def _check_reachable(address: str, timeout: float = 10.0) -> None:
-    """Refuse an address whose HOST:PORT does not answer within ``timeout``
+    """Refuse (EnvironmentRefused) an address whose HOST:PORT does not answer within ``timeout``
     seconds (Ray itself retries for minutes); ``auto`` (the cluster this machine belongs to) is left to Ray."""
     where = _split_address(address)
     if where is None:
@@ -160,4 +160,4 @@ def _check_reachable(address: str, timeout: float = 10.0) -> None:
     try:
         socket.create_connection(where, timeout=timeout).close()
     except OSError as err:
-        raise TaskgeomError(f"no Ray cluster answers at {address} ({err})") from None
+        raise EnvironmentRefused(f"no Ray cluster answers at {address} ({err})") from None
