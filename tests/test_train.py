@@ -348,3 +348,9 @@ def test_eval_json_is_standard_json_when_a_reference_is_not_finite(finished, mon
     assert on_disk == rows
     assert [r["position"] for r in rows if r["value"] is None] == [0, 0]  # major and ood
     assert all(math.isfinite(r["value"]) for r in rows if r["value"] is not None)
+
+
+def test_a_damaged_metrics_line_of_a_finished_run_is_named(finished):
+    finished.metrics_path.write_bytes(finished.metrics_path.read_bytes()[:-10])
+    with pytest.raises(RunDirError, match=r"metrics.jsonl line 1 is not a JSON record"):
+        train(finished)

@@ -198,10 +198,22 @@ class Run:
         return exclusive_lock(self.path / LOCK_NAME, f"run directory {self.path}")
 
     def metrics(self) -> list[dict]:
-        """The evaluation records of metrics.jsonl, in order."""
+        """The evaluation records of metrics.jsonl, in order; RunDirError naming the file and line
+        if a line is not a JSON record (training drops such a line when it resumes)."""
         if not self.metrics_path.exists():
             return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        records = []
+        for number, line in enumerate(self.metrics_path.read_bytes().splitlines(), 1):
+            try:
+                record = json.loads(line) if line.strip() else None
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                record = "unreadable"
+            if record is None:
+                continue
+            if not isinstance(record, dict):
+                raise RunDirError(f"{self.metrics_path} line {number} is not a JSON record (cut short?); delete that line")
+            records.append(record)
+        return records
 
 
 def _read_meta(path: Path) -> dict:
