@@ -166,8 +166,10 @@ def exclusive_lock(path: Path, what: str) -> Iterator[None]:
                 raise EnvironmentRefused(f"cannot lock {path}: {err.strerror}") from None
             raise RunLockedError(f"{what} is being written by another process ({_holder(fd)}, holding the lock {path}); "
                                  "wait for it to finish, or stop it") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        mine = f"{os.getpid()} {socket.gethostname()}\n".encode()
+        if os.pread(fd, 256, 0) != mine:  # left as it is when it names this process already
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, mine, 0)
         yield
     finally:
         os.close(fd)  # releases the lock
