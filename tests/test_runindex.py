@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from conftest import tiny_config
 from taskgeom.cli import app
+from taskgeom.errors import TaskgeomError
 from taskgeom.runindex import query, refresh
 from taskgeom.runs import Run
 from taskgeom.train import train
@@ -250,3 +251,15 @@ def test_a_diverged_run_is_listed_as_diverged(folder):
     code, table, err = _list(root)
     assert code == 0 and err == "", err
     assert table["status"].to_dict() == {0: "unfinished", 1: "diverged", 2: "finished"}
+
+
+def test_a_bad_filter_is_refused_before_anything_is_read_or_written(folder, monkeypatch):
+    from taskgeom import runindex
+
+    root, runs = folder
+    before = _tree(root)
+    monkeypatch.setattr(runindex, "scan", lambda root: pytest.fail("scanned before the filter was checked"))
+    for where in (["colour=red"], ["seed"]):
+        with pytest.raises(TaskgeomError, match="colour|field=value"):
+            runindex.list_runs(root, where)
+    assert _tree(root) == before
