@@ -101,7 +101,8 @@ def folder(three_runs, tmp_path):
 def _list(root, *extra):
     """`taskgeom runs ROOT --csv`: (exit code, stdout rows by seed, stderr)."""
     result = runner.invoke(app, ["runs", str(root), "--csv", *extra])
-    assert "Traceback" not in result.stdout + result.stderr and result.exception is None or isinstance(result.exception, SystemExit), result.stderr
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     import io
 
     import pandas as pd
