@@ -133,12 +133,14 @@ def test_resources_are_checked_per_node_not_summed():
 
 
 def test_an_address_nobody_answers_is_refused_at_once(tmp_path, ray):
-    """In a fresh process (this one may already hold a Ray connection, which a sweep reuses)."""
+    """In a fresh process (this one may already hold a Ray connection, which a sweep reuses). An
+    address nobody answers is the environment refusing (exit 3); one that is not HOST:PORT is bad
+    input (exit 2)."""
     recipe = _recipe(tmp_path)
-    for address, message in (("127.0.0.1:1", "no Ray cluster answers at 127.0.0.1:1"), ("nohost", "must look like HOST:PORT")):
+    for address, message, code in (("127.0.0.1:1", "no Ray cluster answers at 127.0.0.1:1", 3), ("nohost", "must look like HOST:PORT", 2)):
         result = subprocess.run([sys.executable, "-m", "taskgeom", "sweep", str(recipe), "--diversity", "-1", "--seeds", "0",
                                  "--out", str(tmp_path), "--executor", "ray", "--address", address], capture_output=True, text=True, timeout=60)
-        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert result.returncode == code and message in result.stderr, result.stderr
         assert not list(tmp_path.glob("tiny-dice-*"))
 
 
