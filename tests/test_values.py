@@ -283,12 +283,4 @@ def test_reproduce_exit_code_says_what_stopped_it(tmp_path, monkeypatch, error, 
     result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), "--device", "cpu"])
     assert result.exit_code == code, result.output
     assert str(error) in result.output and "Traceback" not in result.output
-
-
-@pytest.mark.parametrize("statuses, code", [((), 0), (("pass",), 0), (("pass", "fail"), 1), (("fail", "fail"), 1)])
-def test_reproduce_exit_code_follows_the_claims(tmp_path, monkeypatch, statuses, code):
-    claims = [check(f"x.{i}", "x", "d", 1.0 if s == "pass" else 0.0, ">=", 0.5, "quick") for i, s in enumerate(statuses)]
-    monkeypatch.setattr(taskgeom.experiments, "EXPERIMENTS", {"fake": lambda ctx: ctx.claims.extend(claims)})
-    result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), "--device", "cpu"])
-    assert result.exit_code == code, result.output
-    assert [row["status"] for row in json.loads((tmp_path / "claims.json").read_text())] == list(statuses)
+    # exit codes 0 and 1 from the claims themselves: tests/test_claims.py
