@@ -20,7 +20,7 @@ from taskgeom.analysis.properties import KL_FLOOR
 from taskgeom.analysis.retrieval import _alignment_rows
 from taskgeom.analysis.task_vectors import late_window
 from taskgeom.analysis.theory import theorem2
-from taskgeom.analysis.transition import transition_statistic
+from taskgeom.analysis.transition import predict_generalising, transition_statistic
 from taskgeom.cli import app
 from taskgeom.claims import check
 from taskgeom.errors import EnvironmentRefused, TaskgeomError, TrainingDiverged
@@ -137,6 +137,16 @@ def test_transition_statistic_on_a_case_computed_by_hand():
     perfect = transition_statistic(FixedLogits(exact.log().float()), family, tokens, pool, p_new=0.1)
     assert perfect["kl_to_generalising"] == pytest.approx(0.0, abs=1e-6)
     assert perfect["log_ratio"] > 5
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="transition.predict_generalising takes math.log(p_new); task.p_minor = 0 "
+                   "is a valid setting (config: ge=0) and the dual analysis then stops with 'math domain error'")
+def test_with_no_minor_mass_the_generalising_predictor_is_bayes_over_the_majors():
+    family = make("dice", vocab_size=3)
+    pool = family.sample_pool(3, 2, 0.0, seed=0)
+    tokens = family.sample_ood(4, 6, seed=0).tokens
+    expected = family.predict_id(tokens, pool.subset("major"))
+    torch.testing.assert_close(predict_generalising(family, tokens, pool, 0.0), expected, atol=1e-12, rtol=0)
 
 
 # ---------------------------------------------------------------- Theorem 2 on a linear readout
