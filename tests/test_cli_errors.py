@@ -271,3 +271,10 @@ def test_debug_adds_the_traceback(root, monkeypatch):
         assert result.stderr.startswith("Traceback (most recent call last):") and result.stderr.endswith(message)
     result = CliRunner().invoke(app, ["train", "bad.yaml"], env={"TASKGEOM_DEBUG": "0"})
     assert result.exit_code == 2 and result.stderr == message
+
+
+def test_run_dir_does_not_need_out(root):
+    """--out is not used when --run-dir is given, so a file of that name does not matter."""
+    result = invoke(["train", "ok.yaml", "--out", "afile", "--run-dir", "out/mine", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert (root / "out" / "mine" / "model.safetensors").is_file() and (root / "afile").read_text() == "not a folder\n"

@@ -160,7 +160,11 @@ def train(
 
         require_transformers()  # before the run directory is made
     _check_training_memory(settings, device)
-    run = Run.create(settings, _folder(out, "--out"), run_dir and _folder(run_dir, "--run-dir"))
+    if run_dir is None:
+        _folder(out, "--out")
+    else:
+        _folder(run_dir, "--run-dir")  # --out is not used then
+    run = Run.create(settings, out, run_dir)
     if run.finished:
         typer.echo(f"{run.path} is already trained")
     else:
