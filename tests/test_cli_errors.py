@@ -278,3 +278,32 @@ def test_run_dir_does_not_need_out(root):
     result = invoke(["train", "ok.yaml", "--out", "afile", "--run-dir", "out/mine", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert (root / "out" / "mine" / "model.safetensors").is_file() and (root / "afile").read_text() == "not a folder\n"
+
+
+def test_on_a_gpu_memory_is_checked_against_the_gpus(root, monkeypatch):
+    """No GPU needed: torch's CUDA queries are stood in for; the model's part is checked against the
+    GPU's free memory, the exact posterior (made on the CPU) against the host's."""
+    import torch
+
+    from taskgeom.devices import available_memory
+
+    monkeypatch.setattr("taskgeom.devices.resolve_device", lambda name: torch.device("cuda:0"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
+    assert available_memory(torch.device("cuda:0")) == 2**20
+    line = refused(root, ["train", "ok.yaml", "--out", "out", "--device", "cuda"], 3, starts="training r (")
+    assert line.endswith("more than the 1.0 MiB of memory available on cuda:0 (Fake GPU); reduce model.d_model, model.d_mlp, model.n_layers, "
+                         "task.seq_len, train.batch_size, train.eval_batch or task.diversity\n")
+    assert "(weights " in line and "bayes" not in line
+
+
+def test_available_memory_of_this_machine():
+    import os
+
+    import torch
+
+    from taskgeom.devices import available_memory, describe
+
+    free = available_memory(torch.device("cpu"))
+    assert 0 < free <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert describe(torch.device("cpu")) == "this machine (cpu)"
