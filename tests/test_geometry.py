@@ -168,7 +168,7 @@ def test_shrinkage_compares_quarters_of_the_uncertain_positions_or_is_not_applic
     alpha[..., 0] = 1.0
     tv = torch.rand(N, T, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     settled = shrinkage(tv, alpha)
-    assert settled.reason is not None and "only 0 positions" in settled.reason
+    assert settled.reason is not None and "at 0 position(s) only" in settled.reason
     assert math.isnan(settled.tv_first) and math.isnan(settled.tv_last)
 
     uncertain = [2, 3, 5, 8, 9, 11, 12, 15]  # 8 positions: quarters of 2

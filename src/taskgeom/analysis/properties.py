@@ -154,7 +154,7 @@ def shrinkage(tv: torch.Tensor, alpha: torch.Tensor) -> Shrinkage:
     the same sequences."""
     uncertain = torch.nonzero(alpha.double().amax(-1).median(0).values < UNCERTAIN_BELOW).flatten().tolist()
     if len(uncertain) < MIN_UNCERTAIN_POSITIONS:
-        reason = (f"the posterior is uncertain (median max alpha_t < {UNCERTAIN_BELOW}) at only {len(uncertain)} positions, "
+        reason = (f"the posterior is uncertain (median max alpha_t < {UNCERTAIN_BELOW}) at {len(uncertain)} position(s) only, "
                   f"fewer than {MIN_UNCERTAIN_POSITIONS}")
         return Shrinkage(uncertain, float("nan"), float("nan"), reason)
     quarter = max(1, round(len(uncertain) / 4))
