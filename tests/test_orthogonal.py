@@ -148,3 +148,33 @@ def test_search_starts_from_unit_norm_columns(planted):
     result = orthogonal_search(model, loss_fn, SITE, avoid, steps=1, seed=4)
     start = complement_basis(avoid.double()) @ initial_coordinates(D - 4, 1, seed=4)
     torch.testing.assert_close(result.directions.double(), start, atol=1e-6, rtol=0)
+
+
+def test_the_rank_curve_recovers_the_planted_dimensions():
+    """The rank curve of the dual analysis repeats the search for r = 1, 2, ...: with three outputs
+    reading three free directions with weights 3, 2, 1, ablating the rank-r V costs the top r of
+    (9, 4, 1) in squared error (closed form ||V^T W||_F^2), and a fourth direction adds nothing."""
+    frame = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(1)))[0]
+    avoid = frame[:, :4]
+    W = frame[:, 4:7] * torch.tensor([3.0, 2.0, 1.0])  # [D, 3]: one output per planted direction
+
+    class ThreeReadouts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.state = HookPoint()
+
+        def site(self, layer: int, name: str) -> HookPoint:
+            return self.state
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.state(h) @ W
+
+    def loss_fn(m: nn.Module, step: int) -> torch.Tensor:
+        h = torch.randn(BATCH_SIZE, T, D, generator=generator(1, step, "rank"))
+        return ((m(h) - h @ W) ** 2).sum(-1).mean()
+
+    costs = []
+    for rank in range(1, 5):
+        v = orthogonal_search(ThreeReadouts(), loss_fn, SITE, avoid, rank=rank).directions  # the protocol: lr 0.01, 200 steps
+        costs.append(float(((v.T @ W) ** 2).sum()))
+    assert costs == pytest.approx([9.0, 13.0, 14.0, 14.0], rel=0.05)
