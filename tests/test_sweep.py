@@ -11,7 +11,7 @@ import yaml
 from conftest import tiny_config
 from taskgeom.experiments.executors import Executor
 from taskgeom.analysis.dual import load_dual
-from taskgeom.experiments.sweep import Job, run_sweep
+from taskgeom.experiments.sweep import Job, job_seconds, run_sweep
 from taskgeom.runs import Run
 
 
@@ -55,6 +55,9 @@ def test_sweep_isolates_failures_and_resumes(tmp_path):
     (redo / "analysis" / "dual.json").unlink()
     again = run_sweep(jobs[:2], Executor(workers=2), out=tmp_path)
     assert set(again["status"]) == {"ok"}
+    first, second = job_seconds(table).set_index("diversity"), job_seconds(again).set_index("diversity")
+    assert sorted(first.index) == [-1, 1] and (first[["train_wall_s", "analysis_wall_s"]] > 0).all().all()
+    assert second.loc[-1, "train_wall_s"] < first.loc[-1, "train_wall_s"]  # the finished run is reused, not retrained
     assert {p: p.stat().st_mtime_ns for p in kept} == kept
     assert (redo / "model.safetensors").exists() and (redo / "analysis" / "dual.json").exists()
 

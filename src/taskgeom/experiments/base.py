@@ -3,10 +3,9 @@ claims and figures, and the ``reproduce`` driver."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager
 
 from taskgeom.claims import Claim
 from taskgeom.experiments.executors import Executor
@@ -14,6 +13,7 @@ from taskgeom.progress import console, step_bar
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_json, atomic_write_text
+from taskgeom.timing import Profile
 from taskgeom.train import train
 
 
@@ -30,6 +30,12 @@ class Context:
     tracker: str = "none"
     claims: list[Claim] = field(default_factory=list)
     figures: list[tuple[str, str]] = field(default_factory=list)  # (path relative to out, caption)
+    timings: Profile = field(default_factory=Profile)  # where the time goes (timings.json)
+    experiment: str = ""  # the experiment running now
+
+    def stage(self, name: str) -> ContextManager[None]:
+        """Time a block as stage ``name`` of the current experiment."""
+        return self.timings.stage(self.experiment, name)
 
     @property
     def runs_root(self) -> Path:
@@ -46,7 +52,7 @@ class Context:
         """The run of ``recipe`` under this profile, trained now unless already finished."""
         run = Run.create(load_recipe(recipe, self.profile, list(overrides)), self.runs_root)
         if not run.finished:
-            with step_bar(f"train {run.path.name}", run.config.train.steps) as update:
+            with self.stage(f"train {run.path.name}"), step_bar(f"train {run.path.name}", run.config.train.steps) as update:
                 train(run, update, self.device, self.tracker)
         return run
 
@@ -62,13 +68,12 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], execu
 
     ctx = Context(Path(out), profile, executor, device, tracker)
     ctx.out.mkdir(parents=True, exist_ok=True)
-    timings = {}
     for name, experiment in experiments.items():
         console.log(f"experiment [bold]{name}[/bold]")
-        start = time.perf_counter()
-        experiment(ctx)
-        timings[name] = round(time.perf_counter() - start, 1)
+        ctx.experiment = name
+        with ctx.timings.experiment(name):
+            experiment(ctx)
     atomic_write_json(ctx.out / "claims.json", [c.as_dict() for c in ctx.claims])
-    atomic_write_json(ctx.out / "timings.json", timings)
+    atomic_write_json(ctx.out / "timings.json", ctx.timings.as_dict())
     atomic_write_text(ctx.out / "report.html", write_report(ctx))
     return ctx

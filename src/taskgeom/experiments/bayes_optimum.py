@@ -17,7 +17,8 @@ MAX_EXCESS_NATS = 0.02
 def bayes_optimum(ctx: Context) -> None:
     for experiment, recipe in (("e1", "e1"), ("e3", "e3")):
         run = ctx.trained(recipe, ("task.diversity=-1",))
-        table = pd.DataFrame(evaluate_run(run))
+        with ctx.stage(f"evaluate {run.path.name}"):
+            table = pd.DataFrame(evaluate_run(run))
         excess = table.query("set == 'major' and metric == 'excess'")["value"].mean()
         ctx.claims.append(check(
             f"{experiment}.bayes_optimal", experiment,

@@ -10,7 +10,7 @@ import pandas as pd
 
 from taskgeom.claims import check, gain_parts
 from taskgeom.experiments.base import Context
-from taskgeom.experiments.sweep import Job, run_sweep, by_step
+from taskgeom.experiments.sweep import Job, by_step, job_seconds, run_sweep
 from taskgeom.report.dual import (plot_dissociation, plot_projection_r2, plot_projection_r2_steps, plot_rank_curve, plot_theorem2,
                                   plot_transition, rank_curve)
 from taskgeom.storage import atomic_write_text
@@ -44,6 +44,10 @@ def dual_modes(ctx: Context) -> None:
     jobs = [Job(recipe, k, seed, ctx.profile, str(ctx.runs_root), device=ctx.device, tracker=ctx.tracker)
             for recipe in recipes for k in diversities for seed in seeds]
     table = run_sweep(jobs, ctx.executor, out=ctx.out / "tables")
+    for job in job_seconds(table).itertuples():
+        name = f"{job.recipe} k={job.diversity} seed={job.seed}"
+        ctx.timings.add(ctx.experiment, f"train {name}", job.train_wall_s, job.train_cpu_s)
+        ctx.timings.add(ctx.experiment, f"analyse {name}", job.analysis_wall_s, job.analysis_cpu_s)
     ok = table[table["status"] == "ok"]
     low, high = min(diversities), max(diversities)
     for recipe in recipes:

@@ -28,7 +28,8 @@ def late_means(table: pd.DataFrame, n_examples: int) -> pd.DataFrame:
 
 def e2(ctx: Context) -> None:
     run = ctx.trained("e2", ("task.diversity=-1",))
-    table = pd.DataFrame(evaluate_run(run))
+    with ctx.stage(f"evaluate {run.path.name}"):
+        table = pd.DataFrame(evaluate_run(run))
     means = late_means(table, run.config.task.n_examples)
     major, ood = means.loc["major"], means.loc["ood"]
     ctx.claims.append(check(

@@ -190,11 +190,14 @@ def weakest_probe(rows: list[dict], site: str = CLAIM_SITE) -> dict:
 def e4(ctx: Context) -> None:
     majors = ctx.trained("e4", ("task.diversity=-1",))
     diverse = ctx.trained("e4", (f"task.diversity={PROBE_DIVERSITY}",))
-    references = {name: reference_p0(ctx.trained(name, ("task.diversity=-1",))) for name in REFERENCES}
-    dyck = dyck_p0(majors)
-    model, untrained_model = diverse.load_model(), diverse.new_model()  # untrained: random features of the same network
-    probes = {which: prefix_probes(diverse, model, which) for which in PROBE_SETS}
-    untrained = [row for which in PROBE_SETS for row in prefix_probes(diverse, untrained_model, which)]
+    reference_runs = {name: ctx.trained(name, ("task.diversity=-1",)) for name in REFERENCES}
+    with ctx.stage("P0 within-cell shares (E1, E3, E4)"):
+        references = {name: reference_p0(run) for name, run in reference_runs.items()}
+        dyck = dyck_p0(majors)
+    with ctx.stage("prefix probes (trained and untrained, pool and OOD)"):
+        model, untrained_model = diverse.load_model(), diverse.new_model()  # untrained: random features of the same network
+        probes = {which: prefix_probes(diverse, model, which) for which in PROBE_SETS}
+        untrained = [row for which in PROBE_SETS for row in prefix_probes(diverse, untrained_model, which)]
     p0 = {name: {**{ref: references[ref][name] for ref in REFERENCES}, **{f"e4_{k}": v for k, v in dyck[name].items()}} for name in P0_SITES}
     atomic_write_json(ctx.out / "analysis" / "e4.json",
                       {"p0": p0, "probes": probes["pool"], "probes_ood": probes["ood"], "probes_untrained": untrained})

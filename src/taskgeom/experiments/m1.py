@@ -45,8 +45,9 @@ _CAPTIONS = {
 def m1(ctx: Context) -> None:
     for experiment in ("e1", "e3", "e2"):
         run = ctx.trained(experiment, ("task.diversity=-1",))
-        result = analyze(run, Options())
-        write(run, result)
+        with ctx.stage(f"analyse {run.path.name}"):
+            result = analyze(run, Options())
+            write(run, result)
         plot_retrieval(result, {name: ctx.figure(f"{experiment}_m1_{name}.png", _CAPTIONS[name].format(E=experiment.upper()))
                                 for name in FIGURES})
         ctx.claims.extend(claims(result, ctx.profile))

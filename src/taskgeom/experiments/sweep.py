@@ -8,6 +8,7 @@ repeated on the weight snapshots (``by_step.csv``).
 
 from __future__ import annotations
 
+import time
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -68,11 +69,38 @@ def run_job(job: Job, threads: int = 0) -> list[dict]:
         if threads:
             torch.set_num_threads(threads)
         run = Run.create(job.config(), job.root)
+        clock = _Clock()
         train(run, device=job.device, tracker=job.tracker)
+        trained = clock.lap()
         rows = load_dual(run) or analyze_dual(run)
-        return [{"run": str(run.path), "status": "ok", **row} for row in rows]
+        analysed = clock.lap()
+        seconds = {"train_wall_s": trained[0], "train_cpu_s": trained[1], "analysis_wall_s": analysed[0], "analysis_cpu_s": analysed[1]}
+        return [{"run": str(run.path), "status": "ok", **row, **seconds} for row in rows]
     except Exception as err:  # one failing run must not stop the sweep
         return [{"status": "failed", "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}]
+
+
+class _Clock:
+    """Wall and CPU seconds (of this process) since the last lap."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def lap(self) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = (wall - self.wall, cpu - self.cpu)
+        self.wall, self.cpu = wall, cpu
+        return out
+
+
+def job_seconds(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per finished job: recipe, diversity, seed and the wall and CPU seconds of its
+    training and analysis (measured in the process that ran it; near zero when reused)."""
+    columns = ["train_wall_s", "train_cpu_s", "analysis_wall_s", "analysis_cpu_s"]
+    if not set(columns) <= set(table.columns):
+        return pd.DataFrame(columns=["recipe", "diversity", "seed", *columns])
+    ok = table[table["status"] == "ok"]
+    return ok.drop_duplicates(["recipe", "diversity", "seed"])[["recipe", "diversity", "seed", *columns]].reset_index(drop=True)
 
 
 def run_sweep(jobs: list[Job], executor: Executor = Executor(), out: Path | None = None) -> pd.DataFrame:

@@ -58,5 +58,17 @@ def write_report(ctx: "Context") -> str:
         f"<h1>taskgeom: reproduction report</h1><p>profile <b>{html.escape(ctx.profile)}</b>, taskgeom {__version__}; "
         f"{summary(ctx.claims)} (n/a: the claim does not apply to what was measured; counted neither way).</p>"
         f"<table><tr><th>claim</th><th>what is measured</th><th>value</th><th>threshold</th><th>made of</th><th>result</th></tr>{rows}</table>"
-        f"<h2>Figures</h2>{figures}</body></html>"
+        f"<h2>Figures</h2>{figures}{_timings(ctx.timings.as_dict())}</body></html>"
     )
+
+
+def _timings(timings: dict) -> str:
+    """Where the time went: wall and CPU seconds per experiment, then per stage."""
+    experiments = "".join(f"<tr><td>{html.escape(name)}</td><td></td><td>{t['wall_s']:.1f}</td><td>{t['cpu_s']:.1f}</td></tr>"
+                          for name, t in timings["experiments"].items())
+    stages = "".join(f"<tr><td>{html.escape(s['experiment'])}</td><td>{html.escape(s['stage'])} ({s['where']})</td>"
+                     f"<td>{s['wall_s']:.1f}</td><td>{s['cpu_s']:.1f}</td></tr>" for s in timings["stages"])
+    total = timings["total"]
+    return (f"<h2>Timings</h2><p>total {total['wall_s']:.0f} s wall, {total['cpu_s']:.0f} CPU-seconds (timings.json); "
+            "stages run in a sweep's worker processes are timed there.</p>"
+            f"<table><tr><th>experiment</th><th>stage</th><th>wall s</th><th>CPU s</th></tr>{experiments}{stages}</table>")

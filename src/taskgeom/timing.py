@@ -1,0 +1,63 @@
+"""Where a reproduction spends its time: wall and CPU seconds per experiment, per training run and
+per analysis stage, written to ``timings.json`` and shown in the report.
+
+CPU seconds are ``time.process_time`` of the process that did the work: stages run in a sweep's
+worker processes (or Ray tasks) are timed there and added with ``Profile.add``; an experiment's CPU
+total is its own process's time plus that of its workers' stages.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One timed piece of work: ``where`` is ``main`` (the reproducing process) or ``worker``."""
+
+    experiment: str
+    stage: str
+    wall_s: float
+    cpu_s: float
+    where: str = "main"
+
+
+@dataclass
+class Profile:
+    """The stages of one reproduction, in the order they ended, and each experiment's totals."""
+
+    stages: list[Stage] = field(default_factory=list)
+    experiments: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @contextmanager
+    def stage(self, experiment: str, name: str) -> Iterator[None]:
+        """Time the block as stage ``name`` of ``experiment`` (in this process)."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.stages.append(Stage(experiment, name, round(time.perf_counter() - wall, 2), round(time.process_time() - cpu, 2)))
+
+    def add(self, experiment: str, name: str, wall_s: float, cpu_s: float) -> None:
+        """A stage timed in a worker process."""
+        self.stages.append(Stage(experiment, name, round(wall_s, 2), round(cpu_s, 2), "worker"))
+
+    @contextmanager
+    def experiment(self, name: str) -> Iterator[None]:
+        """Time a whole experiment: its wall seconds, and the CPU seconds of this process plus those
+        of the worker stages recorded meanwhile."""
+        wall, cpu, first = time.perf_counter(), time.process_time(), len(self.stages)
+        try:
+            yield
+        finally:
+            workers = sum(s.cpu_s for s in self.stages[first:] if s.where == "worker")
+            self.experiments[name] = {"wall_s": round(time.perf_counter() - wall, 1), "cpu_s": round(time.process_time() - cpu + workers, 1)}
+
+    def as_dict(self) -> dict:
+        """``timings.json``: {"experiments": {name: {wall_s, cpu_s}}, "total": {wall_s, cpu_s},
+        "stages": [{experiment, stage, wall_s, cpu_s, where}]}."""
+        total = {key: round(sum(e[key] for e in self.experiments.values()), 1) for key in ("wall_s", "cpu_s")}
+        return {"experiments": self.experiments, "total": total, "stages": [asdict(s) for s in self.stages]}
