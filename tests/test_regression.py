@@ -171,20 +171,6 @@ def test_a_short_run_trains_and_evaluates_against_dmmse_and_ridge(tmp_path):
     assert first == pytest.approx(float((ood.y[:, 0] ** 2).mean()), rel=1e-12)
 
 
-def test_position_posterior_and_current_x_follow_the_layout():
-    family = _family(d=2)
-    pool = family.sample_pool(3, 2)
-    batch = family.sample(pool, 6, 3 * 5, seed=5)
-    by_position = family.position_log_posterior(batch, pool)  # [B, 15, K]
-    per_example = family.log_posterior(batch, pool)  # [B, 5, K]
-    torch.testing.assert_close(by_position[:, 0::3], per_example)  # x_i: examples < i
-    torch.testing.assert_close(by_position[:, 1::3], per_example)  # separator: examples < i
-    torch.testing.assert_close(by_position[:, 2:-3:3], per_example[:, 1:])  # y_i: examples <= i (i < 4)
-    torch.testing.assert_close(by_position[:, -1], family.posterior_by_count(batch, pool)[:, -1])  # y_4: all five
-    torch.testing.assert_close(family.current_x(batch)[:, 1::3], batch.x)
-    torch.testing.assert_close(family.current_x(batch)[:, 2::3], batch.x)
-
-
 def test_pair_layout_reads_the_prediction_at_x():
     family = _family(d=3, layout="pair")
     model = Transformer(ModelConfig(n_layers=1, d_model=16, n_heads=2, d_mlp=32, max_len=16), **family.model_io())

@@ -3,19 +3,22 @@
 Rows are tidy ``{metric, value, band, set, step, layer, site}`` records (``band`` an
 interquartile pair or null) that ``pandas.read_json`` loads in one call. Where each is measured:
 
-- **The place** of the task subspace: chosen as the M1 analysis chooses it (highest R^2_task of P2
-  on the M1 selection batch, ``retrieval.select_place``), so the same run gets the same place in
-  both analyses. Projection R^2 and the S ablation are measured there, on the ``dual`` batches.
+- **The place** of the task subspace: chosen as the M1 analysis chooses it with its default options
+  (highest R^2_task of P2 over every layer and site on the M1 selection batch,
+  ``retrieval.select_place``), so the same run gets the same place in both analyses. The claims'
+  projection R^2 and the S ablation are measured there, on the ``dual`` batches; projection R^2 is
+  also written at every layer and site (``table.*`` rows).
 - **The task subspace** is the one ``TaskSubspace`` of the M1 geometry (the layout's task effects,
   rank K - 1), fitted on the ``dual`` major batch at each place that needs one.
 - **Projection R^2** of late OOD states, in two forms: plain (centred by mu_t, regressed on S)
   and token-conditioned (centred by mu_t + nu(x_t), regressed on theta_{k, x_t}); the claims read
   the token-conditioned one.
 - **The orthogonal search** (``orthogonal.orthogonal_search``) runs at ``resid_mid`` of every layer,
-  avoiding S and the token subspace of that place, with a fresh batch of OOD sequences per step;
-  the layer where ablating V removes the most OOD gain on the search-selection batch is chosen, and
-  V is measured on the fresh ``dual`` batches. At that layer the gain removed by V of rank
-  r = 1..ceil(d0) is the rank curve.
+  avoiding S and the token subspace fitted at that layer, with a fresh batch of OOD sequences per
+  step; the layer whose V raises the OOD loss most on a batch of its own is chosen, and V is
+  measured on the fresh ``dual`` batches, beside random directions drawn where V may lie. At that
+  layer the gain removed by V of rank r = 1..ceil(d0) is the rank curve. For E2 every edit (S, V,
+  the controls and the search) acts on the separators.
 - **Losses and shares** average every prediction after the first; the clean, ablated and first
   losses are written beside each share.
 
@@ -47,7 +50,8 @@ from taskgeom.storage import atomic_write_json
 from taskgeom.tasks import Batch, TokenFamily
 from taskgeom.tasks.regression import Regression
 
-DUAL_VERSION = 2  # 2: the measurement conventions of PAPER.md section 7
+DUAL_VERSION = 3  # 2: the measurement conventions of PAPER.md section 7; 3: the full projection table, V's layer by its loss
+_PROJECTION = {"plain": "projection_r2", "token": "projection_r2_token"}
 N_RANDOM_CONTROLS = 5
 SELECTION_SEQUENCES = 512  # the M1 analysis' default, so both select the same place
 SEARCH_SITE = "resid_mid"
@@ -127,57 +131,70 @@ def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 
     window = late_window(major_inputs.current.shape[1])
     search_sites = [(layer, SEARCH_SITE if SEARCH_SITE in run.sites else "resid_post") for layer in range(n_layers)]
     readout_site = (n_layers - 1, "resid_post")
-    fitted = _geometries(model, major_inputs, ood_inputs, list(dict.fromkeys([place, *search_sites, readout_site])), window)
+    fitted = _geometries(model, major_inputs, ood_inputs, list(dict.fromkeys([*all_sites, *search_sites, readout_site])), window)
+    for site in all_sites:  # the full table; the claims read the selected place
+        for form, r2 in _projection_r2(*fitted[site], ood_inputs.current, window).items():
+            add(f"table.{_PROJECTION[form]}", r2.mean(), _quartiles(r2), "ood", place=site)
 
     geometry, h_ood = fitted[place]
     add("task_rank", geometry.subspace.rank, place=place)
     for form, r2 in _projection_r2(geometry, h_ood, ood_inputs.current, window).items():
-        add("projection_r2" if form == "plain" else "projection_r2_token", r2.mean(), _quartiles(r2), "ood", place=place)
+        add(_PROJECTION[form], r2.mean(), _quartiles(r2), "ood", place=place)
     checkpoints = {**run.snapshots(), cfg.train.steps: model}  # {step: model} across training
     for step, snapshot in checkpoints.items():
         early_geometry, early_ood = _geometries(snapshot, major_inputs, ood_inputs, [place], window)[place]
         for form, r2 in _projection_r2(early_geometry, early_ood, ood_inputs.current, window).items():
-            add("projection_r2" if form == "plain" else "projection_r2_token", r2.mean(), _quartiles(r2), "ood", step, place)
+            add(_PROJECTION[form], r2.mean(), _quartiles(r2), "ood", step, place)
 
     T = cfg.task.seq_len
+    s_positions = major_inputs.model_positions(slice(None))  # E2: its separators; token families: every position
+    avoided = {site: avoid_basis(fitted[site][0].subspace.basis.float(),
+                                 token_subspace(fitted[site][0].nu.float(), centre=not isinstance(family, Regression)))
+               for site in search_sites}
+
+    def search(site: Site, r: int) -> torch.Tensor:
+        return orthogonal_search(model, lambda m, step: family.training_loss(m, family.sample_ood(BATCH_SIZE, T, seed, step, "dual-ood-search")),
+                                 site, avoided[site], rank=r, steps=search_steps, seed=seed, positions=s_positions).directions
+
+    def ablated_losses(batch: Batch, references, site: Site, directions: torch.Tensor) -> torch.Tensor:
+        return model_losses(family, model, batch, references, site, direction_ablation(directions), s_positions)
+
+    # the layer: where V removes the most OOD gain on a batch of its own; compared by the ablated
+    # loss itself (the clean loss is the same for every layer, and a share flips sign with the gain)
     search_select = family.sample_ood(n_seq, T, seed, 0, "dual-ood-search-select")
     search_refs = family.reference_predictions(search_select, pool)
     search_clean = model_losses(family, model, search_select, search_refs)
-
-    def search(site: Site, r: int) -> torch.Tensor:
-        g = fitted[site][0]
-        avoid = avoid_basis(g.subspace.basis.float(), token_subspace(g.nu.float(), centre=not isinstance(family, Regression)))
-        return orthogonal_search(model, lambda m, step: family.training_loss(m, family.sample_ood(BATCH_SIZE, T, seed, step, "dual-ood-search")),
-                                 site, avoid, rank=r, steps=search_steps, seed=seed).directions
-
-    found, removed = {}, {}
+    add("loss", search_clean[1:].mean(), set_name="ood-search")
+    add("loss_first", search_clean[0], set_name="ood-search")
+    found, ablated_loss = {}, {}
     for site in search_sites:
         found[site] = search(site, rank)
-        removed[site] = gain_removed(model_losses(family, model, search_select, search_refs, site, direction_ablation(found[site])), search_clean)
-        add("search_gain_removed", removed[site], set_name="ood-search", place=site)
-    v_site = max(search_sites, key=removed.get)
+        ablated = ablated_losses(search_select, search_refs, site, found[site])
+        ablated_loss[site] = float(ablated[1:].mean())
+        add("search_loss_ablate_V", ablated_loss[site], set_name="ood-search", place=site)
+        add("search_gain_removed", gain_removed(ablated, search_clean), set_name="ood-search", place=site)
+    v_site = max(search_sites, key=ablated_loss.get)
     directions = found[v_site]
     add("v_layer_selected", 1.0, place=v_site)
     v_geometry = fitted[v_site][0]
-    complement = complement_basis(v_geometry.subspace.basis.float())
     add("orthogonality", (directions.T.double() @ v_geometry.subspace.basis).abs().max(), place=v_site)
+    add("orthogonality_avoided", (directions.T.double() @ avoided[v_site].double()).abs().max(), place=v_site)
 
     gen = generator(seed, 0, "dual-random")
-    controls = [random_directions(complement, rank, gen) for _ in range(N_RANDOM_CONTROLS)]
+    free = complement_basis(avoided[v_site])  # random controls live where V may
+    controls = [random_directions(free, rank, gen) for _ in range(N_RANDOM_CONTROLS)]
     batches = _batches(run, n_seq)
-    s_positions = major_inputs.model_positions(slice(None))
     for name, batch in batches.items():
         references = family.reference_predictions(batch, pool)
         clean = model_losses(family, model, batch, references)
         add("loss", clean[1:].mean(), set_name=name)
         add("loss_first", clean[0], set_name=name)
-        for label, site, edit, positions in (("ablate_S", place, task_ablation(geometry.subspace), s_positions),
-                                             ("ablate_V", v_site, direction_ablation(directions), None)):
-            ablated = model_losses(family, model, batch, references, site, edit, positions)
+        for label, site, ablated in (("ablate_S", place, model_losses(family, model, batch, references, place, task_ablation(geometry.subspace),
+                                                                      s_positions)),
+                                     ("ablate_V", v_site, ablated_losses(batch, references, v_site, directions))):
             add(f"loss_{label}", ablated[1:].mean(), set_name=name, place=site)
             add(f"gain_removed_{label}", gain_removed(ablated, clean), set_name=name, place=site)
-        shares = torch.tensor([gain_removed(model_losses(family, model, batch, references, v_site, direction_ablation(v)), clean)
-                               for v in controls])
+        shares = torch.tensor([gain_removed(ablated_losses(batch, references, v_site, v), clean) for v in controls])
         add("gain_removed_random", shares.mean(), [float(shares.min()), float(shares.max())], name, place=v_site)
 
     ood_batch = batches["ood"]
@@ -185,11 +202,12 @@ def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 
     ood_clean = model_losses(family, model, ood_batch, ood_refs)
     d0 = intrinsic_dimension(run)
     add("d0", d0)
-    for r in range(1, min(math.ceil(d0), complement.shape[1]) + 1):
-        v = directions if r == rank else search(v_site, r)
-        add(f"gain_removed_ablate_V_rank{r}", gain_removed(model_losses(family, model, ood_batch, ood_refs, v_site, direction_ablation(v)),
-                                                           ood_clean), set_name="ood", place=v_site)
+    for r in range(1, min(math.ceil(d0), free.shape[1]) + 1):
+        ablated = ablated_losses(ood_batch, ood_refs, v_site, directions if r == rank else search(v_site, r))
+        add(f"loss_ablate_V_rank{r}", ablated[1:].mean(), set_name="ood", place=v_site)
+        add(f"gain_removed_ablate_V_rank{r}", gain_removed(ablated, ood_clean), set_name="ood", place=v_site)
 
+    complement = complement_basis(v_geometry.subspace.basis.float())
     positions, target = family.context_statistic(ood)
     late = positions[late_window(len(positions))]
     target = target[:, late_window(len(positions))]

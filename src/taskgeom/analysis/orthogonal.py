@@ -126,9 +126,11 @@ def orthogonal_search(
     ema: float = 0.995,
     patience: int = 30,
     seed: int = 0,
+    positions: slice | torch.Tensor | None = None,
 ) -> SearchResult:
     """Directions orthogonal to span(avoid: [D, m]) whose ablation ``h <- h - V V^T h`` at ``site``
-    maximises the loss, by the protocol in this module's docstring.
+    maximises the loss, by the protocol in this module's docstring; ``positions``: where the ablation
+    acts (all positions by default; E2's separators in the dual analysis).
 
     loss_fn(model, step) -> scalar tensor: the model's loss on a fresh batch, batch ``step`` of the
     caller's search stream (``BATCH_SIZE`` minor/OOD sequences). The ablated directions are cast to
@@ -154,7 +156,7 @@ def orthogonal_search(
         for step in range(steps):
             q = _orthonormal(coords)
             directions = (c_work @ q).to(avoid.dtype)
-            with intervene(model, site, direction_ablation(directions)):
+            with intervene(model, site, direction_ablation(directions), positions):
                 loss = loss_fn(model, step)
             opt.zero_grad()
             (-loss).backward()

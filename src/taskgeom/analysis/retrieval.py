@@ -21,6 +21,7 @@ sequences, so the x effects cancel when task means are subtracted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal
 
@@ -223,7 +224,9 @@ def select_place(model: torch.nn.Module, inputs: Inputs, sites: list[Site], wind
     """(best, runner-up, every measured place) by R^2_task of P2 on the selection inputs; ``site``
     restricts the candidates to one site name."""
     places = list(measure_places(model, inputs, sites, window, n_random, seed))
-    ranked = sorted((p for p in places if site is None or p.site[1] == site), key=lambda p: -p.p2.r2_task)
+    ranked = sorted((p for p in places if (site is None or p.site[1] == site) and math.isfinite(p.p2.r2_task)), key=lambda p: -p.p2.r2_task)
+    if not ranked:
+        raise AnalysisError("no place has a finite R^2_task to select by")
     return ranked[0].site, ranked[1].site if len(ranked) > 1 else None, places
 
 

@@ -1,7 +1,8 @@
 """PAPER.md section 5: the task subspace S against the nearly orthogonal OOD subspace.
 
 Shapes: ``N`` sequences, ``T`` positions, ``D`` width, ``K`` task vectors, ``r`` ablated directions.
-Every ablation acts on one site (layer, name) at all positions through ``hooks.intervene``.
+Every ablation acts on one site (layer, name) through ``hooks.intervene``, at every position or at
+the analysed ones (E2: its separators).
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ def complement_basis(basis: torch.Tensor) -> torch.Tensor:
 
 
 def task_ablation(subspace: TaskSubspace) -> Edit:
-    """h <- h - P_S (h - mu_t), for h: [B, T, D] covering positions 0..T-1 of ``subspace.mu``."""
+    """h <- h - P_S (h - mu_t), for h: [B, P, D] at exactly the P analysed positions of ``subspace.mu``."""
 
     def edit(h: torch.Tensor) -> torch.Tensor:
+        if h.shape[1] != subspace.mu.shape[0]:
+            raise ValueError(f"the S ablation edits the {subspace.mu.shape[0]} analysed positions of mu_t, got {h.shape[1]}")
         basis = subspace.basis.to(h.dtype)
-        centred = h - subspace.mu[: h.shape[1]].to(h.dtype)
+        centred = h - subspace.mu.to(h.dtype)
         return h - centred @ basis @ basis.T
 
     return edit

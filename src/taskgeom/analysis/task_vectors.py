@@ -6,7 +6,7 @@ families, the token-conditioned vectors ``theta_{k,a}`` with a rank-(K - 1) basi
 
 Rank cut-off: the vectors sum to zero over k, so they span at most K - 1 dimensions; the basis is
 the K - 1 leading left singular vectors of theta^T, and the subspace is refused (ValueError) when
-the (K - 1)-th singular value is below RANK_TOLERANCE times the first. Rounding noise in the
+the (K - 1)-th singular value is below RANK_TOLERANCE times the first (AnalysisError). Rounding noise in the
 zero-sum direction (about 1e-7 of the first singular value for float32 states) therefore never
 enters the basis.
 """
@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from taskgeom.errors import AnalysisError
 
 RANK_TOLERANCE = 1e-6
 
@@ -48,11 +50,6 @@ class TaskSubspace:
     def rank(self) -> int:
         return self.basis.shape[1]
 
-    def project(self, h: torch.Tensor) -> torch.Tensor:
-        """P_S h for h: [..., D] (in h's dtype)."""
-        basis = self.basis.to(h.dtype)
-        return h @ basis @ basis.T
-
     def conditioned_basis(self, tokens: torch.Tensor) -> torch.Tensor:
         """[..., D, K-1] the basis of span_k theta_{k,a} for each current token a of tokens: [...]
         long; the basis of S for continuous inputs (float tokens) or when there are no
@@ -70,7 +67,8 @@ def task_subspace(theta: torch.Tensor, mu: torch.Tensor, window: slice, theta_to
     theta = theta.double() - theta.double().mean(0)
     basis, ok = rank_basis(theta)
     if not bool(ok):
-        raise ValueError(f"the {theta.shape[0]} task vectors span fewer than {theta.shape[0] - 1} dimensions: the task subspace is degenerate")
+        raise AnalysisError(f"the {theta.shape[0]} task vectors span fewer than {theta.shape[0] - 1} dimensions: the task subspace "
+                            "is degenerate here (are the major tasks distinct, and does this site carry them?)")
     token_basis = None
     if theta_token is not None:
         theta_token = theta_token.double() - theta_token.double().mean(0)

@@ -94,13 +94,13 @@ class _Clock:
 
 
 def job_seconds(table: pd.DataFrame) -> pd.DataFrame:
-    """One row per finished job: recipe, diversity, seed and the wall and CPU seconds of its
+    """One row per finished job: recipe, diversity, seed, run directory and the wall and CPU seconds of its
     training and analysis (measured in the process that ran it; near zero when reused)."""
-    columns = ["train_wall_s", "train_cpu_s", "analysis_wall_s", "analysis_cpu_s"]
+    columns = ["recipe", "diversity", "seed", "run", "train_wall_s", "train_cpu_s", "analysis_wall_s", "analysis_cpu_s"]
     if not set(columns) <= set(table.columns):
-        return pd.DataFrame(columns=["recipe", "diversity", "seed", *columns])
+        return pd.DataFrame(columns=columns)
     ok = table[table["status"] == "ok"]
-    return ok.drop_duplicates(["recipe", "diversity", "seed"])[["recipe", "diversity", "seed", *columns]].reset_index(drop=True)
+    return ok.drop_duplicates(["recipe", "diversity", "seed"])[columns].reset_index(drop=True)
 
 
 def run_sweep(jobs: list[Job], executor: Executor = Executor(), out: Path | None = None) -> pd.DataFrame:
@@ -131,6 +131,7 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
     """One row per run: a column per metric (``metric@set`` where the metric has a set)."""
     keys = ["recipe", "diversity", "seed", "status"]
     ok = table[(table["status"] == "ok") & table["step"].isna()] if "step" in table else table.iloc[0:0]
+    ok = ok[~ok["metric"].str.startswith("table.")]  # per-place tables stay in dual.json
     if ok.empty:
         return table.drop_duplicates(keys)[[k for k in [*keys, "error"] if k in table]]
     name = ok["metric"] + ok["set"].map(lambda s: f"@{s}" if isinstance(s, str) else "")

@@ -58,19 +58,6 @@ class Regression(TaskFamily):
         """[n] long: the model position whose output predicts y_i."""
         return torch.arange(n) * self.stride + (1 if self.layout == "separator" else 0)
 
-    def x_positions(self, n: int) -> torch.Tensor:
-        """[n] long: the model position that holds x_i."""
-        return torch.arange(n) * self.stride
-
-    def example_of_position(self, seq_len: int) -> torch.Tensor:
-        """[seq_len] long: the example each model position belongs to."""
-        return torch.arange(seq_len) // self.stride
-
-    def current_x(self, batch: Batch) -> torch.Tensor:
-        """[B, T, d] float64: at every model position, the x of its example (the x_t whose linear
-        effect the geometry removes; at a separator it is the query x_i)."""
-        return batch.x[:, self.example_of_position(batch.tokens.shape[1])]
-
     def encode(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x: [B, n, d], y: [B, n] -> model input [B, stride * n, d + 2] float32."""
         B, n, d = x.shape
@@ -148,13 +135,6 @@ class Regression(TaskFamily):
     def log_posterior(self, batch: Batch, pool: TaskPool) -> torch.Tensor:
         """[B, n, K] log posterior over the pool given examples 0..i-1 (entry 0 is the prior)."""
         return self.posterior_by_count(batch, pool)[:, :-1]
-
-    def position_log_posterior(self, batch: Batch, pool: TaskPool) -> torch.Tensor:
-        """[B, T, K] log posterior in force at every model position: at x_i and the separator it
-        rests on examples 0..i-1, at y_i on examples 0..i."""
-        T = batch.tokens.shape[1]
-        seen = self.example_of_position(T) + (torch.arange(T) % self.stride == self.stride - 1).long()
-        return self.posterior_by_count(batch, pool)[:, seen]
 
     def mix_prediction(self, x: torch.Tensor, params: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """[B, n] prediction of y_i by the mixture of tasks: sum_k weights[b, i, k] w_k . x_i.
