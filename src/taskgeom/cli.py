@@ -109,20 +109,6 @@ def _folder(path: Path, option: str) -> Path:
     return path
 
 
-def _check_training_memory(settings, device: str) -> None:
-    """Refuse a config whose training cannot fit in this machine's memory (exit 3), before its
-    run directory is made; ``device`` is resolved here, as the run will be."""
-    import torch
-
-    from taskgeom.config import check_training_memory
-    from taskgeom.devices import available_memory, describe, resolve_device
-
-    where = resolve_device(device)
-    cpu = torch.device("cpu")
-    host = (available_memory(cpu), describe(cpu)) if where.type == "cuda" else None
-    check_training_memory(settings, available_memory(where), describe(where), host)
-
-
 def _check_training(device: str, tracker: str, local: bool = True) -> None:
     """Refuse a bad --device or --tracker before anything is written; on Ray each task resolves
     the device on its own node, so only its spelling is checked here."""
@@ -159,7 +145,9 @@ def train(
         from taskgeom.hf import require_transformers
 
         require_transformers()  # before the run directory is made
-    _check_training_memory(settings, device)
+    from taskgeom.devices import check_training_fits
+
+    check_training_fits(settings, device)
     if run_dir is None:
         _folder(out, "--out")
     else:
@@ -196,14 +184,16 @@ def runs(
     where: Optional[List[str]] = typer.Option(None, help="Filter field=value, repeatable: --where family=dice --where k=4"),
     csv: bool = typer.Option(False, "--csv", help="Print CSV instead of a table."),
 ) -> None:
-    """List the runs under ROOT with their settings and last held-out major-task loss, from the
-    SQLite index the trainer keeps (refreshed from the directories first). Unreadable run
-    directories are named on stderr and skipped."""
-    from taskgeom.runindex import query, refresh
+    """List the runs under ROOT with their settings and last held-out major-task loss, read from
+    the run directories (the SQLite index the trainer keeps is brought up to date when the folder
+    is writable). A run directory, metrics line or index write that cannot be read or written is
+    named on stderr and skipped; the other runs are listed."""
+    from taskgeom.runindex import list_runs
 
-    for problem in refresh(root):
+    table, problems = list_runs(root, where or [])
+    for problem in problems:
         typer.echo(f"skipped {problem}", err=True)
-    table = query(root, where or []).drop(columns=["updated"])
+    table = table.drop(columns=["updated"])
     typer.echo(table.to_csv(index=False) if csv else (table.round(4).to_string(index=False) if len(table) else "no runs match"))
 
 
@@ -265,7 +255,9 @@ def sweep(
     for job in jobs:  # validate every config before any work starts
         settings = job.config()
         if where.kind == "local":  # a Ray task's node and device are known only there
-            _check_training_memory(settings, device)
+            from taskgeom.devices import check_training_fits
+
+            check_training_fits(settings, device)
     where.check()  # Ray importable and its address answering
     table = run_sweep(jobs, where, out)
     typer.echo(summary(table).round(4).to_string(index=False))

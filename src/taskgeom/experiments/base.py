@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable, ContextManager
 
 from taskgeom.claims import Claim
+from taskgeom.devices import check_training_fits
 from taskgeom.experiments.executors import Executor
 from taskgeom.progress import console, step_bar
 from taskgeom.recipes import load_recipe
@@ -50,7 +51,10 @@ class Context:
 
     def trained(self, recipe: str, overrides: tuple[str, ...] = ()) -> Run:
         """The run of ``recipe`` under this profile, trained now unless already finished."""
-        run = Run.create(load_recipe(recipe, self.profile, list(overrides)), self.runs_root)
+        config = load_recipe(recipe, self.profile, list(overrides))
+        if not (self.runs_root / f"{config.name}-{config.digest()}" / "model.safetensors").exists():
+            check_training_fits(config, self.device)  # before its run directory is made
+        run = Run.create(config, self.runs_root)
         if not run.finished:
             with self.stage(f"train {run.path.name}"), step_bar(f"train {run.path.name}", run.config.train.steps) as update:
                 train(run, update, self.device, self.tracker)

@@ -17,6 +17,7 @@ import pandas as pd
 import torch
 
 from taskgeom.config import RunConfig
+from taskgeom.devices import check_training_fits
 from taskgeom.errors import TaskgeomError
 from taskgeom.experiments.executors import Executor, execute
 from taskgeom.progress import console, job_bar
@@ -68,7 +69,10 @@ def run_job(job: Job, threads: int = 0) -> list[dict]:
     try:
         if threads:
             torch.set_num_threads(threads)
-        run = Run.create(job.config(), job.root)
+        config = job.config()
+        if not (Path(job.root) / f"{config.name}-{config.digest()}" / "model.safetensors").exists():
+            check_training_fits(config, job.device)  # on the node that trains it, before its run directory is made
+        run = Run.create(config, job.root)
         clock = _Clock()
         train(run, device=job.device, tracker=job.tracker)
         trained = clock.lap()
