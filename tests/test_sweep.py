@@ -79,3 +79,17 @@ def test_dual_analysis_runs_on_regression(tmp_path):
     assert not any(m.startswith(("transition", "theorem2")) for m in metrics)
     first = table[(table["metric"] == "loss_first") & (table["set"] == "ood")]["value"].iloc[0]
     assert first > 1.0  # predicting y_0 with no examples: the prior variance d + noise^2 = 2.25
+
+
+def test_a_sweep_that_meets_a_run_being_trained_reports_it_locked(tmp_path):
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump({"base": tiny_config("dice", steps=30).model_dump(mode="json"), "profiles": {"quick": {}}}))
+    jobs = [Job(str(recipe), k, 0, "quick", str(tmp_path / "runs")) for k in (-1, 1)]
+    busy = Run.create(jobs[0].config(), jobs[0].root)
+    with busy.writer():  # as another trainer would hold it (the sweep's worker is another process)
+        table = run_sweep(jobs, Executor(workers=1), out=tmp_path)
+    status = table.drop_duplicates(["diversity"]).set_index("diversity")["status"].to_dict()
+    assert status == {-1: "locked", 1: "ok"}
+    error = table[table["diversity"] == -1]["error"].iloc[0]
+    assert "is being written by another process" in error and ".lock" in error
+    assert not (busy.path / "model.safetensors").exists()

@@ -262,7 +262,7 @@ def sweep(
     table = run_sweep(jobs, where, out)
     typer.echo(summary(table).round(4).to_string(index=False))
     typer.echo(f"tables: {out / 'sweep.csv'}, {out / 'by_step.csv'}")
-    if (table["status"] == "failed").any():
+    if (table["status"] != "ok").any():  # failed or locked runs
         raise typer.Exit(1)
 
 

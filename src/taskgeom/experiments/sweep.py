@@ -18,7 +18,7 @@ import torch
 
 from taskgeom.config import RunConfig
 from taskgeom.devices import check_training_fits
-from taskgeom.errors import TaskgeomError
+from taskgeom.errors import RunLockedError, TaskgeomError
 from taskgeom.experiments.executors import Executor, execute
 from taskgeom.progress import console, job_bar
 from taskgeom.recipes import load_recipe
@@ -80,6 +80,8 @@ def run_job(job: Job, threads: int = 0) -> list[dict]:
         analysed = clock.lap()
         seconds = {"train_wall_s": trained[0], "train_cpu_s": trained[1], "analysis_wall_s": analysed[0], "analysis_cpu_s": analysed[1]}
         return [{"run": str(run.path), "status": "ok", **row, **seconds} for row in rows]
+    except RunLockedError as err:  # another process is training this run: said as such, not retried here
+        return [{"status": "locked", "error": str(err)}]
     except Exception as err:  # one failing run must not stop the sweep
         return [{"status": "failed", "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}]
 
@@ -121,8 +123,8 @@ def run_sweep(jobs: list[Job], executor: Executor = Executor(), out: Path | None
             rows += [{"recipe": job.recipe, "diversity": job.diversity, "seed": job.seed, **row} for row in result]
             advance(f"{job.recipe} k={job.diversity} seed={job.seed}")
     table = pd.DataFrame(rows)
-    for row in table[table["status"] == "failed"].drop_duplicates(["recipe", "diversity", "seed"]).itertuples():
-        console.print(f"[red]failed[/red] {row.recipe} k={row.diversity} seed={row.seed}: {row.error}")
+    for row in table[table["status"] != "ok"].drop_duplicates(["recipe", "diversity", "seed"]).itertuples():
+        console.print(f"[red]{row.status}[/red] {row.recipe} k={row.diversity} seed={row.seed}: {row.error}")
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "sweep.csv", summary(table).to_csv(index=False))
@@ -140,7 +142,7 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
         return table.drop_duplicates(keys)[[k for k in [*keys, "error"] if k in table]]
     name = ok["metric"] + ok["set"].map(lambda s: f"@{s}" if isinstance(s, str) else "")
     wide = ok.assign(name=name).pivot_table(index=keys, columns="name", values="value").reset_index()
-    failed = table[table["status"] == "failed"].drop_duplicates(keys)[[k for k in [*keys, "error"] if k in table]]
+    failed = table[table["status"] != "ok"].drop_duplicates(keys)[[k for k in [*keys, "error"] if k in table]]
     return pd.concat([wide, failed], ignore_index=True).sort_values(["recipe", "diversity", "seed"])
 
 
