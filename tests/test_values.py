@@ -139,8 +139,6 @@ def test_transition_statistic_on_a_case_computed_by_hand():
     assert perfect["log_ratio"] > 5
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="transition.predict_generalising takes math.log(p_new); task.p_minor = 0 "
-                   "is a valid setting (config: ge=0) and the dual analysis then stops with 'math domain error'")
 def test_with_no_minor_mass_the_generalising_predictor_is_bayes_over_the_majors():
     family = make("dice", vocab_size=3)
     pool = family.sample_pool(3, 2, 0.0, seed=0)

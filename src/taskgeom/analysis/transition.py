@@ -20,7 +20,7 @@ def predict_generalising(family: TaskFamily, tokens: torch.Tensor, pool: TaskPoo
     """[B, T, V] posterior mixture over {majors, new task ~ prior} after tokens[:, :t+1]."""
     majors = pool.params[: pool.n_major].double()
     loglik = family.step_log_likelihood(tokens, majors).cumsum(dim=1)  # [B, T, K]
-    log_major, log_new = math.log((1 - p_new) / pool.n_major), math.log(p_new)
+    log_major, log_new = math.log((1 - p_new) / pool.n_major), (math.log(p_new) if p_new > 0 else -math.inf)  # p_new = 0: majors only
     joint = torch.cat([loglik + log_major, (family.log_marginal_ood(tokens) + log_new)[..., None]], dim=-1)
     weights = torch.softmax(joint, dim=-1)
     return family.mix_predictive(tokens, majors, weights[..., :-1]) + weights[..., -1:] * family.predict_ood(tokens)
