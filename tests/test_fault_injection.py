@@ -109,9 +109,6 @@ def test_a_sweep_killed_mid_way_and_restarted_ends_as_one_never_interrupted(tmp_
             assert (victim_out / run / name).read_bytes() == (reference_out / run / name).read_bytes(), (run, name)
 
 
-@pytest.mark.xfail(strict=True, reason="safetensors serialises the metadata dict (a Rust HashMap) in a random order on every save, "
-                   "so model.safetensors and checkpoint.safetensors of identical runs differ in their header bytes; "
-                   "storage.save_tensors passes three metadata keys")
 def test_identical_saves_give_identical_bytes(tmp_path):
     """Twelve saves of the same tensors and metadata (with three keys, twelve equal orders by chance
     have probability 6**-11)."""

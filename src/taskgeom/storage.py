@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from taskgeom.errors import CheckpointError, EnvironmentRefused, RunLockedError
 
@@ -80,12 +80,29 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, s
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata={"format": CHECKPOINT_FORMAT, **meta})
-        os.chmod(tmp, file_mode())  # save_file makes the file anew (mode 0600)
+        data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata={"format": CHECKPOINT_FORMAT, **meta})
+        with open(tmp, "wb") as handle:
+            handle.write(_ordered_header(data))
+        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _ordered_header(data: bytes) -> bytes:
+    """The safetensors bytes with their JSON header written in sorted key order, so that equal
+    tensors and metadata give equal files (safetensors writes the metadata map in a random order).
+    The header keeps its length (padded with spaces, as safetensors pads it); only the order of
+    its entries changes, so every tensor offset stays valid."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    if isinstance(header.get("__metadata__"), dict):
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    ordered = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(ordered) > size:  # cannot happen for the same entries; keep the original rather than guess
+        return data
+    return data[:8] + ordered.ljust(size, b" ") + data[8 + size :]
 
 
 def load_tensors(path: Path, digest: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
