@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from taskgeom.experiments.e4 import MAX_BACK, PROBE_MARGIN, prefix_probes, probe_batch, probe_rows, probe_targets, weakest_probe
+from taskgeom.experiments.e4 import (MAX_BACK, PROBE_MARGIN, best_layers, prefix_probes, probe_batch, probe_rows, probe_targets,
+                                      weakest_probe)
 from taskgeom.recipes import load_recipe
 from taskgeom.report.dyck import plot_prefix_probes
 from taskgeom.rng import generator
@@ -120,3 +121,16 @@ def test_weakest_probe_is_the_target_no_layer_holds(run):
     assert math.isnan(weakest_probe(nan_everywhere, "resid_mid")["gain"])
     with pytest.raises(ValueError, match="no probe rows"):
         weakest_probe(rows, "attn_out")
+
+
+def test_the_claims_layers_come_from_the_selection_batch_not_the_measured_one():
+    def row(target, layer, gain):
+        return {"set": "pool", "site": "resid_mid", "layer": layer, "target": target, "metric": "accuracy", "score": 0.5 + gain, "control": 0.5}
+
+    selection = [row("back_1", 0, 0.30), row("back_1", 1, 0.20), row("depth", 0, 0.10), row("depth", 1, 0.40)]
+    measured = [row("back_1", 0, 0.05), row("back_1", 1, 0.25), row("depth", 0, 0.50), row("depth", 1, 0.15)]
+    layers = best_layers(selection)
+    assert layers == {"back_1": 0, "depth": 1}
+    chosen = weakest_probe(measured, "resid_mid", layers)
+    assert (chosen["target"], chosen["layer"]) == ("back_1", 0) and chosen["gain"] == pytest.approx(0.05)
+    assert weakest_probe(measured, "resid_mid")["gain"] == pytest.approx(0.25)  # its own best layers would flatter it

@@ -228,7 +228,7 @@ def test_e4_claims_read_planted_shares_and_probes(tmp_path, monkeypatch, e4_shar
     monkeypatch.setattr(Context, "trained", fake_trained)
     monkeypatch.setattr(e4, "reference_p0", lambda run: references[run.recipe])
     monkeypatch.setattr(e4, "dyck_p0", lambda run: dyck)
-    monkeypatch.setattr(e4, "prefix_probes", lambda run, model, which: trained_rows[which] if model is trained else
+    monkeypatch.setattr(e4, "prefix_probes", lambda run, model, which, **kw: trained_rows[which] if model is trained else
                         untrained_rows if which == "pool" else [{**r, "set": "ood", "score": r["control"] + 0.5} for r in untrained_rows])
     monkeypatch.setattr(e4, "plot_p0_comparison", lambda *a, **k: None)
     monkeypatch.setattr(e4, "plot_prefix_probes", lambda *a, **k: None)

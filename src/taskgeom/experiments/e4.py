@@ -56,6 +56,10 @@ PROBE_SITES = P0_SITES
 CLAIM_SITE = "resid_mid"
 ProbeSet = Literal["pool", "ood"]
 PROBE_SETS: tuple[str, ...] = ("pool", "ood")
+# PAPER.md section 7: no claim selects its place by its own value on the data it reports. The layer
+# each target is read at is chosen on a pool batch of its own (SELECT_STREAM); the tables and the
+# claim are measured on MEASURE_STREAM.
+MEASURE_STREAM, SELECT_STREAM = "probe", "probe-select"
 
 
 def within_shares(
@@ -117,15 +121,16 @@ def dyck_p0(run: Run) -> dict[str, dict[str, list[float]]]:
     }
 
 
-def probe_batch(run: Run, which: ProbeSet, n_sequences: int = N_SEQUENCES) -> Batch:
+def probe_batch(run: Run, which: ProbeSet, n_sequences: int = N_SEQUENCES, stream: str = MEASURE_STREAM) -> Batch:
     """The sequences the probes read: ``pool`` draws tasks from the pool prior (in-distribution, as
     the study probes); ``ood`` draws a fresh string per sequence (no memorised string can stand in
-    for the prefix)."""
+    for the prefix). ``stream``: MEASURE_STREAM for the tables and the claim, SELECT_STREAM for the
+    batch that chooses the claim's layers."""
     family, cfg = run.family, run.config
     if which == "pool":
-        return family.sample(run.pool, n_sequences, cfg.task.seq_len, cfg.train.seed, 0, "probe", "all")
+        return family.sample(run.pool, n_sequences, cfg.task.seq_len, cfg.train.seed, 0, stream, "all")
     if which == "ood":
-        return family.sample_ood(n_sequences, cfg.task.seq_len, cfg.train.seed, 0, "probe")
+        return family.sample_ood(n_sequences, cfg.task.seq_len, cfg.train.seed, 0, stream)
     raise ValueError(f"which must be one of {PROBE_SETS}, got {which!r}")
 
 
@@ -161,29 +166,39 @@ def probe_rows(
     return rows
 
 
-def prefix_probes(run: Run, model: torch.nn.Module, which: ProbeSet, n_sequences: int = N_SEQUENCES) -> list[dict]:
+def prefix_probes(run: Run, model: torch.nn.Module, which: ProbeSet, n_sequences: int = N_SEQUENCES,
+                  stream: str = MEASURE_STREAM) -> list[dict]:
     """Probes for the planted bracket j back (accuracy) and the depth (R^2) on ``which`` sequences
     (``probe_batch``), from the embedding (layer 0's ``resid_pre``) and from PROBE_SITES of every
     layer, at the positions of ``probe_targets``."""
-    tokens = probe_batch(run, which, n_sequences).tokens
+    tokens = probe_batch(run, which, n_sequences, stream).tokens
     mask, targets = probe_targets(run.family, tokens)
     sites = [(0, "resid_pre"), *((layer, name) for layer in range(run.config.model.n_layers) for name in PROBE_SITES)]
     return probe_rows(collect(model, tokens, sites).items(), targets, mask, which, run.config.train.seed)
 
 
-def weakest_probe(rows: list[dict], site: str = CLAIM_SITE) -> dict:
-    """The target whose best layer at ``site`` beats its shuffled-label control by the least:
-    {target, layer, score, control, gain} of that layer (gain = score - control). A NaN gain counts
-    as the smallest, so that it reaches the claim (which NaN never passes)."""
-    def gain(row: dict) -> float:
-        value = row["score"] - row["control"]
-        return -math.inf if math.isnan(value) else value
-
+def best_layers(rows: list[dict], site: str = CLAIM_SITE) -> dict[str, int]:
+    """{target: the layer whose probe at ``site`` beats its shuffled-label control by the most} (a
+    NaN margin counts as the smallest); on the selection batch, this fixes the claim's layers."""
     chosen = [r for r in rows if r["site"] == site]
     if not chosen:
         raise ValueError(f"no probe rows at site {site!r}")
-    best = [max((r for r in chosen if r["target"] == t), key=gain) for t in dict.fromkeys(r["target"] for r in chosen)]
-    row = min(best, key=gain)
+    return {t: max((r for r in chosen if r["target"] == t), key=_gain)["layer"] for t in dict.fromkeys(r["target"] for r in chosen)}
+
+
+def _gain(row: dict) -> float:
+    value = row["score"] - row["control"]
+    return -math.inf if math.isnan(value) else value
+
+
+def weakest_probe(rows: list[dict], site: str = CLAIM_SITE, layers: dict[str, int] | None = None) -> dict:
+    """The target whose probe at ``site`` beats its shuffled-label control by the least, each target
+    read at ``layers[target]`` (by default its best layer in these rows): {target, layer, score,
+    control, gain} (gain = score - control). A NaN gain counts as the smallest, so that it reaches the
+    claim (which NaN never passes)."""
+    layers = best_layers(rows, site) if layers is None else layers
+    read = [next(r for r in rows if r["site"] == site and r["target"] == t and r["layer"] == layer) for t, layer in layers.items()]
+    row = min(read, key=_gain)
     return {"target": row["target"], "layer": row["layer"], "score": row["score"], "control": row["control"], "gain": row["score"] - row["control"]}
 
 
@@ -197,6 +212,7 @@ def e4(ctx: Context) -> None:
     with ctx.stage("prefix probes (trained and untrained, pool and OOD)"):
         model, untrained_model = diverse.load_model(), diverse.new_model()  # untrained: random features of the same network
         probes = {which: prefix_probes(diverse, model, which) for which in PROBE_SETS}
+        layers = best_layers(prefix_probes(diverse, model, "pool", stream=SELECT_STREAM))  # chosen apart from the claim's batch
         untrained = [row for which in PROBE_SETS for row in prefix_probes(diverse, untrained_model, which)]
     p0 = {name: {**{ref: references[ref][name] for ref in REFERENCES}, **{f"e4_{k}": v for k, v in dyck[name].items()}} for name in P0_SITES}
     atomic_write_json(ctx.out / "analysis" / "e4.json",
@@ -211,14 +227,14 @@ def e4(ctx: Context) -> None:
         "divided by the larger of E1's and E3's smallest (task, token) share; k = -1",
         e4_smallest / reference_smallest, ">=", P0_FACTOR, ctx.profile,
         parts={"e4_smallest": e4_smallest, "reference_smallest": reference_smallest}))
-    weakest = weakest_probe(probes["pool"], CLAIM_SITE)
+    weakest = weakest_probe(probes["pool"], CLAIM_SITE, layers)
     ctx.claims.append(check(
         "e4.prefix_probe", "e4",
-        f"smallest over targets (bracket j back, j = 1..{MAX_BACK}, and depth) of the best layer's probe score "
-        f"({CLAIM_SITE}) minus its shuffled-label control, in-distribution (pool) sequences, k = {PROBE_DIVERSITY}",
+        f"smallest over targets (bracket j back, j = 1..{MAX_BACK}, and depth) of the probe score ({CLAIM_SITE}, at the layer "
+        f"chosen per target on a separate batch) minus its shuffled-label control, in-distribution (pool) sequences, k = {PROBE_DIVERSITY}",
         weakest["gain"], ">=", PROBE_MARGIN, ctx.profile,
         parts={"score": weakest["score"], "control": weakest["control"], "target": weakest["target"], "layer": weakest["layer"],
-               "untrained_gain": weakest_probe([r for r in untrained if r["set"] == "pool"], CLAIM_SITE)["gain"]}))
+               "untrained_gain": weakest_probe([r for r in untrained if r["set"] == "pool"], CLAIM_SITE, layers)["gain"]}))
 
     series = {f"{ref.upper()} (task, token)": shares[ref] for ref in REFERENCES}
     series |= {"E4 (task, token), bracket phase": shares["e4_token_due"], "E4 (task, last 3 brackets), bracket phase": shares["e4_last3_due"]}
