@@ -22,6 +22,18 @@ def _per_k(rows: pd.DataFrame, metric: str, set_name: str | None = "ood") -> pd.
     return pick.groupby("diversity")[["value", "low", "high"]].mean().reset_index()
 
 
+def _finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str, legend_size: int = 8) -> None:
+    """Label, grid and legend one axis, then save the figure to ``path`` and close it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=legend_size)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_projection_r2(rows: pd.DataFrame, path: Path) -> None:
     """Projection R^2 of OOD states onto the task subspace against diversity k, one colour per
     recipe: token-conditioned (solid, what the claims read) and plain (dashed)."""
@@ -32,15 +44,9 @@ def plot_projection_r2(rows: pd.DataFrame, path: Path) -> None:
             ax.plot(table["diversity"], table["value"], style, color=f"C{i}", label=f"{recipe.upper()} {form}")
             if metric == "projection_r2_token":
                 ax.fill_between(table["diversity"], table["low"], table["high"], color=f"C{i}", alpha=0.2)
-    ax.set_xlabel("task diversity k (2^k minor tasks; -1: majors only)")
-    ax.set_ylabel("projection R$^2$ of OOD states on S")
     ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(frameon=False, fontsize=8)
-    ax.set_title("OOD states leave the task subspace as diversity grows")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(fig, ax, path, "task diversity k (2^k minor tasks; -1: majors only)", "projection R$^2$ of OOD states on S",
+            "OOD states leave the task subspace as diversity grows")
 
 
 def rank_curve(rows: pd.DataFrame) -> pd.DataFrame:
@@ -60,14 +66,8 @@ def plot_rank_curve(curve: pd.DataFrame, path: Path) -> None:
         mean = group.groupby("rank")["value"].mean()
         ax.plot(mean.index, mean.values, "o-", label=f"{recipe.upper()} k = {k}")
     ax.axhline(50, color="0.5", ls=":", lw=1)
-    ax.set_xlabel("rank r of the ablated orthogonal subspace V")
-    ax.set_ylabel("% of OOD in-context gain removed")
-    ax.grid(alpha=0.3)
-    ax.legend(frameon=False, fontsize=8)
-    ax.set_title("How many directions the OOD mode needs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(fig, ax, path, "rank r of the ablated orthogonal subspace V", "% of OOD in-context gain removed",
+            "How many directions the OOD mode needs")
 
 
 def plot_dissociation(rows: pd.DataFrame, path: Path, title: str) -> None:
@@ -140,11 +140,5 @@ def plot_theorem2(rows: pd.DataFrame, path: Path) -> None:
             table = _per_k(group, metric)
             ax.plot(table["diversity"], table["value"], style, color=f"C{i}", label=f"{recipe.upper()}: {label}")
             ax.fill_between(table["diversity"], table["low"], table["high"], color=f"C{i}", alpha=0.15)
-    ax.set_xlabel("task diversity k")
-    ax.set_ylabel("last-layer distance (median, IQR)")
-    ax.grid(alpha=0.3)
-    ax.legend(frameon=False, fontsize=7)
-    ax.set_title("Theorem 2: measured distance and its lower bound")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(fig, ax, path, "task diversity k", "last-layer distance (median, IQR)", "Theorem 2: measured distance and its lower bound",
+            legend_size=7)
