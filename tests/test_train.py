@@ -354,3 +354,32 @@ def test_a_damaged_metrics_line_of_a_finished_run_is_named(finished):
     finished.metrics_path.write_bytes(finished.metrics_path.read_bytes()[:-10])
     with pytest.raises(RunDirError, match=r"metrics.jsonl line 1 is not a JSON record"):
         train(finished)
+
+
+def test_a_runs_thread_count_does_not_leak_into_the_next_run(tmp_path):
+    """A run with train.threads set trains with that many torch threads and leaves the process as
+    it found it, so the next run this process trains (whose result depends on its thread count)
+    gets the same threads as if it had been trained alone."""
+    import torch
+
+    from conftest import tiny_config
+
+    outside = torch.get_num_threads()
+    torch.set_num_threads(2)  # the process's setting, different from the run's
+    config = tiny_config("dice", steps=4).model_copy(update={"train": tiny_config("dice", steps=4).train.model_copy(update={"threads": 1})})
+    seen = []
+    original = torch.optim.AdamW.step
+
+    def record(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return original(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = record
+    try:
+        train(Run.create(config, tmp_path))
+    finally:
+        torch.optim.AdamW.step = original
+    leaked = torch.get_num_threads()
+    torch.set_num_threads(outside)
+    assert set(seen) == {1}
+    assert leaked == 2

@@ -7,9 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager
 
+import torch
+
 from taskgeom.claims import Claim
 from taskgeom.devices import check_training_fits
 from taskgeom.experiments.executors import Executor
+from taskgeom.experiments.schedule import TrainTask, train_all
 from taskgeom.progress import console, step_bar
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run
@@ -49,6 +52,12 @@ class Context:
         self.figures.append((f"figures/{name}", caption))
         return path
 
+    def plan(self, recipe: str, overrides: tuple[str, ...] = (), threads: int = 0) -> TrainTask:
+        """The run ``trained(recipe, overrides)`` gives, as a task for the training schedule;
+        ``threads``: its torch threads (0: this process's, as ``trained`` would use)."""
+        return TrainTask(load_recipe(recipe, self.profile, list(overrides)), str(self.runs_root), self.device, self.tracker,
+                         threads or torch.get_num_threads())
+
     def trained(self, recipe: str, overrides: tuple[str, ...] = ()) -> Run:
         """The run of ``recipe`` under this profile, trained now unless already finished."""
         config = load_recipe(recipe, self.profile, list(overrides))
@@ -61,17 +70,24 @@ class Context:
         return run
 
 
-Experiment = Callable[[Context], None]
+Experiment = Callable[[Context], None]  # may carry ``runs(ctx) -> list[TrainTask]``: the runs it needs, for the schedule
 
 
 def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], executor: Executor = Executor(),
               device: str = "auto", tracker: str = "none") -> Context:
-    """Run each experiment (their sweeps on ``executor``; training on ``device``, also logged to
-    ``tracker``), then write ``claims.json``, ``timings.json`` and ``report.html``."""
+    """Train every run the experiments declare (``runs``) on ``executor``'s local pool first
+    (``schedule``), then run each experiment (their sweeps on ``executor``; training on ``device``,
+    also logged to ``tracker``), then write ``claims.json``, ``timings.json`` and ``report.html``."""
     from taskgeom.report.html import write_report
 
     ctx = Context(Path(out), profile, executor, device, tracker)
     ctx.out.mkdir(parents=True, exist_ok=True)
+    tasks = [task for experiment in experiments.values() for task in getattr(experiment, "runs", lambda _: [])(ctx)]
+    if tasks and executor.kind == "local" and executor.workers > 1:  # one schedule: every run trained first, together
+        console.log("[bold]training[/bold] every run the experiments need")
+        ctx.experiment = "schedule"
+        with ctx.timings.experiment("schedule"):
+            train_all(tasks, executor, ctx.timings)
     for name, experiment in experiments.items():
         console.log(f"experiment [bold]{name}[/bold]")
         ctx.experiment = name

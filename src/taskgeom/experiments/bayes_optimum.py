@@ -27,3 +27,6 @@ def bayes_optimum(ctx: Context) -> None:
         plot_loss_by_position(table, ctx.figure(f"{experiment}_loss_by_position.png",
                               f"{experiment.upper()}: per-position loss of the model against the ID-Bayes and OOD-optimal predictors"),
                               run.family.plot_labels, title=f"{experiment.upper()} (k = -1)")
+
+
+bayes_optimum.runs = lambda ctx: [ctx.plan(recipe, ("task.diversity=-1",)) for recipe in ("e1", "e3")]  # for the schedule

@@ -11,6 +11,7 @@ import pandas as pd
 from taskgeom.analysis.dual import N_RANDOM_CONTROLS
 from taskgeom.claims import check, gain_parts
 from taskgeom.experiments.base import Context
+from taskgeom.experiments.schedule import TrainTask
 from taskgeom.experiments.sweep import Job, by_step, job_seconds, run_sweep
 from taskgeom.report.dual import (plot_dissociation, plot_projection_r2, plot_projection_r2_steps, plot_rank_curve, plot_theorem2,
                                   plot_transition, rank_curve)
@@ -47,10 +48,20 @@ def _band(rows: pd.DataFrame, metric: str, diversity: int, set_name: str) -> lis
     return [min(b[0] for b in bands), max(b[1] for b in bands)] if bands else [float("nan"), float("nan")]
 
 
+def _jobs(ctx: Context) -> list[Job]:
+    diversities, seeds, recipes = GRIDS[ctx.profile]
+    return [Job(recipe, k, seed, ctx.profile, str(ctx.runs_root), device=ctx.device, tracker=ctx.tracker)
+            for recipe in recipes for k in diversities for seed in seeds]
+
+
+def runs(ctx: Context) -> list[TrainTask]:
+    """The sweep's runs, for the schedule, each with the thread count the sweep gives it."""
+    return [TrainTask(job.config(), job.root, job.device, job.tracker, ctx.executor.threads) for job in _jobs(ctx)]
+
+
 def dual_modes(ctx: Context) -> None:
     diversities, seeds, recipes = GRIDS[ctx.profile]
-    jobs = [Job(recipe, k, seed, ctx.profile, str(ctx.runs_root), device=ctx.device, tracker=ctx.tracker)
-            for recipe in recipes for k in diversities for seed in seeds]
+    jobs = _jobs(ctx)
     table = run_sweep(jobs, ctx.executor, out=ctx.out / "tables")
     for job in job_seconds(table).itertuples():
         name = f"{job.recipe} k={job.diversity} seed={job.seed}"
@@ -103,3 +114,6 @@ def dual_modes(ctx: Context) -> None:
         plot_projection_r2_steps(by_step(ok), ctx.figure("projection_r2_steps.png",
                                  "Projection R^2 of OOD states onto the task subspace across training, one line per diversity k"))
         plot_theorem2(ok, ctx.figure("theorem2.png", "Theorem 2: distance of OOD states from S beside (c - delta)/L (last layer)"))
+
+
+dual_modes.runs = runs

@@ -52,3 +52,6 @@ def e2(ctx: Context) -> None:
     plot_loss_by_position(table, ctx.figure("e2_mse_by_example.png",
                           "E2: per-example squared error of the model against dMMSE (pool posterior) and ridge (OOD-optimal), k = -1"),
                           run.family.plot_labels, title="E2 (k = -1)", log_scale=True)
+
+
+e2.runs = lambda ctx: [ctx.plan("e2", ("task.diversity=-1",))]  # for the schedule

@@ -202,6 +202,13 @@ def weakest_probe(rows: list[dict], site: str = CLAIM_SITE, layers: dict[str, in
     return {"target": row["target"], "layer": row["layer"], "score": row["score"], "control": row["control"], "gain": row["score"] - row["control"]}
 
 
+def runs(ctx: Context) -> list:
+    """The runs ``e4`` trains or reads, for the schedule: E4 at k = -1 and k = PROBE_DIVERSITY, and
+    the references at k = -1."""
+    return [ctx.plan("e4", ("task.diversity=-1",)), ctx.plan("e4", (f"task.diversity={PROBE_DIVERSITY}",)),
+            *(ctx.plan(name, ("task.diversity=-1",)) for name in REFERENCES)]
+
+
 def e4(ctx: Context) -> None:
     majors = ctx.trained("e4", ("task.diversity=-1",))
     diverse = ctx.trained("e4", (f"task.diversity={PROBE_DIVERSITY}",))
@@ -249,3 +256,6 @@ def e4(ctx: Context) -> None:
                                   f"k = {PROBE_DIVERSITY}; solid: in-distribution (pool) sequences, dashed: OOD sequences, "
                                   f"dotted: shuffled labels; grey: layer {last} of the untrained network"),
                        f"E4: linear probes for the planted bracket prefix at {CLAIM_SITE}, k = {PROBE_DIVERSITY}", site=CLAIM_SITE)
+
+
+e4.runs = runs

@@ -1,0 +1,83 @@
+"""One schedule for all training (issue 14): every run the experiments of a reproduction need is
+known before any of them starts (each experiment's ``runs(ctx)``), and the unfinished ones are
+trained together on the executor's process pool, the most expensive first; the experiments then
+find their runs finished and only analyse.
+
+Each run trains with the torch thread count it would have had if its experiment had trained it in
+turn, because the result depends on it (the same run trained with 1 and with 2 threads differs in
+the last bits): a run of a single experiment with this process's thread count, a run of a sweep
+with the executor's. A run two experiments share keeps the first one's. So the run directories
+are the same, bit for bit, as without the schedule.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from taskgeom.config import RunConfig, parameter_count
+from taskgeom.devices import check_training_fits
+from taskgeom.experiments.executors import Executor, execute
+from taskgeom.progress import console, job_bar
+from taskgeom.runs import Run
+from taskgeom.timing import Profile
+
+
+@dataclass(frozen=True)
+class TrainTask:
+    """One run to train: its config, run root, device, tracker and torch thread count."""
+
+    config: RunConfig
+    root: str
+    device: str
+    tracker: str
+    threads: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.config.name}-{self.config.digest()}"
+
+    def cost(self) -> float:
+        """Relative CPU cost, for longest-first ordering: parameters x tokens seen."""
+        train, task = self.config.train, self.config.task
+        return float(parameter_count(self.config)) * train.steps * train.batch_size * task.seq_len
+
+
+def train_task(task: TrainTask, _pool_threads: int = 0) -> tuple[float, float]:
+    """Train (or resume) one run in this process with ``task.threads`` torch threads; returns its
+    (wall, CPU) seconds."""
+    from taskgeom.train import train
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    torch.set_num_threads(task.threads)
+    train(Run.create(task.config, task.root), device=task.device, tracker=task.tracker)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def unique_unfinished(tasks: list[TrainTask]) -> list[TrainTask]:
+    """The tasks whose run is not finished, each run once (the first task naming it wins), the most
+    expensive first."""
+    seen: dict[str, TrainTask] = {}
+    for task in tasks:
+        if task.name not in seen and not (Path(task.root) / task.name / "model.safetensors").exists():
+            seen[task.name] = task
+    return sorted(seen.values(), key=lambda t: -t.cost())
+
+
+def train_all(tasks: list[TrainTask], executor: Executor, timings: Profile) -> None:
+    """Train every unfinished run of ``tasks`` on ``executor``'s local pool. A run whose training
+    fails is left to the experiment that needs it, which trains it again in its own process and
+    reports the error there."""
+    todo = unique_unfinished(tasks)
+    for task in todo:  # refuse before any run directory is made
+        check_training_fits(task.config, task.device)
+    with job_bar("train", len(todo)) as advance:
+        for task, result in execute(train_task, todo, executor):
+            if isinstance(result, BaseException):
+                console.print(f"[red]training {task.name} failed[/red] ({type(result).__name__}: {result}); its experiment retries it")
+            else:
+                timings.add("schedule", f"train {task.name} ({task.threads} threads)", *result)
+            advance(task.name)
