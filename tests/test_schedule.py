@@ -59,3 +59,17 @@ def test_the_schedule_takes_each_run_once_most_expensive_first(tmp_path):
     assert [(t.config.train.steps, t.threads) for t in todo] == [(40, 2), (10, 1)]  # the first task naming a run sets its threads
     train(Run.create(big, tmp_path))
     assert [t.config.train.steps for t in unique_unfinished(tasks)] == [10]
+
+
+def test_threads_never_outnumber_cores(tmp_path, monkeypatch):
+    from taskgeom.experiments import schedule
+    from taskgeom.timing import Profile
+
+    recipe = _recipe(tmp_path)
+    configs = [load_recipe(recipe, "quick", [f"train.steps={n}"]) for n in (10, 20, 30, 40)]
+    tasks = [TrainTask(c, str(tmp_path), "cpu", "none", threads) for c, threads in zip(configs, (1, 2, 1, 2))]
+    groups = []
+    monkeypatch.setattr(schedule.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(schedule, "_train_group", lambda group, workers: groups.append(([t.config.train.steps for t in group], workers)) or [])
+    schedule.train_all(tasks, Executor(workers=2), Profile())
+    assert groups == [([30, 10], 2), ([40, 20], 1)]  # single-thread runs two at a time; two-thread runs alone

@@ -53,10 +53,11 @@ class Context:
         return path
 
     def plan(self, recipe: str, overrides: tuple[str, ...] = (), threads: int = 0) -> TrainTask:
-        """The run ``trained(recipe, overrides)`` gives, as a task for the training schedule;
-        ``threads``: its torch threads (0: this process's, as ``trained`` would use)."""
-        return TrainTask(load_recipe(recipe, self.profile, list(overrides)), str(self.runs_root), self.device, self.tracker,
-                         threads or torch.get_num_threads())
+        """The run ``trained(recipe, overrides)`` gives, as a task for the training schedule, with the
+        torch threads it trains with: its config's ``train.threads``, else ``threads``, else this
+        process's (as ``trained`` would use)."""
+        config = load_recipe(recipe, self.profile, list(overrides))
+        return TrainTask(config, str(self.runs_root), self.device, self.tracker, config.train.threads or threads or torch.get_num_threads())
 
     def trained(self, recipe: str, overrides: tuple[str, ...] = ()) -> Run:
         """The run of ``recipe`` under this profile, trained now unless already finished."""

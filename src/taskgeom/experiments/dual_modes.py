@@ -56,7 +56,8 @@ def _jobs(ctx: Context) -> list[Job]:
 
 def runs(ctx: Context) -> list[TrainTask]:
     """The sweep's runs, for the schedule, each with the thread count the sweep gives it."""
-    return [TrainTask(job.config(), job.root, job.device, job.tracker, ctx.executor.threads) for job in _jobs(ctx)]
+    return [TrainTask(config, job.root, job.device, job.tracker, config.train.threads or ctx.executor.threads)
+            for job in _jobs(ctx) for config in [job.config()]]
 
 
 def dual_modes(ctx: Context) -> None:

@@ -1,7 +1,8 @@
 """One schedule for all training (issue 14): every run the experiments of a reproduction need is
 known before any of them starts (each experiment's ``runs(ctx)``), and the unfinished ones are
-trained together on the executor's process pool, the most expensive first; the experiments then
-find their runs finished and only analyse.
+trained first, grouped by thread count so that threads never outnumber cores (single-thread runs
+on a process pool, the most expensive first; a run that uses every core alone); the experiments
+then find their runs finished and only analyse.
 
 Each run trains with the torch thread count it would have had if its experiment had trained it in
 turn, because the result depends on it (the same run trained with 1 and with 2 threads differs in
@@ -12,9 +13,11 @@ are the same, bit for bit, as without the schedule.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -28,7 +31,8 @@ from taskgeom.timing import Profile
 
 @dataclass(frozen=True)
 class TrainTask:
-    """One run to train: its config, run root, device, tracker and torch thread count."""
+    """One run to train: its config, run root, device, tracker and the torch thread count it trains
+    with (its config's ``train.threads`` when set)."""
 
     config: RunConfig
     root: str
@@ -51,9 +55,12 @@ def train_task(task: TrainTask, _pool_threads: int = 0) -> tuple[float, float]:
     (wall, CPU) seconds."""
     from taskgeom.train import train
 
-    wall, cpu = time.perf_counter(), time.process_time()
+    wall, cpu, before = time.perf_counter(), time.process_time(), torch.get_num_threads()
     torch.set_num_threads(task.threads)
-    train(Run.create(task.config, task.root), device=task.device, tracker=task.tracker)
+    try:
+        train(Run.create(task.config, task.root), device=task.device, tracker=task.tracker)
+    finally:
+        torch.set_num_threads(before)
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -67,17 +74,36 @@ def unique_unfinished(tasks: list[TrainTask]) -> list[TrainTask]:
     return sorted(seen.values(), key=lambda t: -t.cost())
 
 
+def _train_group(group: list[TrainTask], workers: int) -> Iterator[tuple[TrainTask, tuple[float, float] | BaseException]]:
+    """(task, (wall, CPU) seconds or the error) for each task: on a pool of ``workers`` processes,
+    or one after another in this process."""
+    if workers > 1:
+        yield from execute(train_task, group, Executor(workers=workers))
+        return
+    for task in group:
+        try:
+            yield task, train_task(task)
+        except Exception as err:  # reported, and retried by the experiment that needs the run
+            yield task, err
+
+
 def train_all(tasks: list[TrainTask], executor: Executor, timings: Profile) -> None:
-    """Train every unfinished run of ``tasks`` on ``executor``'s local pool. A run whose training
-    fails is left to the experiment that needs it, which trains it again in its own process and
-    reports the error there."""
+    """Train every unfinished run of ``tasks`` on ``executor``'s local pool. Runs that use t threads
+    share the machine's cores: they train on ``cores // t`` workers at once (at most the
+    executor's), so threads never outnumber cores (oversubscribed torch threads slow every run
+    down several-fold). A run whose training fails is left to the experiment that needs it, which
+    trains it again in its own process and reports the error there."""
     todo = unique_unfinished(tasks)
     for task in todo:  # refuse before any run directory is made
         check_training_fits(task.config, task.device)
+    cores = os.cpu_count() or 1
     with job_bar("train", len(todo)) as advance:
-        for task, result in execute(train_task, todo, executor):
-            if isinstance(result, BaseException):
-                console.print(f"[red]training {task.name} failed[/red] ({type(result).__name__}: {result}); its experiment retries it")
-            else:
-                timings.add("schedule", f"train {task.name} ({task.threads} threads)", *result)
-            advance(task.name)
+        for threads in sorted({t.threads for t in todo}):
+            group = [t for t in todo if t.threads == threads]
+            workers = max(1, min(executor.workers, cores // threads, len(group)))
+            for task, result in _train_group(group, workers):
+                if isinstance(result, BaseException):
+                    console.print(f"[red]training {task.name} failed[/red] ({type(result).__name__}: {result}); its experiment retries it")
+                else:
+                    timings.add("schedule", f"train {task.name} ({task.threads} threads)", *result)
+                advance(task.name)
