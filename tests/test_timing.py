@@ -58,3 +58,11 @@ def test_reproduce_writes_the_profile_of_each_experiment(tmp_path):
     assert [(s["experiment"], s["stage"]) for s in timings["stages"]] == [("first", "work"), ("second", "a worker's run")]
     assert timings["experiments"]["second"]["cpu_s"] >= 0.5
     assert "Timings" in (tmp_path / "report.html").read_text()
+
+
+def test_work_timed_in_this_process_is_not_counted_twice():
+    profile = Profile()
+    with profile.experiment("e"):
+        busy(0.2)
+        profile.add("e", "in this process", 0.2, 0.2, where="main")
+    assert profile.experiments["e"]["cpu_s"] == pytest.approx(0.2, abs=0.1)

@@ -41,9 +41,10 @@ class Profile:
         finally:
             self.stages.append(Stage(experiment, name, round(time.perf_counter() - wall, 2), round(time.process_time() - cpu, 2)))
 
-    def add(self, experiment: str, name: str, wall_s: float, cpu_s: float) -> None:
-        """A stage timed in a worker process."""
-        self.stages.append(Stage(experiment, name, round(wall_s, 2), round(cpu_s, 2), "worker"))
+    def add(self, experiment: str, name: str, wall_s: float, cpu_s: float, where: str = "worker") -> None:
+        """A stage timed by the work itself: in a worker process (its CPU is added to the
+        experiment's), or ``main`` (this process: already in the experiment's CPU)."""
+        self.stages.append(Stage(experiment, name, round(wall_s, 2), round(cpu_s, 2), where))
 
     @contextmanager
     def experiment(self, name: str) -> Iterator[None]:

@@ -105,5 +105,5 @@ def train_all(tasks: list[TrainTask], executor: Executor, timings: Profile) -> N
                 if isinstance(result, BaseException):
                     console.print(f"[red]training {task.name} failed[/red] ({type(result).__name__}: {result}); its experiment retries it")
                 else:
-                    timings.add("schedule", f"train {task.name} ({task.threads} threads)", *result)
+                    timings.add("schedule", f"train {task.name} ({task.threads} threads)", *result, where="worker" if workers > 1 else "main")
                 advance(task.name)
