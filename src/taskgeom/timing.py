@@ -14,6 +14,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
 
+class Clock:
+    """Wall and CPU seconds (of this process) since it started, or since the last ``lap``."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def lap(self) -> tuple[float, float]:
+        """(wall, CPU) seconds since the last lap, and a new lap starts."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = (wall - self.wall, cpu - self.cpu)
+        self.wall, self.cpu = wall, cpu
+        return out
+
+
 @dataclass(frozen=True)
 class Stage:
     """One timed piece of work: ``where`` is ``main`` (the reproducing process) or ``worker``."""
@@ -35,11 +49,12 @@ class Profile:
     @contextmanager
     def stage(self, experiment: str, name: str) -> Iterator[None]:
         """Time the block as stage ``name`` of ``experiment`` (in this process)."""
-        wall, cpu = time.perf_counter(), time.process_time()
+        clock = Clock()
         try:
             yield
         finally:
-            self.stages.append(Stage(experiment, name, round(time.perf_counter() - wall, 2), round(time.process_time() - cpu, 2)))
+            wall, cpu = clock.lap()
+            self.stages.append(Stage(experiment, name, round(wall, 2), round(cpu, 2)))
 
     def add(self, experiment: str, name: str, wall_s: float, cpu_s: float, where: str = "worker") -> None:
         """A stage timed by the work itself: in a worker process (its CPU is added to the
@@ -50,12 +65,13 @@ class Profile:
     def experiment(self, name: str) -> Iterator[None]:
         """Time a whole experiment: its wall seconds, and the CPU seconds of this process plus those
         of the worker stages recorded meanwhile."""
-        wall, cpu, first = time.perf_counter(), time.process_time(), len(self.stages)
+        clock, first = Clock(), len(self.stages)
         try:
             yield
         finally:
+            wall, cpu = clock.lap()
             workers = sum(s.cpu_s for s in self.stages[first:] if s.where == "worker")
-            self.experiments[name] = {"wall_s": round(time.perf_counter() - wall, 1), "cpu_s": round(time.process_time() - cpu + workers, 1)}
+            self.experiments[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu + workers, 1)}
 
     def as_dict(self) -> dict:
         """``timings.json``: {"experiments": {name: {wall_s, cpu_s}}, "total": {wall_s, cpu_s},

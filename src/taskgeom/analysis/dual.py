@@ -96,14 +96,11 @@ def _geometries(model: torch.nn.Module, major: Inputs, ood: Inputs, sites: list[
     return out
 
 
-def intrinsic_dimension(run: Run) -> float:
-    """d0 of the OOD prediction map: the PCA participation ratio of the OOD-optimal predictions
-    (CLR) at the last position over 2048 OOD tasks (token families); d for E2's ridge map."""
+def prior_predictions(run: Run) -> torch.Tensor:
+    """[2048, V] OOD-optimal predictions at the last position over 2048 OOD tasks (token families):
+    the sample of the OOD prediction map that d0 is estimated from."""
     family, cfg = run.family, run.config
-    if isinstance(family, Regression):
-        return float(family.d)
-    prior = family.predict_ood(family.sample_ood(2048, cfg.task.seq_len, cfg.train.seed, 0, "dual-prior").tokens)[:, -1]
-    return participation_ratio(clr(prior))
+    return family.predict_ood(family.sample_ood(2048, cfg.task.seq_len, cfg.train.seed, 0, "dual-prior").tokens)[:, -1]
 
 
 def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 200) -> list[dict]:
@@ -138,12 +135,14 @@ def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 
 
     geometry, h_ood = fitted[place]
     add("task_rank", geometry.subspace.rank, place=place)
-    for form, r2 in _projection_r2(geometry, h_ood, ood_inputs.current, window).items():
+    final = _projection_r2(geometry, h_ood, ood_inputs.current, window)
+    for form, r2 in final.items():
         add(_PROJECTION[form], r2.mean(), _quartiles(r2), "ood", place=place)
     checkpoints = {**run.snapshots(), cfg.train.steps: model}  # {step: model} across training
     for step, snapshot in checkpoints.items():
-        early_geometry, early_ood = _geometries(snapshot, major_inputs, ood_inputs, [place], window)[place]
-        for form, r2 in _projection_r2(early_geometry, early_ood, ood_inputs.current, window).items():
+        by_form = final if snapshot is model else _projection_r2(*_geometries(snapshot, major_inputs, ood_inputs, [place], window)[place],
+                                                                 ood_inputs.current, window)
+        for form, r2 in by_form.items():
             add(_PROJECTION[form], r2.mean(), _quartiles(r2), "ood", step, place)
 
     T = cfg.task.seq_len
@@ -200,7 +199,8 @@ def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 
     ood_batch = batches["ood"]
     ood_refs = family.reference_predictions(ood_batch, pool)
     ood_clean = model_losses(family, model, ood_batch, ood_refs)
-    d0 = intrinsic_dimension(run)
+    prior = None if isinstance(family, Regression) else prior_predictions(run)
+    d0 = float(family.d) if prior is None else participation_ratio(clr(prior))  # d for E2's ridge map
     add("d0", d0)
     for r in range(1, min(math.ceil(d0), free.shape[1]) + 1):
         ablated = ablated_losses(ood_batch, ood_refs, v_site, directions if r == rank else search(v_site, r))
@@ -208,33 +208,34 @@ def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 
         add(f"gain_removed_ablate_V_rank{r}", gain_removed(ablated, ood_clean), set_name="ood", place=v_site)
 
     complement = complement_basis(v_geometry.subspace.basis.float())
-    positions, target = family.context_statistic(ood)
-    late = positions[late_window(len(positions))]
-    target = target[:, late_window(len(positions))]
-    groups = torch.arange(ood.tokens.shape[0])[:, None].expand(-1, len(late)).reshape(-1)
-    v_states = next(states for _, states in stream_layers(model, ood.tokens, [v_site]))[v_site[1]][:, late]
+    positions, target = family.context_statistic(ood)  # at the analysed positions (E2: its separators)
+    late = late_window(len(positions))
+    target = target[:, late]
+    groups = torch.arange(ood.tokens.shape[0])[:, None].expand(-1, target.shape[1]).reshape(-1)
+    v_states = fitted[v_site][1][:, late]  # the OOD states at V's layer, from the one streamed pass
     for label, x in (("V", v_states @ directions), ("complement", v_states @ complement)):
         probe = linear_probe(x.reshape(-1, x.shape[-1]).double(), target.reshape(-1, target.shape[-1]).double(), "regression", groups=groups)
         add(f"probe_r2_{label}", probe.score, set_name="ood", place=v_site)
         add(f"probe_r2_{label}_shuffled", probe.control, set_name="ood", place=v_site)
 
     if isinstance(family, TokenFamily):
-        _token_predictions(run, model, checkpoints, fitted[readout_site], ood.tokens, readout_site, add)
+        _token_predictions(run, model, checkpoints, fitted[readout_site], ood.tokens, readout_site, prior, add)
     for row in rows:
         row["version"] = DUAL_VERSION
     atomic_write_json(run.path / "analysis" / "dual.json", rows)
     return rows
 
 
-def _token_predictions(run: Run, model, checkpoints, readout_place: tuple[Geometry, torch.Tensor], tokens, site: Site, add) -> None:
+def _token_predictions(run: Run, model, checkpoints, readout_place: tuple[Geometry, torch.Tensor], tokens, site: Site,
+                       prior: torch.Tensor, add) -> None:
     """Theorem 2 (at the last layer's resid_post, where the readout is the final norm and
-    unembedding) and the predictor transition over the checkpoints {step: model}."""
-    family, pool, T, seed = run.family, run.pool, run.config.task.seq_len, run.config.train.seed
+    unembedding) and the predictor transition over the checkpoints {step: model}; prior:
+    ``prior_predictions``."""
+    family, pool, T = run.family, run.pool, run.config.task.seq_len
     geometry, h_ood = readout_place
     subspace, t = geometry.subspace, T - 1
     with torch.no_grad():
         logits = model(tokens)[:, t]
-    prior = family.predict_ood(family.sample_ood(2048, T, seed, 0, "dual-prior").tokens)[:, t]
     n = tokens.shape[0]
     theory = theorem2(model.readout, h_ood[:, t], subspace.mu[t].float().expand(n, -1), subspace.basis.float(), logits,
                       family.predict_ood(tokens)[:, t], prior)

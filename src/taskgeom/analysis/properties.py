@@ -114,7 +114,8 @@ def interpolation(y: torch.Tensor, theta: torch.Tensor, window: slice, n_random:
     for _ in range(n_random):  # a handful of draws, each vectorised over all states
         rotated = theta @ random_rotation(theta.shape[1], gen)
         random.append(residual_r2(late, fit_beta(late, rotated) @ rotated))
-    by_position = torch.tensor([residual_r2(y[:, t], fitted[:, t]) for t in range(y.shape[1])], dtype=torch.float64)
+    residual, total = ((y - fitted) ** 2).sum((0, 2)), ((y - y.mean(0)) ** 2).sum((0, 2))  # [T] each
+    by_position = torch.where(total > 0, 1 - residual / total, torch.nan)
     return Interpolation(beta.float(), residual_r2(late, late_fit), residual_r2(late, exact @ theta), torch.tensor(random), by_position)
 
 

@@ -14,7 +14,6 @@ are the same, bit for bit, as without the schedule.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -26,7 +25,7 @@ from taskgeom.devices import check_training_fits
 from taskgeom.experiments.executors import Executor, execute
 from taskgeom.progress import console, job_bar
 from taskgeom.runs import Run
-from taskgeom.timing import Profile
+from taskgeom.timing import Clock, Profile
 
 
 @dataclass(frozen=True)
@@ -55,13 +54,13 @@ def train_task(task: TrainTask, _pool_threads: int = 0) -> tuple[float, float]:
     (wall, CPU) seconds."""
     from taskgeom.train import train
 
-    wall, cpu, before = time.perf_counter(), time.process_time(), torch.get_num_threads()
+    clock, before = Clock(), torch.get_num_threads()
     torch.set_num_threads(task.threads)
     try:
         train(Run.create(task.config, task.root), device=task.device, tracker=task.tracker)
     finally:
         torch.set_num_threads(before)
-    return time.perf_counter() - wall, time.process_time() - cpu
+    return clock.lap()
 
 
 def unique_unfinished(tasks: list[TrainTask]) -> list[TrainTask]:

@@ -8,7 +8,6 @@ repeated on the weight snapshots (``by_step.csv``).
 
 from __future__ import annotations
 
-import time
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +23,7 @@ from taskgeom.progress import console, job_bar
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_text
+from taskgeom.timing import Clock
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def run_job(job: Job, threads: int = 0) -> list[dict]:
         if not (Path(job.root) / f"{config.name}-{config.digest()}" / "model.safetensors").exists():
             check_training_fits(config, job.device)  # on the node that trains it, before its run directory is made
         run = Run.create(config, job.root)
-        clock = _Clock()
+        clock = Clock()
         train(run, device=job.device, tracker=job.tracker)
         trained = clock.lap()
         rows = load_dual(run) or analyze_dual(run)
@@ -84,19 +84,6 @@ def run_job(job: Job, threads: int = 0) -> list[dict]:
         return [{"status": "locked", "error": str(err)}]
     except Exception as err:  # one failing run must not stop the sweep
         return [{"status": "failed", "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}]
-
-
-class _Clock:
-    """Wall and CPU seconds (of this process) since the last lap."""
-
-    def __init__(self) -> None:
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-
-    def lap(self) -> tuple[float, float]:
-        wall, cpu = time.perf_counter(), time.process_time()
-        out = (wall - self.wall, cpu - self.cpu)
-        self.wall, self.cpu = wall, cpu
-        return out
 
 
 def job_seconds(table: pd.DataFrame) -> pd.DataFrame:
