@@ -242,7 +242,6 @@ def test_a_read_only_folder_is_listed_without_writing(folder, read_only, index):
     assert f"skipped writing the index {root / 'index.sqlite'}" in err
 
 
-@pytest.mark.skipif(not hasattr(Run, "diverged"), reason="runs.py without divergence marking")
 def test_a_diverged_run_is_listed_as_diverged(folder):
     root, runs = folder
     runs[1].model_path.unlink()

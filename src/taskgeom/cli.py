@@ -252,11 +252,11 @@ def sweep(
     ks, seed_list = _int_list(diversity, "--diversity"), _int_list(seeds, "--seeds")
     _folder(out, "--out")
     jobs = [Job(config, k, s, profile, str(out), tuple(set_ or []), device, tracker) for k in ks for s in seed_list]
+    from taskgeom.devices import check_training_fits
+
     for job in jobs:  # validate every config before any work starts
         settings = job.config()
         if where.kind == "local":  # a Ray task's node and device are known only there
-            from taskgeom.devices import check_training_fits
-
             check_training_fits(settings, device)
     where.check()  # Ray importable and its address answering
     table = run_sweep(jobs, where, out)

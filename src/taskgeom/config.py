@@ -304,7 +304,9 @@ def parameter_count(config: RunConfig) -> int:
 
 
 def _pool_size(task: TaskConfig) -> int:
-    return task.n_major + (0 if task.diversity == -1 else 2 ** task.diversity)
+    from taskgeom.tasks.base import n_minor_for_diversity
+
+    return task.n_major + n_minor_for_diversity(task.diversity)
 
 
 def training_memory(config: RunConfig) -> dict[str, int]:

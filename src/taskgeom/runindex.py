@@ -86,13 +86,6 @@ def read_metrics(path: Path) -> tuple[list[dict], list[str]]:
     return records, problems
 
 
-def _status(run: Run) -> str:
-    """finished (model.safetensors exists), diverged (run.json says so) or unfinished."""
-    if run.finished:
-        return "finished"
-    return "diverged" if getattr(run, "diverged", None) is not None else "unfinished"
-
-
 def _summary(run: Run) -> tuple[dict, list[str]]:
     """The index row of ``run`` and the metrics lines it had to leave out."""
     metrics, problems = read_metrics(run.metrics_path)
@@ -103,7 +96,7 @@ def _summary(run: Run) -> tuple[dict, list[str]]:
     cfg = run.config
     row = {"path": str(run.path.resolve()), "name": cfg.name, "family": cfg.task.family, "diversity": cfg.task.diversity,
            "seed": cfg.train.seed, "steps": cfg.train.steps, "arch": cfg.model.arch, "precision": cfg.train.precision,
-           "digest": cfg.digest(), "status": _status(run), "step": _scalar(last.get("step", 0)), "device": _scalar(last.get("device")),
+           "digest": cfg.digest(), "status": run.status, "step": _scalar(last.get("step", 0)), "device": _scalar(last.get("device")),
            "loss_major": _scalar(major.get("loss")), "excess_major": _scalar(major.get("excess")), "updated": time.time()}
     return row, problems
 

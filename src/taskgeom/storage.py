@@ -83,7 +83,6 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, s
         data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata={"format": CHECKPOINT_FORMAT, **meta})
         with open(tmp, "wb") as handle:
             handle.write(_ordered_header(data))
-        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
