@@ -215,8 +215,10 @@ def test_e4_claims_read_planted_shares_and_probes(tmp_path, monkeypatch, e4_shar
                  _probe("resid_post", 1, "depth", 0.1, 0.1), _probe("resid_post", 0, "back_1", 0.5, 0.5)],
         "ood": [_probe("resid_mid", 0, "back_1", 0.5, 0.5, "ood"), _probe("resid_mid", 0, "depth", 0.0, 0.0, "ood")],
     }
-    untrained_rows = [_probe("resid_mid", 0, "back_1", 0.56, 0.5), _probe("resid_mid", 1, "back_1", 0.52, 0.5),
-                      _probe("resid_mid", 0, "depth", 0.03, 0.0), _probe("resid_mid", 1, "depth", 0.07, 0.01)]  # weakest: back_1, 0.06
+    # read at the trained model's layers {back_1: 0, depth: 1}, the weakest is back_1 at 0.06; at
+    # their own best layers it would be depth at 0.07
+    untrained_rows = [_probe("resid_mid", 0, "back_1", 0.56, 0.5), _probe("resid_mid", 1, "back_1", 0.6, 0.5),
+                      _probe("resid_mid", 0, "depth", 0.03, 0.0), _probe("resid_mid", 1, "depth", 0.08, 0.01)]
     trained, untrained = object(), object()
     runs = {}
 
