@@ -13,6 +13,8 @@ import numbers
 from dataclasses import asdict, dataclass
 from typing import Iterable, Literal, Optional, Union
 
+from taskgeom.storage import standard_json
+
 Comparison = Literal["<=", ">=", "<", ">"]
 Status = Literal["pass", "fail", "n/a"]
 STATUSES: tuple[str, ...] = ("pass", "fail", "n/a")
@@ -54,11 +56,7 @@ class Claim:
 
     def as_dict(self) -> dict:
         """The claims.json row: strict JSON (a NaN or infinite number is written as null)."""
-        row = asdict(self)
-        row["value"], row["threshold"] = _json_number(self.value), _json_number(self.threshold)
-        if self.parts is not None:
-            row["parts"] = {k: _json_number(v) if isinstance(v, float) else v for k, v in self.parts.items()}
-        return row
+        return standard_json(asdict(self))
 
 
 def check(claim_id: str, experiment: str, description: str, value: float, comparison: Comparison, threshold: float,
@@ -126,7 +124,3 @@ def _clean_parts(claim_id: str, parts: dict) -> dict[str, Part]:
         else:
             raise TypeError(f"claim {claim_id}: part {name!r} must be a float, int, bool or str, not {type(value).__name__}")
     return clean
-
-
-def _json_number(x: float) -> Optional[float]:
-    return x if math.isfinite(x) else None

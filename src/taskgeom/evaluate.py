@@ -7,7 +7,6 @@ Token families: position ``t`` (0..T-2) scores the prediction of ``tokens[:, t+1
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -64,16 +63,14 @@ def evaluate_run(run: Run) -> list[dict]:
     """Per-position evaluation of the finished model, saved to ``analysis/eval.json`` as tidy rows
     ``{set, position, metric, value}`` (pandas.DataFrame(rows) reads it) and returned; a value that
     is not finite is written as null (standard JSON). A diverged run has no model: RunDirError."""
-    from taskgeom.storage import atomic_write_json
+    from taskgeom.storage import atomic_write_json, standard_json
 
     model = run.load_model()
     rows = []
     for evalset in eval_sets(run):
         for metric, values in per_position(model, evalset).items():
-            rows += [{"set": evalset.name, "position": t, "metric": metric, "value": _finite_or_none(float(v))} for t, v in enumerate(values)]
+            rows += [{"set": evalset.name, "position": t, "metric": metric, "value": float(v)} for t, v in enumerate(values)]
+    rows = standard_json(rows)
     atomic_write_json(run.path / "analysis" / "eval.json", rows)
     return rows
 
-
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None

@@ -70,6 +70,17 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def standard_json(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (standard JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: standard_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [standard_json(v) for v in value]
+    return value
+
+
 def atomic_write_json(path: Path, payload: Any) -> None:
     atomic_write_text(path, json.dumps(payload, indent=1, sort_keys=True) + "\n")
 

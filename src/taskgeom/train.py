@@ -31,7 +31,7 @@ from taskgeom.devices import autocast, resolve_device
 from taskgeom.errors import CheckpointError, TrainingDiverged
 from taskgeom.evaluate import eval_sets, summary
 from taskgeom.runs import Run
-from taskgeom.storage import atomic_write_text, load_module_state, load_tensors, meta_float, meta_int, save_tensors
+from taskgeom.storage import atomic_write_text, standard_json, load_module_state, load_tensors, meta_float, meta_int, save_tensors
 from taskgeom.tasks import Batch, TaskFamily
 from taskgeom.trackers import Tracker, check_tracker, open_tracker
 
@@ -164,17 +164,6 @@ def _first_nonfinite(evaluation: dict[str, dict[str, float]]) -> tuple[str, floa
     return None
 
 
-def _standard_json(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by None (standard JSON has no NaN)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _standard_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_standard_json(v) for v in value]
-    return value
-
-
 def _restore(run: Run, where: torch.device) -> tuple[torch.nn.Module, torch.optim.AdamW, int, float, int]:
     """(model on ``where``, optimiser, step, running loss sum, count): fresh, or from the checkpoint."""
     cfg = run.config.train
@@ -220,7 +209,7 @@ def _steps(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, where: 
             if bad is not None:
                 raise _Diverged(done, *bad)
             with run.metrics_path.open("a") as handle:
-                handle.write(json.dumps(_standard_json(record), sort_keys=True, allow_nan=False) + "\n")
+                handle.write(json.dumps(standard_json(record), sort_keys=True, allow_nan=False) + "\n")
             if tracker is not None:
                 tracker.log(record)
             loss_sum, loss_count = 0.0, 0
