@@ -42,3 +42,20 @@ def planted_paths(gen: torch.Generator, groups: int, K: int, D: int, T: int):
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+# Every run of a reproduction shrunk to seconds: what the report, browser and README tests read.
+TINY_REPRODUCTION = ("train.steps=30", "train.eval_every=10", "train.checkpoint_every=10", "train.snapshots=2", "train.batch_size=16",
+                     "model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.d_mlp=32")
+
+
+@pytest.fixture(scope="session")
+def tiny_reproduction(tmp_path_factory):
+    """The results folder of a whole ``reproduce`` (every experiment, quick profile) with every run
+    shrunk by TINY_REPRODUCTION: about a minute on 2 cores. Tests must not modify it (copy it)."""
+    from taskgeom.experiments import EXPERIMENTS, reproduce
+    from taskgeom.experiments.executors import Executor
+
+    out = tmp_path_factory.mktemp("tiny-reproduction")
+    reproduce(out, "quick", EXPERIMENTS, Executor("local", 2), device="cpu", overrides=TINY_REPRODUCTION)
+    return out

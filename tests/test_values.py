@@ -250,7 +250,10 @@ def test_e4_claims_read_planted_shares_and_probes(tmp_path, monkeypatch, e4_shar
     assert set(runs) == {("e4", ("task.diversity=-1",)), ("e4", (f"task.diversity={e4.PROBE_DIVERSITY}",)),
                          ("e1", ("task.diversity=-1",)), ("e3", ("task.diversity=-1",))}
     written = json.loads((tmp_path / "analysis" / "e4.json").read_text())
-    assert written["p0"]["resid_mid"] == {"e1": [0.05, 0.02], "e3": [0.04, 0.03], **{f"e4_{k}": v for k, v in dyck["resid_mid"].items()}}
+    series = {"e1": [0.05, 0.02], "e3": [0.04, 0.03], **{f"e4_{k}": v for k, v in dyck["resid_mid"].items()}}
+    mid = [row for row in written["p0"] if row["site"] == "resid_mid"]
+    assert {(r["series"], r["layer"]): r["value"] for r in mid} == {(name, layer): v for name, values in series.items()
+                                                                       for layer, v in enumerate(values)}
     assert written["probes"] == trained_rows["pool"] and written["probes_ood"] == trained_rows["ood"]
 
 

@@ -351,6 +351,8 @@ def reproduce(
     profile: str = typer.Option("quick", help="quick: reduced sizes for a 2-core CPU; paper: the study's sizes."),
     out: Path = typer.Option(Path("results"), help="Output folder: runs/, figures/, claims.json, report.html."),
     only: Optional[List[str]] = typer.Option(None, help="Run only these experiments (repeatable)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override applied to every run of every experiment, "
+                                             "repeatable (a smoke test: --set train.steps=50); the runs get other directories."),
     executor: str = _EXECUTOR,
     workers: int = _WORKERS,
     address: Optional[str] = _ADDRESS,
@@ -360,7 +362,7 @@ def reproduce(
     tracker: str = TRACKER_OPTION,
 ) -> None:
     """Reproduce every claim: trains what is missing (finished runs are reused), analyses, and
-    writes claims.json, timings.json and report.html. Exits 1 if a claim fails (an n/a claim, one
+    writes claims.json, timings.json, reproduction.json, tables/ and report.html. Exits 1 if a claim fails (an n/a claim, one
     that does not apply to what was measured, fails nothing). The diversity
     sweeps run on the executor chosen by the executor options (as in `taskgeom sweep`); the other
     experiments' runs train in this process, on --device."""
@@ -378,10 +380,22 @@ def reproduce(
         raise TaskgeomError(f"unknown experiments {sorted(unknown)}; available: {list(EXPERIMENTS)}")
     chosen = {k: v for k, v in EXPERIMENTS.items() if not only or k in only}
     where.check()  # Ray importable and its address answering, before any training
-    ctx = run_all(out, profile, chosen, where, device, tracker)
+    ctx = run_all(out, profile, chosen, where, device, tracker, tuple(set_ or []))
     for claim in ctx.claims:
         measured = f"not applicable: {claim.reason}" if claim.status == "n/a" else f"{claim.value:.4g} {claim.comparison} {claim.threshold:.4g}"
         typer.echo(f"{claim.status.upper():<4}  {claim.id:<28} {measured}")
     typer.echo(f"{summary(ctx.claims)}; report: {ctx.out / 'report.html'}")
     if exit_code(ctx.claims):
         raise typer.Exit(1)
+
+
+@app.command()
+def report(results_dir: Path = typer.Argument(Path("results"), help="A results folder written by `taskgeom reproduce`.")) -> None:
+    """Rebuild report.html (and tables/analysis.parquet and .csv) from the files of a results
+    folder alone: no training, no analysis; run directories are only read. Prints the page's path."""
+    from taskgeom.report.html import write_report
+
+    if not results_dir.is_dir():
+        raise TaskgeomError(f"{results_dir} is not a folder; give the results folder `taskgeom reproduce --out` wrote")
+    write_report(results_dir)
+    typer.echo(str(results_dir / "report.html"))

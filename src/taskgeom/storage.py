@@ -57,17 +57,22 @@ def temp_path(path: Path) -> Path:
     return Path(tmp)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a uniquely named temporary file beside ``path``, then rename over it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
     try:
-        tmp.write_text(text)
+        tmp.write_bytes(data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """``atomic_write_bytes`` of ``text`` as UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def standard_json(value: Any) -> Any:

@@ -15,10 +15,22 @@ from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.schedule import TrainTask, train_all
 from taskgeom.progress import console, step_bar
 from taskgeom.recipes import load_recipe
+from taskgeom.report.manifest import MANIFEST, manifest
 from taskgeom.runs import Run
-from taskgeom.storage import atomic_write_json, atomic_write_text
+from taskgeom.storage import atomic_write_json
 from taskgeom.timing import Profile
 from taskgeom.train import train
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A registered figure: its PNG path relative to the output folder, its caption, the
+    experiment that drew it and the ids of the claims it is evidence for."""
+
+    path: str
+    caption: str
+    experiment: str
+    claims: tuple[str, ...] = ()
 
 
 @dataclass
@@ -32,10 +44,12 @@ class Context:
     executor: Executor = Executor()
     device: str = "auto"
     tracker: str = "none"
+    overrides: tuple[str, ...] = ()  # ``--set`` settings applied to every run's recipe, before each run's own
     claims: list[Claim] = field(default_factory=list)
-    figures: list[tuple[str, str]] = field(default_factory=list)  # (path relative to out, caption)
+    figures: list[Figure] = field(default_factory=list)
     timings: Profile = field(default_factory=Profile)  # where the time goes (timings.json)
     experiment: str = ""  # the experiment running now
+    made_by: dict[str, str] = field(default_factory=dict)  # claim id -> the experiment that checked it
 
     def stage(self, name: str) -> ContextManager[None]:
         """Time a block as stage ``name`` of the current experiment."""
@@ -45,23 +59,24 @@ class Context:
     def runs_root(self) -> Path:
         return self.out / "runs"
 
-    def figure(self, name: str, caption: str) -> Path:
-        """Register figure ``figures/name`` with its caption; returns the path to save it to."""
+    def figure(self, name: str, caption: str, claims: tuple[str, ...] = ()) -> Path:
+        """Register figure ``figures/name`` with its caption and the claims it is evidence for;
+        returns the path to save it to (the PNG; a PDF is saved beside it)."""
         path = self.out / "figures" / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.figures.append((f"figures/{name}", caption))
+        self.figures.append(Figure(f"figures/{name}", caption, self.experiment, tuple(claims)))
         return path
 
     def plan(self, recipe: str, overrides: tuple[str, ...] = (), threads: int = 0) -> TrainTask:
         """The run ``trained(recipe, overrides)`` gives, as a task for the training schedule, with the
         torch threads it trains with: its config's ``train.threads``, else ``threads``, else this
         process's (as ``trained`` would use)."""
-        config = load_recipe(recipe, self.profile, list(overrides))
+        config = load_recipe(recipe, self.profile, [*self.overrides, *overrides])
         return TrainTask(config, str(self.runs_root), self.device, self.tracker, config.train.threads or threads or torch.get_num_threads())
 
     def trained(self, recipe: str, overrides: tuple[str, ...] = ()) -> Run:
         """The run of ``recipe`` under this profile, trained now unless already finished."""
-        config = load_recipe(recipe, self.profile, list(overrides))
+        config = load_recipe(recipe, self.profile, [*self.overrides, *overrides])
         if not (self.runs_root / f"{config.name}-{config.digest()}" / "model.safetensors").exists():
             check_training_fits(config, self.device)  # before its run directory is made
         run = Run.create(config, self.runs_root)
@@ -75,13 +90,14 @@ Experiment = Callable[[Context], None]  # may carry ``runs(ctx) -> list[TrainTas
 
 
 def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], executor: Executor = Executor(),
-              device: str = "auto", tracker: str = "none") -> Context:
+              device: str = "auto", tracker: str = "none", overrides: tuple[str, ...] = ()) -> Context:
     """Train every run the experiments declare (``runs``) on ``executor``'s local pool first
     (``schedule``), then run each experiment (their sweeps on ``executor``; training on ``device``,
-    also logged to ``tracker``), then write ``claims.json``, ``timings.json`` and ``report.html``."""
+    also logged to ``tracker``; every recipe with ``overrides`` applied first), then write
+    ``claims.json``, ``timings.json``, ``reproduction.json``, the tables and ``report.html``."""
     from taskgeom.report.html import write_report
 
-    ctx = Context(Path(out), profile, executor, device, tracker)
+    ctx = Context(Path(out), profile, executor, device, tracker, tuple(overrides))
     ctx.out.mkdir(parents=True, exist_ok=True)
     tasks = [task for experiment in experiments.values() for task in getattr(experiment, "runs", lambda _: [])(ctx)]
     if tasks and executor.kind == "local" and executor.workers > 1:  # one schedule: every run trained first, together
@@ -92,9 +108,14 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], execu
     for name, experiment in experiments.items():
         console.log(f"experiment [bold]{name}[/bold]")
         ctx.experiment = name
+        first = len(ctx.claims)
         with ctx.timings.experiment(name):
             experiment(ctx)
+        ctx.made_by |= {claim.id: name for claim in ctx.claims[first:]}
     atomic_write_json(ctx.out / "claims.json", [c.as_dict() for c in ctx.claims])
     atomic_write_json(ctx.out / "timings.json", ctx.timings.as_dict())
-    atomic_write_text(ctx.out / "report.html", write_report(ctx))
+    figures = [{"path": f.path, "pdf": str(Path(f.path).with_suffix(".pdf")), "caption": f.caption, "experiment": f.experiment,
+                "claims": list(f.claims)} for f in ctx.figures]
+    atomic_write_json(ctx.out / MANIFEST, manifest(profile, ctx.overrides, device, executor.kind, list(experiments), ctx.made_by, figures))
+    write_report(ctx.out)
     return ctx

@@ -25,7 +25,8 @@ def bayes_optimum(ctx: Context) -> None:
             "excess loss over the ID-Bayes predictor on held-out major-task sequences (nats/token, mean over positions), k = -1",
             excess, "<=", MAX_EXCESS_NATS, ctx.profile))
         plot_loss_by_position(table, ctx.figure(f"{experiment}_loss_by_position.png",
-                              f"{experiment.upper()}: per-position loss of the model against the ID-Bayes and OOD-optimal predictors"),
+                              f"{experiment.upper()}: per-position loss of the model against the ID-Bayes and OOD-optimal predictors",
+                              (f"{experiment}.bayes_optimal",)),
                               run.family.plot_labels, title=f"{experiment.upper()} (k = -1)")
 
 

@@ -48,9 +48,14 @@ def _band(rows: pd.DataFrame, metric: str, diversity: int, set_name: str) -> lis
     return [min(b[0] for b in bands), max(b[1] for b in bands)] if bands else [float("nan"), float("nan")]
 
 
+def _each_recipe(ctx: Context, *claims: str) -> tuple[str, ...]:
+    """The ids of ``claims`` for every recipe of the profile's grid (``e1.ablate_V_ood``, ...)."""
+    return tuple(f"{recipe}.{claim}" for recipe in GRIDS[ctx.profile][2] for claim in claims)
+
+
 def _jobs(ctx: Context) -> list[Job]:
     diversities, seeds, recipes = GRIDS[ctx.profile]
-    return [Job(recipe, k, seed, ctx.profile, str(ctx.runs_root), device=ctx.device, tracker=ctx.tracker)
+    return [Job(recipe, k, seed, ctx.profile, str(ctx.runs_root), ctx.overrides, ctx.device, ctx.tracker)
             for recipe in recipes for k in diversities for seed in seeds]
 
 
@@ -93,7 +98,9 @@ def dual_modes(ctx: Context) -> None:
               {f"{s}_{end}": v for s, band in random.items() for end, v in zip(("min", "max"), band)})
         if len(rows):
             plot_dissociation(rows[rows["diversity"] == high], ctx.figure(f"{recipe}_double_dissociation.png",
-                              f"{recipe.upper()}, k = {high}: share of in-context gain removed by ablating S, V or a random direction"),
+                              f"{recipe.upper()}, k = {high}: share of in-context gain removed by ablating S, V or a random direction",
+                              tuple(f"{recipe}.{name}" for name in ("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major",
+                                                                    "random_control"))),
                               f"{recipe.upper()} double dissociation (k = {high})")
         if len(rows) and rows["metric"].str.startswith("transition_").any():  # token families only
             final = by_step(rows).sort_values("step").groupby("diversity").last()
@@ -105,15 +112,19 @@ def dual_modes(ctx: Context) -> None:
                       final["log_ratio"].get(k, float("nan")), op, 0.0, parts)
     if len(ok):
         plot_projection_r2(ok, ctx.figure("projection_r2.png", "Projection R^2 of OOD states onto the task subspace across diversity: "
-                                          "token-conditioned (solid, IQR band; the claims) and plain (dashed)"))
+                                          "token-conditioned (solid, IQR band; the claims) and plain (dashed)",
+                                          _each_recipe(ctx, "projection_r2_high_diversity", "projection_r2_drop")))
         curve = rank_curve(ok)
         atomic_write_text(ctx.out / "tables" / "rank_curve.csv", curve.to_csv(index=False))
         plot_rank_curve(curve, ctx.figure("rank_curve.png", "Share of OOD in-context gain removed by ablating orthogonal directions V of "
-                                          "rank r = 1..ceil(d0) at the layer the search chose (tables/rank_curve.csv)"))
+                                          "rank r = 1..ceil(d0) at the layer the search chose (tables/rank_curve.csv)",
+                                          _each_recipe(ctx, "ablate_V_ood")))
         plot_transition(by_step(ok), ctx.figure("predictor_transition.png",
-                        "Predictor transition: log(KL to memorising / KL to generalising Bayes) over diversity and training step"))
+                        "Predictor transition: log(KL to memorising / KL to generalising Bayes) over diversity and training step",
+                        _each_recipe(ctx, "transition_memorising", "transition_generalising")))
         plot_projection_r2_steps(by_step(ok), ctx.figure("projection_r2_steps.png",
-                                 "Projection R^2 of OOD states onto the task subspace across training, one line per diversity k"))
+                                 "Projection R^2 of OOD states onto the task subspace across training, one line per diversity k",
+                                 _each_recipe(ctx, "projection_r2_high_diversity", "projection_r2_drop")))
         plot_theorem2(ok, ctx.figure("theorem2.png", "Theorem 2: distance of OOD states from S beside (c - delta)/L (last layer)"))
 
 

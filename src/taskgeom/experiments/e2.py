@@ -50,7 +50,8 @@ def e2(ctx: Context) -> None:
         "(<= 1/2: closer to dMMSE than to ridge at low diversity)",
         g, "<=", 0.5, ctx.profile, parts))
     plot_loss_by_position(table, ctx.figure("e2_mse_by_example.png",
-                          "E2: per-example squared error of the model against dMMSE (pool posterior) and ridge (OOD-optimal), k = -1"),
+                          "E2: per-example squared error of the model against dMMSE (pool posterior) and ridge (OOD-optimal), k = -1",
+                          ("e2.bayes_optimal", "e2.ood_between", "e2.ood_near_dmmse")),
                           run.family.plot_labels, title="E2 (k = -1)", log_scale=True)
 
 

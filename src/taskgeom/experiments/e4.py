@@ -222,8 +222,10 @@ def e4(ctx: Context) -> None:
         layers = best_layers(prefix_probes(diverse, model, "pool", stream=SELECT_STREAM))  # chosen apart from the claim's batch
         untrained = [row for which in PROBE_SETS for row in prefix_probes(diverse, untrained_model, which)]
     p0 = {name: {**{ref: references[ref][name] for ref in REFERENCES}, **{f"e4_{k}": v for k, v in dyck[name].items()}} for name in P0_SITES}
+    p0_rows = [{"site": site, "series": name, "layer": layer, "metric": "p0.within_share", "value": share}
+               for site, series in p0.items() for name, shares in series.items() for layer, share in enumerate(shares)]
     atomic_write_json(ctx.out / "analysis" / "e4.json",
-                      {"p0": p0, "probes": probes["pool"], "probes_ood": probes["ood"], "probes_untrained": untrained})
+                      {"p0": p0_rows, "probes": probes["pool"], "probes_ood": probes["ood"], "probes_untrained": untrained})
 
     shares = p0[CLAIM_SITE]
     e4_smallest = min(min(shares["e4_token_due"]), min(shares["e4_last3_due"]))
@@ -247,14 +249,14 @@ def e4(ctx: Context) -> None:
     series |= {"E4 (task, token), bracket phase": shares["e4_token_due"], "E4 (task, last 3 brackets), bracket phase": shares["e4_last3_due"]}
     plot_p0_comparison(series, ctx.figure("p0_across_families.png",
                        f"P0 across families: within-cell share of state variance per layer at {CLAIM_SITE}; E1 and E3 by "
-                       "(task, current token), E4 by (task, current token) and by (task, last three planted brackets), k = -1"),
+                       "(task, current token), E4 by (task, current token) and by (task, last three planted brackets), k = -1", ("e4.P0_failure",)),
                        site=CLAIM_SITE)
     last = diverse.config.model.n_layers - 1
     plot_prefix_probes([*probes["pool"], *probes["ood"]], [r for r in untrained if r["site"] == CLAIM_SITE and r["layer"] == last],
                        ctx.figure("e4_prefix_probes.png",
                                   f"E4: held-out linear probes at {CLAIM_SITE} for the planted bracket j back and for the depth, "
                                   f"k = {PROBE_DIVERSITY}; solid: in-distribution (pool) sequences, dashed: OOD sequences, "
-                                  f"dotted: shuffled labels; grey: layer {last} of the untrained network"),
+                                  f"dotted: shuffled labels; grey: layer {last} of the untrained network", ("e4.prefix_probe",)),
                        f"E4: linear probes for the planted bracket prefix at {CLAIM_SITE}, k = {PROBE_DIVERSITY}", site=CLAIM_SITE)
 
 

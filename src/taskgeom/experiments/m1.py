@@ -42,6 +42,9 @@ _CAPTIONS = {
 }
 
 
+# The claims each figure is evidence for (suffixes of the claim ids).
+_EVIDENCE = {"simplex": ("P3", "P3.shrinks"), "layers": ("P0", "P1", "P2", "P2.vs_random"), "positions": ("P2",), "steering": ("steering",)}
+
 RECIPES = ("e1", "e3", "e2")
 
 
@@ -51,7 +54,8 @@ def m1(ctx: Context) -> None:
         with ctx.stage(f"analyse {run.path.name}"):
             result = analyze(run, Options())
             write(run, result)
-        plot_retrieval(result, {name: ctx.figure(f"{experiment}_m1_{name}.png", _CAPTIONS[name].format(E=experiment.upper()))
+        plot_retrieval(result, {name: ctx.figure(f"{experiment}_m1_{name}.png", _CAPTIONS[name].format(E=experiment.upper()),
+                                                 tuple(f"{experiment}.{claim}" for claim in _EVIDENCE[name]))
                                 for name in FIGURES})
         ctx.claims.extend(claims(result, ctx.profile))
 

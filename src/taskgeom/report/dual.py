@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from taskgeom.report.figures import save  # noqa: E402
 
 
 def _per_k(rows: pd.DataFrame, metric: str, set_name: str | None = "ood") -> pd.DataFrame:
@@ -30,8 +31,7 @@ def _finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str, legend_si
     ax.legend(frameon=False, fontsize=legend_size)
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_projection_r2(rows: pd.DataFrame, path: Path) -> None:
@@ -86,8 +86,7 @@ def plot_dissociation(rows: pd.DataFrame, path: Path, title: str) -> None:
     ax.legend(frameon=False, fontsize=8)
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_transition(transition: pd.DataFrame, path: Path) -> None:
@@ -108,8 +107,7 @@ def plot_transition(transition: pd.DataFrame, path: Path) -> None:
         ax.set_title(f"{recipe.upper()}: red = closer to generalising")
         fig.colorbar(image, ax=ax, label="log(KL mem / KL gen)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_projection_r2_steps(steps: pd.DataFrame, path: Path) -> None:
@@ -128,8 +126,7 @@ def plot_projection_r2_steps(steps: pd.DataFrame, path: Path) -> None:
     axes[0, 0].set_ylabel("projection R$^2$ of OOD states on S")
     axes[0, 0].set_ylim(0, 1)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_theorem2(rows: pd.DataFrame, path: Path) -> None:

@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from taskgeom.report.figures import save  # noqa: E402
 
 
 def plot_p0_comparison(series: dict[str, list[float]], path: Path, title: str = "", site: str = "resid_mid") -> None:
@@ -26,8 +27,7 @@ def plot_p0_comparison(series: dict[str, list[float]], path: Path, title: str = 
     ax.legend(frameon=False, fontsize=8)
     ax.set_title(title or "P0: share of state variance left within cells, per layer")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _by_back(rows: list[dict]) -> tuple[list[int], list[dict]]:
@@ -94,5 +94,4 @@ def plot_prefix_probes(rows: list[dict], baseline: list[dict], path: Path, title
     depth_ax.legend(frameon=False, fontsize=7)
     fig.suptitle(title or f"E4: linear probes for the bracket prefix at {site}", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

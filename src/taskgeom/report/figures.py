@@ -1,4 +1,4 @@
-"""Figures (matplotlib, Agg backend); each function saves one PNG."""
+"""Figures (matplotlib, Agg backend); each is saved as a PNG (for the page) and a PDF beside it (for papers)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+
+
+def save(fig: plt.Figure, path: Path) -> None:
+    """Save ``fig`` to ``path`` (PNG, 120 dpi) and to the same name with ``.pdf``, then close it."""
+    fig.savefig(path, dpi=120)
+    fig.savefig(Path(path).with_suffix(".pdf"))
+    plt.close(fig)
+
 
 def plot_loss_by_position(table: pd.DataFrame, path: Path, labels: tuple[str, str, str, str], title: str = "", log_scale: bool = False) -> None:
     """One panel per evaluation set: per-position loss of the model and the two Bayes predictors.
@@ -33,5 +41,4 @@ def plot_loss_by_position(table: pd.DataFrame, path: Path, labels: tuple[str, st
     axes[0, -1].legend(frameon=False, fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -15,6 +15,7 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
 from taskgeom.analysis.steering import Steering  # noqa: E402
+from taskgeom.report.figures import save  # noqa: E402
 
 _CORNERS = np.array([[0.0, 0.0], [1.0, 0.0], [0.5, math.sqrt(3) / 2]])  # the 2-simplex drawn flat
 
@@ -61,8 +62,7 @@ def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: tor
     ax.legend(frameon=False, fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _most_uncertain(alpha: torch.Tensor, chosen: torch.Tensor, count: int) -> list[int]:
@@ -104,8 +104,7 @@ def plot_properties_by_layer(table: pd.DataFrame, path: Path, title: str = "") -
     axes[1].legend(frameon=False, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(title or "P0-P2 per layer")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_steering(steering: Steering, path: Path, title: str = "") -> None:
@@ -127,8 +126,7 @@ def plot_steering(steering: Steering, path: Path, title: str = "") -> None:
     ax.set_title(title or "Causal steering toward a Dirichlet(1) task mixture")
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_r2_by_position(table: pd.DataFrame, place: tuple[int, str], window_start: int, path: Path, title: str = "") -> None:
@@ -150,8 +148,7 @@ def plot_r2_by_position(table: pd.DataFrame, place: tuple[int, str], window_star
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 FIGURES = ("simplex", "layers", "positions", "steering")

@@ -1,74 +1,218 @@
-"""The HTML report: the claims table and every registered figure with its caption."""
+"""The HTML report, rebuilt from a results folder's files alone (``taskgeom report``): a summary
+per section, one section per experiment (E1-E4, the dual modes) holding its claims beside the
+figures and tables they come from, interactive Plotly figures (the library written once as
+``plotly.min.js`` beside the page: no network needed), the PNG figures with their PDFs, sortable
+tables, and the run settings and timings at the foot.
+
+Reads ``claims.json``, ``reproduction.json`` (``manifest``), ``timings.json`` and every run's
+``analysis/*.json`` (through ``tables/analysis.parquet``, which it writes too); writes
+``report.html`` and ``plotly.min.js``; touches nothing else.
+"""
 
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING
+import json
+from collections import Counter
+from pathlib import Path
 
-from taskgeom import __version__
-from taskgeom.claims import summary
+import yaml
 
-if TYPE_CHECKING:
-    from taskgeom.claims import Claim
-    from taskgeom.experiments.base import Context
+from taskgeom.errors import TaskgeomError
+from taskgeom.report.interactive import Evidence, evidence
+from taskgeom.report.manifest import SECTIONS, read_manifest, section
+from taskgeom.report.tables import write_analysis_table
+from taskgeom.storage import atomic_write_text
 
-_STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
-table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;font-size:14px}
+PLOTLY_JS = "plotly.min.js"
+
+_STYLE = """body{font-family:system-ui,sans-serif;max-width:1180px;margin:1em auto;padding:0 1em;color:#222}
+nav{position:sticky;top:0;background:#fff;border-bottom:1px solid #ddd;padding:6px 0;z-index:10}nav a{margin-right:1em}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 7px;font-size:13px}
+th.sort{cursor:pointer;background:#f4f4f4}th.sort:after{content:" \\2195";color:#999}
 .pass{color:#17702f;font-weight:bold}.fail{color:#b3261e;font-weight:bold}.na{color:#6b6b6b;font-weight:bold}
 .warn{color:#fff;background:#b35c00;padding:0 4px;border-radius:3px;font-size:12px}.parts{font-size:12px}
-.reason{font-weight:normal;font-size:12px;color:#555}figure{margin:1.5em 0}
-img{max-width:100%;border:1px solid #eee}figcaption{font-size:14px;color:#555}"""
+.reason{font-weight:normal;font-size:12px;color:#555}figure{margin:1.2em 0}.evidence a{display:block;font-size:12px}
+img{max-width:100%;border:1px solid #eee}figcaption{font-size:13px;color:#555}.plot{min-height:380px;border:1px solid #eee;margin:1em 0}
+.scroll{max-height:420px;overflow:auto}section{border-top:2px solid #444;margin-top:2em}:target{outline:3px solid #f0c000}"""
+
+_SCRIPT = """document.querySelectorAll('div.plot').forEach(function (div) {
+  var spec = JSON.parse(document.getElementById(div.id + '-spec').textContent);
+  Plotly.newPlot(div, spec.data, spec.layout, {responsive: true, displaylogo: false});
+});
+document.querySelectorAll('table.sortable th').forEach(function (th, _, all) {
+  th.classList.add('sort');
+  th.addEventListener('click', function () {
+    var table = th.closest('table'), body = table.tBodies[0], col = th.cellIndex;
+    var up = th.dataset.order !== 'up'; th.dataset.order = up ? 'up' : 'down';
+    var value = function (row) { var t = row.cells[col].textContent, n = parseFloat(t); return isNaN(n) ? t : n; };
+    Array.from(body.rows).sort(function (a, b) {
+      var x = value(a), y = value(b), c = (typeof x === typeof y) ? (x < y ? -1 : x > y ? 1 : 0) : (typeof x === 'number' ? -1 : 1);
+      return up ? c : -c;
+    }).forEach(function (row) { body.appendChild(row); });
+  });
+});"""
+_NAV = {"dual": "Dual modes", "other": "Other"}
 _STATUS_CLASS = {"pass": "pass", "fail": "fail", "n/a": "na"}
 _STATUS_LABEL = {"pass": "pass", "fail": "FAIL", "n/a": "n/a"}
 
 
 def _number(x) -> str:
+    if x is None:
+        return "&ndash;"
     return f"{x:.4g}" if isinstance(x, float) else html.escape(str(x))
 
 
-def _parts(c: "Claim") -> str:
+def _parts(claim: dict) -> str:
     """The parts as a compact 'name = value' list; a true ``unreliable`` is flagged, not listed."""
-    if not c.parts:
-        return ""
-    items = [f"{html.escape(k)}&nbsp;=&nbsp;{_number(v)}" for k, v in c.parts.items() if k != "unreliable"]
-    flag = "<span class=warn>unreliable</span> " if c.parts.get("unreliable") is True else ""
+    parts = claim.get("parts") or {}
+    items = [f"{html.escape(k)}&nbsp;=&nbsp;{_number(v)}" for k, v in parts.items() if k != "unreliable"]
+    flag = "<span class=warn>unreliable</span> " if parts.get("unreliable") is True else ""
     return flag + ", ".join(items)
 
 
-def _row(c: "Claim") -> str:
-    value = "&ndash;" if c.status == "n/a" else f"{c.value:.4g}"
-    result = f"<td class='{_STATUS_CLASS[c.status]}'>{_STATUS_LABEL[c.status]}"
-    if c.reason:
-        result += f"<div class=reason>{html.escape(c.reason)}</div>"
-    return (
-        f"<tr><td>{html.escape(c.id)}</td><td>{html.escape(c.description)}</td><td>{value}</td>"
-        f"<td>{html.escape(c.comparison)}&nbsp;{c.threshold:.4g}</td><td class=parts>{_parts(c)}</td>{result}</td></tr>"
-    )
+def _claim_row(claim: dict, links: list[tuple[str, str]]) -> str:
+    status = claim["status"]
+    value = "&ndash;" if status == "n/a" or claim["value"] is None else f"{claim['value']:.4g}"
+    result = f"<td class='{_STATUS_CLASS[status]}'>{_STATUS_LABEL[status]}"
+    if claim.get("reason"):
+        result += f"<div class=reason>{html.escape(claim['reason'])}</div>"
+    evidence = "".join(f"<a href='#{html.escape(anchor)}'>{html.escape(title)}</a>" for anchor, title in links)
+    return (f"<tr id='claim-{html.escape(claim['id'])}'><td>{html.escape(claim['id'])}</td><td>{html.escape(claim['description'])}</td>"
+            f"<td>{value}</td><td>{html.escape(claim['comparison'])}&nbsp;{claim['threshold']:.4g}</td><td class=parts>{_parts(claim)}</td>"
+            f"{result}</td><td class=evidence>{evidence}</td></tr>")
 
 
-def write_report(ctx: "Context") -> str:
-    """The report page as a string; figures are linked relative to the output folder."""
-    rows = "".join(_row(c) for c in ctx.claims)
-    figures = "".join(
-        f"<figure><img src='{html.escape(path)}' alt='{html.escape(caption)}'><figcaption>{html.escape(caption)}</figcaption></figure>"
-        for path, caption in ctx.figures
-    )
-    return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>taskgeom report</title><style>{_STYLE}</style></head><body>"
-        f"<h1>taskgeom: reproduction report</h1><p>profile <b>{html.escape(ctx.profile)}</b>, taskgeom {__version__}; "
-        f"{summary(ctx.claims)} (n/a: the claim does not apply to what was measured; counted neither way).</p>"
-        f"<table><tr><th>claim</th><th>what is measured</th><th>value</th><th>threshold</th><th>made of</th><th>result</th></tr>{rows}</table>"
-        f"<h2>Figures</h2>{figures}{_timings(ctx.timings.as_dict())}</body></html>"
-    )
+def _figure_anchor(path: str) -> str:
+    return "fig-" + Path(path).stem
+
+
+def _table(frame) -> str:
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
+    body = "".join("<tr>" + "".join(f"<td>{_number(None if v != v else v)}</td>" for v in row) + "</tr>"
+                   for row in frame.itertuples(index=False))
+    return f"<div class=scroll><table class=sortable><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+
+
+def _piece(piece: Evidence) -> str:
+    title = f"<h4>{html.escape(piece.title)}</h4>"
+    if piece.figure is not None:
+        spec = piece.figure.replace("</", "<\\/")
+        return (f"{title}<div class=plot id='{piece.anchor}'></div>"
+                f"<script type='application/json' id='{piece.anchor}-spec'>{spec}</script>")
+    return f"<div id='{piece.anchor}'>{title}{_table(piece.table)}</div>"
+
+
+def _png(figure: dict) -> str:
+    anchor = _figure_anchor(figure["path"])
+    return (f"<figure id='{anchor}'><img src='{html.escape(figure['path'])}' alt='{html.escape(figure['caption'])}'>"
+            f"<figcaption>{html.escape(figure['caption'])} (<a href='{html.escape(figure['pdf'])}'>PDF</a>)</figcaption></figure>")
+
+
+def _summary(claims: list[dict], sections: dict[str, str], timings: dict) -> str:
+    counts = {name: Counter(c["status"] for c in claims if sections[c["id"]] == name) for name in SECTIONS}
+    rows = "".join(f"<tr><td><a href='#sec-{name}'>{html.escape(SECTIONS[name])}</a></td><td class=pass>{n['pass']}</td>"
+                   f"<td class=fail>{n['fail']}</td><td class=na>{n['n/a']}</td></tr>"
+                   for name, n in counts.items() if sum(n.values()))
+    total = Counter(c["status"] for c in claims)
+    times = "".join(f"<tr><td>{html.escape(name)}</td><td>{t['wall_s']:.0f}</td><td>{t['cpu_s']:.0f}</td></tr>"
+                    for name, t in timings.get("experiments", {}).items())
+    wall = timings.get("total", {}).get("wall_s")
+    return (f"<h2 id=summary>Summary</h2><p id=totals><b>{total['pass']} pass, {total['fail']} fail, {total['n/a']} n/a of {len(claims)} "
+            f"claims</b> (n/a: the claim does not apply to what was measured; counted neither way)"
+            f"{f'; {wall:.0f} s wall in all' if wall is not None else ''}.</p>"
+            f"<div style='display:flex;gap:2em;align-items:flex-start'><table id=summary-table><tr><th>section</th><th>pass</th>"
+            f"<th>fail</th><th>n/a</th></tr>{rows}</table>"
+            f"<table id=time-table><tr><th>step of the reproduction</th><th>wall s</th><th>CPU s</th></tr>{times}</table></div>")
+
+
+def _settings(out: Path, manifest: dict) -> str:
+    runs = []
+    for run_dir in sorted(out.glob("runs/*/config.yaml")):
+        config = yaml.safe_load(run_dir.read_text(encoding="utf-8"))
+        task, model, train = config["task"], config["model"], config["train"]
+        runs.append(f"<tr><td>{html.escape(run_dir.parent.name)}</td><td>{task['family']}</td><td>{task['diversity']}</td>"
+                    f"<td>{train['seed']}</td><td>{model['n_layers']}</td><td>{model['d_model']}</td><td>{model['n_heads']}</td>"
+                    f"<td>{model['max_len']}</td><td>{train['steps']}</td><td>{train['batch_size']}</td><td>{train['lr']:g}</td></tr>")
+    machine = ", ".join(f"{k} {html.escape(str(v))}" for k, v in manifest["machine"].items())
+    overrides = " ".join(manifest["overrides"]) or "none"
+    return (f"<h2 id=settings>Run settings</h2><p>profile <b>{html.escape(manifest['profile'])}</b>; overrides: "
+            f"{html.escape(overrides)}; taskgeom {html.escape(manifest['taskgeom'])}; device {html.escape(manifest['device'])}; "
+            f"executor {html.escape(manifest['executor'])}.<br>machine: {machine}.</p>"
+            "<table class=sortable><thead><tr><th>run</th><th>family</th><th>diversity k</th><th>seed</th><th>layers</th>"
+            f"<th>width</th><th>heads</th><th>context</th><th>steps</th><th>batch</th><th>lr</th></tr></thead><tbody>{''.join(runs)}"
+            "</tbody></table>")
 
 
 def _timings(timings: dict) -> str:
-    """Where the time went: wall and CPU seconds per experiment, then per stage."""
-    experiments = "".join(f"<tr><td>{html.escape(name)}</td><td></td><td>{t['wall_s']:.1f}</td><td>{t['cpu_s']:.1f}</td></tr>"
-                          for name, t in timings["experiments"].items())
+    """Where the time went: wall and CPU seconds per stage."""
+    if not timings:
+        return ""
     stages = "".join(f"<tr><td>{html.escape(s['experiment'])}</td><td>{html.escape(s['stage'])} ({s['where']})</td>"
                      f"<td>{s['wall_s']:.1f}</td><td>{s['cpu_s']:.1f}</td></tr>" for s in timings["stages"])
     total = timings["total"]
-    return (f"<h2>Timings</h2><p>total {total['wall_s']:.0f} s wall, {total['cpu_s']:.0f} CPU-seconds (timings.json); "
-            "stages run in a sweep's worker processes are timed there.</p>"
-            f"<table><tr><th>experiment</th><th>stage</th><th>wall s</th><th>CPU s</th></tr>{experiments}{stages}</table>")
+    return (f"<h2 id=timings>Timings</h2><p>total {total['wall_s']:.0f} s wall, {total['cpu_s']:.0f} CPU-seconds (timings.json); "
+            "stages run in a worker process are timed there.</p>"
+            f"<table class=sortable><thead><tr><th>experiment</th><th>stage</th><th>wall s</th><th>CPU s</th></tr></thead>"
+            f"<tbody>{stages}</tbody></table>")
+
+
+def _read_json(path: Path, default=None):
+    if not path.is_file():
+        if default is not None:
+            return default
+        raise TaskgeomError(f"{path} not found: the results folder is incomplete; rerun `taskgeom reproduce --out {path.parent}`")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TaskgeomError(f"{path} is unreadable ({err})") from None
+
+
+def _write_plotly(out: Path) -> None:
+    """``plotly.min.js`` beside the page, written only when missing or different."""
+    from plotly.offline import get_plotlyjs
+
+    script, path = get_plotlyjs(), out / PLOTLY_JS
+    if not path.is_file() or path.read_text(encoding="utf-8") != script:
+        atomic_write_text(path, script)
+
+
+def write_report(out: Path) -> str:
+    """Rebuild ``out/report.html`` (and the long table, and ``plotly.min.js``) from the files of
+    results folder ``out``; returns the page."""
+    out = Path(out)
+    manifest = read_manifest(out)
+    claims = _read_json(out / "claims.json")
+    timings = _read_json(out / "timings.json", default={})
+    sections = {c["id"]: section(c["id"], manifest["claims"].get(c["id"], "")) for c in claims}
+    pieces = evidence(write_analysis_table(out))
+    figures = manifest["figures"]
+    links: dict[str, list[tuple[str, str]]] = {c["id"]: [] for c in claims}
+    for piece in pieces:
+        for claim_id in piece.claims:
+            links.get(claim_id, []).append((piece.anchor, piece.title))
+    for figure in figures:
+        for claim_id in figure["claims"]:
+            links.get(claim_id, []).append((_figure_anchor(figure["path"]), f"figure: {Path(figure['path']).name}"))
+    body, present = [], []
+    for name, title in SECTIONS.items():
+        mine = [c for c in claims if sections[c["id"]] == name]
+        pngs = [f for f in figures if section(f["claims"][0] if f["claims"] else Path(f["path"]).stem, f["experiment"]) == name]
+        shown = [p for p in pieces if p.section == name]
+        if not (mine or pngs or shown):
+            continue
+        present.append(name)
+        rows = "".join(_claim_row(c, links[c["id"]]) for c in mine)
+        body.append(f"<section id='sec-{name}'><h2>{html.escape(title)}</h2>"
+                    "<table><tr><th>claim</th><th>what is measured</th><th>value</th><th>threshold</th><th>made of</th><th>result</th>"
+                    f"<th>evidence</th></tr>{rows}</table><h3>Interactive figures and tables</h3>{''.join(_piece(p) for p in shown)}"
+                    f"<h3>Figures</h3>{''.join(_png(f) for f in pngs)}</section>")
+    nav = "<a href='#summary'>Summary</a>" + "".join(f"<a href='#sec-{name}'>{_NAV.get(name, name.upper())}</a>" for name in present) + \
+        "<a href='#settings'>Settings</a><a href='#timings'>Timings</a>"
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>taskgeom report</title><style>{_STYLE}</style>"
+            f"<script src='{PLOTLY_JS}'></script></head><body><nav>{nav}</nav><h1>taskgeom: reproduction report</h1>"
+            f"{_summary(claims, sections, timings)}{''.join(body)}{_settings(out, manifest)}{_timings(timings)}"
+            f"<script>{_SCRIPT}</script></body></html>")
+    _write_plotly(out)
+    atomic_write_text(out / "report.html", page)
+    return page

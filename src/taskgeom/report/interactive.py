@@ -1,0 +1,179 @@
+"""Interactive figures and sortable tables of the report, built from the long table
+(``tables.analysis_table``) alone: Plotly figures with values on hover and one legend entry per
+family, layer, site or set (a click hides or shows it).
+
+Each piece is an ``Evidence``: an anchor, a title, the report section it belongs to, the ids of
+the claims it supports, and either a Plotly figure (as JSON) or a table (a DataFrame).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import pandas as pd
+import plotly.graph_objects as go
+
+M1_FAMILIES = ("e1", "e2", "e3")
+M1_LAYER_METRICS = {"p0.cell_r2": "P0 cell-means R^2", "p1.additive_share": "P1 additive share", "p2.r2_task": "P2 R^2_task",
+                    "p2.r2_random": "P2 random subspace"}
+DUAL_MEASURES = {"projection_r2_token@ood": "projection R^2 (token-cond.)", "projection_r2@ood": "projection R^2 (plain)",
+                 "gain_removed_ablate_S@major": "% major gain, ablate S", "gain_removed_ablate_S@ood": "% OOD gain, ablate S",
+                 "gain_removed_ablate_V@major": "% major gain, ablate V", "gain_removed_ablate_V@ood": "% OOD gain, ablate V",
+                 "gain_removed_random@major": "% major gain, random", "gain_removed_random@ood": "% OOD gain, random",
+                 "loss@ood": "OOD loss", "loss_first@ood": "OOD loss at t = 1", "d0@": "d0", "v_layer_selected@": "V layer"}
+
+
+@dataclass
+class Evidence:
+    """One figure or table of a section; ``figure`` is a Plotly figure as JSON, ``table`` a frame."""
+
+    anchor: str
+    title: str
+    section: str
+    claims: tuple[str, ...]
+    figure: Optional[str] = None  # Plotly JSON
+    table: Optional[pd.DataFrame] = None
+
+
+def _lines(rows: pd.DataFrame, x: str, name: Callable[[tuple], str], by: list[str], title: str, xaxis: str, yaxis: str,
+           dash: Callable[[tuple], str] = lambda key: "solid") -> str:
+    """A line per group of ``rows`` (grouped by ``by``; ``name(key)`` its legend entry) of value
+    against column ``x``."""
+    fig = go.Figure()
+    for key, group in rows.groupby(by, sort=True, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        group = group.sort_values(x)
+        fig.add_trace(go.Scatter(x=group[x].tolist(), y=group["value"].tolist(), mode="lines+markers", name=name(key),
+                                 line={"dash": dash(key)}, hovertemplate=f"{name(key)}<br>{xaxis} %{{x}}<br>{yaxis} %{{y:.4g}}<extra></extra>"))
+    fig.update_layout(title=title, xaxis_title=xaxis, yaxis_title=yaxis, template="plotly_white", height=380,
+                      margin={"l": 60, "r": 20, "t": 50, "b": 50}, legend={"font": {"size": 11}})
+    return fig.to_json()
+
+
+def _bars(rows: pd.DataFrame, x: str, by: str, title: str, yaxis: str) -> str:
+    fig = go.Figure()
+    for key, group in rows.groupby(by, sort=True):
+        fig.add_trace(go.Bar(x=group[x].tolist(), y=group["value"].tolist(), name=str(key),
+                             hovertemplate=f"{key}<br>%{{x}}: %{{y:.4g}}<extra></extra>"))
+    fig.update_layout(title=title, yaxis_title=yaxis, barmode="group", template="plotly_white", height=380,
+                      margin={"l": 60, "r": 20, "t": 50, "b": 50})
+    return fig.to_json()
+
+
+def _m1(table: pd.DataFrame, family: str) -> list[Evidence]:
+    rows = table[(table["analysis"] == "m1") & (table["recipe"] == family) & (table["diversity"] == -1)]
+    if rows.empty:
+        return []
+    measure = rows[rows["batch"] == "measure"]
+    places = measure[measure["metric"].isin(list(M1_LAYER_METRICS)) & measure["position"].isna()]
+    per_position = measure[(measure["metric"] == "p2.r2_task") & measure["position"].notna()]
+    p3 = measure[measure["metric"].isin(["p3.tv", "p3.kl"]) & measure["position"].notna()]
+    steering = measure[measure["metric"].str.startswith("steering.") & (measure["metric"] != "steering.ratio")]
+    claim = lambda *names: tuple(f"{family}.{n}" for n in names)  # noqa: E731
+    label = lambda key: f"{M1_LAYER_METRICS[key[0]]}, {key[1]}"  # noqa: E731
+    evidence = [
+        Evidence(f"{family}-layers", f"{family.upper()}: P0-P2 per layer and site (measurement batch)", family,
+                 claim("P0", "P1", "P2", "P2.vs_random"),
+                 figure=_lines(places, "layer", label, ["metric", "site"], f"{family.upper()}: P0-P2 per layer", "layer", "value",
+                               dash=lambda key: "dot" if key[1] == "resid_post" else "solid")),
+        Evidence(f"{family}-positions", f"{family.upper()}: R^2_task of P2 per position, every layer and site", family, claim("P2"),
+                 figure=_lines(per_position, "position", lambda key: f"layer {int(key[0])} {key[1]}", ["layer", "site"],
+                               f"{family.upper()}: R^2_task per position", "position", "R^2_task")),
+        Evidence(f"{family}-p3", f"{family.upper()}: median TV and KL between beta_t and the posterior alpha_t per position (P3)",
+                 family, claim("P3", "P3.shrinks"),
+                 figure=_lines(p3, "position", lambda key: key[0], ["metric"], f"{family.upper()}: P3 per position", "position",
+                               "divergence")),
+        Evidence(f"{family}-steering", f"{family.upper()}: steering, distance to the target mixture", family, claim("steering"),
+                 figure=_bars(steering.assign(kind=steering["metric"].str.split("_").str[-1]), "kind", "recipe",
+                              f"{family.upper()}: unsteered, steered, random direction", "median distance")),
+        Evidence(f"{family}-layer-table", f"{family.upper()}: P0-P2 per layer and site, selection and measurement batches", family,
+                 claim("P0", "P1", "P2", "P2.vs_random"),
+                 table=rows[rows["metric"].isin(list(M1_LAYER_METRICS) + ["p0.within_share", "p2.r2_task_exact"]) & rows["position"].isna()]
+                 .pivot_table(index=["batch", "layer", "site"], columns="metric", values="value").reset_index()),
+    ]
+    return evidence + _loss(table, family)
+
+
+def _loss(table: pd.DataFrame, family: str) -> list[Evidence]:
+    rows = table[(table["analysis"] == "eval") & (table["recipe"] == family) & (table["diversity"] == -1)]
+    rows = rows[rows["metric"].isin(["loss", "bayes_id_loss", "bayes_ood_loss"])]
+    if rows.empty:
+        return []
+    claims = (f"{family}.bayes_optimal",) + (("e2.ood_between", "e2.ood_near_dmmse") if family == "e2" else ())
+    return [Evidence(f"{family}-loss", f"{family.upper()}: per-position loss of the model and the Bayes predictors", family, claims,
+                     figure=_lines(rows, "position", lambda key: f"{key[0]}: {key[1]}", ["set", "metric"],
+                                   f"{family.upper()}: loss by position (k = -1)", "position", "loss",
+                                   dash=lambda key: {"loss": "solid", "bayes_id_loss": "dash"}.get(key[1], "dot")))]
+
+
+def _dual(table: pd.DataFrame) -> list[Evidence]:
+    rows = table[table["analysis"] == "dual"]
+    if rows.empty:
+        return []
+    final = rows[rows["step"].isna()]
+    recipes = sorted(rows["recipe"].unique())
+    claim = lambda *names: tuple(f"{r}.{n}" for r in recipes for n in names)  # noqa: E731
+    projection = final[final["metric"].isin(["projection_r2_token", "projection_r2"]) & (final["set"] == "ood")]
+    high = final.groupby("recipe")["diversity"].transform("max")
+    ablations = final[(final["diversity"] == high) & final["metric"].isin(["gain_removed_ablate_S", "gain_removed_ablate_V",
+                                                                            "gain_removed_random"]) & final["set"].isin(["major", "ood"])]
+    ablations = ablations.assign(what=ablations["recipe"] + " " + ablations["metric"].str.replace("gain_removed_", ""),
+                                 where=ablations["set"])
+    rank = final[final["metric"].str.startswith("gain_removed_ablate_V_rank")]
+    rank = rank.assign(rank=rank["metric"].str.replace("gain_removed_ablate_V_rank", "").astype(int))
+    steps = rows[rows["step"].notna() & rows["metric"].isin(["projection_r2_token", "transition_log_ratio"])]
+    key = final["metric"] + "@" + final["set"].fillna("")
+    measures = (final.assign(measure=key)[key.isin(list(DUAL_MEASURES))]
+                .pivot_table(index=["recipe", "diversity", "seed"], columns="measure", values="value").reset_index()
+                .rename(columns=DUAL_MEASURES))
+    places = final[final["metric"].str.startswith("table.")].pivot_table(
+        index=["recipe", "diversity", "layer", "site"], columns="metric", values="value").reset_index()
+    return [
+        Evidence("dual-projection", "Projection R^2 of OOD states onto the task subspace across diversity", "dual",
+                 claim("projection_r2_high_diversity", "projection_r2_drop"),
+                 figure=_lines(projection, "diversity", lambda k: f"{k[0]} {k[1].replace('projection_r2', 'R^2')}", ["recipe", "metric"],
+                               "Projection R^2 (OOD) against diversity k", "diversity k", "projection R^2",
+                               dash=lambda k: "solid" if k[1].endswith("token") else "dash")),
+        Evidence("dual-ablations", "Double dissociation: % of in-context gain removed at the highest diversity", "dual",
+                 claim("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major", "random_control"),
+                 figure=_bars(ablations, "where", "what", "% of in-context gain removed (highest diversity)", "% gain removed")),
+        Evidence("dual-rank", "% of OOD gain removed by V of rank r", "dual", claim("ablate_V_ood"),
+                 figure=_lines(rank, "rank", lambda k: f"{k[0]} k = {int(k[1])}", ["recipe", "diversity"],
+                               "OOD gain removed by V of rank r", "rank r", "% OOD gain removed")),
+        Evidence("dual-steps", "Projection R^2 and the predictor transition across training", "dual",
+                 claim("transition_memorising", "transition_generalising"),
+                 figure=_lines(steps, "step", lambda k: f"{k[0]} k = {int(k[1])}: {k[2]}", ["recipe", "diversity", "metric"],
+                               "Across training: projection R^2 (solid) and log(KL_mem / KL_gen) (dashed)", "step", "value",
+                               dash=lambda k: "dash" if k[2] == "transition_log_ratio" else "solid")),
+        Evidence("dual-table", "Dual-mode measures per run (final model)", "dual", claim(
+            "projection_r2_high_diversity", "projection_r2_drop", "ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major",
+            "random_control"), table=measures),
+        Evidence("dual-place-table", "Projection R^2 (OOD) at every layer and site", "dual", claim("projection_r2_high_diversity"),
+                 table=places),
+    ]
+
+
+def _e4(table: pd.DataFrame) -> list[Evidence]:
+    p0 = table[table["analysis"] == "e4.p0"]
+    probes = pd.concat([table[table["analysis"] == name] for name in ("e4.probes", "e4.probes_ood")])
+    if p0.empty:
+        return []
+    shown = probes[probes["site"] == "resid_mid"].drop(columns="value").rename(columns={"score": "value"})
+    return [
+        Evidence("e4-p0", "Within-cell share of state variance per layer (P0 fails for E4)", "e4", ("e4.P0_failure",),
+                 figure=_lines(p0, "layer", lambda k: f"{k[0]} {k[1]}", ["site", "series"], "Within-cell share per layer", "layer",
+                               "within-cell share", dash=lambda k: "dot" if k[0] == "resid_post" else "solid")),
+        Evidence("e4-probes", "Held-out prefix probes at resid_mid (pool and OOD sequences)", "e4", ("e4.prefix_probe",),
+                 figure=_lines(shown, "layer", lambda k: f"{k[1]} ({k[0]})", ["set", "target"], "Probe score per layer (resid_mid)",
+                               "layer", "score", dash=lambda k: "solid" if k[0] == "pool" else "dash")),
+        Evidence("e4-probe-table", "Prefix probes: score and shuffled-label control per target, layer, site and set", "e4",
+                 ("e4.prefix_probe",), table=probes[["set", "target", "site", "layer", "metric", "score", "control"]]
+                 .assign(gain=probes["score"] - probes["control"])),
+    ]
+
+
+def evidence(table: pd.DataFrame) -> list[Evidence]:
+    """Every interactive figure and sortable table the long table supports, in section order."""
+    pieces = [piece for family in M1_FAMILIES for piece in _m1(table, family)]
+    return pieces + _e4(table) + _dual(table)

@@ -1,0 +1,64 @@
+"""``reproduction.json``: what a reproduction was (profile, settings, machine) and how its figures
+and claims are organised, so that ``taskgeom report`` can rebuild the page from the files alone.
+
+Format: {"format": 1, "taskgeom": version, "profile", "overrides": [...], "device", "executor",
+"machine": {...}, "experiments": [names in order], "claims": {id: experiment that checked it},
+"figures": [{"path", "pdf", "caption", "experiment", "claims": [ids]}]}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from taskgeom import __version__
+from taskgeom.errors import TaskgeomError
+
+MANIFEST = "reproduction.json"
+FORMAT = 1
+DUAL_EXPERIMENT = "dual_modes"
+SECTIONS = {"e1": "E1: biased dice", "e2": "E2: in-context linear regression", "e3": "E3: mixture of Markov chains",
+            "e4": "E4: planted Dyck", "dual": "Dual modes across task diversity (E1, E3)", "other": "Other claims"}
+
+
+def machine() -> dict:
+    """The machine a reproduction ran on: host, OS, CPU, cores, Python and torch versions."""
+    return {"host": platform.node(), "os": platform.platform(), "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def manifest(profile: str, overrides: tuple[str, ...], device: str, executor: str, experiments: list[str],
+             claims: dict[str, str], figures: list[dict]) -> dict:
+    return {"format": FORMAT, "taskgeom": __version__, "profile": profile, "overrides": list(overrides), "device": device,
+            "executor": executor, "machine": machine(), "experiments": experiments, "claims": claims, "figures": figures}
+
+
+def read_manifest(out: Path) -> dict:
+    """The manifest of results folder ``out``; a TaskgeomError naming the file if it is missing,
+    unreadable or of another format."""
+    path = Path(out) / MANIFEST
+    if not path.is_file():
+        raise TaskgeomError(f"{path} not found: {out} is not a results folder written by `taskgeom reproduce` "
+                            f"(taskgeom {__version__} writes {MANIFEST} beside claims.json); run `taskgeom reproduce --out {out}` "
+                            "(finished runs and analyses are reused)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TaskgeomError(f"{path} is unreadable ({err}); rerun `taskgeom reproduce --out {out}` to write it again") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise TaskgeomError(f"{path} has format {found!r}, this taskgeom ({__version__}) reads format {FORMAT}; "
+                            f"rerun `taskgeom reproduce --out {out}` (finished runs are reused)")
+    return data
+
+
+def section(claim_id: str, experiment: str) -> str:
+    """The report section of a claim (or figure) checked by ``experiment``: the dual-mode section,
+    else the family its id starts with (``e1.P0`` -> ``e1``), else ``other``."""
+    family = claim_id.split(".")[0].split("_")[0]
+    return "dual" if experiment == DUAL_EXPERIMENT else family if family in SECTIONS else "other"

@@ -1,0 +1,174 @@
+"""The report rebuilt from a results folder's files alone, its links and figures, the long table,
+and the manifest's checks; read on a whole tiny reproduction (``tiny_reproduction``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from collections import Counter
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from conftest import TINY_REPRODUCTION
+from taskgeom.cli import app
+
+REPORT_OUTPUTS = {"report.html", "plotly.min.js", "tables/analysis.parquet", "tables/analysis.csv"}
+
+
+def _files(folder: Path) -> dict[str, tuple[str, int]]:
+    """{relative path: (md5, mtime_ns)} of every file under ``folder``."""
+    return {str(p.relative_to(folder)): (hashlib.md5(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+class _Page(HTMLParser):
+    """The ids, the claim rows' links, the images and the summary table's cells of a report page."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.links, self.images, self.summary, self.totals = set(), {}, [], [], ""
+        self._claim, self._in, self._cells, self._text = None, None, None, False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if "id" in attrs:
+            self.ids.add(attrs["id"])
+        if tag == "tr" and attrs.get("id", "").startswith("claim-"):
+            self._claim = attrs["id"][len("claim-"):]
+            self.links[self._claim] = []
+        if tag == "a" and self._claim and attrs.get("href", "").startswith("#"):
+            self.links[self._claim].append(attrs["href"][1:])
+        if tag == "img":
+            self.images.append(attrs["src"])
+        if tag == "table" and attrs.get("id") == "summary-table":
+            self._in = "summary"
+        if tag == "tr" and self._in == "summary":
+            self._cells = []
+        if tag == "td" and self._cells is not None:
+            self._text = True
+            self._cells.append("")
+        if tag == "p" and attrs.get("id") == "totals":
+            self._in = "totals"
+
+    def handle_endtag(self, tag):
+        if tag == "tr":
+            self._claim = None
+            if self._cells:
+                self.summary.append(self._cells)
+            self._cells = None
+        if tag == "table" and self._in == "summary" or tag == "p" and self._in == "totals":
+            self._in = None
+        if tag == "td":
+            self._text = False
+
+    def handle_data(self, data):
+        if self._text and self._cells is not None:
+            self._cells[-1] += data
+        if self._in == "totals":
+            self.totals += data
+
+
+def _page(folder: Path) -> _Page:
+    page = _Page()
+    page.feed((folder / "report.html").read_text(encoding="utf-8"))
+    return page
+
+
+def test_the_report_command_rebuilds_the_same_page_from_the_files_alone(tiny_reproduction, tmp_path):
+    copy = tmp_path / "results"
+    shutil.copytree(tiny_reproduction, copy)
+    original = (copy / "report.html").read_text(encoding="utf-8")
+    csv = (copy / "tables" / "analysis.csv").read_bytes()
+    for name in ("report.html", "plotly.min.js", "tables/analysis.parquet"):
+        (copy / name).unlink()
+    before = _files(copy)
+
+    result = CliRunner().invoke(app, ["report", str(copy)])
+    assert result.exit_code == 0, result.output
+    after = _files(copy)
+    assert {k: v for k, v in after.items() if k not in REPORT_OUTPUTS} == {k: v for k, v in before.items() if k not in REPORT_OUTPUTS}
+    assert set(after) - set(before) == {"report.html", "plotly.min.js", "tables/analysis.parquet"}
+    assert (copy / "report.html").read_text(encoding="utf-8") == original  # nothing in the page comes from anything but the files
+    assert (copy / "tables" / "analysis.csv").read_bytes() == csv
+    assert result.output.strip() == str(copy / "report.html")
+
+
+def test_the_summary_counts_equal_claims_json_and_every_claim_links_to_its_evidence(tiny_reproduction):
+    claims = json.loads((tiny_reproduction / "claims.json").read_text())
+    page = _page(tiny_reproduction)
+    counts = Counter(c["status"] for c in claims)
+    assert f"{counts['pass']} pass, {counts['fail']} fail, {counts['n/a']} n/a of {len(claims)} claims" in page.totals
+    summed = [sum(int(row[i]) for row in page.summary) for i in (1, 2, 3)]
+    assert summed == [counts["pass"], counts["fail"], counts["n/a"]]
+    assert set(page.links) == {c["id"] for c in claims}
+    for claim_id, targets in page.links.items():
+        assert targets, f"{claim_id} links to no evidence"
+        assert set(targets) <= page.ids, f"{claim_id} links to missing anchors {set(targets) - page.ids}"
+
+
+def test_every_figure_is_on_the_page_as_png_with_its_pdf(tiny_reproduction):
+    manifest = json.loads((tiny_reproduction / "reproduction.json").read_text())
+    page = _page(tiny_reproduction)
+    assert sorted(page.images) == sorted(f["path"] for f in manifest["figures"])
+    for figure in manifest["figures"]:
+        assert (tiny_reproduction / figure["path"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (tiny_reproduction / figure["pdf"]).read_bytes()[:5] == b"%PDF-"
+    assert len(manifest["figures"]) >= 20
+
+
+def test_the_long_table_holds_every_analysis_row_of_every_run(tiny_reproduction):
+    table = pd.read_parquet(tiny_reproduction / "tables" / "analysis.parquet")
+    expected = 0
+    for run_dir in sorted((tiny_reproduction / "runs").glob("*/")):
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+        for path in sorted(run_dir.glob("analysis/*.json")):
+            rows = json.loads(path.read_text())
+            mine = table[(table["run"] == run_dir.name) & (table["analysis"] == path.stem)]
+            assert len(mine) == len(rows)
+            assert set(mine["recipe"]) == {config["name"]} and set(mine["diversity"]) == {config["task"]["diversity"]}
+            assert [r["metric"] for r in rows] == mine["metric"].tolist()
+            written = [math.nan if r.get("value") is None else r["value"] for r in rows]
+            assert mine["value"].tolist() == pytest.approx(written, nan_ok=True)
+            banded = [(i, r["band"]) for i, r in enumerate(rows) if r.get("band")]
+            assert [(mine["band_low"].iloc[i], mine["band_high"].iloc[i]) for i, _ in banded] == [tuple(b) for _, b in banded]
+            expected += len(rows)
+    e4 = json.loads((tiny_reproduction / "analysis" / "e4.json").read_text())
+    expected += sum(len(rows) for rows in e4.values())
+    assert len(table) == expected
+    assert len(pd.read_csv(tiny_reproduction / "tables" / "analysis.csv")) == expected
+    assert set(table["analysis"]) >= {"m1", "dual", "eval", "e4.p0", "e4.probes"}
+
+
+def test_reproduce_applies_its_overrides_to_every_run_and_records_them(tiny_reproduction):
+    manifest = json.loads((tiny_reproduction / "reproduction.json").read_text())
+    assert manifest["overrides"] == list(TINY_REPRODUCTION) and manifest["profile"] == "quick"
+    configs = [yaml.safe_load(p.read_text()) for p in (tiny_reproduction / "runs").glob("*/config.yaml")]
+    assert len(configs) == 9  # E1 and E3 at k = -1, 3, 8; E2; E4 at two diversities
+    assert {(c["train"]["steps"], c["model"]["d_model"], c["model"]["n_layers"]) for c in configs} == {(30, 16, 1)}
+    claim_ids = {c["id"] for c in json.loads((tiny_reproduction / "claims.json").read_text())}
+    assert set(manifest["claims"]) == claim_ids and set(manifest["claims"].values()) == set(manifest["experiments"])
+
+
+@pytest.mark.parametrize("damage", ["missing", "foreign", "unreadable"])
+def test_the_report_command_refuses_a_folder_it_cannot_read_and_keeps_the_page(tiny_reproduction, tmp_path, damage):
+    copy = tmp_path / "results"
+    shutil.copytree(tiny_reproduction, copy)
+    manifest = copy / "reproduction.json"
+    if damage == "missing":
+        manifest.unlink()
+    elif damage == "foreign":
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format": 99}))
+    else:
+        manifest.write_bytes(b"\xff\xfe{")
+    page = (copy / "report.html").read_bytes()
+    result = CliRunner().invoke(app, ["report", str(copy)])
+    assert result.exit_code == 2, result.output
+    assert "reproduction.json" in result.output and "taskgeom reproduce --out" in result.output
+    assert (copy / "report.html").read_bytes() == page

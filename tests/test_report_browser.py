@@ -1,0 +1,74 @@
+"""The report of a tiny reproduction opened in headless Chromium (Debian's chromium and
+chromium-driver, which .ci/run installs): no JavaScript error, every figure drawn, every claim's
+links landing on an anchor, and the summary counts equal to claims.json. The test is skipped where
+no ChromeDriver is installed, unless TASKGEOM_REQUIRE_BROWSER=1 (set by .ci/run), where it fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+
+import pytest
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER) and os.environ.get("TASKGEOM_REQUIRE_BROWSER") != "1",
+                                reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+
+# As root and on a machine with no network, Chromium needs these to start quietly.
+FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--window-size=1300,1800")
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    for flag in FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
+    options.binary_location = CHROMIUM
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def test_the_report_renders_in_chromium_with_every_figure_and_link(tiny_reproduction, browser, tmp_path):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get((tiny_reproduction / "report.html").as_uri())
+    plots = browser.execute_script("return document.querySelectorAll('div.plot').length")
+    WebDriverWait(browser, 60).until(lambda d: d.execute_script(
+        "return document.querySelectorAll('div.plot .main-svg').length") >= plots)
+    browser.save_screenshot(str(tmp_path / "report.png"))
+
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert errors == []
+    assert plots >= 15
+    drawn = browser.execute_script("""return Array.from(document.querySelectorAll('div.plot')).map(function (div) {
+        var svg = div.querySelector('.main-svg'), box = svg ? svg.getBoundingClientRect() : {width: 0, height: 0};
+        return [div.id, box.width * box.height, div.querySelectorAll('.trace, .point, path.js-line').length]; });""")
+    assert [d for d in drawn if d[1] < 10_000 or d[2] == 0] == []  # every plot has an area and something drawn in it
+    images = browser.execute_script("return Array.from(document.images).map(function (i) { return [i.src, i.naturalWidth]; })")
+    assert images and [src for src, width in images if width == 0] == []
+
+    missing = browser.execute_script("""return Array.from(document.querySelectorAll('tr[id^="claim-"] a')).filter(function (a) {
+        return !document.getElementById(a.getAttribute('href').slice(1)); }).map(function (a) { return a.getAttribute('href'); });""")
+    assert missing == []
+    link = browser.find_element("css selector", 'tr[id^="claim-"] a')
+    target = link.get_attribute("href").split("#", 1)[1]
+    link.click()
+    assert browser.execute_script("return document.querySelector(':target').id") == target
+
+    claims = json.loads((tiny_reproduction / "claims.json").read_text())
+    counts = Counter(c["status"] for c in claims)
+    rows = browser.execute_script("""return Array.from(document.querySelectorAll('#summary-table tr')).slice(1).map(function (tr) {
+        return Array.from(tr.cells).slice(1).map(function (td) { return parseInt(td.textContent); }); });""")
+    assert [sum(column) for column in zip(*rows)] == [counts["pass"], counts["fail"], counts["n/a"]]
+    assert browser.find_element("id", "totals").text.startswith(
+        f"{counts['pass']} pass, {counts['fail']} fail, {counts['n/a']} n/a of {len(claims)} claims")
