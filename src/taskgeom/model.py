@@ -84,8 +84,13 @@ class ResidualModel(nn.Module):
     sites: tuple[str, ...] = SITES
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed_inputs(tokens)
-        for block in self.blocks:
+        return self.forward_from(0, self.embed_inputs(tokens))
+
+    def forward_from(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The rest of the forward pass from the residual stream x: [B, T, D] entering block
+        ``layer`` (0..n_layers; n_layers: after the last block): blocks ``layer..`` then the
+        readout -> logits. An edit at a site of block ``layer`` or later still acts."""
+        for block in self.blocks[layer:]:
             x = block(x)
         return self.readout(x)
 

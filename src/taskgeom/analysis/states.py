@@ -1,17 +1,22 @@
-"""Collect residual-stream states of a model at chosen sites, streamed layer by layer.
+"""Collect residual-stream states of a model at chosen sites, streamed layer by layer, and share
+one batch's forward prefix between passes that edit it.
 
 ``stream_layers`` keeps only the residual stream entering the current block ([N, T, D]) and the
 requested sites of that one layer, so memory does not grow with depth. For scale: 10,000
 sequences x 128 positions x width 128 in float32 is 0.66 GB per site and layer, so one site at all
 6 layers would take 3.9 GB at once; streamed, the peak is about 1.3 GB (carrier + one site).
+
+``LayerStreams`` holds one batch's residual stream entering each block, each computed once, so a
+pass that edits block ``l`` (an ablation, a search step, a steering edit) runs only blocks ``l..``.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
+from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Site, capture
 
 
@@ -48,3 +53,47 @@ def collect(
 ) -> dict[Site, torch.Tensor]:
     """{site: [N, T', D] float32} for tokens: [N, T]; T' = positions' length (all by default)."""
     return {(layer, name): h for layer, states in stream_layers(model, tokens, sites, batch_size, positions) for name, h in states.items()}
+
+
+class LayerStreams:
+    """One batch's residual stream entering each block, computed without gradients once and kept
+    ({layer: [B, T, D]}, filled from the embedding up to the deepest block asked for).
+
+    ``model_from(layer)`` is the model as a function of these tokens that runs only blocks
+    ``layer..`` and the readout on the kept stream: what a family's losses call as
+    ``model(batch.tokens)``. Its values equal the whole model's, an edit at block ``layer`` or later
+    included; ``model_from(n_layers)`` is the plain forward pass (only the readout runs on the kept
+    stream). The kept streams must be unedited: they are computed with no hook on the blocks they
+    run through, else AnalysisError.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokens: torch.Tensor):
+        self.model, self.tokens = model, tokens
+        self.streams: dict[int, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def entering(self, layer: int) -> torch.Tensor:
+        """[B, T, D] the residual stream entering block ``layer`` (n_layers: leaving the last block)."""
+        if not 0 <= layer <= len(self.model.blocks):
+            raise AnalysisError(f"layer {layer} does not exist; the model has layers 0..{len(self.model.blocks) - 1}")
+        if not self.streams:
+            self.streams[0] = self.model.embed_inputs(self.tokens)
+        deepest = max(self.streams)
+        hooked = [(l, name) for l in range(deepest, layer) for name in self.model.sites if self.model.site(l, name)._forward_hooks]
+        if hooked:
+            raise AnalysisError(f"the shared streams must be unedited, but sites {hooked} are hooked while they are computed")
+        for l in range(deepest, layer):
+            self.streams[l + 1] = self.model.blocks[l](self.streams[l])
+        return self.streams[layer]
+
+    def model_from(self, layer: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """tokens (these very tokens) -> logits, running blocks ``layer..`` and the readout on the
+        stream entering block ``layer``."""
+        stream = self.entering(layer)
+
+        def forward(tokens: torch.Tensor) -> torch.Tensor:
+            if tokens is not self.tokens:
+                raise AnalysisError("these layer streams were computed for other tokens")
+            return self.model.forward_from(layer, stream)
+
+        return forward
