@@ -21,11 +21,11 @@ interquartile pair or null) that ``pandas.read_json`` loads in one call. Where e
   the controls and the search) acts on the separators.
 - **Losses and shares** average every prediction after the first; the clean, ablated and first
   losses are written beside each share.
-- **Shared work, the same measurement.** Each batch's residual streams entering the blocks are
-  computed once (``states.LayerStreams``) and every edit of that batch runs the model from its
-  layer on; the searches (every layer's, then the rank curve's) run in lockstep, so each step's
-  batch is drawn, and its prefix run, once for all of them. The values are those of whole
-  forward passes, up to float rounding.
+- **Shared work, the same measurement.** Each batch's unedited residual streams are computed once
+  (``states.LayerStreams``) and every edit of that batch runs the model from its block on (from
+  the block's resid_mid, for the searches at resid_mid); the searches (every layer's, then the
+  rank curve's) run in lockstep, so each step's batch is drawn, and its prefix run, once for all
+  of them. The values are those of whole forward passes, up to float rounding.
 
 Losses are the family's own (nats for token families, squared error for E2); the predictor
 transition and Theorem 2 compare next-token distributions, so they are measured for token families
@@ -164,7 +164,7 @@ def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 
 
     def search_loss(step: int, site: Site) -> torch.Tensor:
         batch, streams = search_batch(step)
-        return family.training_loss(streams.model_from(site[0]), batch)
+        return family.training_loss(streams.model_from(site), batch)
 
     def search(site_ranks: list[tuple[Site, int]]) -> list[torch.Tensor]:
         """V: [D, r] of each (site, rank)."""

@@ -6,8 +6,9 @@ requested sites of that one layer, so memory does not grow with depth. For scale
 sequences x 128 positions x width 128 in float32 is 0.66 GB per site and layer, so one site at all
 6 layers would take 3.9 GB at once; streamed, the peak is about 1.3 GB (carrier + one site).
 
-``LayerStreams`` holds one batch's residual stream entering each block, each computed once, so a
-pass that edits block ``l`` (an ablation, a search step, a steering edit) runs only blocks ``l..``.
+``LayerStreams`` holds one batch's residual stream entering each block (and, where the blocks
+resume there, each resid_mid), each computed once, so a pass that edits block ``l`` (an ablation,
+a search step) runs only from block ``l`` (or its resid_mid) on.
 """
 
 from __future__ import annotations
@@ -56,20 +57,27 @@ def collect(
 
 
 class LayerStreams:
-    """One batch's residual stream entering each block, computed without gradients once and kept
-    ({layer: [B, T, D]}, filled from the embedding up to the deepest block asked for).
+    """One batch's unedited residual streams, each computed without gradients once and kept:
+    ``streams`` {layer: [B, T, D]} entering each block (n_layers: leaving the last), filled from the
+    embedding up to the deepest asked for, and for models with ``mid_sites`` ``mids`` {layer: [B, T,
+    D]}, each block's resid_mid.
 
-    ``model_from(layer)`` is the model as a function of these tokens that runs only blocks
-    ``layer..`` and the readout on the kept stream: what a family's losses call as
-    ``model(batch.tokens)``. Its values equal the whole model's, an edit at block ``layer`` or later
-    included; ``model_from(n_layers)`` is the plain forward pass (only the readout runs on the kept
-    stream). The kept streams must be unedited: they are computed with no hook on the blocks they
-    run through, else AnalysisError.
+    ``model_from(site)`` is the model with an edit at ``site`` (None: no edit) as a function of these
+    tokens, running only what the edit changes: what a family's losses call as
+    ``model(batch.tokens)``. Its values equal the whole model's under the same edit. The kept
+    states must be unedited: they are computed with no hook on the sites they pass through, else
+    AnalysisError.
     """
 
     def __init__(self, model: torch.nn.Module, tokens: torch.Tensor):
         self.model, self.tokens = model, tokens
         self.streams: dict[int, torch.Tensor] = {}
+        self.mids: dict[int, torch.Tensor] = {}
+
+    def _check_unedited(self, layer: int, names: Sequence[str]) -> None:
+        hooked = [(layer, name) for name in names if self.model.site(layer, name)._forward_hooks]
+        if hooked:
+            raise AnalysisError(f"the shared streams must be unedited, but sites {hooked} are hooked while they are computed")
 
     @torch.no_grad()
     def entering(self, layer: int) -> torch.Tensor:
@@ -78,22 +86,32 @@ class LayerStreams:
             raise AnalysisError(f"layer {layer} does not exist; the model has layers 0..{len(self.model.blocks) - 1}")
         if not self.streams:
             self.streams[0] = self.model.embed_inputs(self.tokens)
-        deepest = max(self.streams)
-        hooked = [(l, name) for l in range(deepest, layer) for name in self.model.sites if self.model.site(l, name)._forward_hooks]
-        if hooked:
-            raise AnalysisError(f"the shared streams must be unedited, but sites {hooked} are hooked while they are computed")
-        for l in range(deepest, layer):
-            self.streams[l + 1] = self.model.blocks[l](self.streams[l])
+        for l in range(max(self.streams), layer):
+            self._check_unedited(l, self.model.sites)
+            block = self.model.blocks[l]
+            self.streams[l + 1] = block.from_mid(self.mid(l)) if self.model.mid_sites else block(self.streams[l])
         return self.streams[layer]
 
-    def model_from(self, layer: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """tokens (these very tokens) -> logits, running blocks ``layer..`` and the readout on the
-        stream entering block ``layer``."""
-        stream = self.entering(layer)
+    @torch.no_grad()
+    def mid(self, layer: int) -> torch.Tensor:
+        """[B, T, D] resid_mid of block ``layer`` (models with ``mid_sites``)."""
+        if layer not in self.mids:
+            stream = self.entering(layer)
+            self._check_unedited(layer, [name for name in self.model.sites if name not in self.model.mid_sites])
+            self.mids[layer] = self.model.blocks[layer].to_mid(stream)
+        return self.mids[layer]
+
+    def model_from(self, site: Site | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """tokens (these very tokens) -> logits with an edit at ``site`` (hooked by the caller):
+        the model runs from the kept resid_mid of the site's block when the site is one of
+        ``mid_sites``, else from the stream entering it (None: only the readout runs)."""
+        mid = site is not None and site[1] in self.model.mid_sites
+        layer = len(self.model.blocks) if site is None else site[0]
+        state = self.mid(layer) if mid else self.entering(layer)
 
         def forward(tokens: torch.Tensor) -> torch.Tensor:
             if tokens is not self.tokens:
                 raise AnalysisError("these layer streams were computed for other tokens")
-            return self.model.forward_from(layer, stream)
+            return self.model.forward_from(layer, state, mid)
 
         return forward

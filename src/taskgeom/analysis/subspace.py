@@ -67,13 +67,13 @@ def model_losses(family: TaskFamily, streams: LayerStreams, batch: Batch, refere
                  site: Site | None = None, edit: Edit | None = None, positions: slice | torch.Tensor | None = None) -> torch.Tensor:
     """[P] the model's mean loss per prediction (nats for tokens, squared error for E2) over the
     batch, with ``edit`` applied at ``site`` on ``positions`` (all by default); streams: the
-    batch's ``LayerStreams``, so the model runs only from the edited layer on (and a clean pass
+    batch's ``LayerStreams``, so the model runs only from the edited block on (and a clean pass
     fills every stream); references: ``family.reference_predictions``."""
     with torch.no_grad():
         if edit is None:
-            return family.position_losses(streams.model_from(len(streams.model.blocks)), batch, *references)["loss"].mean(0)
+            return family.position_losses(streams.model_from(None), batch, *references)["loss"].mean(0)
         with intervene(streams.model, site, edit, positions):
-            return family.position_losses(streams.model_from(site[0]), batch, *references)["loss"].mean(0)
+            return family.position_losses(streams.model_from(site), batch, *references)["loss"].mean(0)
 
 
 def gain_removed(ablated: torch.Tensor, clean: torch.Tensor) -> float:
