@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from taskgeom import hf  # noqa: E402
 from taskgeom.analysis.retrieval import Options, analyze, check_request  # noqa: E402
+from taskgeom.analysis.states import LayerStreams  # noqa: E402
 from taskgeom.cli import app  # noqa: E402
 from taskgeom.config import ConfigError, ModelConfig, build_config  # noqa: E402
 from taskgeom.errors import AnalysisError, TaskgeomError  # noqa: E402
@@ -343,3 +344,17 @@ def test_export_never_overwrites_and_weightless_directories_are_named(trained, e
     (bare / "config.json").write_text((exported / "config.json").read_text())
     result = CliRunner().invoke(app, ["analyze", str(bare), "--recipe", "e1", *sum((["--set", s] for s in TASK), []), "--sequences", "48"])
     assert result.exit_code == 2 and "the Hugging Face model cannot be loaded" in result.output
+
+
+def test_layer_streams_of_an_adapter_run_edits_from_the_edited_block(pair):
+    """HF layers cannot resume inside a layer: an edit at resid_mid runs its whole block from the
+    kept stream entering it, and equals the whole adapter's edited output."""
+    _, adapter = pair
+    tokens = torch.randint(0, 7, (3, 16), generator=torch.Generator().manual_seed(2))
+    streams = LayerStreams(adapter, tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(streams.model_from(None)(tokens), adapter(tokens), atol=1e-6, rtol=0)
+        for site in [(1, "resid_mid"), (0, "mlp_out")]:
+            with intervene(adapter, site, lambda h: 0.5 * h):
+                torch.testing.assert_close(streams.model_from(site)(tokens), adapter(tokens), atol=1e-5, rtol=0)
+    assert not streams.mids

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from taskgeom.analysis.states import LayerStreams
 from taskgeom.config import ModelConfig
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import capture, intervene
@@ -71,3 +72,52 @@ def test_unknown_sites_and_long_inputs_are_named(model):
         model.site(3, "resid_post")
     with pytest.raises(ValueError, match="exceeds the model's max_len"):
         model(torch.zeros(1, 25, dtype=torch.long))
+
+
+def test_forward_from_a_layer_equals_the_whole_forward(model):
+    tokens = torch.randint(0, 7, (4, 24))
+    with torch.no_grad(), capture(model, [(layer, "resid_pre") for layer in range(3)] + [(2, "resid_post")]) as states:
+        whole = model(tokens)
+    for layer in range(3):
+        assert torch.equal(model.forward_from(layer, states[(layer, "resid_pre")]), whole)
+    assert torch.equal(model.forward_from(3, states[(2, "resid_post")]), whole)  # after the last block: the readout alone
+
+
+def test_a_block_in_halves_is_the_block(model):
+    x = torch.randn(3, 24, 32)
+    block = model.blocks[1]
+    with torch.no_grad():
+        assert torch.equal(block.from_mid(block.to_mid(x)), block(x))
+        with capture(model, [(1, "resid_mid")]) as states:
+            model.forward_from(1, x)
+        assert torch.equal(model.forward_from(1, states[(1, "resid_mid")], mid=True), model.forward_from(1, x))
+
+
+def test_layer_streams_run_edits_from_their_layer_as_the_whole_model_does(model):
+    """The kept states are unedited: an edit at any site gives the whole model's edited output, in
+    any order of the calls, running from the site's block (from its resid_mid for the sites at or
+    after it)."""
+    tokens = torch.randint(0, 7, (4, 24))
+    streams = LayerStreams(model, tokens)
+    with torch.no_grad():
+        assert torch.equal(streams.model_from(None)(tokens), model(tokens))
+        for site in [(2, "resid_mid"), (0, "resid_pre"), (1, "attn_out"), (1, "resid_post"), (0, "mlp_out"), (1, "resid_mid")]:
+            with intervene(model, site, lambda h: 0.5 * h + 1.0, positions=slice(3, 20)):
+                torch.testing.assert_close(streams.model_from(site)(tokens), model(tokens), atol=1e-6, rtol=0)
+    assert sorted(streams.streams) == [0, 1, 2, 3] and sorted(streams.mids) == [0, 1, 2]
+
+
+def test_layer_streams_refuse_an_edited_prefix_and_other_tokens(model):
+    tokens = torch.randint(0, 7, (2, 24))
+    streams = LayerStreams(model, tokens)
+    with intervene(model, (0, "mlp_out"), lambda h: h + 1.0):
+        with pytest.raises(AnalysisError, match=r"must be unedited, but sites \[\(0, 'mlp_out'\)\]"):
+            streams.model_from((2, "resid_pre"))
+        streams.model_from((0, "mlp_out"))  # the edit's own block runs from its resid_mid, which the edit follows
+    with intervene(model, (1, "attn_out"), lambda h: h + 1.0):
+        with pytest.raises(AnalysisError, match=r"sites \[\(1, 'attn_out'\)\]"):
+            streams.model_from((1, "resid_mid"))
+    with pytest.raises(AnalysisError, match="other tokens"):
+        streams.model_from((1, "resid_pre"))(tokens.clone())
+    with pytest.raises(AnalysisError, match="layer 4 does not exist"):
+        streams.entering(4)

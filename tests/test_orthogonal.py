@@ -6,10 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from taskgeom.analysis.orthogonal import (BATCH_SIZE, avoid_basis, initial_coordinates, orthogonal_search, token_subspace)
+from taskgeom.analysis.orthogonal import (BATCH_SIZE, avoid_basis, initial_coordinates, orthogonal_searches, token_subspace)
+from taskgeom.analysis.states import LayerStreams
 from taskgeom.analysis.subspace import complement_basis
-from taskgeom.model import HookPoint
+from taskgeom.config import ModelConfig
+from taskgeom.model import HookPoint, Transformer
 from taskgeom.rng import generator
+from taskgeom.tasks import make
 
 D, T = 16, 4
 SITE = (0, "state")
@@ -33,6 +36,11 @@ class PlantedReadout(nn.Module):
         return self.readout(self.state(h))[..., 0]
 
 
+def searching(model: nn.Module, loss_fn):
+    """The search's loss_fn(step, site) for a loss of (model, step)."""
+    return lambda step, site: loss_fn(model, step)
+
+
 @pytest.fixture
 def planted():
     """(model, avoid [D, 4], u [D], loss_fn, steps seen by loss_fn)."""
@@ -52,7 +60,7 @@ def planted():
 
 def test_search_recovers_the_planted_direction(planted):
     model, avoid, u, loss_fn, _ = planted
-    result = orthogonal_search(model, loss_fn, SITE, avoid)
+    result = orthogonal_searches(model, searching(model, loss_fn), [(SITE, avoid, 1)])[0]
     assert result.directions.shape == (D, 1)
     assert abs(float(result.directions[:, 0] @ u)) > 0.95
     assert result.steps == len(result.losses) <= 200
@@ -61,7 +69,7 @@ def test_search_recovers_the_planted_direction(planted):
 
 def test_result_is_orthonormal_and_orthogonal_to_avoid(planted):
     model, avoid, _, loss_fn, _ = planted
-    result = orthogonal_search(model, loss_fn, SITE, avoid, rank=3, steps=40)
+    result = orthogonal_searches(model, searching(model, loss_fn), [(SITE, avoid, 3)], steps=40)[0]
     v = result.directions
     assert v.shape == (D, 3)
     torch.testing.assert_close(v.T @ v, torch.eye(3), atol=1e-5, rtol=0)
@@ -70,7 +78,7 @@ def test_result_is_orthonormal_and_orthogonal_to_avoid(planted):
 
 def test_each_step_draws_a_fresh_batch(planted):
     model, avoid, _, loss_fn, seen = planted
-    result = orthogonal_search(model, loss_fn, SITE, avoid, steps=25)
+    result = orthogonal_searches(model, searching(model, loss_fn), [(SITE, avoid, 1)], steps=25)[0]
     assert seen == list(range(result.steps))
 
 
@@ -84,7 +92,7 @@ def test_early_stopping_fires_on_a_flat_loss():
         h = torch.ones(1, T, D)
         return m(h).sum() * 0 + 1.0 - 1e-3 * step  # the loss only falls: no step improves on the first
 
-    result = orthogonal_search(model, flat, SITE, avoid, steps=200, patience=30)
+    result = orthogonal_searches(model, searching(model, flat), [(SITE, avoid, 1)], steps=200, patience=30)[0]
     assert result.steps == 31 == len(calls)
 
 
@@ -102,8 +110,8 @@ def test_parameters_are_restored_even_when_loss_fn_raises(planted):
         return loss_fn(m, step)
 
     with pytest.raises(RuntimeError, match="boom"):
-        orthogonal_search(model, failing, SITE, avoid)
-    orthogonal_search(model, loss_fn, SITE, avoid, steps=10)
+        orthogonal_searches(model, searching(model, failing), [(SITE, avoid, 1)])
+    orthogonal_searches(model, searching(model, loss_fn), [(SITE, avoid, 1)], steps=10)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), before[name][0], atol=0, rtol=0)
         assert p.requires_grad == before[name][1]
@@ -145,7 +153,7 @@ def test_search_starts_from_unit_norm_columns(planted):
     assert not torch.allclose(a, initial_coordinates(12, 3, seed=5))
     # after one step the kept direction is the first iterate: the complement image of the start
     model, avoid, _, loss_fn, _ = planted
-    result = orthogonal_search(model, loss_fn, SITE, avoid, steps=1, seed=4)
+    result = orthogonal_searches(model, searching(model, loss_fn), [(SITE, avoid, 1)], steps=1, seed=4)[0]
     start = complement_basis(avoid.double()) @ initial_coordinates(D - 4, 1, seed=4)
     torch.testing.assert_close(result.directions.double(), start, atol=1e-6, rtol=0)
 
@@ -175,6 +183,44 @@ def test_the_rank_curve_recovers_the_planted_dimensions():
 
     costs = []
     for rank in range(1, 5):
-        v = orthogonal_search(ThreeReadouts(), loss_fn, SITE, avoid, rank=rank).directions  # the protocol: lr 0.01, 200 steps
+        model = ThreeReadouts()
+        v = orthogonal_searches(model, searching(model, loss_fn), [(SITE, avoid, rank)])[0].directions  # the protocol: lr 0.01, 200 steps
         costs.append(float(((v.T @ W) ** 2).sum()))
     assert costs == pytest.approx([9.0, 13.0, 14.0, 14.0], rel=0.05)
+
+
+def test_searches_in_lockstep_are_the_searches_alone(planted):
+    """Several searches over one stream of batches: each result is what it is alone, though they
+    stop at different steps, and each step's batch is asked for by the searches in turn."""
+    model, avoid, u, loss_fn, seen = planted
+    blind = torch.cat([avoid, u[:, None]], 1)  # nothing left to ablate that the readout sees: a flat loss, stopped early
+    searches = [(SITE, avoid, 1), (SITE, blind, 3), (SITE, avoid[:, :2], 2)]
+    together = orthogonal_searches(model, searching(model, loss_fn), searches, steps=60, patience=5)
+    assert together[1].steps < 30 and together[0].steps == together[2].steps == 60
+    order = list(seen)
+    for search, result in zip(searches, together):
+        alone = orthogonal_searches(model, searching(model, loss_fn), [search], steps=60, patience=5)[0]
+        assert torch.equal(result.directions, alone.directions) and result.losses == alone.losses
+    assert order == sorted(order)  # lockstep: every search still running reads step s before any reads s + 1
+
+
+def test_a_search_from_cached_layer_streams_equals_the_whole_model_search():
+    """The dual analysis runs each search step from the stream entering the searched layer, kept
+    once per batch for every search; V and the losses equal those of whole forward passes."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(n_layers=3, d_model=16, n_heads=2, d_mlp=32, max_len=12), vocab_size=5).eval()
+    family = make("dice", vocab_size=5)
+    batches = {step: family.sample_ood(BATCH_SIZE, 12, 0, step, "search") for step in range(15)}
+    streams = {step: LayerStreams(model, batch.tokens) for step, batch in batches.items()}
+    searches = [((layer, "resid_mid"), avoid_basis(torch.eye(16)[:, layer : layer + 2]), 2) for layer in range(3)]
+
+    def whole(step, site):
+        return family.training_loss(model, batches[step])
+
+    def cached(step, site):
+        return family.training_loss(streams[step].model_from(site), batches[step])
+
+    for plain, reused in zip(orthogonal_searches(model, whole, searches, steps=15), orthogonal_searches(model, cached, searches, steps=15)):
+        torch.testing.assert_close(reused.directions, plain.directions, atol=1e-5, rtol=0)
+        assert reused.losses == pytest.approx(plain.losses, abs=1e-5)
+    assert all(sorted(s.streams) == [0, 1, 2] for s in streams.values())  # each prefix computed once, to the deepest search

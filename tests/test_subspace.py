@@ -9,11 +9,16 @@ import pytest
 import torch
 
 from taskgeom import tasks
-from taskgeom.analysis.subspace import complement_basis, gain_removed, projection_r2, task_ablation
+from taskgeom.analysis.states import LayerStreams
+from taskgeom.analysis.subspace import complement_basis, direction_ablation, gain_removed, model_losses, projection_r2, task_ablation
 from taskgeom.analysis.task_vectors import task_subspace, token_conditioned
 from taskgeom.errors import AnalysisError
 from taskgeom.analysis.theory import participation_ratio, readout_lipschitz
 from taskgeom.analysis.transition import predict_generalising
+from taskgeom.config import ModelConfig
+from taskgeom.hooks import intervene
+from taskgeom.model import Transformer
+from taskgeom.tasks.regression import Regression
 
 
 def test_projection_r2_is_one_inside_and_zero_orthogonal():
@@ -143,3 +148,27 @@ def test_participation_ratio_and_lipschitz_estimators():
     centred = weight - weight.mean(0)
     assert lipschitz == pytest.approx(float(torch.linalg.matrix_norm(centred, ord=2)), rel=1e-5)
     assert math.isfinite(lipschitz)
+
+
+@pytest.mark.parametrize("family", [tasks.make("markov", vocab_size=5), tasks.make("regression", d=2)], ids=["tokens", "regression"])
+def test_ablated_losses_from_shared_streams_equal_whole_forward_passes(family):
+    """The dual analysis runs every edit of a batch from its layer on, on the streams one clean pass
+    kept: the losses equal those of the whole model under the same edit (E2: at its separators)."""
+    torch.manual_seed(0)
+    T = 12
+    model = Transformer(ModelConfig(n_layers=3, d_model=16, n_heads=2, d_mlp=32, max_len=T), **family.model_io()).eval()
+    pool = family.sample_pool(3, 2, seed=0)
+    batch = family.sample_ood(16, T, seed=0)
+    references = family.reference_predictions(batch, pool)
+    positions = family.prediction_positions(T // family.stride) if isinstance(family, Regression) else slice(None)
+    directions = torch.linalg.qr(torch.randn(16, 3, generator=torch.Generator().manual_seed(1)))[0]
+    streams = LayerStreams(model, batch.tokens)
+    with torch.no_grad():
+        clean = family.position_losses(model, batch, *references)["loss"].mean(0)
+    assert torch.equal(model_losses(family, streams, batch, references), clean)
+    for site in [(2, "resid_mid"), (0, "resid_mid"), (1, "resid_post"), (1, "resid_pre")]:
+        with torch.no_grad(), intervene(model, site, direction_ablation(directions), positions):
+            whole = family.position_losses(model, batch, *references)["loss"].mean(0)
+        reused = model_losses(family, streams, batch, references, site, direction_ablation(directions), positions)
+        torch.testing.assert_close(reused, whole, atol=1e-5, rtol=0)
+        assert not torch.allclose(reused, clean)  # the edit acts

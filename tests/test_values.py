@@ -20,7 +20,7 @@ from taskgeom.analysis.properties import KL_FLOOR
 from taskgeom.analysis.retrieval import _alignment_rows
 from taskgeom.analysis.task_vectors import late_window
 from taskgeom.analysis.theory import theorem2
-from taskgeom.analysis.transition import predict_generalising, transition_statistic
+from taskgeom.analysis.transition import predict_generalising, reference_predictors, transition_statistic
 from taskgeom.cli import app
 from taskgeom.claims import check
 from taskgeom.errors import EnvironmentRefused, TaskgeomError, TrainingDiverged
@@ -83,17 +83,6 @@ def test_p3_rows_are_medians_and_quartiles_over_the_stated_positions_and_sequenc
 # ---------------------------------------------------------------- the predictor transition
 
 
-class FixedLogits(torch.nn.Module):
-    """A "model" whose output does not depend on its input."""
-
-    def __init__(self, logits: torch.Tensor):
-        super().__init__()
-        self.logits = logits
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.logits
-
-
 def test_transition_statistic_on_a_case_computed_by_hand():
     """Dice with two faces: majors A, B and one minor C (p_minor = 0.1). Memorising: Bayes over
     {A, B, C}; generalising: Bayes over {A, B, a new task with the uniform Beta prior}, whose
@@ -123,7 +112,8 @@ def test_transition_statistic_on_a_case_computed_by_hand():
             for reference, out in ((memorising, to_mem), (generalising, to_gen)):
                 out.append(sum(r * math.log(r / m) for r, m in zip(reference, model[b][t])))
     kl_mem, kl_gen = sum(to_mem) / len(to_mem), sum(to_gen) / len(to_gen)
-    stat = transition_statistic(FixedLogits(logits), family, tokens, pool, p_new=0.1)
+    references = reference_predictors(family, tokens, pool, p_new=0.1)
+    stat = transition_statistic(logits, *references)
     assert stat["kl_to_memorising"] == pytest.approx(kl_mem, rel=1e-6)
     assert stat["kl_to_generalising"] == pytest.approx(kl_gen, rel=1e-6)
     assert stat["log_ratio"] == pytest.approx(math.log(kl_mem / kl_gen), rel=1e-5, abs=1e-7)
@@ -134,7 +124,7 @@ def test_transition_statistic_on_a_case_computed_by_hand():
                                    + [(0.1 * math.prod((seq[:i].count(x) + 1) / (i + 2) for i, x in enumerate(seq[: t + 1])),
                                        [(seq[: t + 1].count(v) + 1) / (t + 3) for v in range(2)])])
                            for t in range(4)] for seq in tokens.tolist()], dtype=torch.float64)
-    perfect = transition_statistic(FixedLogits(exact.log().float()), family, tokens, pool, p_new=0.1)
+    perfect = transition_statistic(exact.log().float(), *references)
     assert perfect["kl_to_generalising"] == pytest.approx(0.0, abs=1e-6)
     assert perfect["log_ratio"] > 5
 

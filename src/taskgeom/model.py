@@ -71,8 +71,16 @@ class Block(nn.Module):
             setattr(self, site, HookPoint())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.from_mid(self.to_mid(x))
+
+    def to_mid(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention half: resid_pre x: [B, T, D] -> resid_mid [B, T, D], before resid_mid's hook."""
         x = self.resid_pre(x)
-        x = self.resid_mid(x + self.attn_out(self.attn(self.ln_attn(x))))
+        return x + self.attn_out(self.attn(self.ln_attn(x)))
+
+    def from_mid(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP half: resid_mid x: [B, T, D] (its hook and the later ones act) -> resid_post."""
+        x = self.resid_mid(x)
         return self.resid_post(x + self.mlp_out(self.mlp(self.ln_mlp(x))))
 
 
@@ -82,10 +90,20 @@ class ResidualModel(nn.Module):
     ``readout(h [..., D]) -> logits``; subclasses provide those three."""
 
     sites: tuple[str, ...] = SITES
+    mid_sites: tuple[str, ...] = ()  # the sites at or after resid_mid, where the blocks have ``from_mid`` (none by default)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed_inputs(tokens)
-        for block in self.blocks:
+        return self.forward_from(0, self.embed_inputs(tokens))
+
+    def forward_from(self, layer: int, x: torch.Tensor, mid: bool = False) -> torch.Tensor:
+        """The rest of the forward pass from x: [B, T, D], the residual stream entering block
+        ``layer`` (0..n_layers; n_layers: after the last block), or with ``mid`` its resid_mid
+        before the hook (models with ``mid_sites``): blocks ``layer..`` then the readout -> logits.
+        An edit at a site of block ``layer`` (with ``mid``: one of ``mid_sites``) or later still acts."""
+        if mid:
+            x = self.blocks[layer].from_mid(x)
+            layer += 1
+        for block in self.blocks[layer:]:
             x = block(x)
         return self.readout(x)
 
@@ -102,6 +120,8 @@ class Transformer(ResidualModel):
     """Token model ``forward(tokens [B, T] long) -> logits [B, T, n_out]`` (``vocab_size`` given), or
     vector model ``forward(inputs [B, T, d_in] float) -> outputs [B, T, n_out]`` (``d_in`` given:
     a linear read-in replaces the embedding; the blocks and hook sites are the same)."""
+
+    mid_sites = ("resid_mid", "mlp_out", "resid_post")
 
     def __init__(self, cfg: ModelConfig, vocab_size: int | None = None, n_out: int | None = None, d_in: int | None = None):
         super().__init__()

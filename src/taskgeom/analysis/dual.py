@@ -21,6 +21,11 @@ interquartile pair or null) that ``pandas.read_json`` loads in one call. Where e
   the controls and the search) acts on the separators.
 - **Losses and shares** average every prediction after the first; the clean, ablated and first
   losses are written beside each share.
+- **Shared work, the same measurement.** Each batch's unedited residual streams are computed once
+  (``states.LayerStreams``) and every edit of that batch runs the model from its block on (from
+  the block's resid_mid, for the searches at resid_mid); the searches (every layer's, then the
+  rank curve's) run in lockstep, so each step's batch is drawn, and its prefix run, once for all
+  of them. The values are those of whole forward passes, up to float rounding.
 
 Losses are the family's own (nats for token families, squared error for E2); the predictor
 transition and Theorem 2 compare next-token distributions, so they are measured for token families
@@ -29,20 +34,21 @@ only.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
 import torch
 
-from taskgeom.analysis.orthogonal import BATCH_SIZE, avoid_basis, orthogonal_search, token_subspace
+from taskgeom.analysis.orthogonal import BATCH_SIZE, avoid_basis, orthogonal_searches, token_subspace
 from taskgeom.analysis.probes import linear_probe
 from taskgeom.analysis.properties import Geometry
 from taskgeom.analysis.retrieval import SELECTION_STREAM, Inputs, analysis_inputs, family_inputs, select_place
-from taskgeom.analysis.states import stream_layers
+from taskgeom.analysis.states import LayerStreams, stream_layers
 from taskgeom.analysis.subspace import complement_basis, direction_ablation, gain_removed, model_losses, projection_r2, random_directions, task_ablation
 from taskgeom.analysis.task_vectors import late_window
 from taskgeom.analysis.theory import clr, participation_ratio, theorem2
-from taskgeom.analysis.transition import transition_statistic
+from taskgeom.analysis.transition import reference_predictors, transition_statistic
 from taskgeom.hooks import Site
 from taskgeom.rng import generator
 from taskgeom.runs import Run
@@ -151,24 +157,33 @@ def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 
                                  token_subspace(fitted[site][0].nu.float(), centre=not isinstance(family, Regression)))
                for site in search_sites}
 
-    def search(site: Site, r: int) -> torch.Tensor:
-        return orthogonal_search(model, lambda m, step: family.training_loss(m, family.sample_ood(BATCH_SIZE, T, seed, step, "dual-ood-search")),
-                                 site, avoided[site], rank=r, steps=search_steps, seed=seed, positions=s_positions).directions
+    @functools.lru_cache(maxsize=1)  # the searches run in lockstep: one draw and one prefix per step serve them all
+    def search_batch(step: int) -> tuple[Batch, LayerStreams]:
+        batch = family.sample_ood(BATCH_SIZE, T, seed, step, "dual-ood-search")
+        return batch, LayerStreams(model, batch.tokens)
 
-    def ablated_losses(batch: Batch, references, site: Site, directions: torch.Tensor) -> torch.Tensor:
-        return model_losses(family, model, batch, references, site, direction_ablation(directions), s_positions)
+    def search_loss(step: int, site: Site) -> torch.Tensor:
+        batch, streams = search_batch(step)
+        return family.training_loss(streams.model_from(site), batch)
+
+    def search(site_ranks: list[tuple[Site, int]]) -> list[torch.Tensor]:
+        """V: [D, r] of each (site, rank)."""
+        results = orthogonal_searches(model, search_loss, [(site, avoided[site], r) for site, r in site_ranks], steps=search_steps,
+                                      seed=seed, positions=s_positions)
+        return [result.directions for result in results]
 
     # the layer: where V removes the most OOD gain on a batch of its own; compared by the ablated
     # loss itself (the clean loss is the same for every layer, and a share flips sign with the gain)
     search_select = family.sample_ood(n_seq, T, seed, 0, "dual-ood-search-select")
     search_refs = family.reference_predictions(search_select, pool)
-    search_clean = model_losses(family, model, search_select, search_refs)
+    select_streams = LayerStreams(model, search_select.tokens)
+    search_clean = model_losses(family, select_streams, search_select, search_refs)
     add("loss", search_clean[1:].mean(), set_name="ood-search")
     add("loss_first", search_clean[0], set_name="ood-search")
-    found, ablated_loss = {}, {}
+    found = dict(zip(search_sites, search([(site, rank) for site in search_sites])))
+    ablated_loss = {}
     for site in search_sites:
-        found[site] = search(site, rank)
-        ablated = ablated_losses(search_select, search_refs, site, found[site])
+        ablated = model_losses(family, select_streams, search_select, search_refs, site, direction_ablation(found[site]), s_positions)
         ablated_loss[site] = float(ablated[1:].mean())
         add("search_loss_ablate_V", ablated_loss[site], set_name="ood-search", place=site)
         add("search_gain_removed", gain_removed(ablated, search_clean), set_name="ood-search", place=site)
@@ -183,29 +198,34 @@ def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 
     free = complement_basis(avoided[v_site])  # random controls live where V may
     controls = [random_directions(free, rank, gen) for _ in range(N_RANDOM_CONTROLS)]
     batches = _batches(run, n_seq)
-    for name, batch in batches.items():
-        references = family.reference_predictions(batch, pool)
-        clean = model_losses(family, model, batch, references)
-        add("loss", clean[1:].mean(), set_name=name)
-        add("loss_first", clean[0], set_name=name)
-        for label, site, ablated in (("ablate_S", place, model_losses(family, model, batch, references, place, task_ablation(geometry.subspace),
-                                                                      s_positions)),
-                                     ("ablate_V", v_site, ablated_losses(batch, references, v_site, directions))):
+    references = {name: family.reference_predictions(batch, pool) for name, batch in batches.items()}
+    streams = {name: LayerStreams(model, batch.tokens) for name, batch in batches.items()}  # one prefix per batch for every edit
+    clean = {name: model_losses(family, streams[name], batch, references[name]) for name, batch in batches.items()}
+
+    def batch_losses(name: str, site: Site, edit) -> torch.Tensor:
+        """[P] losses of batch ``name`` with ``edit`` at ``site`` (on the analysed positions)."""
+        return model_losses(family, streams[name], batches[name], references[name], site, edit, s_positions)
+
+    for name in batches:
+        add("loss", clean[name][1:].mean(), set_name=name)
+        add("loss_first", clean[name][0], set_name=name)
+        for label, site, edit in (("ablate_S", place, task_ablation(geometry.subspace)), ("ablate_V", v_site, direction_ablation(directions))):
+            ablated = batch_losses(name, site, edit)
             add(f"loss_{label}", ablated[1:].mean(), set_name=name, place=site)
-            add(f"gain_removed_{label}", gain_removed(ablated, clean), set_name=name, place=site)
-        shares = torch.tensor([gain_removed(ablated_losses(batch, references, v_site, v), clean) for v in controls])
+            add(f"gain_removed_{label}", gain_removed(ablated, clean[name]), set_name=name, place=site)
+        shares = torch.tensor([gain_removed(batch_losses(name, v_site, direction_ablation(v)), clean[name]) for v in controls])
         add("gain_removed_random", shares.mean(), [float(shares.min()), float(shares.max())], name, place=v_site)
 
-    ood_batch = batches["ood"]
-    ood_refs = family.reference_predictions(ood_batch, pool)
-    ood_clean = model_losses(family, model, ood_batch, ood_refs)
     prior = None if isinstance(family, Regression) else prior_predictions(run)
     d0 = float(family.d) if prior is None else participation_ratio(clr(prior))  # d for E2's ridge map
     add("d0", d0)
-    for r in range(1, min(math.ceil(d0), free.shape[1]) + 1):
-        ablated = ablated_losses(ood_batch, ood_refs, v_site, directions if r == rank else search(v_site, r))
+    ranks = range(1, min(math.ceil(d0), free.shape[1]) + 1)
+    others = [r for r in ranks if r != rank]
+    curve = {rank: directions, **dict(zip(others, search([(v_site, r) for r in others])))}
+    for r in ranks:
+        ablated = batch_losses("ood", v_site, direction_ablation(curve[r]))
         add(f"loss_ablate_V_rank{r}", ablated[1:].mean(), set_name="ood", place=v_site)
-        add(f"gain_removed_ablate_V_rank{r}", gain_removed(ablated, ood_clean), set_name="ood", place=v_site)
+        add(f"gain_removed_ablate_V_rank{r}", gain_removed(ablated, clean["ood"]), set_name="ood", place=v_site)
 
     complement = complement_basis(v_geometry.subspace.basis.float())
     positions, target = family.context_statistic(ood)  # at the analysed positions (E2: its separators)
@@ -229,23 +249,26 @@ def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 
 def _token_predictions(run: Run, model, checkpoints, readout_place: tuple[Geometry, torch.Tensor], tokens, site: Site,
                        prior: torch.Tensor, add) -> None:
     """Theorem 2 (at the last layer's resid_post, where the readout is the final norm and
-    unembedding) and the predictor transition over the checkpoints {step: model}; prior:
+    unembedding) and the predictor transition over the checkpoints {step: model}, on the OOD
+    tokens: [N, T] whose states [N, T, D] at ``site`` ``readout_place`` holds; prior:
     ``prior_predictions``."""
     family, pool, T = run.family, run.pool, run.config.task.seq_len
     geometry, h_ood = readout_place
     subspace, t = geometry.subspace, T - 1
     with torch.no_grad():
-        logits = model(tokens)[:, t]
+        logits = model.readout(h_ood)  # [N, T, V] the final model's output, read off the one streamed pass
     n = tokens.shape[0]
-    theory = theorem2(model.readout, h_ood[:, t], subspace.mu[t].float().expand(n, -1), subspace.basis.float(), logits,
+    theory = theorem2(model.readout, h_ood[:, t], subspace.mu[t].float().expand(n, -1), subspace.basis.float(), logits[:, t],
                       family.predict_ood(tokens)[:, t], prior)
     for key in ("k_star", "d0", "lipschitz"):
         add(f"theorem2_{key}", theory[key], place=site)
     for key in ("c", "delta", "bound", "distance"):
         add(f"theorem2_{key}", theory[key].median(), _quartiles(theory[key]), "ood", place=site)
     add("theorem2_share_bound_holds", (theory["distance"] >= theory["bound"]).double().mean(), set_name="ood", place=site)
+    references = reference_predictors(family, tokens, pool, run.config.task.p_minor)
     for step, snapshot in checkpoints.items():
-        stat = transition_statistic(snapshot, family, tokens, pool, run.config.task.p_minor)
+        with torch.no_grad():
+            stat = transition_statistic(logits if snapshot is model else snapshot(tokens), *references)
         for key, value in stat.items():
             add(f"transition_{key}", value, set_name="ood", step=step)
 

@@ -16,7 +16,7 @@ The protocol (the study's; our own choices marked **[ours]**):
   iterates in the moving average below.
 - **Start.** A's columns are Gaussian, normalised to unit norm (``initial_coordinates``), drawn
   from ``rng.generator(seed, 0, "orthogonal-search")``.
-- **Steps.** Each of at most ``steps`` (200) steps evaluates ``loss_fn(model, step)`` -- the loss on
+- **Steps.** Each of at most ``steps`` (200) steps evaluates ``loss_fn(step, site)`` -- the loss on
   a fresh batch, batch ``step`` of the caller's search stream of minor/OOD sequences -- under the
   ablation at ``site`` and takes one Adam step (lr 0.01) of gradient *ascent* on it, the gradient
   of A clipped to norm 1.0. The caller sizes the batch: ``BATCH_SIZE`` (32) sequences is the
@@ -38,7 +38,7 @@ The protocol (the study's; our own choices marked **[ours]**):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -114,12 +114,57 @@ def _orthonormal(a: torch.Tensor) -> torch.Tensor:
     return q * torch.where(signs == 0, torch.ones_like(signs), signs)
 
 
-def orthogonal_search(
+class _Ascent:
+    """One search between steps: A and its Adam state, the moving averages and the early-stopping
+    count (the protocol in this module's docstring)."""
+
+    def __init__(self, site: Site, avoid: torch.Tensor, rank: int, seed: int, lr: float):
+        D, m = avoid.shape
+        n = D - m
+        if not 1 <= rank <= n:
+            raise AnalysisError(f"rank must lie in 1..{n} (width {D} minus {m} avoided directions), got {rank}")
+        self.site, self.dtype = site, avoid.dtype
+        self.complement = complement_basis(avoid.double().cpu()).to(avoid.device)  # [D, n] float64 (built on the CPU)
+        work = torch.promote_types(avoid.dtype, torch.float32)
+        self.coords = initial_coordinates(n, rank, seed).to(device=avoid.device, dtype=work).requires_grad_(True)
+        self.c_work = self.complement.to(work)
+        self.opt = torch.optim.Adam([self.coords], lr=lr)
+        self.mean_q = torch.zeros(n, rank, dtype=torch.float64, device=avoid.device)  # EMA of Q(A_t), uncorrected
+        self.mean_loss, self.best, self.stale, self.losses, self.stopped = 0.0, -float("inf"), 0, [], False
+
+    def step(self, model: nn.Module, loss_fn: Callable[[int, Site], torch.Tensor], step: int, positions: slice | torch.Tensor | None,
+             clip: float, ema: float, patience: int) -> None:
+        """Evaluate the loss of batch ``step`` under the ablation of the current iterate, take one
+        Adam step of ascent and update the averages; ``stopped`` once early stopping fires."""
+        q = _orthonormal(self.coords)
+        with intervene(model, self.site, direction_ablation((self.c_work @ q).to(self.dtype)), positions):
+            loss = loss_fn(step, self.site)
+        self.opt.zero_grad()
+        (-loss).backward()
+        torch.nn.utils.clip_grad_norm_([self.coords], clip)
+        self.opt.step()
+
+        value = float(loss.detach())
+        self.losses.append(value)
+        self.mean_q = ema * self.mean_q + (1 - ema) * q.detach().double()
+        self.mean_loss = ema * self.mean_loss + (1 - ema) * value
+        smoothed = self.mean_loss / (1 - ema ** (step + 1))
+        if smoothed > self.best:
+            self.best, self.stale = smoothed, 0
+        else:
+            self.stale += 1
+            self.stopped = self.stale >= patience
+
+    def result(self, ema: float) -> SearchResult:
+        """The kept direction: the bias-corrected average of the iterates, re-orthonormalised, in the width's coordinates."""
+        kept = self.complement @ _orthonormal(self.mean_q / (1 - ema ** len(self.losses)))
+        return SearchResult(kept.to(self.dtype), self.losses, len(self.losses))
+
+
+def orthogonal_searches(
     model: nn.Module,
-    loss_fn: Callable[[nn.Module, int], torch.Tensor],
-    site: Site,
-    avoid: torch.Tensor,
-    rank: int = 1,
+    loss_fn: Callable[[int, Site], torch.Tensor],
+    searches: Sequence[tuple[Site, torch.Tensor, int]],
     steps: int = 200,
     lr: float = 0.01,
     clip: float = 1.0,
@@ -127,55 +172,34 @@ def orthogonal_search(
     patience: int = 30,
     seed: int = 0,
     positions: slice | torch.Tensor | None = None,
-) -> SearchResult:
-    """Directions orthogonal to span(avoid: [D, m]) whose ablation ``h <- h - V V^T h`` at ``site``
-    maximises the loss, by the protocol in this module's docstring; ``positions``: where the ablation
-    acts (all positions by default; E2's separators in the dual analysis).
+) -> list[SearchResult]:
+    """For each search ``(site, avoid: [D, m], rank)``: directions orthogonal to span(avoid) whose
+    ablation ``h <- h - V V^T h`` at ``site`` maximises the loss, by the protocol in this module's
+    docstring; ``positions``: where the ablation acts (all positions by default; E2's separators in
+    the dual analysis). One result per search, in order.
 
-    loss_fn(model, step) -> scalar tensor: the model's loss on a fresh batch, batch ``step`` of the
-    caller's search stream (``BATCH_SIZE`` minor/OOD sequences). The ablated directions are cast to
-    ``avoid``'s dtype and device, which should be those of the states at ``site``.
+    loss_fn(step, site) -> scalar tensor: the model's loss on a fresh batch, batch ``step`` of the
+    caller's search stream (``BATCH_SIZE`` minor/OOD sequences), with the search's ablation in
+    place at ``site``. The searches run in lockstep: at each step every search still running
+    evaluates batch ``step`` in turn, so a caller can draw each batch, and run the unedited blocks
+    before each site's layer (``states.LayerStreams``), once for all of them. A search's result is
+    the one it would have alone. The ablated directions are cast to ``avoid``'s dtype and device,
+    which should be those of the states at ``site``.
     """
-    D, m = avoid.shape
-    n = D - m
-    if not 1 <= rank <= n:
-        raise AnalysisError(f"rank must lie in 1..{n} (width {D} minus {m} avoided directions), got {rank}")
     if steps < 1 or patience < 1 or not 0 < ema < 1:
         raise AnalysisError(f"need steps >= 1, patience >= 1 and 0 < ema < 1; got steps={steps}, patience={patience}, ema={ema}")
-    complement = complement_basis(avoid.double().cpu()).to(avoid.device)  # [D, n] float64 (built on the CPU)
-    work = torch.promote_types(avoid.dtype, torch.float32)
-    coords = initial_coordinates(n, rank, seed).to(device=avoid.device, dtype=work).requires_grad_(True)
-    c_work = complement.to(work)
-    opt = torch.optim.Adam([coords], lr=lr)
-    mean_q = torch.zeros(n, rank, dtype=torch.float64, device=avoid.device)  # EMA of Q(A_t), uncorrected
-    mean_loss, best, stale, losses = 0.0, -float("inf"), 0, []
+    ascents = [_Ascent(site, avoid, rank, seed, lr) for site, avoid, rank in searches]
     flags = [(p, p.requires_grad) for p in model.parameters()]
     try:
         for p, _ in flags:
             p.requires_grad_(False)
         for step in range(steps):
-            q = _orthonormal(coords)
-            directions = (c_work @ q).to(avoid.dtype)
-            with intervene(model, site, direction_ablation(directions), positions):
-                loss = loss_fn(model, step)
-            opt.zero_grad()
-            (-loss).backward()
-            torch.nn.utils.clip_grad_norm_([coords], clip)
-            opt.step()
-
-            value = float(loss.detach())
-            losses.append(value)
-            mean_q = ema * mean_q + (1 - ema) * q.detach().double()
-            mean_loss = ema * mean_loss + (1 - ema) * value
-            smoothed = mean_loss / (1 - ema ** (step + 1))
-            if smoothed > best:
-                best, stale = smoothed, 0
-            else:
-                stale += 1
-                if stale >= patience:
-                    break
+            running = [ascent for ascent in ascents if not ascent.stopped]
+            if not running:
+                break
+            for ascent in running:
+                ascent.step(model, loss_fn, step, positions, clip, ema, patience)
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
-    kept = complement @ _orthonormal(mean_q / (1 - ema ** len(losses)))
-    return SearchResult(kept.to(avoid.dtype), losses, len(losses))
+    return [ascent.result(ema) for ascent in ascents]

@@ -2,7 +2,8 @@
 
 Shapes: ``N`` sequences, ``T`` positions, ``D`` width, ``K`` task vectors, ``r`` ablated directions.
 Every ablation acts on one site (layer, name) through ``hooks.intervene``, at every position or at
-the analysed ones (E2: its separators).
+the analysed ones (E2: its separators); the model runs from that site's layer on, on the stream a
+batch's ``states.LayerStreams`` keeps.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from taskgeom.analysis.states import LayerStreams
 from taskgeom.analysis.task_vectors import TaskSubspace
 from taskgeom.hooks import Site, intervene
 from taskgeom.tasks import Batch, TaskFamily
@@ -61,16 +63,17 @@ def direction_ablation(directions: torch.Tensor) -> Edit:
     return edit
 
 
-def model_losses(family: TaskFamily, model: torch.nn.Module, batch: Batch, references: tuple[torch.Tensor, torch.Tensor],
+def model_losses(family: TaskFamily, streams: LayerStreams, batch: Batch, references: tuple[torch.Tensor, torch.Tensor],
                  site: Site | None = None, edit: Edit | None = None, positions: slice | torch.Tensor | None = None) -> torch.Tensor:
     """[P] the model's mean loss per prediction (nats for tokens, squared error for E2) over the
-    batch, with ``edit`` applied at ``site`` on ``positions`` (all by default); references:
-    ``family.reference_predictions``."""
+    batch, with ``edit`` applied at ``site`` on ``positions`` (all by default); streams: the
+    batch's ``LayerStreams``, so the model runs only from the edited block on (and a clean pass
+    fills every stream); references: ``family.reference_predictions``."""
     with torch.no_grad():
         if edit is None:
-            return family.position_losses(model, batch, *references)["loss"].mean(0)
-        with intervene(model, site, edit, positions):
-            return family.position_losses(model, batch, *references)["loss"].mean(0)
+            return family.position_losses(streams.model_from(None), batch, *references)["loss"].mean(0)
+        with intervene(streams.model, site, edit, positions):
+            return family.position_losses(streams.model_from(site), batch, *references)["loss"].mean(0)
 
 
 def gain_removed(ablated: torch.Tensor, clean: torch.Tensor) -> float:

@@ -33,11 +33,14 @@ def kl_to_model(reference: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return (ref * (ref.clamp_min(1e-300).log() - logp)).sum(-1).mean()
 
 
-@torch.no_grad()
-def transition_statistic(model: torch.nn.Module, family: TaskFamily, tokens: torch.Tensor, pool: TaskPool, p_new: float) -> dict[str, float]:
-    """log(KL_to_memorising / KL_to_generalising) on tokens: [B, T]; positive means the model is
-    closer to the generalising predictor."""
-    logits = model(tokens)
-    to_mem = kl_to_model(family.predict_id(tokens, pool), logits)
-    to_gen = kl_to_model(predict_generalising(family, tokens, pool, p_new), logits)
+def reference_predictors(family: TaskFamily, tokens: torch.Tensor, pool: TaskPool, p_new: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, T, V], [B, T, V]) the memorising and generalising predictors on tokens: [B, T], computed
+    once for every checkpoint read on these tokens."""
+    return family.predict_id(tokens, pool), predict_generalising(family, tokens, pool, p_new)
+
+
+def transition_statistic(logits: torch.Tensor, memorising: torch.Tensor, generalising: torch.Tensor) -> dict[str, float]:
+    """log(KL_to_memorising / KL_to_generalising) of a model's logits: [B, T, V] on the tokens of
+    ``reference_predictors``; positive means the model is closer to the generalising predictor."""
+    to_mem, to_gen = kl_to_model(memorising, logits), kl_to_model(generalising, logits)
     return {"kl_to_memorising": float(to_mem), "kl_to_generalising": float(to_gen), "log_ratio": float(torch.log(to_mem / to_gen))}
