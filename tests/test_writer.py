@@ -19,7 +19,7 @@ import yaml
 from conftest import tiny_config
 from taskgeom.errors import RunDirError, RunLockedError
 from taskgeom.runs import LOCK_NAME, Run
-from taskgeom.storage import atomic_write_text, load_tensors, save_tensors
+from taskgeom.storage import atomic_write_text, exclusive_lock, load_tensors, save_tensors
 from taskgeom.train import train
 
 SRC = str(Path(__file__).parents[1] / "src")
@@ -162,3 +162,17 @@ def test_written_files_follow_the_umask(tmp_path, umask, mask):
     assert any(p.parent.name == "snapshots" for p in files)
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
     assert set(modes.values()) == {oct(0o666 & ~mask)}, modes
+
+
+def test_a_run_directory_cut_short_after_its_config_is_finished_by_the_same_config_only(tmp_path):
+    """config.yaml is written before run.json: a directory holding only config.yaml is one whose
+    making was cut short (or is under way in another process, which holds the lock)."""
+    made = Run.create(tiny_config("dice"), path=tmp_path / "r")
+    (made.path / "run.json").unlink()
+    assert Run.create(tiny_config("dice"), path=tmp_path / "r").config.digest() == made.config.digest()
+    (made.path / "run.json").unlink()
+    with pytest.raises(RunDirError, match="config.yaml of another config and no run.json"):
+        Run.create(tiny_config("dice", steps=41), path=tmp_path / "r")
+    with exclusive_lock(made.path / LOCK_NAME, "test"):  # another process making it now: refused, naming the lock
+        with pytest.raises(RunLockedError, match="being written by another process"):
+            Run.create(tiny_config("dice"), path=tmp_path / "r")

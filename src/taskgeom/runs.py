@@ -49,13 +49,17 @@ class Run:
         path = Path(path) if path is not None else Path(root) / f"{config.name}-{config.digest()}"
         if path.exists() and not path.is_dir():
             raise RunDirError(f"{path} is a file, not a run directory; choose another path")
-        if not ((path / "config.yaml").exists() or (path / "run.json").exists()):
-            if path.exists() and any(not _ours(entry.name) for entry in path.iterdir()):
+        if not (path / "run.json").exists():  # run.json is written last: without it the directory is still being made
+            if path.exists() and any(not _ours(entry.name) and entry.name != "config.yaml" for entry in path.iterdir()):
                 raise RunDirError(f"{path} exists and is not a taskgeom run directory; choose another path")
             path.mkdir(parents=True, exist_ok=True)
             with exclusive_lock(path / LOCK_NAME, f"run directory {path}"):
                 if not (path / "run.json").exists():  # else another process made it while we looked
-                    atomic_write_text(path / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+                    text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+                    if (path / "config.yaml").exists() and (path / "config.yaml").read_text(encoding="utf-8", errors="replace") != text:
+                        raise RunDirError(f"{path} holds the config.yaml of another config and no run.json (its making was cut "
+                                          "short?); choose another path or delete the directory")
+                    atomic_write_text(path / "config.yaml", text)
                     atomic_write_json(path / "run.json", {"format": RUN_FORMAT, "taskgeom": __version__, "digest": config.digest()})
                     return cls(path, config)
         existing = cls.open(path)

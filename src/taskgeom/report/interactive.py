@@ -48,6 +48,8 @@ def _lines(rows: pd.DataFrame, x: str, name: Callable[[tuple], str], by: list[st
                                  line={"dash": dash(key)}, hovertemplate=f"{name(key)}<br>{xaxis} %{{x}}<br>{yaxis} %{{y:.4g}}<extra></extra>"))
     fig.update_layout(title=title, xaxis_title=xaxis, yaxis_title=yaxis, template="plotly_white", height=380,
                       margin={"l": 60, "r": 20, "t": 50, "b": 50}, legend={"font": {"size": 11}})
+    if x in ("layer", "rank"):  # whole numbers only
+        fig.update_xaxes(dtick=1)
     return fig.to_json()
 
 
