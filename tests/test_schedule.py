@@ -10,7 +10,8 @@ import yaml
 from conftest import tiny_config
 from taskgeom.experiments.base import Context, reproduce
 from taskgeom.experiments.executors import Executor
-from taskgeom.experiments.schedule import TrainTask, unique_unfinished
+from taskgeom.experiments.schedule import TrainTask, phases, plan
+from taskgeom.experiments.sweep import Job, run_job
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run
 from taskgeom.train import train
@@ -55,10 +56,21 @@ def test_the_schedule_takes_each_run_once_most_expensive_first(tmp_path):
     small, big = (load_recipe(recipe, "quick", [f"train.steps={n}"]) for n in (10, 40))
     tasks = [TrainTask(small, str(tmp_path), "cpu", "none", 1), TrainTask(big, str(tmp_path), "cpu", "none", 2),
              TrainTask(small, str(tmp_path), "cpu", "none", 2)]
-    todo = unique_unfinished(tasks)
-    assert [(t.config.train.steps, t.threads) for t in todo] == [(40, 2), (10, 1)]  # the first task naming a run sets its threads
+    todo = plan(tasks)
+    assert [(u.task.config.train.steps, u.train_threads, u.analysis_threads) for u in todo] == [(40, 2, 0), (10, 1, 0)]  # the first task naming a run sets its threads
     train(Run.create(big, tmp_path))
-    assert [t.config.train.steps for t in unique_unfinished(tasks)] == [10]
+    assert [u.task.config.train.steps for u in plan(tasks)] == [10]
+
+
+def test_an_analysis_runs_in_the_phase_of_its_threads_after_its_training(tmp_path):
+    recipe = _recipe(tmp_path)
+    a, b, c = (load_recipe(recipe, "quick", [f"train.steps={n}"]) for n in (10, 20, 30))
+    tasks = [TrainTask(a, str(tmp_path), "cpu", "none", 2), TrainTask(a, str(tmp_path), "cpu", "none", 1, analyse=True),
+             TrainTask(b, str(tmp_path), "cpu", "none", 1, analyse=True), TrainTask(c, str(tmp_path), "cpu", "none", 2)]
+    steps = [(threads, [(u.task.config.train.steps, u.train_threads, u.analysis_threads) for u in group])
+             for threads, group in phases(plan(tasks))]
+    # a trains with 2 threads (its first task's) and is analysed with 1 (the sweep's), in the single-thread phase
+    assert steps == [(2, [(30, 2, 0), (10, 2, 0)]), (1, [(20, 1, 1), (10, 0, 1)])]
 
 
 def test_threads_never_outnumber_cores(tmp_path, monkeypatch):
@@ -70,6 +82,26 @@ def test_threads_never_outnumber_cores(tmp_path, monkeypatch):
     tasks = [TrainTask(c, str(tmp_path), "cpu", "none", threads) for c, threads in zip(configs, (1, 2, 1, 2))]
     groups = []
     monkeypatch.setattr(schedule.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(schedule, "_train_group", lambda group, workers: groups.append(([t.config.train.steps for t in group], workers)) or [])
+    monkeypatch.setattr(schedule, "_run_phase", lambda group, workers: groups.append(([u.task.config.train.steps for u in group], workers)) or [])
     schedule.train_all(tasks, Executor(workers=2), Profile())
-    assert groups == [([30, 10], 2), ([40, 20], 1)]  # single-thread runs two at a time; two-thread runs alone
+    assert groups == [([40, 20], 1), ([30, 10], 2)]  # two-thread runs alone, then single-thread runs two at a time
+
+
+def test_the_schedule_analyses_a_sweep_run_as_the_sweep_would(tmp_path):
+    """The dual analysis done in the schedule writes the dual.json the sweep writes for the same
+    run alone (bitwise); the sweep then finds it and analyses nothing."""
+    from taskgeom.timing import Profile
+    from taskgeom.experiments.schedule import train_all
+
+    recipe = _recipe(tmp_path, steps=40)
+    job = Job(recipe, -1, 0, "quick", str(tmp_path / "alone"))
+    assert run_job(job, threads=1)[0]["status"] == "ok"
+    config = job.config()
+    profile = Profile()
+    train_all([TrainTask(config, str(tmp_path / "scheduled"), "cpu", "none", 1, analyse=True)], Executor(workers=2), profile)
+    name = f"{config.name}-{config.digest()}"
+    for file in ("model.safetensors", "analysis/dual.json"):
+        assert (tmp_path / "scheduled" / name / file).read_bytes() == (tmp_path / "alone" / name / file).read_bytes(), file
+    assert [s.stage.split()[0] for s in profile.stages] == ["train", "analyse"]
+    again = run_job(Job(recipe, -1, 0, "quick", str(tmp_path / "scheduled")), threads=1)
+    assert again[0]["analysis_cpu_s"] < 1.0 and plan([TrainTask(config, str(tmp_path / "scheduled"), "cpu", "none", 1, analyse=True)]) == []

@@ -1,14 +1,18 @@
 """One schedule for all training (issue 14): every run the experiments of a reproduction need is
 known before any of them starts (each experiment's ``runs(ctx)``), and the unfinished ones are
-trained first, grouped by thread count so that threads never outnumber cores (single-thread runs
-on a process pool, the most expensive first; a run that uses every core alone); the experiments
-then find their runs finished and only analyse.
+trained first, grouped by thread count so that threads never outnumber cores (a run that uses
+every core alone, then single-thread runs on a process pool, the most expensive first); the
+experiments then find their runs finished and only analyse. A run whose experiment asks for it
+(``TrainTask.analyse``: the dual-mode sweep's) is also analysed in the schedule, in the
+single-thread phase, right after its training in the same worker, so that the analyses fill the
+cores the last long trainings leave idle.
 
 Each run trains with the torch thread count it would have had if its experiment had trained it in
 turn, because the result depends on it (the same run trained with 1 and with 2 threads differs in
 the last bits): a run of a single experiment with this process's thread count, a run of a sweep
 with the executor's. A run two experiments share keeps the first one's. So the run directories
-are the same, bit for bit, as without the schedule.
+are the same, bit for bit, as without the schedule; an analysis uses the thread count its sweep
+gives it, as in the sweep.
 """
 
 from __future__ import annotations
@@ -31,78 +35,146 @@ from taskgeom.timing import Clock, Profile
 @dataclass(frozen=True)
 class TrainTask:
     """One run to train: its config, run root, device, tracker and the torch thread count it trains
-    with (its config's ``train.threads`` when set)."""
+    with (its config's ``train.threads`` when set); ``analyse``: then measure its dual modes
+    (``analysis.dual``) with that thread count."""
 
     config: RunConfig
     root: str
     device: str
     tracker: str
     threads: int
+    analyse: bool = False
 
     @property
     def name(self) -> str:
         return f"{self.config.name}-{self.config.digest()}"
 
+    @property
+    def path(self) -> Path:
+        return Path(self.root) / self.name
+
     def cost(self) -> float:
-        """Relative CPU cost, for longest-first ordering: parameters x tokens seen."""
+        """Relative CPU cost of training, for longest-first ordering: parameters x tokens seen."""
         train, task = self.config.train, self.config.task
         return float(parameter_count(self.config)) * train.steps * train.batch_size * task.seq_len
 
 
-def train_task(task: TrainTask, _pool_threads: int = 0) -> tuple[float, float]:
-    """Train (or resume) one run in this process with ``task.threads`` torch threads; returns its
-    (wall, CPU) seconds."""
-    from taskgeom.train import train
+# [measured] A quick-profile dual analysis costs about a quarter of its run's training (e3: 31 of
+# 137 CPU-s; e1: 26 of 80).
+ANALYSIS_SHARE = 0.25
 
+
+@dataclass(frozen=True)
+class Unit:
+    """The schedule's work on one run: train it with ``train_threads`` torch threads (0: nothing to
+    train), then analyse it with ``analysis_threads`` (0: nothing to analyse here)."""
+
+    task: TrainTask
+    train_threads: int
+    analysis_threads: int
+
+    def cost(self) -> float:
+        return self.task.cost() * (bool(self.train_threads) + ANALYSIS_SHARE * bool(self.analysis_threads))
+
+
+def _with_threads(threads: int, work) -> tuple[float, float]:
+    """(wall, CPU) seconds of ``work()`` run with ``threads`` torch threads."""
     clock, before = Clock(), torch.get_num_threads()
-    torch.set_num_threads(task.threads)
+    torch.set_num_threads(threads)
     try:
-        train(Run.create(task.config, task.root), device=task.device, tracker=task.tracker)
+        work()
     finally:
         torch.set_num_threads(before)
     return clock.lap()
 
 
-def unique_unfinished(tasks: list[TrainTask]) -> list[TrainTask]:
-    """The tasks whose run is not finished, each run once (the first task naming it wins), the most
-    expensive first."""
-    seen: dict[str, TrainTask] = {}
+def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float]]:
+    """Do one unit in this process; returns the (wall, CPU) seconds of its ``train`` and ``analyse``."""
+    from taskgeom.analysis.dual import analyze_dual, load_dual
+    from taskgeom.train import train
+
+    task, seconds = unit.task, {}
+    if unit.train_threads:
+        seconds["train"] = _with_threads(unit.train_threads, lambda: train(Run.create(task.config, task.root), device=task.device,
+                                                                               tracker=task.tracker))
+    if unit.analysis_threads:
+        seconds["analyse"] = _with_threads(unit.analysis_threads, lambda: load_dual(run := Run.open(task.path)) or analyze_dual(run))
+    return seconds
+
+
+def _analysed(path: Path) -> bool:
+    from taskgeom.analysis.dual import load_dual
+
+    return (path / "model.safetensors").exists() and load_dual(Run.open(path)) is not None
+
+
+def plan(tasks: list[TrainTask]) -> list[Unit]:
+    """One unit per run with work left: trained with the thread count of the first task naming it,
+    analysed with that of the first task asking for the analysis. The most expensive first."""
+    first: dict[str, TrainTask] = {}
+    analysis: dict[str, int] = {}
     for task in tasks:
-        if task.name not in seen and not (Path(task.root) / task.name / "model.safetensors").exists():
-            seen[task.name] = task
-    return sorted(seen.values(), key=lambda t: -t.cost())
+        first.setdefault(task.name, task)
+        if task.analyse:
+            analysis.setdefault(task.name, task.threads)
+    units = []
+    for name, task in first.items():
+        train_threads = 0 if (task.path / "model.safetensors").exists() else task.threads
+        analysis_threads = analysis.get(name, 0) if name in analysis and not _analysed(task.path) else 0
+        if train_threads or analysis_threads:
+            units.append(Unit(task, train_threads, analysis_threads))
+    return sorted(units, key=lambda u: -u.cost())
 
 
-def _train_group(group: list[TrainTask], workers: int) -> Iterator[tuple[TrainTask, tuple[float, float] | BaseException]]:
-    """(task, (wall, CPU) seconds or the error) for each task: on a pool of ``workers`` processes,
-    or one after another in this process."""
+def phases(units: list[Unit]) -> list[tuple[int, list[Unit]]]:
+    """(threads, units) in descending thread count: every unit of a phase uses that many threads. An
+    analysis runs in the phase of its own thread count, after its run's training in an earlier
+    phase, or right after it in the same unit (also when its phase would come first)."""
+    by_level: dict[int, list[Unit]] = {}
+    for unit in units:
+        train, analyse = unit.train_threads, unit.analysis_threads
+        if train and analyse and analyse < train:
+            by_level.setdefault(train, []).append(Unit(unit.task, train, 0))
+            by_level.setdefault(analyse, []).append(Unit(unit.task, 0, analyse))
+        else:
+            by_level.setdefault(train or analyse, []).append(unit)
+    return [(level, sorted(group, key=lambda u: -u.cost())) for level, group in sorted(by_level.items(), reverse=True)]
+
+
+def _run_phase(group: list[Unit], workers: int) -> Iterator[tuple[Unit, dict | BaseException]]:
+    """(unit, its seconds or the error) for each unit: on a pool of ``workers`` processes, or one
+    after another in this process."""
     if workers > 1:
-        yield from execute(train_task, group, Executor(workers=workers))
+        yield from execute(run_unit, group, Executor(workers=workers))
         return
-    for task in group:
+    for unit in group:
         try:
-            yield task, train_task(task)
+            yield unit, run_unit(unit)
         except Exception as err:  # reported, and retried by the experiment that needs the run
-            yield task, err
+            yield unit, err
 
 
 def train_all(tasks: list[TrainTask], executor: Executor, timings: Profile) -> None:
-    """Train every unfinished run of ``tasks`` on ``executor``'s local pool. Runs that use t threads
-    share the machine's cores: they train on ``cores // t`` workers at once (at most the
-    executor's), so threads never outnumber cores (oversubscribed torch threads slow every run
-    down several-fold). A run whose training fails is left to the experiment that needs it, which
-    trains it again in its own process and reports the error there."""
-    todo = unique_unfinished(tasks)
-    for task in todo:  # refuse before any run directory is made
-        check_training_fits(task.config, task.device)
+    """Train (and analyse, where asked) every run of ``tasks`` with work left on ``executor``'s
+    local pool, phase by phase: units using t threads share the machine's cores, ``cores // t`` at
+    once (at most the executor's workers), so threads never outnumber cores (oversubscribed torch
+    threads slow every run down several-fold). Work that fails is left to the experiment that needs
+    it, which does it again in its own process and reports the error there."""
+    units = plan(tasks)
+    for unit in units:  # refuse before any run directory is made
+        if unit.train_threads:
+            check_training_fits(unit.task.config, unit.task.device)
     cores = os.cpu_count() or 1
-    with job_bar("train", len(todo)) as advance:
-        for threads in sorted({t.threads for t in todo}):
-            group = [t for t in todo if t.threads == threads]
+    with job_bar("train", len(units)) as advance:
+        for threads, group in phases(units):
             workers = max(1, min(executor.workers, cores // threads, len(group)))
-            for task, result in _train_group(group, workers):
+            for unit, result in _run_phase(group, workers):
+                name = unit.task.name
                 if isinstance(result, BaseException):
-                    console.print(f"[red]training {task.name} failed[/red] ({type(result).__name__}: {result}); its experiment retries it")
+                    console.print(f"[red]{name} failed in the schedule[/red] ({type(result).__name__}: {result}); its experiment retries it")
                 else:
-                    timings.add("schedule", f"train {task.name} ({task.threads} threads)", *result, where="worker" if workers > 1 else "main")
-                advance(task.name)
+                    where = "worker" if workers > 1 else "main"
+                    for what, seconds in result.items():
+                        used = unit.train_threads if what == "train" else unit.analysis_threads
+                        timings.add("schedule", f"{what} {name} ({used} threads)", *seconds, where=where)
+                advance(name)
