@@ -57,10 +57,11 @@ class Attention(nn.Module):
         """x: [B, T, D] -> [B, T, D], causal."""
         B, T, D = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)  # [3, B, H, T, head_dim]
-        qk, v = qkv[:2], qkv[2]
+        qk, v = qkv.split([2, 1])  # split and unbind, not indexing: their gradients are joined without zero-filled copies
         if self.rotary is not None:
             qk = self.rotary(qk)  # queries and keys in one pass
-        y = F.scaled_dot_product_attention(qk[0], qk[1], v, is_causal=True)
+        q, k = qk.unbind()
+        y = F.scaled_dot_product_attention(q, k, v[0], is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
 
 
