@@ -121,3 +121,25 @@ def test_layer_streams_refuse_an_edited_prefix_and_other_tokens(model):
         streams.model_from((1, "resid_pre"))(tokens.clone())
     with pytest.raises(AnalysisError, match="layer 4 does not exist"):
         streams.entering(4)
+
+
+def test_rotary_gives_the_half_split_formula_bit_for_bit():
+    """Rotary's whole-head form: values and input gradients equal to the textbook
+    (x1 cos - x2 sin, x1 sin + x2 cos), exactly."""
+    from taskgeom.model import Rotary
+
+    head_dim, T = 16, 12
+    inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(T, dtype=torch.float32), inv_freq)
+    cos, sin = angles.cos(), angles.sin()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, T, head_dim, generator=gen)
+    upstream = torch.randn(x.shape, generator=gen)
+    fast, textbook = x.clone().requires_grad_(), x.clone().requires_grad_()
+    x1, x2 = textbook.chunk(2, dim=-1)
+    expected = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    got = Rotary(head_dim, max_len=24)(fast)
+    expected.backward(upstream)
+    got.backward(upstream)
+    assert torch.equal(got, expected)
+    assert torch.equal(fast.grad, textbook.grad)

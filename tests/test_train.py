@@ -383,3 +383,53 @@ def test_a_runs_thread_count_does_not_leak_into_the_next_run(tmp_path):
     torch.set_num_threads(outside)
     assert set(seen) == {1}
     assert leaked == 2
+
+
+def textbook_attention(self, x):
+    """Attention as first written: queries and keys rotated one after the other, half by half."""
+    B, T, D = x.shape
+    head_dim = D // self.n_heads
+    q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, head_dim).permute(2, 0, 3, 1, 4)
+    inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(T, dtype=torch.float32), inv_freq)
+    cos, sin = angles.cos(), angles.sin()
+    rotated = []
+    for part in (q, k):
+        x1, x2 = part.chunk(2, dim=-1)
+        rotated.append(torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1))
+    y = torch.nn.functional.scaled_dot_product_attention(*rotated, v, is_causal=True)
+    return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+def textbook_step(model, opt, family, batch, grad_clip):
+    """The training step as first written, on the CPU."""
+    loss = family.training_loss(model, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    return loss.item()
+
+
+def test_the_step_trains_the_textbook_model_bit_for_bit(monkeypatch):
+    """The trainer's speed-ups change no float: a few steps of the quick E1 model give weights
+    equal, exactly, to the textbook step's."""
+    from taskgeom.model import Attention
+    from taskgeom.recipes import load_recipe
+
+    run = Run("unused", load_recipe("e1"))
+    cfg = run.config.train
+    batches = [run.family.sample(run.pool, cfg.batch_size, run.config.task.seq_len, 0, step) for step in range(3)]
+    fast = run.new_model()
+    fast_opt = train_module.make_optimizer(fast, cfg.lr, cfg.weight_decay)
+    for batch in batches:
+        train_module.train_step(fast, fast_opt, run.family, batch, torch.device("cpu"), "fp32", cfg.grad_clip)
+    monkeypatch.setattr(Attention, "forward", textbook_attention)
+    slow = run.new_model()
+    slow_opt = torch.optim.AdamW([{"params": [p for p in slow.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                                  {"params": [p for p in slow.parameters() if p.dim() < 2], "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    for batch in batches:
+        textbook_step(slow, slow_opt, run.family, batch, cfg.grad_clip)
+    fast_state, slow_state = fast.state_dict(), slow.state_dict()
+    assert fast_state.keys() == slow_state.keys()
+    assert all(torch.equal(fast_state[name], slow_state[name]) for name in fast_state)

@@ -24,21 +24,24 @@ class HookPoint(nn.Identity):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding over half-split head dimensions."""
+    """Rotary position embedding over half-split head dimensions: the halves (x1, x2) of a head
+    become (x1 cos - x2 sin, x1 sin + x2 cos)."""
 
     def __init__(self, head_dim: int, max_len: int, base: float = 10000.0):
         super().__init__()
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, head_dim/2]
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        cos, sin = angles.cos(), angles.sin()
+        self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)  # [max_len, head_dim]
+        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)  # [max_len, head_dim]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, H, T, head_dim] -> same shape, rotated by position."""
+        """x: [..., T, head_dim] -> same shape, rotated by position. Computed as
+        x [cos, cos] + (x2, x1) [-sin, sin]: two whole-head products instead of four half-head ones,
+        and the same floats (each half is one sum of the same two rounded products)."""
         T = x.shape[-2]
-        cos, sin = self.cos[:T], self.sin[:T]
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        return x * self.cos[:T] + torch.cat([x2, x1], dim=-1) * self.sin[:T]
 
 
 class Attention(nn.Module):
@@ -53,10 +56,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D], causal."""
         B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)  # [3, B, H, T, head_dim]
+        qk, v = qkv.split([2, 1])  # split and unbind, not indexing: their gradients are joined without zero-filled copies
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            qk = self.rotary(qk)  # queries and keys in one pass
+        q, k = qk.unbind()
+        y = F.scaled_dot_product_attention(q, k, v[0], is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
 
 
