@@ -109,14 +109,16 @@ def _png(figure: dict) -> str:
             f"<figcaption>{html.escape(figure['caption'])} (<a href='{html.escape(figure['pdf'])}'>PDF</a>)</figcaption></figure>")
 
 
-def _summary(claims: list[dict], sections: dict[str, str], timings: dict) -> str:
+def _summary(claims: list[dict], sections: dict[str, str], timings: dict, order: list[str]) -> str:
     counts = {name: Counter(c["status"] for c in claims if sections[c["id"]] == name) for name in SECTIONS}
     rows = "".join(f"<tr><td><a href='#sec-{name}'>{html.escape(SECTIONS[name])}</a></td><td class=pass>{n['pass']}</td>"
                    f"<td class=fail>{n['fail']}</td><td class=na>{n['n/a']}</td></tr>"
                    for name, n in counts.items() if sum(n.values()))
     total = Counter(c["status"] for c in claims)
-    times = "".join(f"<tr><td>{html.escape(name)}</td><td>{t['wall_s']:.0f}</td><td>{t['cpu_s']:.0f}</td></tr>"
-                    for name, t in timings.get("experiments", {}).items())
+    steps = timings.get("experiments", {})
+    ranked = sorted(steps, key=lambda name: order.index(name) if name in order else len(order))  # in the order they ran
+    times = "".join(f"<tr><td>{html.escape(name)}</td><td>{steps[name]['wall_s']:.0f}</td><td>{steps[name]['cpu_s']:.0f}</td></tr>"
+                    for name in ranked)
     wall = timings.get("total", {}).get("wall_s")
     return (f"<h2 id=summary>Summary</h2><p id=totals><b>{total['pass']} pass, {total['fail']} fail, {total['n/a']} n/a of {len(claims)} "
             f"claims</b> (n/a: the claim does not apply to what was measured; counted neither way)"
@@ -211,7 +213,7 @@ def write_report(out: Path) -> str:
         "<a href='#settings'>Settings</a><a href='#timings'>Timings</a>"
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>taskgeom report</title><style>{_STYLE}</style>"
             f"<script src='{PLOTLY_JS}'></script></head><body><nav>{nav}</nav><h1>taskgeom: reproduction report</h1>"
-            f"{_summary(claims, sections, timings)}{''.join(body)}{_settings(out, manifest)}{_timings(timings)}"
+            f"{_summary(claims, sections, timings, ['schedule', *manifest['experiments']])}{''.join(body)}{_settings(out, manifest)}{_timings(timings)}"
             f"<script>{_SCRIPT}</script></body></html>")
     _write_plotly(out)
     atomic_write_text(out / "report.html", page)
