@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import shutil
 from collections import Counter
 from html.parser import HTMLParser
@@ -172,3 +173,44 @@ def test_the_report_command_refuses_a_folder_it_cannot_read_and_keeps_the_page(t
     assert result.exit_code == 2, result.output
     assert "reproduction.json" in result.output and "taskgeom reproduce --out" in result.output
     assert (copy / "report.html").read_bytes() == page
+
+
+def _plot_specs(page: str) -> dict[str, dict]:
+    return {m.group(1): json.loads(m.group(2).replace("<\\/", "</"))
+            for m in re.finditer(r"<script type='application/json' id='([^']+)-spec'>(.*?)</script>", page, re.S)}
+
+
+def test_every_line_of_every_interactive_figure_is_one_series(tiny_reproduction):
+    """A line holds one value per x (a line mixing tasks, seeds or runs zigzags through several)."""
+    specs = _plot_specs((tiny_reproduction / "report.html").read_text(encoding="utf-8"))
+    assert len(specs) >= 15
+    lines = [(anchor, trace["name"], trace["x"]) for anchor, spec in specs.items() for trace in spec["data"] if trace["type"] == "scatter"]
+    assert lines and [(a, n) for a, n, xs in lines if len(xs) != len(set(map(str, xs)))] == []
+
+
+def test_the_report_shows_only_the_runs_and_sections_of_its_reproduction(tiny_reproduction, tmp_path):
+    copy = tmp_path / "results"
+    shutil.copytree(tiny_reproduction, copy)
+    manifest = json.loads((copy / "reproduction.json").read_text())
+    m1_e1 = next(name for name in manifest["runs"] if (copy / "runs" / name / "analysis" / "m1.json").exists() and name.startswith("e1-"))
+    shutil.copytree(copy / "runs" / m1_e1, copy / "runs" / "e1-of-another-reproduction")  # e.g. a smoke run in the same runs/
+    claims = [c for c in json.loads((copy / "claims.json").read_text()) if c["id"].startswith("e4.")]  # as `--only e4` writes
+    (copy / "claims.json").write_text(json.dumps(claims))
+    only = {**manifest, "experiments": ["e4"], "claims": {c["id"]: "e4" for c in claims},
+            "figures": [f for f in manifest["figures"] if f["experiment"] == "e4"]}
+    (copy / "reproduction.json").write_text(json.dumps(only))
+
+    result = CliRunner().invoke(app, ["report", str(copy)])
+    assert result.exit_code == 0, result.output
+    table = pd.read_parquet(copy / "tables" / "analysis.parquet")
+    assert "e1-of-another-reproduction" not in set(table["run"])
+    page = _page(copy)
+    assert {i for i in page.ids if i.startswith("sec-")} == {"sec-e4"}
+    assert set(page.links) == {"e4.P0_failure", "e4.prefix_probe"}
+
+
+def test_a_table_shows_a_missing_integer_as_a_dash():
+    from taskgeom.report.html import _table
+
+    page = _table(pd.DataFrame({"layer": pd.array([1, None], "Int64"), "value": [0.5, float("nan")]}))
+    assert page.count("&ndash;") == 2 and "<td>1</td>" in page and "<td>0.5</td>" in page

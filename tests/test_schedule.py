@@ -105,3 +105,37 @@ def test_the_schedule_analyses_a_sweep_run_as_the_sweep_would(tmp_path):
     assert [s.stage.split()[0] for s in profile.stages] == ["train", "analyse"]
     again = run_job(Job(recipe, -1, 0, "quick", str(tmp_path / "scheduled")), threads=1)
     assert again[0]["analysis_cpu_s"] < 1.0 and plan([TrainTask(config, str(tmp_path / "scheduled"), "cpu", "none", 1, analyse=True)]) == []
+
+
+def test_an_analysis_needing_more_threads_than_its_training_never_oversubscribes(tmp_path):
+    recipe = _recipe(tmp_path)
+    a, b = (load_recipe(recipe, "quick", [f"train.steps={n}"]) for n in (10, 20))
+    tasks = [TrainTask(a, str(tmp_path), "cpu", "none", 1, analyse=False), TrainTask(a, str(tmp_path), "cpu", "none", 2, analyse=True),
+             TrainTask(b, str(tmp_path), "cpu", "none", 1)]
+    steps = [(threads, [(u.task.config.train.steps, u.train_threads, u.analysis_threads) for u in group])
+             for threads, group in phases(plan(tasks))]
+    assert steps == [(2, [(10, 1, 2)]), (1, [(20, 1, 0)])]  # trained with 1 thread, then analysed with 2, in the 2-thread phase
+
+
+def test_no_analysis_of_a_run_whose_training_failed_and_a_damaged_run_is_left_to_its_experiment(tmp_path, monkeypatch):
+    from taskgeom.experiments import schedule
+    from taskgeom.timing import Profile
+
+    recipe = _recipe(tmp_path)
+    config = load_recipe(recipe, "quick", ["train.steps=10"])
+    task = TrainTask(config, str(tmp_path), "cpu", "none", 2, analyse=True)
+    done = []
+
+    def fake(group, workers):
+        for unit in group:
+            done.append((unit.train_threads, unit.analysis_threads))
+            yield unit, (RuntimeError("boom") if unit.train_threads else {"analyse": (0.0, 0.0)})
+
+    monkeypatch.setattr(schedule, "_run_phase", fake)
+    schedule.train_all([TrainTask(config, str(tmp_path), "cpu", "none", 2), TrainTask(config, str(tmp_path), "cpu", "none", 1, analyse=True)],
+                       Executor(workers=2), Profile())
+    assert done == [(2, 0)]  # the analysis of the run that failed to train is not attempted
+    task.path.mkdir(parents=True)
+    (task.path / "model.safetensors").write_bytes(b"")
+    (task.path / "run.json").write_text("[]")  # damaged: planned as not analysed, not an error here
+    assert [(u.train_threads, u.analysis_threads) for u in plan([task])] == [(0, 2)]

@@ -50,7 +50,7 @@ class Run:
         if path.exists() and not path.is_dir():
             raise RunDirError(f"{path} is a file, not a run directory; choose another path")
         if not (path / "run.json").exists():  # run.json is written last: without it the directory is still being made
-            if path.exists() and any(not _ours(entry.name) and entry.name != "config.yaml" for entry in path.iterdir()):
+            if path.exists() and any(not _ours(entry.name) and entry.name not in ("config.yaml", "run.json") for entry in path.iterdir()):
                 raise RunDirError(f"{path} exists and is not a taskgeom run directory; choose another path")
             path.mkdir(parents=True, exist_ok=True)
             with exclusive_lock(path / LOCK_NAME, f"run directory {path}"):

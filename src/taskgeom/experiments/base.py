@@ -50,6 +50,7 @@ class Context:
     timings: Profile = field(default_factory=Profile)  # where the time goes (timings.json)
     experiment: str = ""  # the experiment running now
     made_by: dict[str, str] = field(default_factory=dict)  # claim id -> the experiment that checked it
+    used: dict[str, None] = field(default_factory=dict)  # the run directories (names) the experiments used, in order
 
     def stage(self, name: str) -> ContextManager[None]:
         """Time a block as stage ``name`` of the current experiment."""
@@ -80,6 +81,7 @@ class Context:
         if not (self.runs_root / f"{config.name}-{config.digest()}" / "model.safetensors").exists():
             check_training_fits(config, self.device)  # before its run directory is made
         run = Run.create(config, self.runs_root)
+        self.used[run.path.name] = None
         if not run.finished:
             with self.stage(f"train {run.path.name}"), step_bar(f"train {run.path.name}", run.config.train.steps) as update:
                 train(run, update, self.device, self.tracker)
@@ -100,6 +102,7 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], execu
     ctx = Context(Path(out), profile, executor, device, tracker, tuple(overrides))
     ctx.out.mkdir(parents=True, exist_ok=True)
     tasks = [task for experiment in experiments.values() for task in getattr(experiment, "runs", lambda _: [])(ctx)]
+    ctx.used |= {task.name: None for task in tasks}
     if tasks and executor.kind == "local" and executor.workers > 1:  # one schedule: every run trained first, together
         console.log("[bold]training[/bold] every run the experiments need")
         ctx.experiment = "schedule"
@@ -116,6 +119,7 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], execu
     atomic_write_json(ctx.out / "timings.json", ctx.timings.as_dict())
     figures = [{"path": f.path, "pdf": str(Path(f.path).with_suffix(".pdf")), "caption": f.caption, "experiment": f.experiment,
                 "claims": list(f.claims)} for f in ctx.figures]
-    atomic_write_json(ctx.out / MANIFEST, manifest(profile, ctx.overrides, device, executor.kind, list(experiments), ctx.made_by, figures))
+    atomic_write_json(ctx.out / MANIFEST, manifest(profile, ctx.overrides, device, executor.kind, list(experiments), list(ctx.used),
+                                                     ctx.made_by, figures))
     write_report(ctx.out)
     return ctx

@@ -26,6 +26,7 @@ import torch
 
 from taskgeom.config import RunConfig, parameter_count
 from taskgeom.devices import check_training_fits
+from taskgeom.errors import RunDirError
 from taskgeom.experiments.executors import Executor, execute
 from taskgeom.progress import console, job_bar
 from taskgeom.runs import Run
@@ -89,7 +90,8 @@ def _with_threads(threads: int, work) -> tuple[float, float]:
 
 
 def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float]]:
-    """Do one unit in this process; returns the (wall, CPU) seconds of its ``train`` and ``analyse``."""
+    """Do one unit in this process; returns the (wall, CPU) seconds of its ``train`` and ``analyse``.
+    (``_pool_threads``: what ``execute`` passes every task; a unit sets its own thread counts.)"""
     from taskgeom.analysis.dual import analyze_dual, load_dual
     from taskgeom.train import train
 
@@ -103,9 +105,14 @@ def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float
 
 
 def _analysed(path: Path) -> bool:
+    """Whether the run at ``path`` has a current dual analysis; a damaged run directory counts as
+    not analysed (its experiment reports it)."""
     from taskgeom.analysis.dual import load_dual
 
-    return (path / "model.safetensors").exists() and load_dual(Run.open(path)) is not None
+    try:
+        return (path / "model.safetensors").exists() and load_dual(Run.open(path)) is not None
+    except RunDirError:
+        return False
 
 
 def plan(tasks: list[TrainTask]) -> list[Unit]:
@@ -127,9 +134,10 @@ def plan(tasks: list[TrainTask]) -> list[Unit]:
 
 
 def phases(units: list[Unit]) -> list[tuple[int, list[Unit]]]:
-    """(threads, units) in descending thread count: every unit of a phase uses that many threads. An
-    analysis runs in the phase of its own thread count, after its run's training in an earlier
-    phase, or right after it in the same unit (also when its phase would come first)."""
+    """(threads, units) in descending thread count: no unit of a phase uses more threads than that.
+    An analysis runs in the phase of its own thread count, after its run's training in an earlier
+    phase; one that needs more threads than its training runs right after it, in the same unit, in
+    the analysis' phase."""
     by_level: dict[int, list[Unit]] = {}
     for unit in units:
         train, analyse = unit.train_threads, unit.analysis_threads
@@ -137,7 +145,7 @@ def phases(units: list[Unit]) -> list[tuple[int, list[Unit]]]:
             by_level.setdefault(train, []).append(Unit(unit.task, train, 0))
             by_level.setdefault(analyse, []).append(Unit(unit.task, 0, analyse))
         else:
-            by_level.setdefault(train or analyse, []).append(unit)
+            by_level.setdefault(max(train, analyse), []).append(unit)
     return [(level, sorted(group, key=lambda u: -u.cost())) for level, group in sorted(by_level.items(), reverse=True)]
 
 
@@ -164,13 +172,15 @@ def train_all(tasks: list[TrainTask], executor: Executor, timings: Profile) -> N
     for unit in units:  # refuse before any run directory is made
         if unit.train_threads:
             check_training_fits(unit.task.config, unit.task.device)
-    cores = os.cpu_count() or 1
+    cores, failed = os.cpu_count() or 1, set()
     with job_bar("train", len(units)) as advance:
         for threads, group in phases(units):
+            group = [unit for unit in group if unit.task.name not in failed]  # no analysis of a run whose training failed
             workers = max(1, min(executor.workers, cores // threads, len(group)))
             for unit, result in _run_phase(group, workers):
                 name = unit.task.name
                 if isinstance(result, BaseException):
+                    failed.add(name)
                     console.print(f"[red]{name} failed in the schedule[/red] ({type(result).__name__}: {result}); its experiment retries it")
                 else:
                     where = "worker" if workers > 1 else "main"

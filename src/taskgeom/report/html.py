@@ -12,16 +12,14 @@ Reads ``claims.json``, ``reproduction.json`` (``manifest``), ``timings.json`` an
 from __future__ import annotations
 
 import html
-import json
 from collections import Counter
 from pathlib import Path
 
-import yaml
+import pandas as pd
 
-from taskgeom.errors import TaskgeomError
 from taskgeom.report.interactive import Evidence, evidence
-from taskgeom.report.manifest import SECTIONS, read_manifest, section
-from taskgeom.report.tables import write_analysis_table
+from taskgeom.report.manifest import SECTIONS, read_json, read_manifest, section
+from taskgeom.report.tables import run_config, write_analysis_table
 from taskgeom.storage import atomic_write_text
 
 PLOTLY_JS = "plotly.min.js"
@@ -87,9 +85,10 @@ def _figure_anchor(path: str) -> str:
     return "fig-" + Path(path).stem
 
 
-def _table(frame) -> str:
+def _table(frame: pd.DataFrame) -> str:
+    """A sortable HTML table of ``frame`` (a missing value shown as a dash)."""
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
-    body = "".join("<tr>" + "".join(f"<td>{_number(None if v != v else v)}</td>" for v in row) + "</tr>"
+    body = "".join("<tr>" + "".join(f"<td>{_number(None if pd.isna(v) else v)}</td>" for v in row) + "</tr>"
                    for row in frame.itertuples(index=False))
     return f"<div class=scroll><table class=sortable><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
@@ -130,10 +129,10 @@ def _summary(claims: list[dict], sections: dict[str, str], timings: dict, order:
 
 def _settings(out: Path, manifest: dict) -> str:
     runs = []
-    for run_dir in sorted(out.glob("runs/*/config.yaml")):
-        config = yaml.safe_load(run_dir.read_text(encoding="utf-8"))
+    for name in manifest["runs"]:
+        config = run_config(out / "runs" / name)
         task, model, train = config["task"], config["model"], config["train"]
-        runs.append(f"<tr><td>{html.escape(run_dir.parent.name)}</td><td>{task['family']}</td><td>{task['diversity']}</td>"
+        runs.append(f"<tr><td>{html.escape(name)}</td><td>{task['family']}</td><td>{task['diversity']}</td>"
                     f"<td>{train['seed']}</td><td>{model['n_layers']}</td><td>{model['d_model']}</td><td>{model['n_heads']}</td>"
                     f"<td>{model['max_len']}</td><td>{train['steps']}</td><td>{train['batch_size']}</td><td>{train['lr']:g}</td></tr>")
     machine = ", ".join(f"{k} {html.escape(str(v))}" for k, v in manifest["machine"].items())
@@ -151,23 +150,12 @@ def _timings(timings: dict) -> str:
     if not timings:
         return ""
     stages = "".join(f"<tr><td>{html.escape(s['experiment'])}</td><td>{html.escape(s['stage'])} ({s['where']})</td>"
-                     f"<td>{s['wall_s']:.1f}</td><td>{s['cpu_s']:.1f}</td></tr>" for s in timings["stages"])
-    total = timings["total"]
+                     f"<td>{s['wall_s']:.1f}</td><td>{s['cpu_s']:.1f}</td></tr>" for s in timings.get("stages", []))
+    total = timings.get("total", {"wall_s": float("nan"), "cpu_s": float("nan")})
     return (f"<h2 id=timings>Timings</h2><p>total {total['wall_s']:.0f} s wall, {total['cpu_s']:.0f} CPU-seconds (timings.json); "
             "stages run in a worker process are timed there.</p>"
             f"<table class=sortable><thead><tr><th>experiment</th><th>stage</th><th>wall s</th><th>CPU s</th></tr></thead>"
             f"<tbody>{stages}</tbody></table>")
-
-
-def _read_json(path: Path, default=None):
-    if not path.is_file():
-        if default is not None:
-            return default
-        raise TaskgeomError(f"{path} not found: the results folder is incomplete; rerun `taskgeom reproduce --out {path.parent}`")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise TaskgeomError(f"{path} is unreadable ({err})") from None
 
 
 def _write_plotly(out: Path) -> None:
@@ -184,10 +172,11 @@ def write_report(out: Path) -> str:
     results folder ``out``; returns the page."""
     out = Path(out)
     manifest = read_manifest(out)
-    claims = _read_json(out / "claims.json")
-    timings = _read_json(out / "timings.json", default={})
+    again = f"rerun `taskgeom reproduce --out {out}` (finished runs and analyses are reused)"
+    claims = read_json(out / "claims.json", again)
+    timings = read_json(out / "timings.json", again) if (out / "timings.json").is_file() else {}
     sections = {c["id"]: section(c["id"], manifest["claims"].get(c["id"], "")) for c in claims}
-    pieces = evidence(write_analysis_table(out))
+    pieces = evidence(write_analysis_table(out, manifest["runs"]))
     figures = manifest["figures"]
     links: dict[str, list[tuple[str, str]]] = {c["id"]: [] for c in claims}
     for piece in pieces:
@@ -201,7 +190,7 @@ def write_report(out: Path) -> str:
         mine = [c for c in claims if sections[c["id"]] == name]
         pngs = [f for f in figures if section(f["claims"][0] if f["claims"] else Path(f["path"]).stem, f["experiment"]) == name]
         shown = [p for p in pieces if p.section == name]
-        if not (mine or pngs or shown):
+        if not mine:  # a section of an experiment this reproduction did not run
             continue
         present.append(name)
         rows = "".join(_claim_row(c, links[c["id"]]) for c in mine)
@@ -210,7 +199,7 @@ def write_report(out: Path) -> str:
                     f"<th>evidence</th></tr>{rows}</table><h3>Interactive figures and tables</h3>{''.join(_piece(p) for p in shown)}"
                     f"<h3>Figures</h3>{''.join(_png(f) for f in pngs)}</section>")
     nav = "<a href='#summary'>Summary</a>" + "".join(f"<a href='#sec-{name}'>{_NAV.get(name, name.upper())}</a>" for name in present) + \
-        "<a href='#settings'>Settings</a><a href='#timings'>Timings</a>"
+        "<a href='#settings'>Settings</a>" + ("<a href='#timings'>Timings</a>" if timings else "")
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>taskgeom report</title><style>{_STYLE}</style>"
             f"<script src='{PLOTLY_JS}'></script></head><body><nav>{nav}</nav><h1>taskgeom: reproduction report</h1>"
             f"{_summary(claims, sections, timings, ['schedule', *manifest['experiments']])}{''.join(body)}{_settings(out, manifest)}{_timings(timings)}"

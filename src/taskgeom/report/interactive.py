@@ -54,6 +54,7 @@ def _lines(rows: pd.DataFrame, x: str, name: Callable[[tuple], str], by: list[st
 
 
 def _bars(rows: pd.DataFrame, x: str, by: str, title: str, yaxis: str) -> str:
+    """Grouped bars of value against column ``x``, one colour per value of column ``by``."""
     fig = go.Figure()
     for key, group in rows.groupby(by, sort=True):
         fig.add_trace(go.Bar(x=group[x].tolist(), y=group["value"].tolist(), name=str(key),
@@ -64,13 +65,14 @@ def _bars(rows: pd.DataFrame, x: str, by: str, title: str, yaxis: str) -> str:
 
 
 def _m1(table: pd.DataFrame, family: str) -> list[Evidence]:
+    """The M1 figures and table of ``family``'s k = -1 run (from its m1.json rows), and its losses."""
     rows = table[(table["analysis"] == "m1") & (table["recipe"] == family) & (table["diversity"] == -1)]
     if rows.empty:
         return []
     measure = rows[rows["batch"] == "measure"]
     places = measure[measure["metric"].isin(list(M1_LAYER_METRICS)) & measure["position"].isna()]
     per_position = measure[(measure["metric"] == "p2.r2_task") & measure["position"].notna()]
-    p3 = measure[measure["metric"].isin(["p3.tv", "p3.kl"]) & measure["position"].notna()]
+    p3 = measure[measure["metric"].isin(["p3.tv", "p3.kl"]) & measure["position"].notna() & measure["task"].isna()]  # over all tasks
     steering = measure[measure["metric"].str.startswith("steering.") & (measure["metric"] != "steering.ratio")]
     claim = lambda *names: tuple(f"{family}.{n}" for n in names)  # noqa: E731
     label = lambda key: f"{M1_LAYER_METRICS[key[0]]}, {key[1]}"  # noqa: E731
@@ -98,6 +100,7 @@ def _m1(table: pd.DataFrame, family: str) -> list[Evidence]:
 
 
 def _loss(table: pd.DataFrame, family: str) -> list[Evidence]:
+    """The per-position losses of ``family``'s k = -1 run against the Bayes predictors (eval.json)."""
     rows = table[(table["analysis"] == "eval") & (table["recipe"] == family) & (table["diversity"] == -1)]
     rows = rows[rows["metric"].isin(["loss", "bayes_id_loss", "bayes_ood_loss"])]
     if rows.empty:
@@ -110,6 +113,8 @@ def _loss(table: pd.DataFrame, family: str) -> list[Evidence]:
 
 
 def _dual(table: pd.DataFrame) -> list[Evidence]:
+    """The dual-mode figures and tables over the sweep's runs (dual.json rows), one line per recipe,
+    seed and diversity or form."""
     rows = table[table["analysis"] == "dual"]
     if rows.empty:
         return []
@@ -120,8 +125,8 @@ def _dual(table: pd.DataFrame) -> list[Evidence]:
     high = final.groupby("recipe")["diversity"].transform("max")
     ablations = final[(final["diversity"] == high) & final["metric"].isin(["gain_removed_ablate_S", "gain_removed_ablate_V",
                                                                             "gain_removed_random"]) & final["set"].isin(["major", "ood"])]
-    ablations = ablations.assign(what=ablations["recipe"] + " " + ablations["metric"].str.replace("gain_removed_", ""),
-                                 where=ablations["set"])
+    ablations = ablations.assign(what=ablations["recipe"] + " seed " + ablations["seed"].astype(str) + " "
+                                 + ablations["metric"].str.replace("gain_removed_", ""), where=ablations["set"])
     rank = final[final["metric"].str.startswith("gain_removed_ablate_V_rank")]
     rank = rank.assign(rank=rank["metric"].str.replace("gain_removed_ablate_V_rank", "").astype(int))
     steps = rows[rows["step"].notna() & rows["metric"].isin(["projection_r2_token", "transition_log_ratio"])]
@@ -130,24 +135,24 @@ def _dual(table: pd.DataFrame) -> list[Evidence]:
                 .pivot_table(index=["recipe", "diversity", "seed"], columns="measure", values="value").reset_index()
                 .rename(columns=DUAL_MEASURES))
     places = final[final["metric"].str.startswith("table.")].pivot_table(
-        index=["recipe", "diversity", "layer", "site"], columns="metric", values="value").reset_index()
+        index=["recipe", "diversity", "seed", "layer", "site"], columns="metric", values="value").reset_index()
     return [
         Evidence("dual-projection", "Projection R^2 of OOD states onto the task subspace across diversity", "dual",
                  claim("projection_r2_high_diversity", "projection_r2_drop"),
-                 figure=_lines(projection, "diversity", lambda k: f"{k[0]} {k[1].replace('projection_r2', 'R^2')}", ["recipe", "metric"],
-                               "Projection R^2 (OOD) against diversity k", "diversity k", "projection R^2",
-                               dash=lambda k: "solid" if k[1].endswith("token") else "dash")),
+                 figure=_lines(projection, "diversity", lambda k: f"{k[0]} seed {k[1]} {k[2].replace('projection_r2', 'R^2')}",
+                               ["recipe", "seed", "metric"], "Projection R^2 (OOD) against diversity k", "diversity k", "projection R^2",
+                               dash=lambda k: "solid" if k[2].endswith("token") else "dash")),
         Evidence("dual-ablations", "Double dissociation: % of in-context gain removed at the highest diversity", "dual",
                  claim("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major", "random_control"),
                  figure=_bars(ablations, "where", "what", "% of in-context gain removed (highest diversity)", "% gain removed")),
         Evidence("dual-rank", "% of OOD gain removed by V of rank r", "dual", claim("ablate_V_ood"),
-                 figure=_lines(rank, "rank", lambda k: f"{k[0]} k = {int(k[1])}", ["recipe", "diversity"],
+                 figure=_lines(rank, "rank", lambda k: f"{k[0]} k = {k[1]} seed {k[2]}", ["recipe", "diversity", "seed"],
                                "OOD gain removed by V of rank r", "rank r", "% OOD gain removed")),
         Evidence("dual-steps", "Projection R^2 and the predictor transition across training", "dual",
                  claim("transition_memorising", "transition_generalising"),
-                 figure=_lines(steps, "step", lambda k: f"{k[0]} k = {int(k[1])}: {k[2]}", ["recipe", "diversity", "metric"],
+                 figure=_lines(steps, "step", lambda k: f"{k[0]} k = {k[1]} seed {k[2]}: {k[3]}", ["recipe", "diversity", "seed", "metric"],
                                "Across training: projection R^2 (solid) and log(KL_mem / KL_gen) (dashed)", "step", "value",
-                               dash=lambda k: "dash" if k[2] == "transition_log_ratio" else "solid")),
+                               dash=lambda k: "dash" if k[3] == "transition_log_ratio" else "solid")),
         Evidence("dual-table", "Dual-mode measures per run (final model)", "dual", claim(
             "projection_r2_high_diversity", "projection_r2_drop", "ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major",
             "random_control"), table=measures),
@@ -157,6 +162,7 @@ def _dual(table: pd.DataFrame) -> list[Evidence]:
 
 
 def _e4(table: pd.DataFrame) -> list[Evidence]:
+    """E4's within-cell shares and prefix probes (the folder's e4.json rows)."""
     p0 = table[table["analysis"] == "e4.p0"]
     probes = pd.concat([table[table["analysis"] == name] for name in ("e4.probes", "e4.probes_ood")])
     if p0.empty:

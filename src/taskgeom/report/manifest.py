@@ -1,9 +1,10 @@
 """``reproduction.json``: what a reproduction was (profile, settings, machine) and how its figures
 and claims are organised, so that ``taskgeom report`` can rebuild the page from the files alone.
 
-Format: {"format": 1, "taskgeom": version, "profile", "overrides": [...], "device", "executor",
-"machine": {...}, "experiments": [names in order], "claims": {id: experiment that checked it},
-"figures": [{"path", "pdf", "caption", "experiment", "claims": [ids]}]}.
+Format: {"format": 2, "taskgeom": version, "profile", "overrides": [...], "device", "executor",
+"machine": {...}, "experiments": [names in order], "runs": [the run directories it used],
+"claims": {id: experiment that checked it}, "figures": [{"path", "pdf", "caption", "experiment",
+"claims": [ids]}]}.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from taskgeom import __version__
 from taskgeom.errors import TaskgeomError
 
 MANIFEST = "reproduction.json"
-FORMAT = 1
+FORMAT = 2  # 2: the run directories used ("runs")
 DUAL_EXPERIMENT = "dual_modes"
 SECTIONS = {"e1": "E1: biased dice", "e2": "E2: in-context linear regression", "e3": "E3: mixture of Markov chains",
             "e4": "E4: planted Dyck", "dual": "Dual modes across task diversity (E1, E3)", "other": "Other claims"}
@@ -32,24 +33,31 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def manifest(profile: str, overrides: tuple[str, ...], device: str, executor: str, experiments: list[str],
+def manifest(profile: str, overrides: tuple[str, ...], device: str, executor: str, experiments: list[str], runs: list[str],
              claims: dict[str, str], figures: list[dict]) -> dict:
+    """The manifest of one reproduction (see the module docstring for the fields)."""
     return {"format": FORMAT, "taskgeom": __version__, "profile": profile, "overrides": list(overrides), "device": device,
-            "executor": executor, "machine": machine(), "experiments": experiments, "claims": claims, "figures": figures}
+            "executor": executor, "machine": machine(), "experiments": experiments, "runs": runs, "claims": claims, "figures": figures}
+
+
+def read_json(path: Path, remedy: str):
+    """The JSON value in ``path``; a TaskgeomError naming the file and ``remedy`` if it is missing or unreadable."""
+    if not path.is_file():
+        raise TaskgeomError(f"{path} not found; {remedy}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TaskgeomError(f"{path} is unreadable ({err}); {remedy}") from None
 
 
 def read_manifest(out: Path) -> dict:
     """The manifest of results folder ``out``; a TaskgeomError naming the file if it is missing,
     unreadable or of another format."""
-    path = Path(out) / MANIFEST
+    path, again = Path(out) / MANIFEST, f"run `taskgeom reproduce --out {out}` (finished runs and analyses are reused)"
     if not path.is_file():
         raise TaskgeomError(f"{path} not found: {out} is not a results folder written by `taskgeom reproduce` "
-                            f"(taskgeom {__version__} writes {MANIFEST} beside claims.json); run `taskgeom reproduce --out {out}` "
-                            "(finished runs and analyses are reused)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise TaskgeomError(f"{path} is unreadable ({err}); rerun `taskgeom reproduce --out {out}` to write it again") from None
+                            f"(taskgeom {__version__} writes {MANIFEST} beside claims.json); {again}")
+    data = read_json(path, again)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise TaskgeomError(f"{path} has format {found!r}, this taskgeom ({__version__}) reads format {FORMAT}; "

@@ -2,8 +2,10 @@
 (``tables/analysis.parquet`` and ``.csv``), so that one ``pandas.read_parquet`` loads a whole
 reproduction.
 
-Rows come from each run's ``analysis/*.json`` (a list of rows per file) and from the folder's own
-``analysis/*.json`` (a mapping of named lists of rows, as ``e4.json``). Columns: ``run`` (its
+Rows come from the ``analysis/*.json`` of each run the reproduction used (a list of rows per file;
+``reproduction.json`` names the runs, so runs of an earlier or a smoke reproduction in the same
+``runs/`` stay out) and from the folder's own ``analysis/*.json`` (a mapping of named lists of
+rows, as ``e4.json``). Columns: ``run`` (its
 directory name; empty for folder-level rows), ``recipe``, ``diversity`` and ``seed`` (from the
 run's config), ``analysis`` (``m1``, ``dual``, ``eval``, ``e4.probes``, ...), then the rows' own
 fields; a ``band`` [low, high] becomes ``band_low`` and ``band_high``.
@@ -11,12 +13,14 @@ fields; a ``band`` [low, high] becomes ``band_low`` and ``band_high``.
 
 from __future__ import annotations
 
-import json
+import io
 from pathlib import Path
 
 import pandas as pd
 import yaml
 
+from taskgeom.errors import TaskgeomError
+from taskgeom.report.manifest import read_json
 from taskgeom.storage import atomic_write_bytes, atomic_write_text
 
 LEADING = ["run", "recipe", "diversity", "seed", "analysis"]
@@ -25,23 +29,31 @@ INTEGER_FIELDS = ("layer", "position", "task", "step", "version")
 
 def _rows(path: Path) -> list[tuple[str, list[dict]]]:
     """(analysis name, rows) of one analysis file: a list of rows, or a mapping of named lists."""
-    data = json.loads(path.read_text(encoding="utf-8"))
+    data = read_json(path, "delete it and rerun `taskgeom reproduce` to measure it again")
     if isinstance(data, list):
         return [(path.stem, data)]
     return [(f"{path.stem}.{key}", rows) for key, rows in data.items() if isinstance(rows, list)]
 
 
+def run_config(run_dir: Path) -> dict:
+    """The config of a run directory as written (``config.yaml``), as a dict."""
+    try:
+        return yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as err:
+        raise TaskgeomError(f"{run_dir}/config.yaml is unreadable ({err})") from None
+
+
 def _run_columns(run_dir: Path) -> dict:
-    config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    config = run_config(run_dir)
     return {"run": run_dir.name, "recipe": config["name"], "diversity": config["task"]["diversity"], "seed": config["train"]["seed"]}
 
 
-def analysis_table(out: Path) -> pd.DataFrame:
-    """Every analysis row under results folder ``out`` (see the module docstring for the columns)."""
+def analysis_table(out: Path, runs: list[str]) -> pd.DataFrame:
+    """Every analysis row of the run directories ``runs`` (names under ``out/runs``) and of the
+    folder itself (see the module docstring for the columns)."""
     out = Path(out)
     sources = [({"run": "", "recipe": "", "diversity": None, "seed": None}, path) for path in sorted(out.glob("analysis/*.json"))]
-    sources += [(_run_columns(run_dir), path) for run_dir in sorted(out.glob("runs/*/")) if (run_dir / "config.yaml").is_file()
-                for path in sorted(run_dir.glob("analysis/*.json"))]
+    sources += [(_run_columns(out / "runs" / name), path) for name in sorted(runs) for path in sorted((out / "runs" / name).glob("analysis/*.json"))]
     frames = [pd.DataFrame(rows).assign(**columns, analysis=name) for columns, path in sources for name, rows in _rows(path) if rows]
     if not frames:
         return pd.DataFrame(columns=LEADING)
@@ -59,11 +71,9 @@ def analysis_table(out: Path) -> pd.DataFrame:
     return table[LEADING + [c for c in table.columns if c not in LEADING]]
 
 
-def write_analysis_table(out: Path) -> pd.DataFrame:
-    """Write ``tables/analysis.parquet`` and ``tables/analysis.csv`` under ``out``; returns the table."""
-    import io
-
-    table = analysis_table(out)
+def write_analysis_table(out: Path, runs: list[str]) -> pd.DataFrame:
+    """Write ``tables/analysis.parquet`` and ``tables/analysis.csv`` under ``out`` (``analysis_table``); returns the table."""
+    table = analysis_table(out, runs)
     buffer = io.BytesIO()
     table.to_parquet(buffer, index=False)
     atomic_write_bytes(Path(out) / "tables" / "analysis.parquet", buffer.getvalue())
