@@ -112,6 +112,12 @@ def test_the_summary_counts_equal_claims_json_and_every_claim_links_to_its_evide
     for claim_id, targets in page.links.items():
         assert targets, f"{claim_id} links to no evidence"
         assert set(targets) <= page.ids, f"{claim_id} links to missing anchors {set(targets) - page.ids}"
+    manifest = json.loads((tiny_reproduction / "reproduction.json").read_text())
+    for claim_id, targets in page.links.items():  # the PNG figures a claim links to are exactly those registered as its evidence
+        registered = {"fig-" + Path(f["path"]).stem for f in manifest["figures"] if claim_id in f["claims"]}
+        assert {t for t in targets if t.startswith("fig-")} == registered, claim_id
+    assert "fig-e1_m1_layers" in page.links["e1.P0"] and "e1-layers" in page.links["e1.P0"]
+    assert "fig-rank_curve" in page.links["e1.ablate_V_ood"] and "dual-rank" in page.links["e1.ablate_V_ood"]
 
 
 def test_every_figure_is_on_the_page_as_png_with_its_pdf(tiny_reproduction):
