@@ -167,9 +167,9 @@ def _write_plotly(out: Path) -> None:
         atomic_write_text(path, script)
 
 
-def write_report(out: Path) -> str:
+def write_report(out: Path) -> None:
     """Rebuild ``out/report.html`` (and the long table, and ``plotly.min.js``) from the files of
-    results folder ``out``; returns the page."""
+    results folder ``out``."""
     out = Path(out)
     manifest = read_manifest(out)
     again = f"rerun `taskgeom reproduce --out {out}` (finished runs and analyses are reused)"
@@ -206,4 +206,3 @@ def write_report(out: Path) -> str:
             f"<script>{_SCRIPT}</script></body></html>")
     _write_plotly(out)
     atomic_write_text(out / "report.html", page)
-    return page
