@@ -8,7 +8,8 @@ from it only by floating-point arithmetic.
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
+from typing import Iterator
 
 import torch
 
@@ -19,6 +20,20 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 class DeviceError(TaskgeomError):
     """A device that does not exist on this machine or in this torch build."""
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch uses ``count`` threads inside the block (0: as it is), and the number it had after:
+    a run's results depend on its thread count, so one run's setting must not leak into the next
+    piece of work this process does."""
+    before = torch.get_num_threads()
+    if count:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def check_device_name(name: str) -> None:

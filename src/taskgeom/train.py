@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from taskgeom import runindex
-from taskgeom.devices import autocast, resolve_device
+from taskgeom.devices import autocast, resolve_device, torch_threads
 from taskgeom.errors import CheckpointError, TrainingDiverged
 from taskgeom.evaluate import eval_sets, summary
 from taskgeom.runs import Run
@@ -99,7 +98,7 @@ def train(run: Run, progress: ProgressFn | None = None, device: str = "auto", tr
         return run.metrics()[-1]
     where = resolve_device(device)
     check_tracker(tracker)
-    with _threads(run.config.train.threads), run.writer():  # RunLockedError if another process trains this run
+    with torch_threads(run.config.train.threads), run.writer():  # RunLockedError if another process trains this run
         if run.finished:  # it finished while we waited to look
             return run.metrics()[-1]
         diverged = run.diverged
@@ -123,20 +122,6 @@ def train(run: Run, progress: ProgressFn | None = None, device: str = "auto", tr
         save_tensors(run.model_path, model.state_dict(), {"config_digest": run.config.digest(), "step": str(run.config.train.steps)})
         runindex.record(run)
     return record or run.metrics()[-1]
-
-
-@contextmanager
-def _threads(count: int) -> Iterator[None]:
-    """torch uses ``count`` threads inside the block (0: as it is), and the number it had after:
-    a run's results depend on its thread count, so one run's setting must not leak into the next
-    run this process trains."""
-    before = torch.get_num_threads()
-    if count:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class _Diverged(Exception):

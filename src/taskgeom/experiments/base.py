@@ -10,6 +10,7 @@ from typing import Callable, ContextManager
 import torch
 
 from taskgeom.claims import Claim
+from taskgeom.config import RunConfig
 from taskgeom.devices import check_training_fits
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.schedule import TrainTask, train_all
@@ -68,16 +69,20 @@ class Context:
         self.figures.append(Figure(f"figures/{name}", caption, self.experiment, tuple(claims)))
         return path
 
+    def config(self, recipe: str, overrides: tuple[str, ...] = ()) -> RunConfig:
+        """``recipe`` under this profile, with this reproduction's overrides, then ``overrides``."""
+        return load_recipe(recipe, self.profile, [*self.overrides, *overrides])
+
     def plan(self, recipe: str, overrides: tuple[str, ...] = (), threads: int = 0) -> TrainTask:
         """The run ``trained(recipe, overrides)`` gives, as a task for the training schedule, with the
         torch threads it trains with: its config's ``train.threads``, else ``threads``, else this
         process's (as ``trained`` would use)."""
-        config = load_recipe(recipe, self.profile, [*self.overrides, *overrides])
+        config = self.config(recipe, overrides)
         return TrainTask(config, str(self.runs_root), self.device, self.tracker, config.train.threads or threads or torch.get_num_threads())
 
     def trained(self, recipe: str, overrides: tuple[str, ...] = ()) -> Run:
         """The run of ``recipe`` under this profile, trained now unless already finished."""
-        config = load_recipe(recipe, self.profile, [*self.overrides, *overrides])
+        config = self.config(recipe, overrides)
         if not (self.runs_root / f"{config.name}-{config.digest()}" / "model.safetensors").exists():
             check_training_fits(config, self.device)  # before its run directory is made
         run = Run.create(config, self.runs_root)

@@ -15,6 +15,7 @@ from taskgeom.experiments.schedule import TrainTask
 from taskgeom.experiments.sweep import Job, by_step, job_seconds, run_sweep
 from taskgeom.report.dual import (plot_dissociation, plot_projection_r2, plot_projection_r2_steps, plot_rank_curve, plot_theorem2,
                                   plot_transition, rank_curve)
+from taskgeom.report.manifest import DUAL_EVIDENCE
 from taskgeom.storage import atomic_write_text
 
 # (diversity grid, seeds, recipes) per profile. [ours] The quick profile leaves E2 out: its runs
@@ -100,8 +101,7 @@ def dual_modes(ctx: Context) -> None:
         if len(rows):
             plot_dissociation(rows[rows["diversity"] == high], ctx.figure(f"{recipe}_double_dissociation.png",
                               f"{recipe.upper()}, k = {high}: share of in-context gain removed by ablating S, V or a random direction",
-                              tuple(f"{recipe}.{name}" for name in ("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major",
-                                                                    "random_control"))),
+                              tuple(f"{recipe}.{name}" for name in DUAL_EVIDENCE["dissociation"])),
                               f"{recipe.upper()} double dissociation (k = {high})")
         if len(rows) and rows["metric"].str.startswith("transition_").any():  # token families only
             final = by_step(rows).sort_values("step").groupby("diversity").last()
@@ -114,18 +114,18 @@ def dual_modes(ctx: Context) -> None:
     if len(ok):
         plot_projection_r2(ok, ctx.figure("projection_r2.png", "Projection R^2 of OOD states onto the task subspace across diversity: "
                                           "token-conditioned (solid, IQR band; the claims) and plain (dashed)",
-                                          _each_recipe(ctx, "projection_r2_high_diversity", "projection_r2_drop")))
+                                          _each_recipe(ctx, *DUAL_EVIDENCE["projection"])))
         curve = rank_curve(ok)
         atomic_write_text(ctx.out / "tables" / "rank_curve.csv", curve.to_csv(index=False))
         plot_rank_curve(curve, ctx.figure("rank_curve.png", "Share of OOD in-context gain removed by ablating orthogonal directions V of "
                                           "rank r = 1..ceil(d0) at the layer the search chose (tables/rank_curve.csv)",
-                                          _each_recipe(ctx, "ablate_V_ood")))
+                                          _each_recipe(ctx, *DUAL_EVIDENCE["rank"])))
         plot_transition(by_step(ok), ctx.figure("predictor_transition.png",
                         "Predictor transition: log(KL to memorising / KL to generalising Bayes) over diversity and training step",
-                        _each_recipe(ctx, "transition_memorising", "transition_generalising")))
+                        _each_recipe(ctx, *DUAL_EVIDENCE["transition"])))
         plot_projection_r2_steps(by_step(ok), ctx.figure("projection_r2_steps.png",
                                  "Projection R^2 of OOD states onto the task subspace across training, one line per diversity k",
-                                 _each_recipe(ctx, "projection_r2_high_diversity", "projection_r2_drop")))
+                                 _each_recipe(ctx, *DUAL_EVIDENCE["projection"])))
         plot_theorem2(ok, ctx.figure("theorem2.png", "Theorem 2: distance of OOD states from S beside (c - delta)/L (last layer)"))
 
 

@@ -13,6 +13,7 @@ from taskgeom.analysis.retrieval import Options, Result, analyze, write
 from taskgeom.claims import check, not_applicable
 from taskgeom.experiments.base import Context
 from taskgeom.report.geometry import FIGURES, plot_retrieval
+from taskgeom.report.manifest import M1_EVIDENCE
 
 # P0, stability: share of late-window variance explained by the (task, current token) cell means.
 MIN_CELL_R2 = 0.9
@@ -42,9 +43,6 @@ _CAPTIONS = {
 }
 
 
-# The claims each figure is evidence for (suffixes of the claim ids).
-_EVIDENCE = {"simplex": ("P3", "P3.shrinks"), "layers": ("P0", "P1", "P2", "P2.vs_random"), "positions": ("P2",), "steering": ("steering",)}
-
 RECIPES = ("e1", "e3", "e2")
 
 
@@ -55,7 +53,7 @@ def m1(ctx: Context) -> None:
             result = analyze(run, Options())
             write(run, result)
         plot_retrieval(result, {name: ctx.figure(f"{experiment}_m1_{name}.png", _CAPTIONS[name].format(E=experiment.upper()),
-                                                 tuple(f"{experiment}.{claim}" for claim in _EVIDENCE[name]))
+                                                 tuple(f"{experiment}.{claim}" for claim in M1_EVIDENCE[name]))
                                 for name in FIGURES})
         ctx.claims.extend(claims(result, ctx.profile))
 

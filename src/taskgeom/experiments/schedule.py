@@ -22,10 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import torch
-
 from taskgeom.config import RunConfig, parameter_count
-from taskgeom.devices import check_training_fits
+from taskgeom.devices import check_training_fits, torch_threads
 from taskgeom.errors import RunDirError
 from taskgeom.experiments.executors import Executor, execute
 from taskgeom.progress import console, job_bar
@@ -80,12 +78,9 @@ class Unit:
 
 def _with_threads(threads: int, work) -> tuple[float, float]:
     """(wall, CPU) seconds of ``work()`` run with ``threads`` torch threads."""
-    clock, before = Clock(), torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    clock = Clock()
+    with torch_threads(threads):
         work()
-    finally:
-        torch.set_num_threads(before)
     return clock.lap()
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from taskgeom.report.interactive import Evidence, evidence
-from taskgeom.report.manifest import SECTIONS, read_json, read_manifest, section
+from taskgeom.report.manifest import SECTIONS, figure_section, read_json, read_manifest, section
 from taskgeom.report.tables import run_config, write_analysis_table
 from taskgeom.storage import atomic_write_text
 
@@ -178,20 +178,16 @@ def write_report(out: Path) -> None:
     sections = {c["id"]: section(c["id"], manifest["claims"].get(c["id"], "")) for c in claims}
     pieces = evidence(write_analysis_table(out, manifest["runs"]))
     figures = manifest["figures"]
-    links: dict[str, list[tuple[str, str]]] = {c["id"]: [] for c in claims}
-    for piece in pieces:
-        for claim_id in piece.claims:
-            links.get(claim_id, []).append((piece.anchor, piece.title))
-    for figure in figures:
-        for claim_id in figure["claims"]:
-            links.get(claim_id, []).append((_figure_anchor(figure["path"]), f"figure: {Path(figure['path']).name}"))
+    targets = [(piece.claims, piece.anchor, piece.title) for piece in pieces]
+    targets += [(f["claims"], _figure_anchor(f["path"]), f"figure: {Path(f['path']).name}") for f in figures]
+    links = {c["id"]: [(anchor, title) for ids, anchor, title in targets if c["id"] in ids] for c in claims}
     body, present = [], []
     for name, title in SECTIONS.items():
         mine = [c for c in claims if sections[c["id"]] == name]
-        pngs = [f for f in figures if section(f["claims"][0] if f["claims"] else Path(f["path"]).stem, f["experiment"]) == name]
-        shown = [p for p in pieces if p.section == name]
         if not mine:  # a section of an experiment this reproduction did not run
             continue
+        pngs = [f for f in figures if figure_section(f) == name]
+        shown = [p for p in pieces if p.section == name]
         present.append(name)
         rows = "".join(_claim_row(c, links[c["id"]]) for c in mine)
         body.append(f"<section id='sec-{name}'><h2>{html.escape(title)}</h2>"

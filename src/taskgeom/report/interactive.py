@@ -14,7 +14,10 @@ from typing import Callable, Optional
 import pandas as pd
 import plotly.graph_objects as go
 
+from taskgeom.report.manifest import DUAL_EVIDENCE, M1_EVIDENCE
+
 M1_FAMILIES = ("e1", "e2", "e3")
+_LAYOUT = {"template": "plotly_white", "height": 380, "margin": {"l": 60, "r": 20, "t": 50, "b": 50}}
 M1_LAYER_METRICS = {"p0.cell_r2": "P0 cell-means R^2", "p1.additive_share": "P1 additive share", "p2.r2_task": "P2 R^2_task",
                     "p2.r2_random": "P2 random subspace"}
 DUAL_MEASURES = {"projection_r2_token@ood": "projection R^2 (token-cond.)", "projection_r2@ood": "projection R^2 (plain)",
@@ -46,8 +49,7 @@ def _lines(rows: pd.DataFrame, x: str, name: Callable[[tuple], str], by: list[st
         group = group.sort_values(x)
         fig.add_trace(go.Scatter(x=group[x].tolist(), y=group["value"].tolist(), mode="lines+markers", name=name(key),
                                  line={"dash": dash(key)}, hovertemplate=f"{name(key)}<br>{xaxis} %{{x}}<br>{yaxis} %{{y:.4g}}<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title=xaxis, yaxis_title=yaxis, template="plotly_white", height=380,
-                      margin={"l": 60, "r": 20, "t": 50, "b": 50}, legend={"font": {"size": 11}})
+    fig.update_layout(title=title, xaxis_title=xaxis, yaxis_title=yaxis, legend={"font": {"size": 11}}, **_LAYOUT)
     if x in ("layer", "rank"):  # whole numbers only
         fig.update_xaxes(dtick=1)
     return fig.to_json()
@@ -59,8 +61,7 @@ def _bars(rows: pd.DataFrame, x: str, by: str, title: str, yaxis: str) -> str:
     for key, group in rows.groupby(by, sort=True):
         fig.add_trace(go.Bar(x=group[x].tolist(), y=group["value"].tolist(), name=str(key),
                              hovertemplate=f"{key}<br>%{{x}}: %{{y:.4g}}<extra></extra>"))
-    fig.update_layout(title=title, yaxis_title=yaxis, barmode="group", template="plotly_white", height=380,
-                      margin={"l": 60, "r": 20, "t": 50, "b": 50})
+    fig.update_layout(title=title, yaxis_title=yaxis, barmode="group", **_LAYOUT)
     return fig.to_json()
 
 
@@ -78,21 +79,21 @@ def _m1(table: pd.DataFrame, family: str) -> list[Evidence]:
     label = lambda key: f"{M1_LAYER_METRICS[key[0]]}, {key[1]}"  # noqa: E731
     evidence = [
         Evidence(f"{family}-layers", f"{family.upper()}: P0-P2 per layer and site (measurement batch)", family,
-                 claim("P0", "P1", "P2", "P2.vs_random"),
+                 claim(*M1_EVIDENCE["layers"]),
                  figure=_lines(places, "layer", label, ["metric", "site"], f"{family.upper()}: P0-P2 per layer", "layer", "value",
                                dash=lambda key: "dot" if key[1] == "resid_post" else "solid")),
-        Evidence(f"{family}-positions", f"{family.upper()}: R^2_task of P2 per position, every layer and site", family, claim("P2"),
+        Evidence(f"{family}-positions", f"{family.upper()}: R^2_task of P2 per position, every layer and site", family, claim(*M1_EVIDENCE["positions"]),
                  figure=_lines(per_position, "position", lambda key: f"layer {int(key[0])} {key[1]}", ["layer", "site"],
                                f"{family.upper()}: R^2_task per position", "position", "R^2_task")),
         Evidence(f"{family}-p3", f"{family.upper()}: median TV and KL between beta_t and the posterior alpha_t per position (P3)",
-                 family, claim("P3", "P3.shrinks"),
+                 family, claim(*M1_EVIDENCE["simplex"]),
                  figure=_lines(p3, "position", lambda key: key[0], ["metric"], f"{family.upper()}: P3 per position", "position",
                                "divergence")),
-        Evidence(f"{family}-steering", f"{family.upper()}: steering, distance to the target mixture", family, claim("steering"),
+        Evidence(f"{family}-steering", f"{family.upper()}: steering, distance to the target mixture", family, claim(*M1_EVIDENCE["steering"]),
                  figure=_bars(steering.assign(kind=steering["metric"].str.split("_").str[-1]), "kind", "recipe",
                               f"{family.upper()}: unsteered, steered, random direction", "median distance")),
         Evidence(f"{family}-layer-table", f"{family.upper()}: P0-P2 per layer and site, selection and measurement batches", family,
-                 claim("P0", "P1", "P2", "P2.vs_random"),
+                 claim(*M1_EVIDENCE["layers"]),
                  table=rows[rows["metric"].isin(list(M1_LAYER_METRICS) + ["p0.within_share", "p2.r2_task_exact"]) & rows["position"].isna()]
                  .pivot_table(index=["batch", "layer", "site"], columns="metric", values="value").reset_index()),
     ]
@@ -138,25 +139,24 @@ def _dual(table: pd.DataFrame) -> list[Evidence]:
         index=["recipe", "diversity", "seed", "layer", "site"], columns="metric", values="value").reset_index()
     return [
         Evidence("dual-projection", "Projection R^2 of OOD states onto the task subspace across diversity", "dual",
-                 claim("projection_r2_high_diversity", "projection_r2_drop"),
+                 claim(*DUAL_EVIDENCE["projection"]),
                  figure=_lines(projection, "diversity", lambda k: f"{k[0]} seed {k[1]} {k[2].replace('projection_r2', 'R^2')}",
                                ["recipe", "seed", "metric"], "Projection R^2 (OOD) against diversity k", "diversity k", "projection R^2",
                                dash=lambda k: "solid" if k[2].endswith("token") else "dash")),
         Evidence("dual-ablations", "Double dissociation: % of in-context gain removed at the highest diversity", "dual",
-                 claim("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major", "random_control"),
+                 claim(*DUAL_EVIDENCE["dissociation"]),
                  figure=_bars(ablations, "where", "what", "% of in-context gain removed (highest diversity)", "% gain removed")),
-        Evidence("dual-rank", "% of OOD gain removed by V of rank r", "dual", claim("ablate_V_ood"),
+        Evidence("dual-rank", "% of OOD gain removed by V of rank r", "dual", claim(*DUAL_EVIDENCE["rank"]),
                  figure=_lines(rank, "rank", lambda k: f"{k[0]} k = {k[1]} seed {k[2]}", ["recipe", "diversity", "seed"],
                                "OOD gain removed by V of rank r", "rank r", "% OOD gain removed")),
         Evidence("dual-steps", "Projection R^2 and the predictor transition across training", "dual",
-                 claim("transition_memorising", "transition_generalising"),
+                 claim(*DUAL_EVIDENCE["transition"]),
                  figure=_lines(steps, "step", lambda k: f"{k[0]} k = {k[1]} seed {k[2]}: {k[3]}", ["recipe", "diversity", "seed", "metric"],
                                "Across training: projection R^2 (solid) and log(KL_mem / KL_gen) (dashed)", "step", "value",
                                dash=lambda k: "dash" if k[3] == "transition_log_ratio" else "solid")),
-        Evidence("dual-table", "Dual-mode measures per run (final model)", "dual", claim(
-            "projection_r2_high_diversity", "projection_r2_drop", "ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major",
-            "random_control"), table=measures),
-        Evidence("dual-place-table", "Projection R^2 (OOD) at every layer and site", "dual", claim("projection_r2_high_diversity"),
+        Evidence("dual-table", "Dual-mode measures per run (final model)", "dual",
+                 claim(*DUAL_EVIDENCE["projection"], *DUAL_EVIDENCE["dissociation"]), table=measures),
+        Evidence("dual-place-table", "Projection R^2 (OOD) at every layer and site", "dual", claim(DUAL_EVIDENCE["projection"][0]),
                  table=places),
     ]
 

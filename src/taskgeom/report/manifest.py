@@ -22,6 +22,13 @@ from taskgeom.errors import TaskgeomError
 MANIFEST = "reproduction.json"
 FORMAT = 2  # 2: the run directories used ("runs")
 DUAL_EXPERIMENT = "dual_modes"
+# The claims each kind of figure (PNG or interactive) is evidence for, as suffixes of their ids
+# (``e1.`` + ``P0``): M1's per family, the dual modes' per recipe of the sweep.
+M1_EVIDENCE = {"simplex": ("P3", "P3.shrinks"), "layers": ("P0", "P1", "P2", "P2.vs_random"), "positions": ("P2",),
+               "steering": ("steering",)}
+DUAL_EVIDENCE = {"projection": ("projection_r2_high_diversity", "projection_r2_drop"),
+                 "dissociation": ("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major", "random_control"),
+                 "rank": ("ablate_V_ood",), "transition": ("transition_memorising", "transition_generalising")}
 SECTIONS = {"e1": "E1: biased dice", "e2": "E2: in-context linear regression", "e3": "E3: mixture of Markov chains",
             "e4": "E4: planted Dyck", "dual": "Dual modes across task diversity (E1, E3)", "other": "Other claims"}
 
@@ -63,6 +70,11 @@ def read_manifest(out: Path) -> dict:
         raise TaskgeomError(f"{path} has format {found!r}, this taskgeom ({__version__}) reads format {FORMAT}; "
                             f"rerun `taskgeom reproduce --out {out}` (finished runs are reused)")
     return data
+
+
+def figure_section(figure: dict) -> str:
+    """The report section of a manifest figure: that of the first claim it supports, else of its name."""
+    return section(figure["claims"][0] if figure["claims"] else Path(figure["path"]).stem, figure["experiment"])
 
 
 def section(claim_id: str, experiment: str) -> str:
