@@ -49,13 +49,17 @@ TINY_REPRODUCTION = ("train.steps=30", "train.eval_every=10", "train.checkpoint_
                      "model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.d_mlp=32")
 
 
+TINY_SEEDS = (0, 1)
+
+
 @pytest.fixture(scope="session")
 def tiny_reproduction(tmp_path_factory):
-    """The results folder of a whole ``reproduce`` (every experiment, quick profile) with every run
-    shrunk by TINY_REPRODUCTION: about a minute on 2 cores. Tests must not modify it (copy it)."""
+    """The results folder of a whole ``reproduce`` (every experiment, quick profile) on two seeds
+    with every run shrunk by TINY_REPRODUCTION: about two minutes on 2 cores. Tests must not modify
+    it (copy it)."""
     from taskgeom.experiments import EXPERIMENTS, reproduce
     from taskgeom.experiments.executors import Executor
 
     out = tmp_path_factory.mktemp("tiny-reproduction")
-    reproduce(out, "quick", EXPERIMENTS, Executor("local", 2), device="cpu", overrides=TINY_REPRODUCTION)
+    reproduce(out, "quick", EXPERIMENTS, Executor("local", 2), device="cpu", overrides=TINY_REPRODUCTION, seeds=TINY_SEEDS)
     return out

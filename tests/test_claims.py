@@ -1,8 +1,10 @@
-"""Claims: status pass / fail / n/a, parts beside a ratio, the exit-code rule, claims.json and the report."""
+"""Claims: status pass / fail / n/a per seed, the verdict over seeds (pass / fail / unstable / n/a),
+parts beside a ratio, the exit-code rule, claims.json and the report."""
 
 import io
 import json
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -10,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 import taskgeom.experiments
-from taskgeom.claims import MIN_RELIABLE_GAIN, Claim, check, counts, exit_code, gain_parts, not_applicable, summary
+from taskgeom.claims import MIN_RELIABLE_GAIN, Claim, check, counts, exit_code, gain_parts, not_applicable, over_seeds, summary, verdict
 from taskgeom.cli import app
 from taskgeom.experiments.base import reproduce
 
@@ -43,7 +45,7 @@ def test_not_applicable_is_neither_passed_nor_failed():
     claim = na()
     assert claim.status == "n/a" and not claim.passed and math.isnan(claim.value)
     assert claim.reason == "fewer than 5 uncertain positions" and claim.parts == {"uncertain_positions": 2}
-    assert counts([claim]) == {"pass": 0, "fail": 0, "n/a": 1}
+    assert counts([claim]) == {"pass": 0, "fail": 0, "unstable": 0, "n/a": 1}
 
 
 def test_a_claim_cannot_contradict_itself():
@@ -64,7 +66,63 @@ def test_exit_code_is_1_only_when_a_claim_failed(claims, code):
 
 
 def test_summary_counts_each_status():
-    assert summary([passing(), passing(), failing(), na()]) == "2 pass, 1 fail, 1 n/a of 4 claims"
+    assert summary([passing(), passing(), failing(), na()]) == "2 pass, 1 fail, 0 unstable, 1 n/a of 4 claims"
+
+
+def _seeded(values: dict[int, float | None], threshold: float = 0.9) -> list[tuple[int, Claim]]:
+    """One claim e1.P0 >= threshold per seed; a value of None is an n/a seed."""
+    return [(seed, check("e1.P0", "e1", "cell R^2", value, ">=", threshold, "quick", {"layer": seed}) if value is not None else
+             not_applicable("e1.P0", "e1", "cell R^2", ">=", threshold, "quick", f"nothing to measure on seed {seed}"))
+            for seed, value in values.items()]
+
+
+@pytest.mark.parametrize(("values", "status", "median", "low", "high"), [
+    ({0: 0.95, 1: 0.91, 2: 0.99}, "pass", 0.95, 0.91, 0.99),          # every seed passes
+    ({0: 0.5, 1: 0.1, 2: 0.89}, "fail", 0.5, 0.1, 0.89),              # every seed fails
+    ({0: 0.95, 1: 0.5, 2: 0.93}, "unstable", 0.93, 0.5, 0.95),        # they disagree
+    ({0: 0.95, 1: None, 2: 0.97}, "pass", 0.96, 0.95, 0.97),          # an n/a seed counts neither way; even count: mean of the middle two
+    ({0: None, 1: 0.2, 2: None}, "fail", 0.2, 0.2, 0.2),
+    ({0: 0.95, 1: None, 2: 0.2}, "unstable", 0.575, 0.2, 0.95),
+    ({0: 0.95, 1: math.nan, 2: 0.97}, "unstable", 0.96, 0.95, 0.97),  # NaN never passes and stays out of the statistics
+])
+def test_the_verdict_over_seeds_on_planted_values(values, status, median, low, high):
+    [claim] = over_seeds(_seeded(values))
+    assert claim.status == status and claim.passed == (status == "pass")
+    assert claim.value == pytest.approx(median) and claim.median == pytest.approx(median)
+    assert (claim.min, claim.max) == (pytest.approx(low), pytest.approx(high))
+    assert [row["seed"] for row in claim.seeds] == list(values)
+    assert [row["status"] for row in claim.seeds] == ["n/a" if v is None else "pass" if v >= 0.9 else "fail" for v in values.values()]
+    assert [row["parts"] for row in claim.seeds] == [None if v is None else {"layer": seed} for seed, v in values.items()]
+    assert (claim.reason is not None) == (status == "unstable")
+
+
+def test_a_claim_na_on_every_seed_is_na_with_their_reasons():
+    [claim] = over_seeds(_seeded({0: None, 1: None}))
+    assert claim.status == "n/a" and math.isnan(claim.value) and claim.min is None or math.isnan(claim.min)
+    assert claim.reason == "nothing to measure on seed 0; nothing to measure on seed 1"
+
+
+def test_unstable_names_the_seeds_on_each_side_and_fails_nothing():
+    claims = over_seeds(_seeded({3: 0.95, 4: 0.5, 5: 0.2}))
+    assert claims[0].reason == "seeds disagree: pass on seed 3; fail on seed 4, 5"
+    assert exit_code(claims) == 0 and summary(claims) == "0 pass, 0 fail, 1 unstable, 0 n/a of 1 claims"
+    assert exit_code(over_seeds(_seeded({0: 0.1, 1: 0.2}))) == 1
+
+
+def test_verdict_rule_by_itself():
+    assert verdict(["pass", "pass"]) == "pass" and verdict(["fail", "n/a"]) == "fail"
+    assert verdict(["pass", "fail", "n/a"]) == "unstable" and verdict(["n/a"]) == "n/a" and verdict([]) == "n/a"
+    with pytest.raises(ValueError, match="unstable"):
+        verdict(["pass", "unstable"])
+
+
+def test_over_seeds_keeps_the_order_of_claims_and_refuses_a_seed_measured_twice():
+    measured = [(0, passing()), (0, failing()), (1, passing()), (1, failing())]
+    assert [c.id for c in over_seeds(measured)] == ["e1.P0", "e1.P1"]
+    with pytest.raises(ValueError, match="measured twice"):
+        over_seeds([(0, passing()), (0, passing())])
+    with pytest.raises(ValueError, match="threshold"):
+        over_seeds([(0, passing()), (1, check("e1.P0", "e1", "cell R^2", 0.9, ">=", 0.5, "quick"))])
 
 
 def test_gain_parts_against_a_hand_computation():
@@ -102,7 +160,7 @@ def test_as_dict_round_trips_through_json_and_pandas():
     assert rows[2]["value"] is None and rows[4]["value"] is None and rows[4]["status"] == "fail"
     table = pd.read_json(io.StringIO(text))
     assert set(table.columns) == {"id", "experiment", "description", "value", "threshold", "passed", "profile",
-                                  "comparison", "status", "parts", "reason"}
+                                  "comparison", "status", "parts", "reason", "seeds", "median", "min", "max"}
     assert list(table["status"]) == ["pass", "fail", "n/a", "pass", "fail"]
     assert list(table["passed"]) == [True, False, False, True, False]
     assert table["value"].isna().tolist() == [False, False, True, False, True]
@@ -112,9 +170,9 @@ def test_as_dict_round_trips_through_json_and_pandas():
 def test_report_shows_status_parts_and_reason(tmp_path):
     unreliable = check("d.V_ood", "e3", "% OOD gain removed", 80.0, ">=", 50.0, "quick",
                        parts=gain_parts(clean=1.0, ablated=1.03, first=1.04))
-    reproduce(tmp_path, "quick", {"fake": lambda ctx: ctx.claims.extend([passing(), failing(), na(), unreliable])})
+    reproduce(tmp_path, "quick", {"fake": lambda ctx: ctx.claim(0, passing(), failing(), na(), unreliable)})
     page = (tmp_path / "report.html").read_text()
-    assert "2 pass, 1 fail, 1 n/a of 4 claims" in page
+    assert "2 pass, 1 fail, 0 unstable, 1 n/a of 4 claims" in page
     assert "class='na'>n/a<div class=reason>fewer than 5 uncertain positions</div>" in page
     assert "class='fail'>FAIL" in page and "class='pass'>pass" in page
     assert "<span class=warn>unreliable</span> ablated_loss&nbsp;=&nbsp;1.03, clean_loss&nbsp;=&nbsp;1," in page  # claims.json sorts keys
@@ -123,11 +181,39 @@ def test_report_shows_status_parts_and_reason(tmp_path):
 
 @pytest.mark.parametrize(("claims", "code"), [([passing(), na()], 0), ([passing(), na(), failing()], 1)])
 def test_reproduce_prints_statuses_and_exits_on_failures_only(tmp_path, monkeypatch, claims, code):
-    monkeypatch.setattr(taskgeom.experiments, "EXPERIMENTS", {"fake": lambda ctx: ctx.claims.extend(claims)})
+    monkeypatch.setattr(taskgeom.experiments, "EXPERIMENTS", {"fake": lambda ctx: ctx.claim(0, *claims)})
     result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), "--device", "cpu"])
     assert result.exit_code == code, result.output
-    assert "PASS  e1.P0" in result.output and "N/A   e1.P3.shrinks" in result.output
+    assert re.search(r"^PASS +e1\.P0 ", result.output, re.M) and re.search(r"^N/A +e1\.P3\.shrinks ", result.output, re.M)
     assert "not applicable: fewer than 5 uncertain positions" in result.output
-    assert f"1 pass, {code} fail, 1 n/a of {len(claims)} claims" in result.output
+    assert f"1 pass, {code} fail, 0 unstable, 1 n/a of {len(claims)} claims" in result.output
     written = json.loads((tmp_path / "claims.json").read_text())
     assert [row["status"] for row in written] == [c.status for c in claims]
+
+
+def test_reproduce_judges_each_claim_over_its_seeds(tmp_path, monkeypatch):
+    """Seeds 3, 4, 5: P0 passes on 3 and 5 and fails on 4 (unstable, exit 0); P1 fails on all (exit 1)."""
+    def fake(ctx):
+        for seed in ctx.seeds:
+            ctx.claim(seed, check("e1.P0", "e1", "cell R^2", {3: 0.95, 4: 0.5, 5: 0.97}[seed], ">=", 0.9, ctx.profile),
+                      check("e1.P1", "e1", "additive share", 0.1 * seed, ">=", 0.9, ctx.profile))
+
+    monkeypatch.setattr(taskgeom.experiments, "EXPERIMENTS", {"fake": fake})
+    result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), "--device", "cpu", "--seeds", "3,4,5"])
+    assert result.exit_code == 1, result.output
+    assert re.search(r"^UNSTABLE +e1\.P0 +0\.95 >= 0\.9  seeds: 3=0\.95, 4=0\.5, 5=0\.97$", result.output, re.M), result.output
+    assert "0 pass, 1 fail, 1 unstable, 0 n/a of 2 claims" in result.output
+    written = {row["id"]: row for row in json.loads((tmp_path / "claims.json").read_text())}
+    assert written["e1.P0"]["status"] == "unstable" and written["e1.P0"]["median"] == 0.95
+    assert [(r["seed"], r["status"]) for r in written["e1.P0"]["seeds"]] == [(3, "pass"), (4, "fail"), (5, "pass")]
+    assert (written["e1.P1"]["min"], written["e1.P1"]["max"]) == (pytest.approx(0.3), pytest.approx(0.5))
+    page = (tmp_path / "report.html").read_text()
+    assert "0 pass, 1 fail, 1 unstable, 0 n/a of 2 claims</b> over seeds 3, 4, 5" in page
+    assert page.count("<circle") == 6 and "class='unstable'>unstable" in page  # a dot per seed and claim
+    assert json.loads((tmp_path / "reproduction.json").read_text())["seeds"] == [3, 4, 5]
+
+
+def test_reproduce_refuses_a_seed_set_by_override(tmp_path):
+    result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path / "out"), "--set", "train.seed=4"])
+    assert result.exit_code == 2 and "say --seeds instead" in result.output
+    assert not (tmp_path / "out").exists()

@@ -225,7 +225,7 @@ def test_the_sweeps_of_reproduce_run_on_its_executor(tmp_path, monkeypatch):
     monkeypatch.setattr(dual_modes, "run_sweep", record)
     executor = Executor("local", workers=3, cpus_per_run=2)
     with pytest.raises(Stop):
-        dual_modes.dual_modes(Context(tmp_path, "quick", executor, device="cpu", tracker="tensorboard"))
+        dual_modes.dual_modes(Context(tmp_path, "quick", executor=executor, device="cpu", tracker="tensorboard"))
     ((jobs, used, out),) = calls
     assert used is executor and out == tmp_path / "tables"
     assert jobs and {(job.device, job.tracker, job.root) for job in jobs} == {("cpu", "tensorboard", str(tmp_path / "runs"))}

@@ -13,11 +13,12 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pandas as pd
+import torch
 import pytest
 import yaml
 from typer.testing import CliRunner
 
-from conftest import TINY_REPRODUCTION
+from conftest import TINY_REPRODUCTION, TINY_SEEDS
 from taskgeom.cli import app
 
 REPORT_OUTPUTS = {"report.html", "plotly.min.js", "tables/analysis.parquet", "tables/analysis.csv"}
@@ -105,9 +106,10 @@ def test_the_summary_counts_equal_claims_json_and_every_claim_links_to_its_evide
     claims = json.loads((tiny_reproduction / "claims.json").read_text())
     page = _page(tiny_reproduction)
     counts = Counter(c["status"] for c in claims)
-    assert f"{counts['pass']} pass, {counts['fail']} fail, {counts['n/a']} n/a of {len(claims)} claims" in page.totals
-    summed = [sum(int(row[i]) for row in page.summary) for i in (1, 2, 3)]
-    assert summed == [counts["pass"], counts["fail"], counts["n/a"]]
+    assert (f"{counts['pass']} pass, {counts['fail']} fail, {counts['unstable']} unstable, {counts['n/a']} n/a of {len(claims)} claims "
+            "over seeds 0, 1") in page.totals
+    summed = [sum(int(row[i]) for row in page.summary) for i in (1, 2, 3, 4)]
+    assert summed == [counts["pass"], counts["fail"], counts["unstable"], counts["n/a"]]
     assert set(page.links) == {c["id"] for c in claims}
     for claim_id, targets in page.links.items():
         assert targets, f"{claim_id} links to no evidence"
@@ -157,8 +159,9 @@ def test_reproduce_applies_its_overrides_to_every_run_and_records_them(tiny_repr
     manifest = json.loads((tiny_reproduction / "reproduction.json").read_text())
     assert manifest["overrides"] == list(TINY_REPRODUCTION) and manifest["profile"] == "quick"
     configs = [yaml.safe_load(p.read_text()) for p in (tiny_reproduction / "runs").glob("*/config.yaml")]
-    assert len(configs) == 9  # E1 and E3 at k = -1, 3, 8; E2; E4 at two diversities
+    assert len(configs) == 9 * len(TINY_SEEDS)  # per seed: E1 and E3 at k = -1, 3, 8; E2; E4 at two diversities
     assert {(c["train"]["steps"], c["model"]["d_model"], c["model"]["n_layers"]) for c in configs} == {(30, 16, 1)}
+    assert sorted(c["train"]["seed"] for c in configs) == sorted(list(TINY_SEEDS) * 9) and manifest["seeds"] == list(TINY_SEEDS)
     claim_ids = {c["id"] for c in json.loads((tiny_reproduction / "claims.json").read_text())}
     assert set(manifest["claims"]) == claim_ids and set(manifest["claims"].values()) == set(manifest["experiments"])
 
@@ -190,8 +193,12 @@ def test_every_line_of_every_interactive_figure_is_one_series(tiny_reproduction)
     """A line holds one value per x (a line mixing tasks, seeds or runs zigzags through several)."""
     specs = _plot_specs((tiny_reproduction / "report.html").read_text(encoding="utf-8"))
     assert len(specs) >= 15
-    lines = [(anchor, trace["name"], trace["x"]) for anchor, spec in specs.items() for trace in spec["data"] if trace["type"] == "scatter"]
+    traces = [(anchor, trace) for anchor, spec in specs.items() for trace in spec["data"] if trace["type"] == "scatter"]
+    lines = [(anchor, trace["name"], trace["x"]) for anchor, trace in traces if trace.get("fill") != "toself"]
     assert lines and [(a, n) for a, n, xs in lines if len(xs) != len(set(map(str, xs)))] == []
+    # two seeds: each per-layer, per-position and diversity line has its range over the seeds drawn as a band
+    bands = {(anchor, trace["name"].removesuffix(" (range over seeds)")) for anchor, trace in traces if trace.get("fill") == "toself"}
+    assert {(a, n) for a, n, _ in lines if a in ("e1-layers", "e3-positions", "dual-projection")} <= bands
 
 
 def test_the_report_shows_only_the_runs_and_sections_of_its_reproduction(tiny_reproduction, tmp_path):
@@ -220,3 +227,58 @@ def test_a_table_shows_a_missing_integer_as_a_dash():
 
     page = _table(pd.DataFrame({"layer": pd.array([1, None], "Int64"), "value": [0.5, float("nan")]}))
     assert page.count("&ndash;") == 2 and "<td>1</td>" in page and "<td>0.5</td>" in page
+
+
+def test_the_manifest_records_the_machine_and_every_model_s_bits(tiny_reproduction):
+    manifest = json.loads((tiny_reproduction / "reproduction.json").read_text())
+    machine = manifest["machine"]
+    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and machine["torch"] == torch.__version__
+    assert machine["cpu"] and machine["mkl"] in torch.__config__.show() and machine["onednn"] in torch.__config__.show()
+    assert machine["torch_threads"] == torch.get_num_threads() and isinstance(machine["kernel_environment"], dict)
+    assert set(manifest["models"]) == set(manifest["runs"])
+    for name, digest in manifest["models"].items():  # against an independent hash of the file
+        assert digest == hashlib.sha256((tiny_reproduction / "runs" / name / "model.safetensors").read_bytes()).hexdigest()
+
+
+def _claims_file(folder: Path) -> list[dict]:
+    return json.loads((folder / "claims.json").read_text())
+
+
+def test_compare_names_the_run_whose_bits_differ_and_the_claims_whose_verdict_differs(tiny_reproduction, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(tiny_reproduction, a)
+    shutil.copytree(tiny_reproduction, b)
+    same = CliRunner().invoke(app, ["compare", str(a), str(b)])
+    assert same.exit_code == 0, same.output
+    runs = json.loads((a / "reproduction.json").read_text())["runs"]
+    assert f"runs in both: {len(runs)} ({len(runs)} bitwise equal, 0 differ)" in same.output and "claims that differ: 0" in same.output
+    # b: one run trained to other bits (as on another CPU), one claim judged otherwise
+    changed = runs[0]
+    manifest = json.loads((b / "reproduction.json").read_text())
+    manifest["models"][changed] = hashlib.sha256(b"other weights").hexdigest()
+    manifest["machine"]["cpu_capability"] = "AVX2"
+    (b / "reproduction.json").write_text(json.dumps(manifest))
+    claims = _claims_file(b)
+    flipped = next(c for c in claims if c["status"] in ("pass", "fail"))
+    flipped["status"] = "unstable"
+    (b / "claims.json").write_text(json.dumps(claims))
+    result = CliRunner().invoke(app, ["compare", str(a), str(b)])
+    assert result.exit_code == 1, result.output
+    assert f"({len(runs) - 1} bitwise equal, 1 differ)" in result.output and f"differs: {changed}" in result.output
+    assert re.search(r"cpu_capability +\S+ +!= AVX2", result.output)
+    assert "claims that differ: 1" in result.output and re.search(rf"{re.escape(flipped['id'])} .*-> unstable .*verdict", result.output)
+
+
+def test_the_markdown_table_is_the_claims_file_with_its_machine(tiny_reproduction):
+    result = CliRunner().invoke(app, ["report", str(tiny_reproduction), "--markdown"])
+    assert result.exit_code == 0, result.output
+    claims = _claims_file(tiny_reproduction)
+    counts = Counter(c["status"] for c in claims)
+    assert f"**{counts['pass']} pass, {counts['fail']} fail, {counts['unstable']} unstable, {counts['n/a']} n/a of {len(claims)} claims**" \
+        in result.output
+    assert f"seeds {', '.join(map(str, TINY_SEEDS))}" in result.output and torch.backends.cpu.get_cpu_capability() in result.output
+    rows = [line for line in result.output.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == [c["id"] for c in claims]
+    for row, claim in zip(rows, claims):
+        seeds = row.split(" | ")[4]
+        assert [int(cell.split(":")[0]) for cell in seeds.split(", ")] == [r["seed"] for r in claim["seeds"]]

@@ -33,8 +33,8 @@ def test_scheduled_runs_equal_runs_trained_alone_and_experiments_find_them_finis
     def second(ctx: Context) -> None:
         seen["second"] = ctx.trained(recipe, ("task.diversity=-1",))
 
-    first.runs = lambda ctx: [ctx.plan(recipe, (f"task.diversity={k}",)) for k in (-1, 1)]
-    second.runs = lambda ctx: [ctx.plan(recipe, ("task.diversity=-1",))]  # shared with first: trained once
+    first.runs = lambda ctx: [task for k in (-1, 1) for task in ctx.plans(recipe, (f"task.diversity={k}",))]
+    second.runs = lambda ctx: ctx.plans(recipe, ("task.diversity=-1",))  # shared with first: trained once
     out = tmp_path / "results"
     reproduce(out, "quick", {"first": first, "second": second}, Executor(workers=2))
 

@@ -212,7 +212,7 @@ def test_e4_claims_read_planted_shares_and_probes(tmp_path, monkeypatch, e4_shar
     trained, untrained = object(), object()
     runs = {}
 
-    def fake_trained(self, recipe, overrides=()):
+    def fake_trained(self, recipe, overrides=(), seed=0):
         runs[(recipe, overrides)] = run = SimpleNamespace(recipe=recipe, config=SimpleNamespace(model=SimpleNamespace(n_layers=2)),
                                                           load_model=lambda: trained, new_model=lambda: untrained)
         return run
@@ -227,7 +227,7 @@ def test_e4_claims_read_planted_shares_and_probes(tmp_path, monkeypatch, e4_shar
 
     ctx = Context(tmp_path, "quick")
     e4.e4(ctx)
-    claims = {c.id: c for c in ctx.claims}
+    claims = {c.id: c for _, c in ctx.measured}
     assert list(claims) == ["e4.P0_failure", "e4.prefix_probe"]
     p0 = claims["e4.P0_failure"]
     assert p0.value == pytest.approx(e4_shares[1] / 0.03, rel=1e-12)
@@ -241,6 +241,7 @@ def test_e4_claims_read_planted_shares_and_probes(tmp_path, monkeypatch, e4_shar
                          ("e1", ("task.diversity=-1",)), ("e3", ("task.diversity=-1",))}
     written = json.loads((tmp_path / "analysis" / "e4.json").read_text())
     series = {"e1": [0.05, 0.02], "e3": [0.04, 0.03], **{f"e4_{k}": v for k, v in dyck["resid_mid"].items()}}
+    assert {row.pop("seed") for name in ("p0", "probes", "probes_ood") for row in written[name]} == {0}
     mid = [row for row in written["p0"] if row["site"] == "resid_mid"]
     assert {(r["series"], r["layer"]): r["value"] for r in mid} == {(name, layer): v for name, values in series.items()
                                                                        for layer, v in enumerate(values)}
@@ -252,7 +253,7 @@ def test_e4_claims_read_planted_shares_and_probes(tmp_path, monkeypatch, e4_shar
 
 def _raiser(error: Exception):
     def experiment(ctx: Context) -> None:
-        ctx.claims.append(check("x.ok", "x", "a claim before the error", 1.0, ">=", 0.5, ctx.profile))
+        ctx.claim(0, check("x.ok", "x", "a claim before the error", 1.0, ">=", 0.5, ctx.profile))
         raise error
 
     return experiment

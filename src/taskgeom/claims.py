@@ -4,20 +4,26 @@ Each claim has a status: ``pass``, ``fail``, or ``n/a`` when the claim does not 
 measured (PAPER.md section 7: P3 shrinks needs at least 5 uncertain positions). An n/a claim is
 counted neither as passed nor as failed. A ratio or share is written beside its ``parts``, the
 numbers it is made of, so that a reader can judge it (a share of a tiny gain says little).
+
+A claim is measured once per training seed and judged over them (``over_seeds``), by a rule fixed
+before measuring: ``pass`` when every seed that applies passes, ``fail`` when every one fails,
+``unstable`` when they disagree, ``n/a`` when no seed applies. Its ``value`` is then the median
+over the seeds that apply, beside their minimum, maximum and each seed's own value, status and parts.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Iterable, Literal, Optional, Union
 
 from taskgeom.storage import standard_json
 
 Comparison = Literal["<=", ">=", "<", ">"]
-Status = Literal["pass", "fail", "n/a"]
-STATUSES: tuple[str, ...] = ("pass", "fail", "n/a")
+Status = Literal["pass", "fail", "unstable", "n/a"]
+STATUSES: tuple[str, ...] = ("pass", "fail", "unstable", "n/a")
 Part = Union[float, int, bool, str]
 _OPS = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b, "<": lambda a, b: a < b, ">": lambda a, b: a > b}
 
@@ -30,7 +36,9 @@ MIN_RELIABLE_GAIN = 0.05
 @dataclass(frozen=True)
 class Claim:
     """One row of claims.json. ``passed`` is true only for status ``pass``; ``parts`` are the numbers
-    a ratio or share is made of (or None); ``reason`` says why an ``n/a`` claim does not apply."""
+    a ratio or share is made of (or None); ``reason`` says why an ``n/a`` claim does not apply.
+    A claim judged over seeds (``over_seeds``) has ``seeds``, one row per seed ({seed, value, status,
+    parts, reason}), and the ``median``, ``min`` and ``max`` of their values (``value`` is the median)."""
 
     id: str
     experiment: str
@@ -43,6 +51,10 @@ class Claim:
     status: Status
     parts: Optional[dict[str, Part]] = None
     reason: Optional[str] = None
+    seeds: Optional[tuple[dict, ...]] = None
+    median: Optional[float] = None
+    min: Optional[float] = None
+    max: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -51,6 +63,8 @@ class Claim:
             raise ValueError(f"claim {self.id}: passed={self.passed} contradicts status {self.status!r}")
         if self.status == "n/a" and not self.reason:
             raise ValueError(f"claim {self.id}: an n/a claim needs a reason")
+        if self.status == "unstable" and not self.seeds:
+            raise ValueError(f"claim {self.id}: an unstable claim needs its seeds")
         if self.parts is not None:
             object.__setattr__(self, "parts", _clean_parts(self.id, self.parts))
 
@@ -88,8 +102,52 @@ def gain_parts(clean: float, ablated: float, first: float, min_gain: float = MIN
             "unreliable": not gain >= min_gain}
 
 
+def verdict(statuses: Iterable[str]) -> Status:
+    """The rule that judges a claim over seeds: ``n/a`` seeds count neither way; of the others,
+    ``pass`` when all pass, ``fail`` when all fail, ``unstable`` when they disagree; ``n/a`` when no
+    seed applies."""
+    judged = {status for status in statuses if status != "n/a"}
+    if not judged:
+        return "n/a"
+    if not judged <= {"pass", "fail"}:
+        raise ValueError(f"per-seed statuses must be pass, fail or n/a, not {sorted(judged - {'pass', 'fail'})}")
+    return judged.pop() if len(judged) == 1 else "unstable"
+
+
+def over_seeds(measured: Iterable[tuple[int, Claim]]) -> list[Claim]:
+    """One claim per id (in order of first appearance) judged over its per-seed claims ``(seed,
+    claim)`` by ``verdict``: value, median, min and max over the seeds that apply (NaN values left
+    out of the statistics, never passing); each seed's value, status, parts and reason in ``seeds``."""
+    by_id: dict[str, list[tuple[int, Claim]]] = {}
+    for seed, claim in measured:
+        by_id.setdefault(claim.id, []).append((int(seed), claim))
+    judged = []
+    for claim_id, rows in by_id.items():
+        first = rows[0][1]
+        seeds = [seed for seed, _ in rows]
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"claim {claim_id}: measured twice on one seed ({sorted(seeds)})")
+        for _, claim in rows:
+            if (claim.threshold, claim.comparison, claim.experiment) != (first.threshold, first.comparison, first.experiment):
+                raise ValueError(f"claim {claim_id}: its threshold, comparison or experiment differs between seeds")
+        status = verdict(claim.status for _, claim in rows)
+        values = [claim.value for _, claim in rows if claim.status != "n/a" and not math.isnan(claim.value)]
+        median, low, high = (float(statistics.median(values)), min(values), max(values)) if values else (math.nan,) * 3
+        reason = None
+        if status == "n/a":
+            reason = "; ".join(dict.fromkeys(claim.reason for _, claim in rows if claim.reason))
+        elif status == "unstable":
+            by_status = {s: [seed for seed, c in rows if c.status == s] for s in ("pass", "fail")}
+            reason = "seeds disagree: " + "; ".join(f"{s} on seed {', '.join(map(str, by_status[s]))}" for s in by_status)
+        per_seed = tuple({"seed": seed, "value": claim.value, "status": claim.status, "parts": claim.parts, "reason": claim.reason}
+                         for seed, claim in rows)
+        judged.append(Claim(claim_id, first.experiment, first.description, median, first.threshold, status == "pass", first.profile,
+                            first.comparison, status, None, reason, per_seed, median, low, high))
+    return judged
+
+
 def counts(claims: Iterable[Claim]) -> dict[str, int]:
-    """How many claims have each status: {"pass": ., "fail": ., "n/a": .}."""
+    """How many claims have each status: {"pass": ., "fail": ., "unstable": ., "n/a": .}."""
     tally = dict.fromkeys(STATUSES, 0)
     for claim in claims:
         tally[claim.status] += 1
@@ -97,13 +155,14 @@ def counts(claims: Iterable[Claim]) -> dict[str, int]:
 
 
 def summary(claims: Iterable[Claim]) -> str:
-    """'X pass, Y fail, Z n/a of N claims'."""
+    """'X pass, Y fail, U unstable, Z n/a of N claims'."""
     tally = counts(claims)
-    return f"{tally['pass']} pass, {tally['fail']} fail, {tally['n/a']} n/a of {sum(tally.values())} claims"
+    return (f"{tally['pass']} pass, {tally['fail']} fail, {tally['unstable']} unstable, {tally['n/a']} n/a "
+            f"of {sum(tally.values())} claims")
 
 
 def exit_code(claims: Iterable[Claim]) -> int:
-    """1 when some claim failed, else 0 (n/a claims count neither way)."""
+    """1 when some claim failed (on every seed), else 0 (unstable and n/a claims fail nothing)."""
     return 1 if any(claim.status == "fail" for claim in claims) else 0
 
 

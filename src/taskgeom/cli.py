@@ -349,6 +349,8 @@ def export_hf(
 @app.command()
 def reproduce(
     profile: str = typer.Option("quick", help="quick: reduced sizes for a 2-core CPU; paper: the study's sizes."),
+    seeds: str = typer.Option("0,1,2", help="Comma-separated training seeds: every setting is trained on each, and each claim is "
+                              "judged over them (pass: every seed passes; fail: every seed fails; unstable: they disagree)."),
     out: Path = typer.Option(Path("results"), help="Output folder: runs/, figures/, claims.json, report.html."),
     only: Optional[List[str]] = typer.Option(None, help="Run only these experiments (repeatable)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override applied to every run of every experiment, "
@@ -361,9 +363,11 @@ def reproduce(
     device: str = DEVICE_OPTION,
     tracker: str = TRACKER_OPTION,
 ) -> None:
-    """Reproduce every claim: trains what is missing (finished runs are reused), analyses, and
-    writes claims.json, timings.json, reproduction.json, tables/ and report.html. Exits 1 if a claim fails (an n/a claim, one
-    that does not apply to what was measured, fails nothing). The diversity
+    """Reproduce every claim on every seed of --seeds: trains what is missing (finished runs are
+    reused), analyses, judges each claim over the seeds, and writes claims.json, timings.json,
+    reproduction.json, tables/ and report.html. Exits 1 if a claim fails on every seed (an unstable
+    claim, whose seeds disagree, and an n/a claim, one that does not apply to what was measured, fail
+    nothing). The diversity
     sweeps run on the executor chosen by the executor options (as in `taskgeom sweep`); the other
     experiments' runs train in this process, on --device."""
     from taskgeom.experiments.executors import Executor
@@ -378,24 +382,67 @@ def reproduce(
     unknown = set(only or []) - set(EXPERIMENTS)
     if unknown:
         raise TaskgeomError(f"unknown experiments {sorted(unknown)}; available: {list(EXPERIMENTS)}")
+    seed_list = _int_list(seeds, "--seeds")
+    if any(setting.split("=", 1)[0].strip() == "train.seed" for setting in set_ or []):
+        raise TaskgeomError("--set train.seed: reproduce trains every setting on each seed of --seeds; say --seeds instead")
     chosen = {k: v for k, v in EXPERIMENTS.items() if not only or k in only}
     where.check()  # Ray importable and its address answering, before any training
-    ctx = run_all(out, profile, chosen, where, device, tracker, tuple(set_ or []))
+    ctx = run_all(out, profile, chosen, where, device, tracker, tuple(set_ or []), tuple(seed_list))
     for claim in ctx.claims:
-        measured = f"not applicable: {claim.reason}" if claim.status == "n/a" else f"{claim.value:.4g} {claim.comparison} {claim.threshold:.4g}"
-        typer.echo(f"{claim.status.upper():<4}  {claim.id:<28} {measured}")
+        typer.echo(claim_line(claim))
     typer.echo(f"{summary(ctx.claims)}; report: {ctx.out / 'report.html'}")
     if exit_code(ctx.claims):
         raise typer.Exit(1)
 
 
+def claim_line(claim) -> str:
+    """One line of reproduce's output: status, id, value against the threshold, each seed's value."""
+    if claim.status == "n/a":
+        measured = f"not applicable: {claim.reason}"
+    else:
+        measured = f"{claim.value:.4g} {claim.comparison} {claim.threshold:.4g}"
+        if claim.seeds and len(claim.seeds) > 1:
+            measured += "  seeds: " + ", ".join(f"{row['seed']}={'n/a' if row['status'] == 'n/a' else format(row['value'], '.3g')}"
+                                               for row in claim.seeds)
+    return f"{claim.status.upper():<8}  {claim.id:<32} {measured}"
+
+
+def _results(folder: Path) -> Path:
+    if not folder.is_dir():
+        raise TaskgeomError(f"{folder} is not a folder; give the results folder `taskgeom reproduce --out` wrote")
+    return folder
+
+
 @app.command()
-def report(results_dir: Path = typer.Argument(Path("results"), help="A results folder written by `taskgeom reproduce`.")) -> None:
+def report(
+    results_dir: Path = typer.Argument(Path("results"), help="A results folder written by `taskgeom reproduce`."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the claims table as Markdown (per-seed values, the machine, "
+                                  "the seeds and the taskgeom version), for a README, instead of rebuilding the page."),
+) -> None:
     """Rebuild report.html (and tables/analysis.parquet and .csv) from the files of a results
     folder alone: no training, no analysis; run directories are only read. Prints the page's path."""
     from taskgeom.report.html import write_report
+    from taskgeom.report.markdown import claims_markdown
 
-    if not results_dir.is_dir():
-        raise TaskgeomError(f"{results_dir} is not a folder; give the results folder `taskgeom reproduce --out` wrote")
-    write_report(results_dir)
+    if markdown:
+        typer.echo(claims_markdown(_results(results_dir)), nl=False)
+        return
+    write_report(_results(results_dir))
     typer.echo(str(results_dir / "report.html"))
+
+
+@app.command()
+def compare(
+    results_a: Path = typer.Argument(..., help="A results folder written by `taskgeom reproduce`."),
+    results_b: Path = typer.Argument(..., help="Another one, for example the same command on another machine."),
+) -> None:
+    """Say how two reproductions differ: the machines (CPU, torch's CPU capability, libraries,
+    threads), which runs of both differ in the bits of their model.safetensors, and which claims
+    differ in verdict or in median by more than their spread over seeds. Exits 1 when some verdict
+    differs."""
+    from taskgeom.report.compare import compare_results
+
+    text, verdicts_differ = compare_results(_results(results_a), _results(results_b))
+    typer.echo(text, nl=False)
+    if verdicts_differ:
+        raise typer.Exit(1)

@@ -9,7 +9,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from taskgeom.claims import Claim
+from taskgeom.claims import Claim, over_seeds
 from taskgeom.config import RunConfig
 from taskgeom.devices import check_training_fits
 from taskgeom.experiments.executors import Executor
@@ -36,16 +36,19 @@ class Figure:
 
 @dataclass
 class Context:
-    """Where one reproduction writes, its profile, where its sweeps run (``executor``), where its
-    runs train and what they also log to (``device``, ``tracker``), and what the experiments have
-    produced."""
+    """Where one reproduction writes, its profile, the training seeds every setting is trained on,
+    where its sweeps run (``executor``), where its runs train and what they also log to
+    (``device``, ``tracker``), and what the experiments have produced: ``measured`` holds each
+    claim once per seed, ``claims`` the claims judged over the seeds (``over_seeds``)."""
 
     out: Path
     profile: str = "quick"
+    seeds: tuple[int, ...] = (0,)
     executor: Executor = Executor()
     device: str = "auto"
     tracker: str = "none"
     overrides: tuple[str, ...] = ()  # ``--set`` settings applied to every run's recipe, before each run's own
+    measured: list[tuple[int, Claim]] = field(default_factory=list)
     claims: list[Claim] = field(default_factory=list)
     figures: list[Figure] = field(default_factory=list)
     timings: Profile = field(default_factory=Profile)  # where the time goes (timings.json)
@@ -69,20 +72,27 @@ class Context:
         self.figures.append(Figure(f"figures/{name}", caption, self.experiment, tuple(claims)))
         return path
 
-    def config(self, recipe: str, overrides: tuple[str, ...] = ()) -> RunConfig:
-        """``recipe`` under this profile, with this reproduction's overrides, then ``overrides``."""
-        return load_recipe(recipe, self.profile, [*self.overrides, *overrides])
+    def claim(self, seed: int, *claims: Claim) -> None:
+        """Record ``claims`` as measured on the runs of training seed ``seed``."""
+        self.measured.extend((seed, claim) for claim in claims)
 
-    def plan(self, recipe: str, overrides: tuple[str, ...] = (), threads: int = 0) -> TrainTask:
-        """The run ``trained(recipe, overrides)`` gives, as a task for the training schedule, with the
-        torch threads it trains with: its config's ``train.threads``, else ``threads``, else this
-        process's (as ``trained`` would use)."""
-        config = self.config(recipe, overrides)
-        return TrainTask(config, str(self.runs_root), self.device, self.tracker, config.train.threads or threads or torch.get_num_threads())
+    def config(self, recipe: str, overrides: tuple[str, ...] = (), seed: int = 0) -> RunConfig:
+        """``recipe`` under this profile, with this reproduction's overrides, then ``overrides``,
+        trained on ``seed``."""
+        return load_recipe(recipe, self.profile, [*self.overrides, *overrides, f"train.seed={seed}"])
 
-    def trained(self, recipe: str, overrides: tuple[str, ...] = ()) -> Run:
-        """The run of ``recipe`` under this profile, trained now unless already finished."""
-        config = self.config(recipe, overrides)
+    def plans(self, recipe: str, overrides: tuple[str, ...] = (), threads: int = 0) -> list[TrainTask]:
+        """The runs ``trained(recipe, overrides, seed)`` gives for every seed, as tasks for the
+        training schedule, with the torch threads each trains with: its config's ``train.threads``,
+        else ``threads``, else this process's (as ``trained`` would use)."""
+        configs = [self.config(recipe, overrides, seed) for seed in self.seeds]
+        return [TrainTask(config, str(self.runs_root), self.device, self.tracker, config.train.threads or threads or torch.get_num_threads())
+                for config in configs]
+
+    def trained(self, recipe: str, overrides: tuple[str, ...] = (), seed: int = 0) -> Run:
+        """The run of ``recipe`` under this profile on training seed ``seed``, trained now unless
+        already finished."""
+        config = self.config(recipe, overrides, seed)
         if not (self.runs_root / f"{config.name}-{config.digest()}" / "model.safetensors").exists():
             check_training_fits(config, self.device)  # before its run directory is made
         run = Run.create(config, self.runs_root)
@@ -97,14 +107,17 @@ Experiment = Callable[[Context], None]  # may carry ``runs(ctx) -> list[TrainTas
 
 
 def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], executor: Executor = Executor(),
-              device: str = "auto", tracker: str = "none", overrides: tuple[str, ...] = ()) -> Context:
-    """Train every run the experiments declare (``runs``) on ``executor``'s local pool first
-    (``schedule``), then run each experiment (their sweeps on ``executor``; training on ``device``,
-    also logged to ``tracker``; every recipe with ``overrides`` applied first), then write
-    ``claims.json``, ``timings.json``, ``reproduction.json``, the tables and ``report.html``."""
+              device: str = "auto", tracker: str = "none", overrides: tuple[str, ...] = (), seeds: tuple[int, ...] = (0,)) -> Context:
+    """Train every run the experiments declare (``runs``) for every seed of ``seeds`` on
+    ``executor``'s local pool first (``schedule``), then run each experiment (their sweeps on
+    ``executor``; training on ``device``, also logged to ``tracker``; every recipe with
+    ``overrides`` applied first), judge each claim over the seeds, then write ``claims.json``,
+    ``timings.json``, ``reproduction.json``, the tables and ``report.html``."""
     from taskgeom.report.html import write_report
 
-    ctx = Context(Path(out), profile, executor, device, tracker, tuple(overrides))
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must be distinct and at least one, got {list(seeds)}")
+    ctx = Context(Path(out), profile, tuple(seeds), executor, device, tracker, tuple(overrides))
     ctx.out.mkdir(parents=True, exist_ok=True)
     tasks = [task for experiment in experiments.values() for task in getattr(experiment, "runs", lambda _: [])(ctx)]
     ctx.used |= {task.name: None for task in tasks}
@@ -116,15 +129,16 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], execu
     for name, experiment in experiments.items():
         console.log(f"experiment [bold]{name}[/bold]")
         ctx.experiment = name
-        first = len(ctx.claims)
+        first = len(ctx.measured)
         with ctx.timings.experiment(name):
             experiment(ctx)
-        ctx.made_by |= {claim.id: name for claim in ctx.claims[first:]}
+        ctx.made_by |= {claim.id: name for _, claim in ctx.measured[first:]}
+    ctx.claims = over_seeds(ctx.measured)
     atomic_write_json(ctx.out / "claims.json", [c.as_dict() for c in ctx.claims])
     atomic_write_json(ctx.out / "timings.json", ctx.timings.as_dict())
     figures = [{"path": f.path, "pdf": str(Path(f.path).with_suffix(".pdf")), "caption": f.caption, "experiment": f.experiment,
                 "claims": list(f.claims)} for f in ctx.figures]
     atomic_write_json(ctx.out / MANIFEST, manifest(profile, ctx.overrides, device, executor.kind, list(experiments), list(ctx.used),
-                                                     ctx.made_by, figures))
+                                                     ctx.made_by, figures, ctx.seeds, ctx.runs_root))
     write_report(ctx.out)
     return ctx

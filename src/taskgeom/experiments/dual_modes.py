@@ -18,9 +18,9 @@ from taskgeom.report.dual import (plot_dissociation, plot_projection_r2, plot_pr
 from taskgeom.report.manifest import DUAL_EVIDENCE
 from taskgeom.storage import atomic_write_text
 
-# (diversity grid, seeds, recipes) per profile. [ours] The quick profile leaves E2 out: its runs
-# cost about 5 CPU-minutes each, and the whole quick reproduction aims at 20 minutes.
-GRIDS = {"quick": ([-1, 3, 8], [0], ("e1", "e3")), "paper": (list(range(-1, 11)), [0, 1, 2], ("e1", "e2", "e3"))}
+# (diversity grid, recipes) per profile; the seeds are the reproduction's. [ours] The quick profile
+# leaves E2 out: its runs cost about 5 CPU-minutes each, and the whole quick reproduction aims at 20 minutes.
+GRIDS = {"quick": ([-1, 3, 8], ("e1", "e3")), "paper": (list(range(-1, 11)), ("e1", "e2", "e3"))}
 
 # Projection R^2 of OOD states onto S: below this at the highest diversity of the grid ...
 MAX_R2_HIGH_DIVERSITY = 0.2
@@ -51,13 +51,13 @@ def _band(rows: pd.DataFrame, metric: str, diversity: int, set_name: str) -> lis
 
 def _each_recipe(ctx: Context, *claims: str) -> tuple[str, ...]:
     """The ids of ``claims`` for every recipe of the profile's grid (``e1.ablate_V_ood``, ...)."""
-    return tuple(f"{recipe}.{claim}" for recipe in GRIDS[ctx.profile][2] for claim in claims)
+    return tuple(f"{recipe}.{claim}" for recipe in GRIDS[ctx.profile][1] for claim in claims)
 
 
 def _jobs(ctx: Context) -> list[Job]:
-    diversities, seeds, recipes = GRIDS[ctx.profile]
+    diversities, recipes = GRIDS[ctx.profile]
     return [Job(recipe, k, seed, ctx.profile, str(ctx.runs_root), ctx.overrides, ctx.device, ctx.tracker)
-            for recipe in recipes for k in diversities for seed in seeds]
+            for recipe in recipes for k in diversities for seed in ctx.seeds]
 
 
 def runs(ctx: Context) -> list[TrainTask]:
@@ -67,8 +67,41 @@ def runs(ctx: Context) -> list[TrainTask]:
             for job in _jobs(ctx) for config in [job.config()]]
 
 
+def claims(rows: pd.DataFrame, recipe: str, low: int, high: int, profile: str) -> list:
+    """The dual-mode claims of ``recipe`` from the sweep rows of one seed (its runs at every k)."""
+    made = []
+    claim = lambda name, description, value, op, threshold, parts=None: made.append(  # noqa: E731
+        check(f"{recipe}.{name}", recipe, description, value, op, threshold, profile, parts))
+    r2_high, r2_low = _value(rows, "projection_r2_token", high, "ood"), _value(rows, "projection_r2_token", low, "ood")
+    plain = {"plain_form": _value(rows, "projection_r2", high, "ood")}
+    claim("projection_r2_high_diversity", f"projection R^2 (token-conditioned) of OOD states onto S at k = {high}", r2_high, "<",
+          MAX_R2_HIGH_DIVERSITY, plain)
+    claim("projection_r2_drop", f"projection R^2 (token-conditioned) at k = {low} minus at k = {high}", r2_low - r2_high, ">=",
+          MIN_R2_DROP, {f"k={low}": r2_low, f"k={high}": r2_high})
+    for ablation, target, spared in (("ablate_S", "major", "ood"), ("ablate_V", "ood", "major")):
+        what = "task subspace S" if ablation == "ablate_S" else "orthogonal directions V"
+        for set_name, op, threshold in ((target, ">=", MIN_TARGETED_GAIN_REMOVED), (spared, "<", MAX_SPARED_GAIN_REMOVED)):
+            parts = gain_parts(_value(rows, "loss", high, set_name), _value(rows, f"loss_{ablation}", high, set_name),
+                               _value(rows, "loss_first", high, set_name))
+            claim(f"{ablation}_{set_name}", f"% of {set_name} in-context gain removed by ablating the {what} (k = {high})",
+                  _value(rows, f"gain_removed_{ablation}", high, set_name), op, threshold, parts)
+    random = {s: _band(rows, "gain_removed_random", high, s) for s in ("major", "ood")}
+    claim("random_control", f"largest |% gain removed| by any of {N_RANDOM_CONTROLS} random same-rank directions, major and OOD "
+          f"(k = {high})", max(abs(v) for band in random.values() for v in band), "<", MAX_RANDOM_GAIN_REMOVED,
+          {f"{s}_{end}": v for s, band in random.items() for end, v in zip(("min", "max"), band)})
+    if len(rows) and rows["metric"].str.startswith("transition_").any():  # token families only
+        final = by_step(rows).sort_values("step").groupby("diversity").last()
+        for name, k, op, word in (("transition_memorising", low, "<", "negative: memorising"),
+                                  ("transition_generalising", high, ">", "positive: generalising")):
+            parts = ({"kl_to_memorising": final.loc[k, "kl_to_memorising"], "kl_to_generalising": final.loc[k, "kl_to_generalising"]}
+                     if k in final.index else None)
+            claim(name, f"log(KL_mem / KL_gen) of the final model at k = {k} ({word})",
+                  final["log_ratio"].get(k, float("nan")), op, 0.0, parts)
+    return made
+
+
 def dual_modes(ctx: Context) -> None:
-    diversities, seeds, recipes = GRIDS[ctx.profile]
+    diversities, recipes = GRIDS[ctx.profile]
     jobs = _jobs(ctx)
     table = run_sweep(jobs, ctx.executor, out=ctx.out / "tables")
     for job in job_seconds(table).itertuples():
@@ -79,38 +112,13 @@ def dual_modes(ctx: Context) -> None:
     low, high = min(diversities), max(diversities)
     for recipe in recipes:
         rows = ok[ok["recipe"] == recipe]
-        claim = lambda name, description, value, op, threshold, parts=None: ctx.claims.append(  # noqa: E731
-            check(f"{recipe}.{name}", recipe, description, value, op, threshold, ctx.profile, parts))
-        r2_high, r2_low = _value(rows, "projection_r2_token", high, "ood"), _value(rows, "projection_r2_token", low, "ood")
-        plain = {"plain_form": _value(rows, "projection_r2", high, "ood")}
-        claim("projection_r2_high_diversity", f"projection R^2 (token-conditioned) of OOD states onto S at k = {high}", r2_high, "<",
-              MAX_R2_HIGH_DIVERSITY, plain)
-        claim("projection_r2_drop", f"projection R^2 (token-conditioned) at k = {low} minus at k = {high}", r2_low - r2_high, ">=",
-              MIN_R2_DROP, {f"k={low}": r2_low, f"k={high}": r2_high})
-        for ablation, target, spared in (("ablate_S", "major", "ood"), ("ablate_V", "ood", "major")):
-            what = "task subspace S" if ablation == "ablate_S" else "orthogonal directions V"
-            for set_name, op, threshold in ((target, ">=", MIN_TARGETED_GAIN_REMOVED), (spared, "<", MAX_SPARED_GAIN_REMOVED)):
-                parts = gain_parts(_value(rows, "loss", high, set_name), _value(rows, f"loss_{ablation}", high, set_name),
-                                   _value(rows, "loss_first", high, set_name))
-                claim(f"{ablation}_{set_name}", f"% of {set_name} in-context gain removed by ablating the {what} (k = {high})",
-                      _value(rows, f"gain_removed_{ablation}", high, set_name), op, threshold, parts)
-        random = {s: _band(rows, "gain_removed_random", high, s) for s in ("major", "ood")}
-        claim("random_control", f"largest |% gain removed| by any of {N_RANDOM_CONTROLS} random same-rank directions, major and OOD "
-              f"(k = {high})", max(abs(v) for band in random.values() for v in band), "<", MAX_RANDOM_GAIN_REMOVED,
-              {f"{s}_{end}": v for s, band in random.items() for end, v in zip(("min", "max"), band)})
+        for seed in ctx.seeds:
+            ctx.claim(seed, *claims(rows[rows["seed"] == seed], recipe, low, high, ctx.profile))
         if len(rows):
             plot_dissociation(rows[rows["diversity"] == high], ctx.figure(f"{recipe}_double_dissociation.png",
                               f"{recipe.upper()}, k = {high}: share of in-context gain removed by ablating S, V or a random direction",
                               tuple(f"{recipe}.{name}" for name in DUAL_EVIDENCE["dissociation"])),
                               f"{recipe.upper()} double dissociation (k = {high})")
-        if len(rows) and rows["metric"].str.startswith("transition_").any():  # token families only
-            final = by_step(rows).sort_values("step").groupby("diversity").last()
-            for name, k, op, word in (("transition_memorising", low, "<", "negative: memorising"),
-                                      ("transition_generalising", high, ">", "positive: generalising")):
-                parts = ({"kl_to_memorising": final.loc[k, "kl_to_memorising"], "kl_to_generalising": final.loc[k, "kl_to_generalising"]}
-                         if k in final.index else None)
-                claim(name, f"log(KL_mem / KL_gen) of the final model at k = {k} ({word})",
-                      final["log_ratio"].get(k, float("nan")), op, 0.0, parts)
     if len(ok):
         plot_projection_r2(ok, ctx.figure("projection_r2.png", "Projection R^2 of OOD states onto the task subspace across diversity: "
                                           "token-conditioned (solid, IQR band; the claims) and plain (dashed)",

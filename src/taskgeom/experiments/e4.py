@@ -204,19 +204,32 @@ def weakest_probe(rows: list[dict], site: str = CLAIM_SITE, layers: dict[str, in
 
 def runs(ctx: Context) -> list:
     """The runs ``e4`` trains or reads, for the schedule: E4 at k = -1 and k = PROBE_DIVERSITY, and
-    the references at k = -1."""
-    return [ctx.plan("e4", ("task.diversity=-1",)), ctx.plan("e4", (f"task.diversity={PROBE_DIVERSITY}",)),
-            *(ctx.plan(name, ("task.diversity=-1",)) for name in REFERENCES)]
+    the references at k = -1, each on every seed."""
+    return [*ctx.plans("e4", ("task.diversity=-1",)), *ctx.plans("e4", (f"task.diversity={PROBE_DIVERSITY}",)),
+            *(task for name in REFERENCES for task in ctx.plans(name, ("task.diversity=-1",)))]
 
 
 def e4(ctx: Context) -> None:
-    majors = ctx.trained("e4", ("task.diversity=-1",))
-    diverse = ctx.trained("e4", (f"task.diversity={PROBE_DIVERSITY}",))
-    reference_runs = {name: ctx.trained(name, ("task.diversity=-1",)) for name in REFERENCES}
-    with ctx.stage("P0 within-cell shares (E1, E3, E4)"):
+    tables: dict[str, list[dict]] = {"p0": [], "probes": [], "probes_ood": [], "probes_untrained": []}
+    for seed in ctx.seeds:
+        measured = measure(ctx, seed)
+        for name, rows in measured.items():
+            tables[name] += [{"seed": seed, **row} for row in rows]
+        if seed == ctx.seeds[0]:  # one seed's figures illustrate; the claims read every seed (analysis/e4.json holds them all)
+            plot(ctx, measured, seed)
+    atomic_write_json(ctx.out / "analysis" / "e4.json", tables)
+
+
+def measure(ctx: Context, seed: int) -> dict[str, list[dict]]:
+    """E4's P0 shares and prefix probes on the runs of ``seed``; records its claims; returns the
+    tidy rows of ``analysis/e4.json`` (without the seed)."""
+    majors = ctx.trained("e4", ("task.diversity=-1",), seed)
+    diverse = ctx.trained("e4", (f"task.diversity={PROBE_DIVERSITY}",), seed)
+    reference_runs = {name: ctx.trained(name, ("task.diversity=-1",), seed) for name in REFERENCES}
+    with ctx.stage(f"P0 within-cell shares (E1, E3, E4; seed {seed})"):
         references = {name: reference_p0(run) for name, run in reference_runs.items()}
         dyck = dyck_p0(majors)
-    with ctx.stage("prefix probes (trained and untrained, pool and OOD)"):
+    with ctx.stage(f"prefix probes (trained and untrained, pool and OOD; seed {seed})"):
         model, untrained_model = diverse.load_model(), diverse.new_model()  # untrained: random features of the same network
         probes = {which: prefix_probes(diverse, model, which) for which in PROBE_SETS}
         layers = best_layers(prefix_probes(diverse, model, "pool", stream=SELECT_STREAM))  # chosen apart from the claim's batch
@@ -224,39 +237,45 @@ def e4(ctx: Context) -> None:
     p0 = {name: {**{ref: references[ref][name] for ref in REFERENCES}, **{f"e4_{k}": v for k, v in dyck[name].items()}} for name in P0_SITES}
     p0_rows = [{"site": site, "series": name, "layer": layer, "metric": "p0.within_share", "value": share}
                for site, series in p0.items() for name, shares in series.items() for layer, share in enumerate(shares)]
-    atomic_write_json(ctx.out / "analysis" / "e4.json",
-                      {"p0": p0_rows, "probes": probes["pool"], "probes_ood": probes["ood"], "probes_untrained": untrained})
 
     shares = p0[CLAIM_SITE]
     e4_smallest = min(min(shares["e4_token_due"]), min(shares["e4_last3_due"]))
     reference_smallest = max(min(shares[ref]) for ref in REFERENCES)
-    ctx.claims.append(check(
+    weakest = weakest_probe(probes["pool"], CLAIM_SITE, layers)
+    ctx.claim(seed, check(
         "e4.P0_failure", "e4",
         f"E4's smallest within-cell share over layers ({CLAIM_SITE}; either grouping, bracket phase of the late window) "
         "divided by the larger of E1's and E3's smallest (task, token) share; k = -1",
         e4_smallest / reference_smallest, ">=", P0_FACTOR, ctx.profile,
-        parts={"e4_smallest": e4_smallest, "reference_smallest": reference_smallest}))
-    weakest = weakest_probe(probes["pool"], CLAIM_SITE, layers)
-    ctx.claims.append(check(
+        parts={"e4_smallest": e4_smallest, "reference_smallest": reference_smallest}), check(
         "e4.prefix_probe", "e4",
         f"smallest over targets (bracket j back, j = 1..{MAX_BACK}, and depth) of the probe score ({CLAIM_SITE}, at the layer "
         f"chosen per target on a separate batch) minus its shuffled-label control, in-distribution (pool) sequences, k = {PROBE_DIVERSITY}",
         weakest["gain"], ">=", PROBE_MARGIN, ctx.profile,
         parts={"score": weakest["score"], "control": weakest["control"], "target": weakest["target"], "layer": weakest["layer"],
                "untrained_gain": weakest_probe([r for r in untrained if r["set"] == "pool"], CLAIM_SITE, layers)["gain"]}))
+    return {"p0": p0_rows, "probes": probes["pool"], "probes_ood": probes["ood"], "probes_untrained": untrained}
 
+
+def plot(ctx: Context, measured: dict[str, list[dict]], seed: int) -> None:
+    """The P0 comparison and the prefix-probe figures of one seed's rows (``measure``)."""
+    shares: dict[str, list[float]] = {}
+    for row in measured["p0"]:
+        if row["site"] == CLAIM_SITE:
+            shares.setdefault(row["series"], []).append(row["value"])
     series = {f"{ref.upper()} (task, token)": shares[ref] for ref in REFERENCES}
     series |= {"E4 (task, token), bracket phase": shares["e4_token_due"], "E4 (task, last 3 brackets), bracket phase": shares["e4_last3_due"]}
     plot_p0_comparison(series, ctx.figure("p0_across_families.png",
                        f"P0 across families: within-cell share of state variance per layer at {CLAIM_SITE}; E1 and E3 by "
-                       "(task, current token), E4 by (task, current token) and by (task, last three planted brackets), k = -1", ("e4.P0_failure",)),
-                       site=CLAIM_SITE)
-    last = diverse.config.model.n_layers - 1
-    plot_prefix_probes([*probes["pool"], *probes["ood"]], [r for r in untrained if r["site"] == CLAIM_SITE and r["layer"] == last],
+                       f"(task, current token), E4 by (task, current token) and by (task, last three planted brackets), k = -1 (seed {seed})",
+                       ("e4.P0_failure",)), site=CLAIM_SITE)
+    last = max(row["layer"] for row in measured["probes_untrained"])
+    untrained = [r for r in measured["probes_untrained"] if r["site"] == CLAIM_SITE and r["layer"] == last]
+    plot_prefix_probes([*measured["probes"], *measured["probes_ood"]], untrained,
                        ctx.figure("e4_prefix_probes.png",
                                   f"E4: held-out linear probes at {CLAIM_SITE} for the planted bracket j back and for the depth, "
                                   f"k = {PROBE_DIVERSITY}; solid: in-distribution (pool) sequences, dashed: OOD sequences, "
-                                  f"dotted: shuffled labels; grey: layer {last} of the untrained network", ("e4.prefix_probe",)),
+                                  f"dotted: shuffled labels; grey: layer {last} of the untrained network (seed {seed})", ("e4.prefix_probe",)),
                        f"E4: linear probes for the planted bracket prefix at {CLAIM_SITE}, k = {PROBE_DIVERSITY}", site=CLAIM_SITE)
 
 

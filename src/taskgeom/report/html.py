@@ -29,6 +29,7 @@ nav{position:sticky;top:0;background:#fff;border-bottom:1px solid #ddd;padding:6
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 7px;font-size:13px}
 th.sort{cursor:pointer;background:#f4f4f4}th.sort:after{content:" \\2195";color:#999}
 .pass{color:#17702f;font-weight:bold}.fail{color:#b3261e;font-weight:bold}.na{color:#6b6b6b;font-weight:bold}
+.unstable{color:#b35c00;font-weight:bold}.seed{display:block}
 .warn{color:#fff;background:#b35c00;padding:0 4px;border-radius:3px;font-size:12px}.parts{font-size:12px}
 .reason{font-weight:normal;font-size:12px;color:#555}figure{margin:1.2em 0}.evidence a{display:block;font-size:12px}
 img{max-width:100%;border:1px solid #eee}figcaption{font-size:13px;color:#555}.plot{min-height:380px;border:1px solid #eee;margin:1em 0}
@@ -51,8 +52,9 @@ document.querySelectorAll('table.sortable th').forEach(function (th, _, all) {
   });
 });"""
 _NAV = {"dual": "Dual modes", "other": "Other"}
-_STATUS_CLASS = {"pass": "pass", "fail": "fail", "n/a": "na"}
-_STATUS_LABEL = {"pass": "pass", "fail": "FAIL", "n/a": "n/a"}
+_STATUS_CLASS = {"pass": "pass", "fail": "fail", "unstable": "unstable", "n/a": "na"}
+_STATUS_LABEL = {"pass": "pass", "fail": "FAIL", "unstable": "unstable", "n/a": "n/a"}
+_DOT = {"pass": "#17702f", "fail": "#b3261e", "n/a": "#999"}
 
 
 def _number(x) -> str:
@@ -61,24 +63,53 @@ def _number(x) -> str:
     return f"{x:.4g}" if isinstance(x, float) else html.escape(str(x))
 
 
-def _parts(claim: dict) -> str:
-    """The parts as a compact 'name = value' list; a true ``unreliable`` is flagged, not listed."""
-    parts = claim.get("parts") or {}
+def _parts(parts: dict | None) -> str:
+    """Parts as a compact 'name = value' list; a true ``unreliable`` is flagged, not listed."""
+    parts = parts or {}
     items = [f"{html.escape(k)}&nbsp;=&nbsp;{_number(v)}" for k, v in parts.items() if k != "unreliable"]
     flag = "<span class=warn>unreliable</span> " if parts.get("unreliable") is True else ""
     return flag + ", ".join(items)
 
 
+def _seed_parts(claim: dict) -> str:
+    """Each seed's value, status and parts (a claim judged over seeds), else the claim's own parts."""
+    rows = claim.get("seeds")
+    if not rows:
+        return _parts(claim.get("parts"))
+    return "".join(f"<span class=seed>seed {row['seed']}: <span class={_STATUS_CLASS[row['status']]}>{_number(row['value'])}</span>"
+                   f"{' ' + _parts(row['parts']) if row['parts'] else ''}</span>" for row in rows)
+
+
+def strip(claim: dict, width: int = 150, height: int = 22) -> str:
+    """An inline SVG of the claim's per-seed values as dots (coloured by their status) against its
+    threshold (a vertical line), on a linear axis spanning both; empty when no seed has a value."""
+    values = [(row["value"], row["status"]) for row in claim.get("seeds") or [] if row["status"] != "n/a" and row["value"] is not None]
+    if not values:
+        return ""
+    threshold = claim["threshold"]
+    low, high = min(min(v for v, _ in values), threshold), max(max(v for v, _ in values), threshold)
+    pad = (high - low) * 0.08 or abs(threshold) * 0.1 or 1.0
+    low, high = low - pad, high + pad
+    x = lambda v: 6 + (width - 12) * (v - low) / (high - low)  # noqa: E731
+    dots = "".join(f"<circle cx='{x(v):.1f}' cy='{height / 2}' r='4' fill='{_DOT[status]}' fill-opacity='0.75'><title>{v:.4g}</title></circle>"
+                   for v, status in values)
+    return (f"<svg class=strip width={width} height={height} role=img aria-label='per-seed values against the threshold'>"
+            f"<line x1=4 x2={width - 4} y1={height / 2} y2={height / 2} stroke='#ddd'/>"
+            f"<line x1='{x(threshold):.1f}' x2='{x(threshold):.1f}' y1=2 y2={height - 2} stroke='#444' stroke-dasharray='3,2'/>{dots}</svg>")
+
+
 def _claim_row(claim: dict, links: list[tuple[str, str]]) -> str:
     status = claim["status"]
     value = "&ndash;" if status == "n/a" or claim["value"] is None else f"{claim['value']:.4g}"
+    if claim.get("seeds") and len(claim["seeds"]) > 1 and claim.get("min") is not None:
+        value += f"<div class=reason>median; range {claim['min']:.4g} .. {claim['max']:.4g}</div>"
     result = f"<td class='{_STATUS_CLASS[status]}'>{_STATUS_LABEL[status]}"
     if claim.get("reason"):
         result += f"<div class=reason>{html.escape(claim['reason'])}</div>"
     evidence = "".join(f"<a href='#{html.escape(anchor)}'>{html.escape(title)}</a>" for anchor, title in links)
     return (f"<tr id='claim-{html.escape(claim['id'])}'><td>{html.escape(claim['id'])}</td><td>{html.escape(claim['description'])}</td>"
-            f"<td>{value}</td><td>{html.escape(claim['comparison'])}&nbsp;{claim['threshold']:.4g}</td><td class=parts>{_parts(claim)}</td>"
-            f"{result}</td><td class=evidence>{evidence}</td></tr>")
+            f"<td>{value}</td><td>{strip(claim)}</td><td>{html.escape(claim['comparison'])}&nbsp;{claim['threshold']:.4g}</td>"
+            f"<td class=parts>{_seed_parts(claim)}</td>{result}</td><td class=evidence>{evidence}</td></tr>")
 
 
 def _figure_anchor(path: str) -> str:
@@ -108,10 +139,10 @@ def _png(figure: dict) -> str:
             f"<figcaption>{html.escape(figure['caption'])} (<a href='{html.escape(figure['pdf'])}'>PDF</a>)</figcaption></figure>")
 
 
-def _summary(claims: list[dict], sections: dict[str, str], timings: dict, order: list[str]) -> str:
+def _summary(claims: list[dict], sections: dict[str, str], timings: dict, order: list[str], seeds: str) -> str:
     counts = {name: Counter(c["status"] for c in claims if sections[c["id"]] == name) for name in SECTIONS}
     rows = "".join(f"<tr><td><a href='#sec-{name}'>{html.escape(SECTIONS[name])}</a></td><td class=pass>{n['pass']}</td>"
-                   f"<td class=fail>{n['fail']}</td><td class=na>{n['n/a']}</td></tr>"
+                   f"<td class=fail>{n['fail']}</td><td class=unstable>{n['unstable']}</td><td class=na>{n['n/a']}</td></tr>"
                    for name, n in counts.items() if sum(n.values()))
     total = Counter(c["status"] for c in claims)
     steps = timings.get("experiments", {})
@@ -119,11 +150,12 @@ def _summary(claims: list[dict], sections: dict[str, str], timings: dict, order:
     times = "".join(f"<tr><td>{html.escape(name)}</td><td>{steps[name]['wall_s']:.0f}</td><td>{steps[name]['cpu_s']:.0f}</td></tr>"
                     for name in ranked)
     wall = timings.get("total", {}).get("wall_s")
-    return (f"<h2 id=summary>Summary</h2><p id=totals><b>{total['pass']} pass, {total['fail']} fail, {total['n/a']} n/a of {len(claims)} "
-            f"claims</b> (n/a: the claim does not apply to what was measured; counted neither way)"
+    return (f"<h2 id=summary>Summary</h2><p id=totals><b>{total['pass']} pass, {total['fail']} fail, {total['unstable']} unstable, "
+            f"{total['n/a']} n/a of {len(claims)} claims</b> over seeds {seeds} (pass: every seed passes; fail: every seed fails; "
+            "unstable: the seeds disagree; n/a: the claim does not apply to what was measured, counted neither way)"
             f"{f'; {wall:.0f} s wall in all' if wall is not None else ''}.</p>"
             f"<div style='display:flex;gap:2em;align-items:flex-start'><table id=summary-table><tr><th>section</th><th>pass</th>"
-            f"<th>fail</th><th>n/a</th></tr>{rows}</table>"
+            f"<th>fail</th><th>unstable</th><th>n/a</th></tr>{rows}</table>"
             f"<table id=time-table><tr><th>step of the reproduction</th><th>wall s</th><th>CPU s</th></tr>{times}</table></div>")
 
 
@@ -134,14 +166,15 @@ def _settings(out: Path, manifest: dict) -> str:
         task, model, train = config["task"], config["model"], config["train"]
         runs.append(f"<tr><td>{html.escape(name)}</td><td>{task['family']}</td><td>{task['diversity']}</td>"
                     f"<td>{train['seed']}</td><td>{model['n_layers']}</td><td>{model['d_model']}</td><td>{model['n_heads']}</td>"
-                    f"<td>{model['max_len']}</td><td>{train['steps']}</td><td>{train['batch_size']}</td><td>{train['lr']:g}</td></tr>")
+                    f"<td>{model['max_len']}</td><td>{train['steps']}</td><td>{train['batch_size']}</td><td>{train['lr']:g}</td>"
+                    f"<td><code>{(manifest['models'].get(name) or '-')[:16]}</code></td></tr>")
     machine = ", ".join(f"{k} {html.escape(str(v))}" for k, v in manifest["machine"].items())
     overrides = " ".join(manifest["overrides"]) or "none"
     return (f"<h2 id=settings>Run settings</h2><p>profile <b>{html.escape(manifest['profile'])}</b>; overrides: "
             f"{html.escape(overrides)}; taskgeom {html.escape(manifest['taskgeom'])}; device {html.escape(manifest['device'])}; "
             f"executor {html.escape(manifest['executor'])}.<br>machine: {machine}.</p>"
             "<table class=sortable><thead><tr><th>run</th><th>family</th><th>diversity k</th><th>seed</th><th>layers</th>"
-            f"<th>width</th><th>heads</th><th>context</th><th>steps</th><th>batch</th><th>lr</th></tr></thead><tbody>{''.join(runs)}"
+            f"<th>width</th><th>heads</th><th>context</th><th>steps</th><th>batch</th><th>lr</th><th>model sha256</th></tr></thead><tbody>{''.join(runs)}"
             "</tbody></table>")
 
 
@@ -191,14 +224,14 @@ def write_report(out: Path) -> None:
         present.append(name)
         rows = "".join(_claim_row(c, links[c["id"]]) for c in mine)
         body.append(f"<section id='sec-{name}'><h2>{html.escape(title)}</h2>"
-                    "<table><tr><th>claim</th><th>what is measured</th><th>value</th><th>threshold</th><th>made of</th><th>result</th>"
+                    "<table><tr><th>claim</th><th>what is measured</th><th>value</th><th>seeds</th><th>threshold</th><th>made of</th><th>result</th>"
                     f"<th>evidence</th></tr>{rows}</table><h3>Interactive figures and tables</h3>{''.join(_piece(p) for p in shown)}"
                     f"<h3>Figures</h3>{''.join(_png(f) for f in pngs)}</section>")
     nav = "<a href='#summary'>Summary</a>" + "".join(f"<a href='#sec-{name}'>{_NAV.get(name, name.upper())}</a>" for name in present) + \
         "<a href='#settings'>Settings</a>" + ("<a href='#timings'>Timings</a>" if timings else "")
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>taskgeom report</title><style>{_STYLE}</style>"
             f"<script src='{PLOTLY_JS}'></script></head><body><nav>{nav}</nav><h1>taskgeom: reproduction report</h1>"
-            f"{_summary(claims, sections, timings, ['schedule', *manifest['experiments']])}{''.join(body)}{_settings(out, manifest)}{_timings(timings)}"
+            f"{_summary(claims, sections, timings, ['schedule', *manifest['experiments']], ', '.join(map(str, manifest['seeds'])))}{''.join(body)}{_settings(out, manifest)}{_timings(timings)}"
             f"<script>{_SCRIPT}</script></body></html>")
     _write_plotly(out)
     atomic_write_text(out / "report.html", page)

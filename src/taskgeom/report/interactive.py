@@ -13,10 +13,12 @@ from typing import Callable, Optional
 
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.colors import qualitative
 
 from taskgeom.report.manifest import DUAL_EVIDENCE, M1_EVIDENCE
 
 M1_FAMILIES = ("e1", "e2", "e3")
+COLORS = qualitative.Plotly  # '#rrggbb' strings
 _LAYOUT = {"template": "plotly_white", "height": 380, "margin": {"l": 60, "r": 20, "t": 50, "b": 50}}
 M1_LAYER_METRICS = {"p0.cell_r2": "P0 cell-means R^2", "p1.additive_share": "P1 additive share", "p2.r2_task": "P2 R^2_task",
                     "p2.r2_random": "P2 random subspace"}
@@ -39,16 +41,32 @@ class Evidence:
     table: Optional[pd.DataFrame] = None
 
 
+def _rgba(color: str, alpha: float) -> str:
+    """'#rrggbb' as 'rgba(r,g,b,alpha)'."""
+    r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({r},{g},{b},{alpha})"
+
+
 def _lines(rows: pd.DataFrame, x: str, name: Callable[[tuple], str], by: list[str], title: str, xaxis: str, yaxis: str,
            dash: Callable[[tuple], str] = lambda key: "solid") -> str:
     """A line per group of ``rows`` (grouped by ``by``; ``name(key)`` its legend entry) of value
-    against column ``x``."""
+    against column ``x``: the median over the rows at each x (the seeds), with their range drawn as
+    a band of the same colour where there is more than one."""
     fig = go.Figure()
-    for key, group in rows.groupby(by, sort=True, dropna=False):
+    for index, (key, group) in enumerate(rows.groupby(by, sort=True, dropna=False)):
         key = key if isinstance(key, tuple) else (key,)
-        group = group.sort_values(x)
-        fig.add_trace(go.Scatter(x=group[x].tolist(), y=group["value"].tolist(), mode="lines+markers", name=name(key),
-                                 line={"dash": dash(key)}, hovertemplate=f"{name(key)}<br>{xaxis} %{{x}}<br>{yaxis} %{{y:.4g}}<extra></extra>"))
+        stats = group.groupby(x)["value"].agg(["median", "min", "max", "count"]).sort_index()
+        color, label, xs = COLORS[index % len(COLORS)], name(key), stats.index.tolist()
+        if (stats["count"] > 1).any():
+            fig.add_trace(go.Scatter(x=xs + xs[::-1], y=stats["max"].tolist() + stats["min"].tolist()[::-1], fill="toself",
+                                     fillcolor=_rgba(color, 0.18), line={"width": 0}, hoverinfo="skip", legendgroup=label,
+                                     showlegend=False, name=f"{label} (range over seeds)"))
+        n = int(stats["count"].max())
+        fig.add_trace(go.Scatter(x=xs, y=stats["median"].tolist(), mode="lines+markers", name=label, legendgroup=label,
+                                 line={"dash": dash(key), "color": color}, customdata=stats[["min", "max"]].values.tolist(),
+                                 hovertemplate=f"{label}<br>{xaxis} %{{x}}<br>{yaxis} %{{y:.4g}}"
+                                 + (f" (median of {n}; range %{{customdata[0]:.4g}} .. %{{customdata[1]:.4g}})" if n > 1 else "")
+                                 + "<extra></extra>"))
     fig.update_layout(title=title, xaxis_title=xaxis, yaxis_title=yaxis, legend={"font": {"size": 11}}, **_LAYOUT)
     if x in ("layer", "rank"):  # whole numbers only
         fig.update_xaxes(dtick=1)
@@ -90,12 +108,13 @@ def _m1(table: pd.DataFrame, family: str) -> list[Evidence]:
                  figure=_lines(p3, "position", lambda key: key[0], ["metric"], f"{family.upper()}: P3 per position", "position",
                                "divergence")),
         Evidence(f"{family}-steering", f"{family.upper()}: steering, distance to the target mixture", family, claim(*M1_EVIDENCE["steering"]),
-                 figure=_bars(steering.assign(kind=steering["metric"].str.split("_").str[-1]), "kind", "recipe",
+                 figure=_bars(steering.assign(kind=steering["metric"].str.split("_").str[-1], run_seed="seed " + steering["seed"].astype(str)),
+                              "kind", "run_seed",
                               f"{family.upper()}: unsteered, steered, random direction", "median distance")),
         Evidence(f"{family}-layer-table", f"{family.upper()}: P0-P2 per layer and site, selection and measurement batches", family,
                  claim(*M1_EVIDENCE["layers"]),
                  table=rows[rows["metric"].isin(list(M1_LAYER_METRICS) + ["p0.within_share", "p2.r2_task_exact"]) & rows["position"].isna()]
-                 .pivot_table(index=["batch", "layer", "site"], columns="metric", values="value").reset_index()),
+                 .pivot_table(index=["seed", "batch", "layer", "site"], columns="metric", values="value").reset_index()),
     ]
     return evidence + _loss(table, family)
 
@@ -140,20 +159,20 @@ def _dual(table: pd.DataFrame) -> list[Evidence]:
     return [
         Evidence("dual-projection", "Projection R^2 of OOD states onto the task subspace across diversity", "dual",
                  claim(*DUAL_EVIDENCE["projection"]),
-                 figure=_lines(projection, "diversity", lambda k: f"{k[0]} seed {k[1]} {k[2].replace('projection_r2', 'R^2')}",
-                               ["recipe", "seed", "metric"], "Projection R^2 (OOD) against diversity k", "diversity k", "projection R^2",
-                               dash=lambda k: "solid" if k[2].endswith("token") else "dash")),
+                 figure=_lines(projection, "diversity", lambda k: f"{k[0]} {k[1].replace('projection_r2', 'R^2')}",
+                               ["recipe", "metric"], "Projection R^2 (OOD) against diversity k (median; band: range over seeds)",
+                               "diversity k", "projection R^2", dash=lambda k: "solid" if k[1].endswith("token") else "dash")),
         Evidence("dual-ablations", "Double dissociation: % of in-context gain removed at the highest diversity", "dual",
                  claim(*DUAL_EVIDENCE["dissociation"]),
                  figure=_bars(ablations, "where", "what", "% of in-context gain removed (highest diversity)", "% gain removed")),
         Evidence("dual-rank", "% of OOD gain removed by V of rank r", "dual", claim(*DUAL_EVIDENCE["rank"]),
-                 figure=_lines(rank, "rank", lambda k: f"{k[0]} k = {k[1]} seed {k[2]}", ["recipe", "diversity", "seed"],
-                               "OOD gain removed by V of rank r", "rank r", "% OOD gain removed")),
+                 figure=_lines(rank, "rank", lambda k: f"{k[0]} k = {k[1]}", ["recipe", "diversity"],
+                               "OOD gain removed by V of rank r (median; band: range over seeds)", "rank r", "% OOD gain removed")),
         Evidence("dual-steps", "Projection R^2 and the predictor transition across training", "dual",
                  claim(*DUAL_EVIDENCE["transition"]),
-                 figure=_lines(steps, "step", lambda k: f"{k[0]} k = {k[1]} seed {k[2]}: {k[3]}", ["recipe", "diversity", "seed", "metric"],
-                               "Across training: projection R^2 (solid) and log(KL_mem / KL_gen) (dashed)", "step", "value",
-                               dash=lambda k: "dash" if k[3] == "transition_log_ratio" else "solid")),
+                 figure=_lines(steps, "step", lambda k: f"{k[0]} k = {k[1]}: {k[2]}", ["recipe", "diversity", "metric"],
+                               "Across training: projection R^2 (solid) and log(KL_mem / KL_gen) (dashed); band: range over seeds",
+                               "step", "value", dash=lambda k: "dash" if k[2] == "transition_log_ratio" else "solid")),
         Evidence("dual-table", "Dual-mode measures per run (final model)", "dual",
                  claim(*DUAL_EVIDENCE["projection"], *DUAL_EVIDENCE["dissociation"]), table=measures),
         Evidence("dual-place-table", "Projection R^2 (OOD) at every layer and site", "dual", claim(DUAL_EVIDENCE["projection"][0]),
@@ -167,7 +186,7 @@ def _e4(table: pd.DataFrame) -> list[Evidence]:
     probes = pd.concat([table[table["analysis"] == name] for name in ("e4.probes", "e4.probes_ood")])
     if p0.empty:
         return []
-    shown = probes[probes["site"] == "resid_mid"].drop(columns="value").rename(columns={"score": "value"})
+    shown = probes[probes["site"] == "resid_mid"].drop(columns="value", errors="ignore").rename(columns={"score": "value"})
     return [
         Evidence("e4-p0", "Within-cell share of state variance per layer (P0 fails for E4)", "e4", ("e4.P0_failure",),
                  figure=_lines(p0, "layer", lambda k: f"{k[0]} {k[1]}", ["site", "series"], "Within-cell share per layer", "layer",
@@ -176,7 +195,7 @@ def _e4(table: pd.DataFrame) -> list[Evidence]:
                  figure=_lines(shown, "layer", lambda k: f"{k[1]} ({k[0]})", ["set", "target"], "Probe score per layer (resid_mid)",
                                "layer", "score", dash=lambda k: "solid" if k[0] == "pool" else "dash")),
         Evidence("e4-probe-table", "Prefix probes: score and shuffled-label control per target, layer, site and set", "e4",
-                 ("e4.prefix_probe",), table=probes[["set", "target", "site", "layer", "metric", "score", "control"]]
+                 ("e4.prefix_probe",), table=probes[["seed", "set", "target", "site", "layer", "metric", "score", "control"]]
                  .assign(gain=probes["score"] - probes["control"])),
     ]
 

@@ -1,17 +1,23 @@
 """``reproduction.json``: what a reproduction was (profile, settings, machine) and how its figures
 and claims are organised, so that ``taskgeom report`` can rebuild the page from the files alone.
 
-Format: {"format": 2, "taskgeom": version, "profile", "overrides": [...], "device", "executor",
-"machine": {...}, "experiments": [names in order], "runs": [the run directories it used],
-"claims": {id: experiment that checked it}, "figures": [{"path", "pdf", "caption", "experiment",
-"claims": [ids]}]}.
+Format: {"format": 3, "taskgeom": version, "commit": the git commit or None, "profile", "seeds": [training seeds], "overrides": [...],
+"device", "executor", "machine": {...}, "experiments": [names in order], "runs": [the run directories
+it used], "models": {run directory: sha256 of its model.safetensors}, "claims": {id: experiment
+that checked it}, "figures": [{"path", "pdf", "caption", "experiment", "claims": [ids]}]}.
+
+The machine is on record because other CPUs train other floats: torch picks its kernels by CPU
+(``cpu_capability``), MKL and oneDNN by their own dispatch, and training amplifies the last bits.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
+import re
+import subprocess
 from pathlib import Path
 
 import torch
@@ -20,7 +26,7 @@ from taskgeom import __version__
 from taskgeom.errors import TaskgeomError
 
 MANIFEST = "reproduction.json"
-FORMAT = 2  # 2: the run directories used ("runs")
+FORMAT = 3  # 2: the run directories used ("runs"); 3: seeds, the machine's kernels and the models' sha256
 DUAL_EXPERIMENT = "dual_modes"
 # The claims each kind of figure (PNG or interactive) is evidence for, as suffixes of their ids
 # (``e1.`` + ``P0``): M1's per family, the dual modes' per recipe of the sweep.
@@ -33,18 +39,73 @@ SECTIONS = {"e1": "E1: biased dice", "e2": "E2: in-context linear regression", "
             "e4": "E4: planted Dyck", "dual": "Dual modes across task diversity (E1, E3)", "other": "Other claims"}
 
 
+# Environment variables that pin or steer the CPU kernels a run trains with.
+KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what ``platform`` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _library_version(pattern: str, text: str) -> str | None:
+    found = re.search(pattern, text)
+    return found.group(1) if found else None
+
+
 def machine() -> dict:
-    """The machine a reproduction ran on: host, OS, CPU, cores, Python and torch versions."""
-    return {"host": platform.node(), "os": platform.platform(), "cpu": platform.processor() or platform.machine(),
+    """The machine a reproduction ran on: host, OS, CPU model, torch's CPU capability, cores, Python,
+    torch, MKL and oneDNN versions, thread counts and the kernel-pinning environment variables set."""
+    config = torch.__config__.show()
+    return {"host": platform.node(), "os": platform.platform(), "cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+            "mkl": _library_version(r"Math Kernel Library Version ([^ ]+)", config),
+            "onednn": _library_version(r"MKL-DNN v([^ ]+)", config),
+            "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
+            "kernel_environment": {name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ},
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def source_commit() -> str | None:
+    """The git commit taskgeom runs from ('abc1234', '+ changes' when the checkout has uncommitted
+    changes), None when it is not installed from a git checkout."""
+    where = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"commit {head.stdout.strip()}" + (" + changes" if dirty else "")
+
+
+def file_sha256(path: Path) -> str | None:
+    """The sha256 of a file's bytes (hex), None if it does not exist."""
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def manifest(profile: str, overrides: tuple[str, ...], device: str, executor: str, experiments: list[str], runs: list[str],
-             claims: dict[str, str], figures: list[dict]) -> dict:
+             claims: dict[str, str], figures: list[dict], seeds: tuple[int, ...], runs_root: Path) -> dict:
     """The manifest of one reproduction (see the module docstring for the fields)."""
-    return {"format": FORMAT, "taskgeom": __version__, "profile": profile, "overrides": list(overrides), "device": device,
-            "executor": executor, "machine": machine(), "experiments": experiments, "runs": runs, "claims": claims, "figures": figures}
+    models = {name: file_sha256(Path(runs_root) / name / "model.safetensors") for name in runs}
+    return {"format": FORMAT, "taskgeom": __version__, "commit": source_commit(), "profile": profile, "seeds": list(seeds),
+            "overrides": list(overrides),
+            "device": device, "executor": executor, "machine": machine(), "experiments": experiments, "runs": runs, "models": models,
+            "claims": claims, "figures": figures}
 
 
 def read_json(path: Path, remedy: str):

@@ -1,13 +1,13 @@
 """The long table: every analysis row of every run of a results folder in one tidy frame
 (``tables/analysis.parquet`` and ``.csv``), so that one ``pandas.read_parquet`` loads a whole
-reproduction.
+reproduction, every seed of it.
 
 Rows come from the ``analysis/*.json`` of each run the reproduction used (a list of rows per file;
 ``reproduction.json`` names the runs, so runs of an earlier or a smoke reproduction in the same
 ``runs/`` stay out) and from the folder's own ``analysis/*.json`` (a mapping of named lists of
 rows, as ``e4.json``). Columns: ``run`` (its
 directory name; empty for folder-level rows), ``recipe``, ``diversity`` and ``seed`` (from the
-run's config), ``analysis`` (``m1``, ``dual``, ``eval``, ``e4.probes``, ...), then the rows' own
+run's config; a folder-level row keeps its own ``seed``), ``analysis`` (``m1``, ``dual``, ``eval``, ``e4.probes``, ...), then the rows' own
 fields; a ``band`` [low, high] becomes ``band_low`` and ``band_high``.
 """
 
@@ -48,13 +48,20 @@ def _run_columns(run_dir: Path) -> dict:
     return {"run": run_dir.name, "recipe": config["name"], "diversity": config["task"]["diversity"], "seed": config["train"]["seed"]}
 
 
+def _frame(rows: list[dict], columns: dict, analysis: str) -> pd.DataFrame:
+    """The rows of one analysis as a frame with the leading columns; a folder-level row's own
+    ``seed`` (E4's rows, one set per seed) is kept."""
+    frame = pd.DataFrame(rows)
+    return frame.assign(**{k: v for k, v in columns.items() if k not in frame or v is not None}, analysis=analysis)
+
+
 def analysis_table(out: Path, runs: list[str]) -> pd.DataFrame:
     """Every analysis row of the run directories ``runs`` (names under ``out/runs``) and of the
     folder itself (see the module docstring for the columns)."""
     out = Path(out)
     sources = [({"run": "", "recipe": "", "diversity": None, "seed": None}, path) for path in sorted(out.glob("analysis/*.json"))]
     sources += [(_run_columns(out / "runs" / name), path) for name in sorted(runs) for path in sorted((out / "runs" / name).glob("analysis/*.json"))]
-    frames = [pd.DataFrame(rows).assign(**columns, analysis=name) for columns, path in sources for name, rows in _rows(path) if rows]
+    frames = [_frame(rows, columns, name) for columns, path in sources for name, rows in _rows(path) if rows]
     if not frames:
         return pd.DataFrame(columns=LEADING)
     table = pd.concat(frames, ignore_index=True)

@@ -1,0 +1,64 @@
+"""The claims table of a results folder as Markdown (``taskgeom report RESULTS --markdown``), so
+that a README quotes a command's output instead of numbers typed by hand: one row per claim with
+its median, range and per-seed values, a line naming the machine, seeds and commit it came from,
+and each unstable claim's per-seed parts."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from taskgeom.report.manifest import read_json, read_manifest
+
+_STATUS = {"pass": "pass", "fail": "**FAIL**", "unstable": "*unstable*", "n/a": "n/a"}
+
+
+def number(x) -> str:
+    """A value as the tables print it (a dash when it is missing)."""
+    if x is None:
+        return "-"
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def seed_values(claim: dict) -> str:
+    """'0: 0.95, 1: 0.88 (fail), ...': each seed's value, its status when it is not the claim's."""
+    cells = []
+    for row in claim.get("seeds") or []:
+        value = "n/a" if row["status"] == "n/a" else number(row["value"])
+        mark = f" ({row['status']})" if row["status"] not in ("n/a", claim["status"]) else ""
+        cells.append(f"{row['seed']}: {value}{mark}")
+    return ", ".join(cells)
+
+
+def parts_text(parts: dict | None) -> str:
+    return ", ".join(f"{k} {number(v)}" for k, v in (parts or {}).items())
+
+
+def machine_line(manifest: dict) -> str:
+    m = manifest["machine"]
+    pins = ", ".join(f"{k}={v}" for k, v in (m.get("kernel_environment") or {}).items()) or "none"
+    return (f"{m.get('cpu')}, torch CPU capability {m.get('cpu_capability')}, torch {m.get('torch')} (MKL {m.get('mkl')}, "
+            f"oneDNN {m.get('onednn')}), {m.get('cores')} cores, {m.get('torch_threads')} torch threads, kernel pins: {pins}")
+
+
+def claims_markdown(out: Path) -> str:
+    """The Markdown text: a line on where it came from, the counts, the table, the unstable claims' parts."""
+    manifest = read_manifest(out)
+    claims = read_json(Path(out) / "claims.json", f"rerun `taskgeom reproduce --out {out}`")
+    tally = Counter(c["status"] for c in claims)
+    commit = manifest.get("commit") or "unknown commit"
+    lines = [f"Profile `{manifest['profile']}`, seeds {', '.join(map(str, manifest['seeds']))}, taskgeom {manifest['taskgeom']} "
+             f"({commit}); machine: {machine_line(manifest)}.", "",
+             f"**{tally['pass']} pass, {tally['fail']} fail, {tally['unstable']} unstable, {tally['n/a']} n/a of {len(claims)} claims**",
+             "", "| claim | median | min | max | per seed | threshold | verdict |", "|---|---|---|---|---|---|---|"]
+    for c in claims:
+        lines.append(f"| `{c['id']}` | {number(c.get('median'))} | {number(c.get('min'))} | {number(c.get('max'))} | {seed_values(c)} | "
+                     f"{c['comparison']} {number(c['threshold'])} | {_STATUS[c['status']]} |")
+    unstable = [c for c in claims if c["status"] == "unstable"]
+    if unstable:
+        lines += ["", "Unstable claims, each seed's parts:", ""]
+        for c in unstable:
+            lines.append(f"- `{c['id']}`: " + "; ".join(f"seed {r['seed']} {r['status']} {number(r['value'])}"
+                                                          f"{' (' + parts_text(r['parts']) + ')' if r['parts'] else ''}"
+                                                          for r in c["seeds"]))
+    return "\n".join(lines) + "\n"
