@@ -36,6 +36,7 @@ MAX_RANDOM_GAIN_REMOVED = 10.0
 
 
 def _value(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None = None) -> float:
+    """A final-model metric of the run at ``diversity`` among ``rows`` (one seed's), NaN if absent."""
     pick = rows[(rows["metric"] == metric) & (rows["diversity"] == diversity) & rows["step"].isna()]
     if set_name is not None:
         pick = pick[pick["set"] == set_name]
@@ -43,7 +44,7 @@ def _value(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None
 
 
 def _band(rows: pd.DataFrame, metric: str, diversity: int, set_name: str) -> list[float]:
-    """[low, high] of a metric's band (its range over the random controls), over seeds; NaNs if absent."""
+    """[low, high] of a metric's band (its range over the random controls) in ``rows`` (one seed's); NaNs if absent."""
     pick = rows[(rows["metric"] == metric) & (rows["diversity"] == diversity) & rows["step"].isna() & (rows["set"] == set_name)]
     bands = [b for b in pick["band"] if isinstance(b, (list, tuple))]
     return [min(b[0] for b in bands), max(b[1] for b in bands)] if bands else [float("nan"), float("nan")]
