@@ -69,6 +69,11 @@ def test_the_report_renders_in_chromium_with_every_figure_and_link(tiny_reproduc
     counts = Counter(c["status"] for c in claims)
     rows = browser.execute_script("""return Array.from(document.querySelectorAll('#summary-table tr')).slice(1).map(function (tr) {
         return Array.from(tr.cells).slice(1).map(function (td) { return parseInt(td.textContent); }); });""")
-    assert [sum(column) for column in zip(*rows)] == [counts["pass"], counts["fail"], counts["n/a"]]
+    assert [sum(column) for column in zip(*rows)] == [counts["pass"], counts["fail"], counts["unstable"], counts["n/a"]]
     assert browser.find_element("id", "totals").text.startswith(
-        f"{counts['pass']} pass, {counts['fail']} fail, {counts['n/a']} n/a of {len(claims)} claims")
+        f"{counts['pass']} pass, {counts['fail']} fail, {counts['unstable']} unstable, {counts['n/a']} n/a of {len(claims)} claims")
+    strips = browser.execute_script("""return Array.from(document.querySelectorAll('tr[id^="claim-"] svg.strip')).map(function (svg) {
+        var box = svg.getBoundingClientRect(); return [box.width, svg.querySelectorAll('circle').length]; });""")
+    measured = [c for c in claims if any(row["status"] != "n/a" and row["value"] is not None for row in c["seeds"])]
+    assert len(strips) == len(measured) and all(width > 0 for width, _ in strips)  # a drawn strip of dots per measured claim
+    assert sorted(dots for _, dots in strips) == sorted(sum(row["status"] != "n/a" and row["value"] is not None for row in c["seeds"]) for c in measured)

@@ -79,17 +79,24 @@ _LAYER_METRICS = (("p0.cell_r2", "P0 cell-means R^2", "C0"), ("p1.additive_share
 
 
 def plot_properties_by_layer(table: pd.DataFrame, path: Path, title: str = "") -> None:
-    """P0, P1 and P2 (with the random-subspace control and its range over draws) against the
-    layer, one line style per site; left the shares, right the unexplained part 1 - share (log)."""
+    """P0, P1 and P2 (with the random-subspace control) against the layer, one line style per
+    site; left the shares, right the unexplained part 1 - share (log). With rows of several seeds
+    (a ``seed`` column), each line is the median over seeds and the band their range; with one,
+    the band is the random control's range over draws."""
     rows = table[table["position"].isna() & (table["batch"] == "measure") & table["metric"].isin([m for m, _, _ in _LAYER_METRICS])]
+    several = "seed" in rows and rows["seed"].nunique() > 1
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for s, (site, group) in enumerate(rows.groupby("site", sort=False)):
         style = ("-", "--", ":", "-.")[s % 4]
         for metric, label, color in _LAYER_METRICS:
-            part = group[group["metric"] == metric].sort_values("layer")
-            for ax, values in ((axes[0], part["value"]), (axes[1], (1 - part["value"]).clip(lower=1e-8))):
-                ax.plot(part["layer"], values, style, marker="o", color=color, label=f"{label} ({site})")
-            if part["band"].notna().all():
+            part = group[group["metric"] == metric]
+            stats = part.groupby("layer")["value"].agg(["median", "min", "max"]).sort_index()
+            for ax, values in ((axes[0], stats["median"]), (axes[1], (1 - stats["median"]).clip(lower=1e-8))):
+                ax.plot(stats.index, values, style, marker="o", color=color, label=f"{label} ({site})")
+            if several:
+                axes[0].fill_between(stats.index, stats["min"], stats["max"], color=color, alpha=0.15, lw=0)
+            elif part["band"].notna().all():
+                part = part.sort_values("layer")
                 low, high = (np.array(b) for b in zip(*part["band"]))
                 axes[0].fill_between(part["layer"], low, high, color=color, alpha=0.15, lw=0)
     layers = sorted(rows["layer"].unique().astype(int))
@@ -154,13 +161,16 @@ def plot_r2_by_position(table: pd.DataFrame, place: tuple[int, str], window_star
 FIGURES = ("simplex", "layers", "positions", "steering")
 
 
-def plot_retrieval(result, paths: dict[str, Path]) -> None:
-    """The three M1 figures of a ``retrieval.Result``; paths: {name in FIGURES: PNG path}."""
+def plot_retrieval(result, paths: dict[str, Path], seeds: pd.DataFrame | None = None) -> None:
+    """The M1 figures of a ``retrieval.Result``; paths: {name in FIGURES: PNG path}. ``seeds``: the
+    rows of every seed's result (with a ``seed`` column), for the per-layer figure's median and band."""
     table = pd.DataFrame(result.rows)
     layer, site = result.best
     name = result.experiment.upper()
     plot_simplex_trajectories(result.alpha, result.beta, result.task, table[(table["layer"] == layer) & (table["site"] == site)],
                               paths["simplex"], f"{name}: fitted task coefficients vs the exact posterior (layer {layer}, {site})")
-    plot_properties_by_layer(table, paths["layers"], f"{name}: P0-P2 per layer (measurement batch)")
+    several = seeds is not None and seeds["seed"].nunique() > 1
+    plot_properties_by_layer(seeds if several else table, paths["layers"], f"{name}: P0-P2 per layer (measurement batch"
+                             + (f"; median and range over seeds {', '.join(map(str, sorted(seeds['seed'].unique())))})" if several else ")"))
     plot_r2_by_position(table, result.best, result.window.start, paths["positions"], f"{name}: P2 R^2_task per position")
     plot_steering(result.steering, paths["steering"], f"{name}: steering at layer {layer}, {site}")
