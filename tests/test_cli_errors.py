@@ -307,3 +307,14 @@ def test_available_memory_of_this_machine():
     free = available_memory(torch.device("cpu"))
     assert 0 < free <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert describe(torch.device("cpu")) == "this machine (cpu)"
+
+
+def test_a_sweep_of_fewer_than_two_major_tasks_is_refused_before_any_training(root):
+    """Its task vectors span no subspace, so every run's analysis would fail after training."""
+    refused(root, ["sweep", "ok.yaml", "--set", "task.n_major=1", "--diversity", "-1,2", "--seeds", "0", "--out", "out"], 2,
+            "sweep of ok.yaml (k = -1, seed 0): the task subspace needs at least 2 major tasks (task.n_major), got 1")
+
+
+def test_a_reproduction_of_fewer_than_two_major_tasks_is_refused_before_any_training(root):
+    refused(root, ["reproduce", "--set", "task.n_major=1", "--out", "out", "--device", "cpu"], 2,
+            starts="reproduce (e1, k = -1): the task subspace needs at least 2 major tasks (task.n_major), got 1")

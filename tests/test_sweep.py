@@ -11,7 +11,7 @@ import yaml
 from conftest import tiny_config
 from taskgeom.experiments.executors import Executor
 from taskgeom.analysis.dual import load_dual
-from taskgeom.experiments.sweep import Job, job_seconds, run_sweep
+from taskgeom.experiments.sweep import Job, job_seconds, run_sweep, summary
 from taskgeom.runs import Run
 
 
@@ -93,3 +93,11 @@ def test_a_sweep_that_meets_a_run_being_trained_reports_it_locked(tmp_path):
     error = table[table["diversity"] == -1]["error"].iloc[0]
     assert "is being written by another process" in error and ".lock" in error
     assert not (busy.path / "model.safetensors").exists()
+
+
+def test_the_summary_of_a_sweep_whose_every_run_failed_lists_the_failures():
+    table = pd.DataFrame([{"recipe": "e1", "diversity": k, "seed": 0, "status": "failed", "error": f"AnalysisError: run {k}"}
+                          for k in (-1, 2)])
+    wide = summary(table)
+    assert wide.to_dict("records") == [{"recipe": "e1", "diversity": -1, "seed": 0, "status": "failed", "error": "AnalysisError: run -1"},
+                                       {"recipe": "e1", "diversity": 2, "seed": 0, "status": "failed", "error": "AnalysisError: run 2"}]

@@ -254,8 +254,11 @@ def sweep(
     jobs = [Job(config, k, s, profile, str(out), tuple(set_ or []), device, tracker) for k in ks for s in seed_list]
     from taskgeom.devices import check_training_fits
 
+    from taskgeom.analysis.task_vectors import check_major_tasks
+
     for job in jobs:  # validate every config before any work starts
         settings = job.config()
+        check_major_tasks(settings.task.n_major, f"sweep of {config} (k = {job.diversity}, seed {job.seed})")
         if where.kind == "local":  # a Ray task's node and device are known only there
             check_training_fits(settings, device)
     where.check()  # Ray importable and its address answering

@@ -32,7 +32,7 @@ from taskgeom.analysis.properties import (Geometry, Interpolation, Shrinkage, al
 from taskgeom.analysis.states import stream_layers
 from taskgeom.analysis.steering import (PredictionReadout, Readout, Steering, TokenReadout, code_from_layout, code_from_regression,
                                         steer)
-from taskgeom.analysis.task_vectors import late_window
+from taskgeom.analysis.task_vectors import check_major_tasks, late_window
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Site
 from taskgeom.rng import generator
@@ -161,8 +161,7 @@ def check_request(run: Run, options: Options) -> tuple[tuple[int, ...], tuple[st
         raise AnalysisError(f"unknown sites {unknown}; this model has {list(run.sites)}")
     if options.site is not None and options.site not in sites:
         raise AnalysisError(f"the primary site {options.site!r} must be among the measured sites {list(sites)}")
-    if run.pool.n_major < 2:
-        raise AnalysisError(f"the task subspace needs at least 2 major tasks; this run has {run.pool.n_major}")
+    check_major_tasks(run.pool.n_major, f"analysing {run.path}")
     if options.n_sequences < 4 * run.pool.n_major:
         raise AnalysisError(f"n_sequences must be at least 4 per major task ({4 * run.pool.n_major}), got {options.n_sequences}")
     if not 0 < options.window <= 0.5:

@@ -20,6 +20,14 @@ import torch
 from taskgeom.errors import AnalysisError
 
 RANK_TOLERANCE = 1e-6
+MIN_MAJOR_TASKS = 2  # K - 1 >= 1: fewer major tasks span no task subspace
+
+
+def check_major_tasks(n_major: int, what: str) -> None:
+    """Refuse (AnalysisError) ``what`` for a config with fewer than MIN_MAJOR_TASKS major tasks,
+    before any work: its task vectors span no subspace."""
+    if n_major < MIN_MAJOR_TASKS:
+        raise AnalysisError(f"{what}: the task subspace needs at least {MIN_MAJOR_TASKS} major tasks (task.n_major), got {n_major}")
 
 
 def rank_basis(vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

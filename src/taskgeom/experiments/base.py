@@ -9,6 +9,7 @@ from typing import Callable, ContextManager
 
 import torch
 
+from taskgeom.analysis.task_vectors import check_major_tasks
 from taskgeom.claims import Claim, over_seeds
 from taskgeom.config import RunConfig
 from taskgeom.devices import check_training_fits
@@ -118,8 +119,10 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], execu
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds must be distinct and at least one, got {list(seeds)}")
     ctx = Context(Path(out), profile, tuple(seeds), executor, device, tracker, tuple(overrides))
-    ctx.out.mkdir(parents=True, exist_ok=True)
     tasks = [task for experiment in experiments.values() for task in getattr(experiment, "runs", lambda _: [])(ctx)]
+    for task in tasks:  # every experiment measures in the task subspace: refuse before anything is written
+        check_major_tasks(task.config.task.n_major, f"reproduce ({task.config.name}, k = {task.config.task.diversity})")
+    ctx.out.mkdir(parents=True, exist_ok=True)
     ctx.used |= {task.name: None for task in tasks}
     if tasks and executor.kind == "local" and executor.workers > 1:  # one schedule: every run trained first, together
         console.log("[bold]training[/bold] every run the experiments need")

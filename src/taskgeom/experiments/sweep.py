@@ -123,9 +123,10 @@ def run_sweep(jobs: list[Job], executor: Executor = Executor(), out: Path | None
 def summary(table: pd.DataFrame) -> pd.DataFrame:
     """One row per run: a column per metric (``metric@set`` where the metric has a set)."""
     keys = ["recipe", "diversity", "seed", "status"]
-    ok = table[(table["status"] == "ok") & table["step"].isna()] if "step" in table else table.iloc[0:0]
-    ok = ok[~ok["metric"].str.startswith("table.")]  # per-place tables stay in dual.json
-    if ok.empty:
+    ok = table[(table["status"] == "ok") & table["step"].isna()] if {"step", "metric"} <= set(table) else table.iloc[0:0]
+    if not ok.empty:
+        ok = ok[~ok["metric"].str.startswith("table.")]  # per-place tables stay in dual.json
+    if ok.empty:  # no run finished: one row per run with its error
         return table.drop_duplicates(keys)[[k for k in [*keys, "error"] if k in table]]
     name = ok["metric"] + ok["set"].map(lambda s: f"@{s}" if isinstance(s, str) else "")
     wide = ok.assign(name=name).pivot_table(index=keys, columns="name", values="value").reset_index()
