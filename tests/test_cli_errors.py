@@ -318,3 +318,12 @@ def test_a_sweep_of_fewer_than_two_major_tasks_is_refused_before_any_training(ro
 def test_a_reproduction_of_fewer_than_two_major_tasks_is_refused_before_any_training(root):
     refused(root, ["reproduce", "--set", "task.n_major=1", "--out", "out", "--device", "cpu"], 2,
             starts="reproduce (e1, k = -1): the task subspace needs at least 2 major tasks (task.n_major), got 1")
+
+
+def test_a_sweep_whose_every_run_failed_lists_them_and_exits_1(root):
+    result = invoke(["sweep", "ok.yaml", "--set", "train.lr=1e30", "--set", "train.eval_every=1", "--diversity", "-1", "--seeds", "0",
+                     "--workers", "1", "--out", "sw"])
+    assert result.exit_code == 1, result.output
+    assert "failed" in result.stdout and "TrainingDiverged" in result.stdout and "Traceback" not in result.output
+    assert result.stdout.strip().endswith(f"tables: {Path('sw') / 'sweep.csv'}")  # no by_step.csv: no run finished
+    assert (root / "sw" / "sweep.csv").is_file() and not (root / "sw" / "by_step.csv").exists()

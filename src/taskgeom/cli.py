@@ -264,7 +264,8 @@ def sweep(
     where.check()  # Ray importable and its address answering
     table = run_sweep(jobs, where, out)
     typer.echo(summary(table).round(4).to_string(index=False))
-    typer.echo(f"tables: {out / 'sweep.csv'}, {out / 'by_step.csv'}")
+    written = [out / "sweep.csv", *([out / "by_step.csv"] if "step" in table else [])]  # by_step.csv: only when some run finished
+    typer.echo(f"tables: {', '.join(map(str, written))}")
     if (table["status"] != "ok").any():  # failed or locked runs
         raise typer.Exit(1)
 
