@@ -7,8 +7,8 @@ fresh Python process, since the variables must be set before torch loads: the de
 reproducibility branch) and ``ONEDNN_MAX_CPU_ISA`` pinned to AVX2, one more at a time; then the
 generic paths (``default`` / ``COMPATIBLE`` / ``SSE41``). Every setting is trained twice. The
 report: for each setting, the sha256 of the final weights of both trainings (equal: the setting is
-deterministic here), whether they equal the default's, and the median seconds per step relative
-to the default's (above 1: slower).
+deterministic here), whether they equal the default's, and the seconds per step of its faster
+training relative to the default's faster one (above 1: slower).
 
 Whether a pinned setting gives the same bits on *another* CPU cannot be told from one machine:
 run this on two machines and compare the hashes printed for the same setting.

@@ -198,7 +198,8 @@ def test_every_line_of_every_interactive_figure_is_one_series(tiny_reproduction)
     assert lines and [(a, n) for a, n, xs in lines if len(xs) != len(set(map(str, xs)))] == []
     # two seeds: each per-layer, per-position and diversity line has its range over the seeds drawn as a band
     bands = {(anchor, trace["name"].removesuffix(" (range over seeds)")) for anchor, trace in traces if trace.get("fill") == "toself"}
-    assert {(a, n) for a, n, _ in lines if a in ("e1-layers", "e3-positions", "dual-projection")} <= bands
+    banded = {(a, n) for a, n, _ in lines if a in ("e1-layers", "e3-positions", "dual-projection")}
+    assert {a for a, _ in banded} == {"e1-layers", "e3-positions", "dual-projection"} and banded <= bands
 
 
 def test_the_report_shows_only_the_runs_and_sections_of_its_reproduction(tiny_reproduction, tmp_path):

@@ -19,7 +19,8 @@ from taskgeom.report.manifest import DUAL_EVIDENCE
 from taskgeom.storage import atomic_write_text
 
 # (diversity grid, recipes) per profile; the seeds are the reproduction's. [ours] The quick profile
-# leaves E2 out: its runs cost about 5 CPU-minutes each, and the whole quick reproduction aims at 20 minutes.
+# leaves E2 out: its runs cost about 2.5 CPU-minutes each, and the three-seed quick reproduction already takes
+# about 25 minutes on 2 cores (README).
 GRIDS = {"quick": ([-1, 3, 8], ("e1", "e3")), "paper": (list(range(-1, 11)), ("e1", "e2", "e3"))}
 
 # Projection R^2 of OOD states onto S: below this at the highest diversity of the grid ...
