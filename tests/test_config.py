@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from taskgeom.config import LATER_SETTINGS, ConfigError, build_config, load_config
@@ -42,6 +44,28 @@ def test_every_shipped_recipe_loads_in_both_profiles():
     for name in recipe_names():
         for profile in ("quick", "paper"):
             assert load_recipe(name, profile).name == name
+
+
+def test_a_profile_that_extends_another_changes_only_what_it_names():
+    """Every rung of the ladder is quick with the one thing it names changed."""
+    quick = load_recipe("e1", "quick").model_dump()
+    wide, long = load_recipe("e1", "wide").model_dump(), load_recipe("e1", "long").model_dump()
+    assert wide["model"] | {"d_model": 64, "d_mlp": 256} == quick["model"] and wide["model"]["d_model"] == 128
+    assert {k: v for k, v in wide.items() if k != "model"} == {k: v for k, v in quick.items() if k != "model"}
+    assert long["train"] | {"steps": quick["train"]["steps"]} == quick["train"] and long["train"]["steps"] == 2 * quick["train"]["steps"]
+    assert load_recipe("e2", "deep").model.n_layers == 6
+
+
+@pytest.mark.parametrize("profiles, message", [
+    ("{a: {extends: b}, b: {extends: a}}", "extend each other in a cycle: a -> b -> a"),
+    ("{a: {extends: nowhere}}", "unknown profile 'nowhere'"),
+    ("{a: {extends: [b]}, b: {}}", "profiles.a.extends must name another profile"),
+])
+def test_profiles_that_extend_wrongly_are_named(tmp_path, profiles, message):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"base: {{name: r, task: {{family: dice}}}}\nprofiles: {profiles}\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(recipe, "a")
 
 
 def test_recipe_errors(tmp_path):

@@ -352,13 +352,21 @@ def export_hf(
 
 @app.command()
 def reproduce(
-    profile: str = typer.Option("quick", help="quick: reduced sizes for a 2-core CPU; paper: the study's sizes."),
+    profile: str = typer.Option("quick", help="A profile every recipe defines: quick (reduced sizes for a 2-core CPU), "
+                                "paper (the study's sizes), or a rung of the scale ladder (wide, long; README)."),
     seeds: str = typer.Option("0,1,2", help="Comma-separated training seeds: every setting is trained on each, and each claim is "
                               "judged over them (pass: every seed passes; fail: every seed fails; unstable: they disagree)."),
     out: Path = typer.Option(Path("results"), help="Output folder: runs/, figures/, claims.json, report.html."),
     only: Optional[List[str]] = typer.Option(None, help="Run only these experiments (repeatable)."),
+    recipes: Optional[str] = typer.Option(None, help="Comma-separated recipes to measure (e1,e2,e3,e4); default all. E4's "
+                                          "experiment also trains E1 and E3's k = -1 runs, its references."),
+    grid: Optional[str] = typer.Option(None, help="Comma-separated diversities k of the dual-mode sweep instead of the "
+                                       "profile's (the claims read the lowest and the highest), e.g. -1,8 for a rung of the ladder."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override applied to every run of every experiment, "
                                              "repeatable (a smoke test: --set train.steps=50); the runs get other directories."),
+    plan: bool = typer.Option(False, "--plan", help="Print the runs this reproduction trains (steps, parameters, tokens, "
+                              "FLOPs; --csv for a table) and exit: nothing is trained or written."),
+    csv: bool = typer.Option(False, "--csv", help="With --plan: the run list as CSV."),
     executor: str = _EXECUTOR,
     workers: int = _WORKERS,
     address: Optional[str] = _ADDRESS,
@@ -377,21 +385,41 @@ def reproduce(
     from taskgeom.experiments.executors import Executor
     from taskgeom.experiments import EXPERIMENTS, reproduce as run_all
     from taskgeom.claims import exit_code, summary
+    from taskgeom.config import profile_names
+    from taskgeom.recipes import recipe_names, recipe_path
 
     where = Executor(executor, workers, address, cpus_per_run, gpus_per_run)
     _check_training(device, tracker)  # its single runs train in this process
     _folder(out, "--out")
-    if profile not in ("quick", "paper"):
-        raise TaskgeomError(f"unknown profile {profile!r}; choose quick or paper")
     unknown = set(only or []) - set(EXPERIMENTS)
     if unknown:
         raise TaskgeomError(f"unknown experiments {sorted(unknown)}; available: {list(EXPERIMENTS)}")
+    recipe_list = None if recipes is None else [r.strip() for r in recipes.split(",") if r.strip()]
+    unknown = set(recipe_list or []) - set(recipe_names())
+    if unknown or recipe_list == []:
+        raise TaskgeomError(f"--recipes: unknown recipes {sorted(unknown)}; available: {recipe_names()}")
+    for recipe in recipe_list or recipe_names():
+        if profile not in profile_names(recipe_path(recipe)):
+            raise TaskgeomError(f"unknown profile {profile!r} for recipe {recipe}; it defines {profile_names(recipe_path(recipe))}")
     seed_list = _int_list(seeds, "--seeds")
+    diversities = None if grid is None else _int_list(grid, "--grid")
     if any(setting.split("=", 1)[0].strip() == "train.seed" for setting in set_ or []):
         raise TaskgeomError("--set train.seed: reproduce trains every setting on each seed of --seeds; say --seeds instead")
     chosen = {k: v for k, v in EXPERIMENTS.items() if not only or k in only}
+    if plan:
+        from taskgeom.experiments.base import Context, planned_runs
+        from taskgeom.experiments.schedule import plan_table
+
+        ctx = Context(out, profile, tuple(seed_list), where, device, tracker, tuple(set_ or []), recipe_list and tuple(recipe_list),
+                      diversities and tuple(diversities))
+        table = plan_table(planned_runs(ctx, chosen))
+        typer.echo(table.to_csv(index=False) if csv else table.to_string(index=False))
+        if not csv:
+            typer.echo(f"{len(table)} runs, {table['steps'].sum():,} steps, {table['tokens'].sum():.3g} tokens, "
+                       f"{table['flops'].sum():.3g} training FLOPs (6 x parameters x tokens)")
+        return
     where.check()  # Ray importable and its address answering, before any training
-    ctx = run_all(out, profile, chosen, where, device, tracker, tuple(set_ or []), tuple(seed_list))
+    ctx = run_all(out, profile, chosen, where, device, tracker, tuple(set_ or []), tuple(seed_list), recipe_list, diversities)
     for claim in ctx.claims:
         typer.echo(claim_line(claim))
     typer.echo(f"{summary(ctx.claims)}; report: {ctx.out / 'report.html'}")
@@ -450,3 +478,19 @@ def compare(
     typer.echo(text, nl=False)
     if verdicts_differ:
         raise typer.Exit(1)
+
+
+@app.command()
+def ladder(
+    folders: List[str] = typer.Argument(..., help="Results folders written by `taskgeom reproduce`, one per rung, in the ladder's "
+                                        "order; NAME=PATH names a rung (default: its profile)."),
+    out: Path = typer.Option(Path("ladder"), help="Folder to write ladder.md, ladder.csv, rank_curves.csv and ladder_*.png."),
+) -> None:
+    """Tabulate claims across results folders: the scale ladder (one folder per rung) or a claims x
+    profile table. Writes each claim's median [min, max] and verdict over the seeds at every rung,
+    the long per-seed rows (ladder.csv, for pandas), the V-ablation rank curves and one panel per
+    claim; prints the Markdown."""
+    from taskgeom.report.ladder import write_ladder
+
+    _folder(out, "--out")
+    typer.echo(write_ladder(folders, out), nl=False)

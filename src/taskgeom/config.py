@@ -254,12 +254,31 @@ def load_config(path: str | Path, profile: str = "quick", overrides: list[str] =
         raise ConfigError(f"{path}: 'base' must be a mapping of settings, got {_kind(base)}")
     if not isinstance(profiles, dict):
         raise ConfigError(f"{path}: 'profiles' must be a mapping of profile names to settings, got {_kind(profiles)}")
+    return build_config(merge(base, _profile_settings(path, profiles, profile)), overrides)
+
+
+def _profile_settings(path: Path, profiles: dict, profile: str, seen: tuple[str, ...] = ()) -> dict:
+    """``profiles[profile]`` with ``extends: OTHER`` resolved: OTHER's settings, then its own over them."""
     if profile not in profiles:
         raise ConfigError(f"{path}: unknown profile {profile!r}; available: {sorted(map(str, profiles))}")
+    if profile in seen:
+        raise ConfigError(f"{path}: profiles extend each other in a cycle: {' -> '.join([*seen, profile])}")
     settings = profiles[profile] or {}
     if not isinstance(settings, dict):
         raise ConfigError(f"{path}: profiles.{profile} must be a mapping of settings, got {_kind(settings)}")
-    return build_config(merge(base, settings), overrides)
+    settings = dict(settings)
+    parent = settings.pop("extends", None)
+    if parent is None:
+        return settings
+    if not isinstance(parent, str):
+        raise ConfigError(f"{path}: profiles.{profile}.extends must name another profile, got {_kind(parent)}")
+    return merge(_profile_settings(path, profiles, parent, (*seen, profile)), settings)
+
+
+def profile_names(path: str | Path) -> list[str]:
+    """The profiles a recipe file defines, in its order."""
+    recipe = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    return [str(name) for name in (recipe.get("profiles") or {})]
 
 
 def _kind(value: Any) -> str:

@@ -49,6 +49,8 @@ class Context:
     device: str = "auto"
     tracker: str = "none"
     overrides: tuple[str, ...] = ()  # ``--set`` settings applied to every run's recipe, before each run's own
+    recipes: tuple[str, ...] | None = None  # the recipes the experiments measure (``--recipes``); None: all of them
+    diversities: tuple[int, ...] | None = None  # the sweep's diversity grid (``--grid``); None: the profile's
     measured: list[tuple[int, Claim]] = field(default_factory=list)
     claims: list[Claim] = field(default_factory=list)
     figures: list[Figure] = field(default_factory=list)
@@ -76,6 +78,10 @@ class Context:
     def claim(self, seed: int, *claims: Claim) -> None:
         """Record ``claims`` as measured on the runs of training seed ``seed``."""
         self.measured.extend((seed, claim) for claim in claims)
+
+    def selected(self, recipes: tuple[str, ...]) -> tuple[str, ...]:
+        """Those of ``recipes`` this reproduction measures (``--recipes``), in their order."""
+        return tuple(r for r in recipes if self.recipes is None or r in self.recipes)
 
     def config(self, recipe: str, overrides: tuple[str, ...] = (), seed: int = 0) -> RunConfig:
         """``recipe`` under this profile, with this reproduction's overrides, then ``overrides``,
@@ -107,19 +113,28 @@ class Context:
 Experiment = Callable[[Context], None]  # may carry ``runs(ctx) -> list[TrainTask]``: the runs it needs, for the schedule
 
 
+def planned_runs(ctx: Context, experiments: dict[str, Experiment]) -> list[TrainTask]:
+    """Every run the experiments declare for ``ctx`` (``runs``), in order; a run two experiments
+    need appears once for each."""
+    return [task for experiment in experiments.values() for task in getattr(experiment, "runs", lambda _: [])(ctx)]
+
+
 def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], executor: Executor = Executor(),
-              device: str = "auto", tracker: str = "none", overrides: tuple[str, ...] = (), seeds: tuple[int, ...] = (0,)) -> Context:
+              device: str = "auto", tracker: str = "none", overrides: tuple[str, ...] = (), seeds: tuple[int, ...] = (0,),
+              recipes: tuple[str, ...] | None = None, diversities: tuple[int, ...] | None = None) -> Context:
     """Train every run the experiments declare (``runs``) for every seed of ``seeds`` on
     ``executor``'s local pool first (``schedule``), then run each experiment (their sweeps on
     ``executor``; training on ``device``, also logged to ``tracker``; every recipe with
-    ``overrides`` applied first), judge each claim over the seeds, then write ``claims.json``,
+    ``overrides`` applied first; only the recipes of ``recipes``, the sweeps over ``diversities``
+    when given), judge each claim over the seeds, then write ``claims.json``,
     ``timings.json``, ``reproduction.json``, the tables and ``report.html``."""
     from taskgeom.report.html import write_report
 
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds must be distinct and at least one, got {list(seeds)}")
-    ctx = Context(Path(out), profile, tuple(seeds), executor, device, tracker, tuple(overrides))
-    tasks = [task for experiment in experiments.values() for task in getattr(experiment, "runs", lambda _: [])(ctx)]
+    ctx = Context(Path(out), profile, tuple(seeds), executor, device, tracker, tuple(overrides),
+                  None if recipes is None else tuple(recipes), None if diversities is None else tuple(diversities))
+    tasks = planned_runs(ctx, experiments)
     for task in tasks:  # every experiment measures in the task subspace: refuse before anything is written
         check_major_tasks(task.config.task.n_major, f"reproduce ({task.config.name}, k = {task.config.task.diversity})")
     ctx.out.mkdir(parents=True, exist_ok=True)
@@ -142,6 +157,6 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], execu
     figures = [{"path": f.path, "pdf": str(Path(f.path).with_suffix(".pdf")), "caption": f.caption, "experiment": f.experiment,
                 "claims": list(f.claims)} for f in ctx.figures]
     atomic_write_json(ctx.out / MANIFEST, manifest(profile, ctx.overrides, device, executor.kind, list(experiments), list(ctx.used),
-                                                     ctx.made_by, figures, ctx.seeds, ctx.runs_root))
+                                                     ctx.made_by, figures, ctx.seeds, ctx.runs_root, ctx.recipes, ctx.diversities))
     write_report(ctx.out)
     return ctx

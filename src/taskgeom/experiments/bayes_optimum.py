@@ -18,7 +18,7 @@ RECIPES = ("e1", "e3")
 
 
 def bayes_optimum(ctx: Context) -> None:
-    for experiment in RECIPES:
+    for experiment in ctx.selected(RECIPES):
         for seed in ctx.seeds:
             run = ctx.trained(experiment, ("task.diversity=-1",), seed)
             with ctx.stage(f"evaluate {run.path.name}"):
@@ -35,4 +35,4 @@ def bayes_optimum(ctx: Context) -> None:
                                       run.family.plot_labels, title=f"{experiment.upper()} (k = -1, seed {seed})")
 
 
-bayes_optimum.runs = lambda ctx: [task for recipe in RECIPES for task in ctx.plans(recipe, ("task.diversity=-1",))]  # for the schedule
+bayes_optimum.runs = lambda ctx: [task for recipe in ctx.selected(RECIPES) for task in ctx.plans(recipe, ("task.diversity=-1",))]  # for the schedule

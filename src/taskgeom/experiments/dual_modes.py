@@ -18,10 +18,17 @@ from taskgeom.report.dual import (plot_dissociation, plot_projection_r2, plot_pr
 from taskgeom.report.manifest import DUAL_EVIDENCE
 from taskgeom.storage import atomic_write_text
 
-# (diversity grid, recipes) per profile; the seeds are the reproduction's. [ours] The quick profile
-# leaves E2 out: its runs cost about 2.5 CPU-minutes each, and the three-seed quick reproduction already takes
-# about 25 minutes on 2 cores (README).
+# (diversity grid, recipes) per profile; the seeds are the reproduction's. [ours] The quick and standard
+# profiles leave E2 out: its runs cost 2.5 CPU-minutes each at quick sizes, and the three-seed quick
+# reproduction already takes about 25 minutes on 2 cores (README). The rungs of the scale ladder use
+# quick's grid unless ``--grid`` says otherwise.
 GRIDS = {"quick": ([-1, 3, 8], ("e1", "e3")), "paper": (list(range(-1, 11)), ("e1", "e2", "e3"))}
+
+
+def grid(ctx: Context) -> tuple[list[int], tuple[str, ...]]:
+    """The sweep's diversities (``--grid``, else the profile's) and the recipes it measures."""
+    diversities, recipes = GRIDS.get(ctx.profile, GRIDS["quick"])
+    return list(ctx.diversities or diversities), ctx.selected(recipes)
 
 # Projection R^2 of OOD states onto S: below this at the highest diversity of the grid ...
 MAX_R2_HIGH_DIVERSITY = 0.2
@@ -53,11 +60,11 @@ def _band(rows: pd.DataFrame, metric: str, diversity: int, set_name: str) -> lis
 
 def _each_recipe(ctx: Context, *claims: str) -> tuple[str, ...]:
     """The ids of ``claims`` for every recipe of the profile's grid (``e1.ablate_V_ood``, ...)."""
-    return tuple(f"{recipe}.{claim}" for recipe in GRIDS[ctx.profile][1] for claim in claims)
+    return tuple(f"{recipe}.{claim}" for recipe in grid(ctx)[1] for claim in claims)
 
 
 def _jobs(ctx: Context) -> list[Job]:
-    diversities, recipes = GRIDS[ctx.profile]
+    diversities, recipes = grid(ctx)
     return [Job(recipe, k, seed, ctx.profile, str(ctx.runs_root), ctx.overrides, ctx.device, ctx.tracker)
             for recipe in recipes for k in diversities for seed in ctx.seeds]
 
@@ -103,7 +110,9 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int, profile: str) -
 
 
 def dual_modes(ctx: Context) -> None:
-    diversities, recipes = GRIDS[ctx.profile]
+    diversities, recipes = grid(ctx)
+    if not recipes:  # --recipes named none of the sweep's
+        return
     jobs = _jobs(ctx)
     table = run_sweep(jobs, ctx.executor, out=ctx.out / "tables")
     for job in job_seconds(table).itertuples():

@@ -27,6 +27,8 @@ def late_means(table: pd.DataFrame, n_examples: int) -> pd.DataFrame:
 
 
 def e2(ctx: Context) -> None:
+    if not ctx.selected(("e2",)):
+        return
     for seed in ctx.seeds:
         run = ctx.trained("e2", ("task.diversity=-1",), seed)
         with ctx.stage(f"evaluate {run.path.name}"):
@@ -57,4 +59,4 @@ def claims(means: pd.DataFrame, profile: str) -> list:
     ]
 
 
-e2.runs = lambda ctx: ctx.plans("e2", ("task.diversity=-1",))  # for the schedule
+e2.runs = lambda ctx: ctx.plans("e2", ("task.diversity=-1",)) if ctx.selected(("e2",)) else []  # for the schedule

@@ -205,11 +205,15 @@ def weakest_probe(rows: list[dict], site: str = CLAIM_SITE, layers: dict[str, in
 def runs(ctx: Context) -> list:
     """The runs ``e4`` trains or reads, for the schedule: E4 at k = -1 and k = PROBE_DIVERSITY, and
     the references at k = -1, each on every seed."""
+    if not ctx.selected(("e4",)):
+        return []
     return [*ctx.plans("e4", ("task.diversity=-1",)), *ctx.plans("e4", (f"task.diversity={PROBE_DIVERSITY}",)),
             *(task for name in REFERENCES for task in ctx.plans(name, ("task.diversity=-1",)))]
 
 
 def e4(ctx: Context) -> None:
+    if not ctx.selected(("e4",)):
+        return
     tables: dict[str, list[dict]] = {"p0": [], "probes": [], "probes_ood": [], "probes_untrained": []}
     for seed in ctx.seeds:
         measured = measure(ctx, seed)

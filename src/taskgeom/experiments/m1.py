@@ -50,7 +50,7 @@ RECIPES = ("e1", "e3", "e2")
 
 
 def m1(ctx: Context) -> None:
-    for experiment in RECIPES:
+    for experiment in ctx.selected(RECIPES):
         results = {}
         for seed in ctx.seeds:
             run = ctx.trained(experiment, ("task.diversity=-1",), seed)
@@ -66,7 +66,7 @@ def m1(ctx: Context) -> None:
                        seeds=pd.concat([pd.DataFrame(r.rows).assign(seed=seed) for seed, r in results.items()], ignore_index=True))
 
 
-m1.runs = lambda ctx: [task for recipe in RECIPES for task in ctx.plans(recipe, ("task.diversity=-1",))]  # for the schedule
+m1.runs = lambda ctx: [task for recipe in ctx.selected(RECIPES) for task in ctx.plans(recipe, ("task.diversity=-1",))]  # for the schedule
 
 
 def claims(result: Result, profile: str) -> list:

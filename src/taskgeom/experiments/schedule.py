@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import pandas as pd
+
 from taskgeom.config import RunConfig, parameter_count
 from taskgeom.devices import check_training_fits, torch_threads
 from taskgeom.errors import RunDirError
@@ -155,6 +157,20 @@ def _run_phase(group: list[Unit], workers: int) -> Iterator[tuple[Unit, dict | B
             yield unit, run_unit(unit)
         except Exception as err:  # reported, and retried by the experiment that needs the run
             yield unit, err
+
+
+def plan_table(tasks: list[TrainTask]) -> pd.DataFrame:
+    """One row per distinct run of ``tasks``: its name, recipe, diversity k, seed, steps, batch,
+    sequence length, parameters, tokens seen (steps x batch x length) and the training FLOPs
+    estimate 6 x parameters x tokens."""
+    rows = {}
+    for task in tasks:
+        c = task.config
+        tokens = c.train.steps * c.train.batch_size * c.task.seq_len
+        rows.setdefault(task.name, {"run": task.name, "recipe": c.name, "diversity": c.task.diversity, "seed": c.train.seed,
+                                    "steps": c.train.steps, "batch_size": c.train.batch_size, "seq_len": c.task.seq_len,
+                                    "parameters": parameter_count(c), "tokens": tokens, "flops": 6 * parameter_count(c) * tokens})
+    return pd.DataFrame(list(rows.values()))
 
 
 def train_all(tasks: list[TrainTask], executor: Executor, timings: Profile) -> None:

@@ -99,11 +99,12 @@ def file_sha256(path: Path) -> str | None:
 
 
 def manifest(profile: str, overrides: tuple[str, ...], device: str, executor: str, experiments: list[str], runs: list[str],
-             claims: dict[str, str], figures: list[dict], seeds: tuple[int, ...], runs_root: Path) -> dict:
+             claims: dict[str, str], figures: list[dict], seeds: tuple[int, ...], runs_root: Path,
+             recipes: tuple[str, ...] | None = None, grid: tuple[int, ...] | None = None) -> dict:
     """The manifest of one reproduction (see the module docstring for the fields)."""
     models = {name: file_sha256(Path(runs_root) / name / "model.safetensors") for name in runs}
     return {"format": FORMAT, "taskgeom": __version__, "commit": source_commit(), "profile": profile, "seeds": list(seeds),
-            "overrides": list(overrides),
+            "overrides": list(overrides), "recipes": None if recipes is None else list(recipes), "grid": None if grid is None else list(grid),
             "device": device, "executor": executor, "machine": machine(), "experiments": experiments, "runs": runs, "models": models,
             "claims": claims, "figures": figures}
 

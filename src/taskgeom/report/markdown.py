@@ -10,7 +10,7 @@ from pathlib import Path
 
 from taskgeom.report.manifest import read_json, read_manifest
 
-_STATUS = {"pass": "pass", "fail": "**FAIL**", "unstable": "*unstable*", "n/a": "n/a"}
+STATUS_TEXT = {"pass": "pass", "fail": "**FAIL**", "unstable": "*unstable*", "n/a": "n/a"}
 
 
 def number(x) -> str:
@@ -53,7 +53,7 @@ def claims_markdown(out: Path) -> str:
              "", "| claim | median | min | max | per seed | threshold | verdict |", "|---|---|---|---|---|---|---|"]
     for c in claims:
         lines.append(f"| `{c['id']}` | {number(c.get('median'))} | {number(c.get('min'))} | {number(c.get('max'))} | {seed_values(c)} | "
-                     f"{c['comparison']} {number(c['threshold'])} | {_STATUS[c['status']]} |")
+                     f"{c['comparison']} {number(c['threshold'])} | {STATUS_TEXT[c['status']]} |")
     unstable = [c for c in claims if c["status"] == "unstable"]
     if unstable:
         lines += ["", "Unstable claims, each seed's parts:", ""]

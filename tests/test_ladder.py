@@ -1,0 +1,90 @@
+"""The scale ladder: a reproduction limited to some recipes and a diversity grid, and the claim x
+rung table read back from results folders, checked against statistics computed here from each
+folder's per-seed values."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from taskgeom.cli import app
+from tests.conftest import TINY_REPRODUCTION
+
+
+def _claims(folder: Path) -> list[dict]:
+    return json.loads((folder / "claims.json").read_text())
+
+
+def test_a_rung_measures_only_its_recipes_over_its_grid(tmp_path):
+    from taskgeom.experiments import EXPERIMENTS, reproduce
+    from taskgeom.experiments.executors import Executor
+
+    out = tmp_path / "rung"
+    reproduce(out, "wide", EXPERIMENTS, Executor("local", 1), device="cpu", overrides=(*TINY_REPRODUCTION, "model.d_model=16"),
+              seeds=(0,), recipes=("e1",), diversities=(-1, 2))
+    ids = [c["id"] for c in _claims(out)]
+    assert ids and all(i.startswith("e1.") for i in ids) and "e1.ablate_V_ood" in ids and "e1.bayes_optimal" in ids
+    manifest = json.loads((out / "reproduction.json").read_text())
+    assert manifest["profile"] == "wide" and manifest["recipes"] == ["e1"] and manifest["grid"] == [-1, 2]
+    sweep = pd.read_csv(out / "tables" / "sweep.csv")
+    assert sorted(sweep["diversity"].unique()) == [-1, 2] and set(sweep["recipe"]) == {"e1"}
+    assert {r.split("-")[0] for r in manifest["runs"]} == {"e1"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--profile", "deep"], "unknown profile 'deep' for recipe e1"),
+    (["--recipes", "e9"], "--recipes: unknown recipes ['e9']"),
+    (["--recipes", "e1", "--grid", "1,1"], "--grid names 1 more than once"),
+])
+def test_reproduce_refuses_a_rung_it_cannot_run_before_writing(tmp_path, args, message):
+    out = tmp_path / "never"
+    result = CliRunner().invoke(app, ["reproduce", "--out", str(out), *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not out.exists()
+
+
+def _stats(values: list[float]) -> str:
+    return f"{np.median(values):.3g} [{min(values):.3g}, {max(values):.3g}]"
+
+
+def test_the_ladder_table_is_each_rung_s_per_seed_values(tiny_reproduction, tmp_path):
+    low, high = tmp_path / "low", tmp_path / "high"
+    shutil.copytree(tiny_reproduction, low)
+    shutil.copytree(tiny_reproduction, high)
+    claims = _claims(high)  # rung "high": one claim measured higher on every seed, as if at another scale
+    moved = next(c for c in claims if c["status"] in ("pass", "fail") and len(c["seeds"]) > 1)
+    for row in moved["seeds"]:
+        row["value"] += 1.0
+    values = [r["value"] for r in moved["seeds"]]
+    moved |= {"median": float(np.median(values)), "min": min(values), "max": max(values), "value": float(np.median(values))}
+    (high / "claims.json").write_text(json.dumps(claims))
+    out = tmp_path / "ladder"
+    result = CliRunner().invoke(app, ["ladder", f"small={low}", f"big={high}", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = {line.split("`")[1]: line.split(" | ") for line in result.output.splitlines() if line.startswith("| `")}
+    assert list(rows) == [c["id"] for c in _claims(low)]
+    for rung, column in ((low, 2), (high, 3)):
+        for claim in _claims(rung):
+            measured = [r["value"] for r in claim["seeds"] if r["status"] != "n/a"]
+            cell = rows[claim["id"]][column]
+            assert cell.startswith("n/a") if claim["status"] == "n/a" else cell.startswith(_stats(measured)), (claim["id"], cell)
+    long = pd.read_csv(out / "ladder.csv")
+    assert len(long) == 2 * sum(len(c["seeds"]) for c in _claims(low)) and set(long["rung"]) == {"small", "big"}
+    recipes = {c["id"].split(".")[0] for c in _claims(low) if c["status"] != "n/a"}
+    assert all((out / f"ladder_{recipe}.png").stat().st_size > 0 for recipe in recipes)
+    curve = pd.read_csv(low / "tables" / "rank_curve.csv")  # the rank curve at the highest k, by hand
+    top = curve[curve["diversity"] == curve["diversity"].max()]
+    first = top[(top["recipe"] == "e1") & (top["rank"] == 1)]["value"]
+    line = next(x for x in result.output.splitlines() if x.startswith("| e1 | small |"))
+    assert line.split(" | ")[2] == _stats(first.tolist())
+
+
+def test_the_ladder_refuses_a_folder_that_is_not_a_reproduction(tmp_path):
+    result = CliRunner().invoke(app, ["ladder", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "reproduction.json not found" in result.output, result.output
