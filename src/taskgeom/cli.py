@@ -494,3 +494,32 @@ def ladder(
 
     _folder(out, "--out")
     typer.echo(write_ladder(folders, out), nl=False)
+
+
+@app.command()
+def sensitivity(
+    run_dirs: List[Path] = typer.Argument(..., help="Finished run directories (for example a reproduction's runs at the highest k)."),
+    csv: bool = typer.Option(False, "--csv", help="Print every row as CSV instead of the summary."),
+) -> None:
+    """How the orthogonal-subspace ablation (the share of OOD and major in-context gain V removes)
+    moves when each choice PAPER.md section 7 adds to the study's protocol is flipped alone: V kept
+    out of the token subspace or not, ablated at the searched layer or at every layer, the gain
+    over every prediction after the first or over the late window. Reports; the claims keep the
+    pinned definition. Prints the median [min, max] over the runs of each choice."""
+    import pandas as pd
+
+    from taskgeom.analysis.sensitivity import orthogonal_choices
+    from taskgeom.runs import Run
+
+    rows = []
+    for run_dir in run_dirs:
+        run = Run.open(run_dir)
+        rows += [{"run": run.path.name, "recipe": run.config.name, "diversity": run.config.task.diversity, "seed": run.config.train.seed,
+                  **row} for row in orthogonal_choices(run)]
+    table = pd.DataFrame(rows)
+    if csv:
+        typer.echo(table.to_csv(index=False), nl=False)
+        return
+    summary = (table.groupby(["recipe", "set", "choice"], sort=False)["gain_removed"].agg(["median", "min", "max", "count"])
+               .rename(columns={"count": "runs"}).reset_index())
+    typer.echo(summary.round(3).to_string(index=False))

@@ -102,6 +102,45 @@ def _geometries(model: torch.nn.Module, major: Inputs, ood: Inputs, sites: list[
     return out
 
 
+def search_loss_fn(run: Run, model: torch.nn.Module):
+    """loss_fn(step, site) for ``orthogonal_searches``: the training loss of batch ``step`` of the
+    search stream (``BATCH_SIZE`` fresh OOD sequences) run from ``site`` on. The searches run in
+    lockstep: one draw and one prefix per step serve them all."""
+    family, T, seed = run.family, run.config.task.seq_len, run.config.train.seed
+
+    @functools.lru_cache(maxsize=1)
+    def search_batch(step: int) -> tuple[Batch, LayerStreams]:
+        batch = family.sample_ood(BATCH_SIZE, T, seed, step, "dual-ood-search")
+        return batch, LayerStreams(model, batch.tokens)
+
+    def search_loss(step: int, site: Site) -> torch.Tensor:
+        batch, streams = search_batch(step)
+        return family.training_loss(streams.model_from(site), batch)
+
+    return search_loss
+
+
+def select_v_site(run: Run, model: torch.nn.Module, found: dict[Site, torch.Tensor], n_seq: int,
+                  positions: slice | torch.Tensor) -> tuple[Site, list[dict]]:
+    """The layer of V: where ablating its V (``found``: {site: [D, r]}) raises the OOD loss most on
+    a batch of its own, compared by the ablated loss itself (the clean loss is the same for every
+    layer, and a share flips sign with the gain); and the rows (``add`` keywords) recording it."""
+    family, T, seed = run.family, run.config.task.seq_len, run.config.train.seed
+    search_select = family.sample_ood(n_seq, T, seed, 0, "dual-ood-search-select")
+    search_refs = family.reference_predictions(search_select, run.pool)
+    select_streams = LayerStreams(model, search_select.tokens)
+    search_clean = model_losses(family, select_streams, search_select, search_refs)
+    rows = [{"metric": "loss", "value": search_clean[1:].mean(), "set_name": "ood-search"},
+            {"metric": "loss_first", "value": search_clean[0], "set_name": "ood-search"}]
+    ablated_loss = {}
+    for site, directions in found.items():
+        ablated = model_losses(family, select_streams, search_select, search_refs, site, direction_ablation(directions), positions)
+        ablated_loss[site] = float(ablated[1:].mean())
+        rows += [{"metric": "search_loss_ablate_V", "value": ablated_loss[site], "set_name": "ood-search", "place": site},
+                 {"metric": "search_gain_removed", "value": gain_removed(ablated, search_clean), "set_name": "ood-search", "place": site}]
+    return max(found, key=ablated_loss.get), rows
+
+
 def prior_predictions(run: Run) -> torch.Tensor:
     """[2048, V] OOD-optimal predictions at the last position over 2048 OOD tasks (token families):
     the sample of the OOD prediction map that d0 is estimated from."""
@@ -157,14 +196,7 @@ def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 
                                  token_subspace(fitted[site][0].nu.float(), centre=not isinstance(family, Regression)))
                for site in search_sites}
 
-    @functools.lru_cache(maxsize=1)  # the searches run in lockstep: one draw and one prefix per step serve them all
-    def search_batch(step: int) -> tuple[Batch, LayerStreams]:
-        batch = family.sample_ood(BATCH_SIZE, T, seed, step, "dual-ood-search")
-        return batch, LayerStreams(model, batch.tokens)
-
-    def search_loss(step: int, site: Site) -> torch.Tensor:
-        batch, streams = search_batch(step)
-        return family.training_loss(streams.model_from(site), batch)
+    search_loss = search_loss_fn(run, model)
 
     def search(site_ranks: list[tuple[Site, int]]) -> list[torch.Tensor]:
         """V: [D, r] of each (site, rank)."""
@@ -172,22 +204,10 @@ def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 
                                       seed=seed, positions=s_positions)
         return [result.directions for result in results]
 
-    # the layer: where V removes the most OOD gain on a batch of its own; compared by the ablated
-    # loss itself (the clean loss is the same for every layer, and a share flips sign with the gain)
-    search_select = family.sample_ood(n_seq, T, seed, 0, "dual-ood-search-select")
-    search_refs = family.reference_predictions(search_select, pool)
-    select_streams = LayerStreams(model, search_select.tokens)
-    search_clean = model_losses(family, select_streams, search_select, search_refs)
-    add("loss", search_clean[1:].mean(), set_name="ood-search")
-    add("loss_first", search_clean[0], set_name="ood-search")
     found = dict(zip(search_sites, search([(site, rank) for site in search_sites])))
-    ablated_loss = {}
-    for site in search_sites:
-        ablated = model_losses(family, select_streams, search_select, search_refs, site, direction_ablation(found[site]), s_positions)
-        ablated_loss[site] = float(ablated[1:].mean())
-        add("search_loss_ablate_V", ablated_loss[site], set_name="ood-search", place=site)
-        add("search_gain_removed", gain_removed(ablated, search_clean), set_name="ood-search", place=site)
-    v_site = max(search_sites, key=ablated_loss.get)
+    v_site, select_rows = select_v_site(run, model, found, n_seq, s_positions)
+    for row in select_rows:
+        add(**row)
     directions = found[v_site]
     add("v_layer_selected", 1.0, place=v_site)
     v_geometry = fitted[v_site][0]
