@@ -117,3 +117,19 @@ def test_the_pinned_choice_is_the_dual_analysis_and_each_flip_is_measured(tiny_r
         assert pinned["gain_removed"] == pytest.approx(stored["value"], rel=1e-4, abs=1e-4)
         assert pinned["layer"] == stored["layer"]
     assert rows["gain_removed"].notna().all() and rows[rows["choice"] == "V ablated at every layer"]["layer"].isna().all()
+
+
+def test_the_pinned_place_holds_the_claims_values_and_every_place_is_listed(tiny_reproduction):
+    from taskgeom.analysis.sensitivity import place_choices
+    from taskgeom.experiments.base import Context
+    from taskgeom.runs import Run
+
+    claims = {c["id"]: {r["seed"]: r["value"] for r in c["seeds"]} for c in _claims(tiny_reproduction)}
+    high = int(pd.read_csv(tiny_reproduction / "tables" / "sweep.csv")["diversity"].max())
+    ctx = Context(tiny_reproduction, overrides=TINY_REPRODUCTION)
+    for k, metric, claim in ((-1, "p2.r2_task", "e1.P2"), (high, "projection_r2_token", "e1.projection_r2_high_diversity")):
+        config = ctx.config("e1", (f"task.diversity={k}",), 0)
+        rows = pd.DataFrame(place_choices(Run.open(tiny_reproduction / "runs" / f"{config.name}-{config.digest()}")))
+        mine = rows[rows["metric"] == metric]
+        assert len(mine) == 2 * config.model.n_layers and mine["pinned"].sum() == 1  # every layer, both sites
+        assert mine[mine["pinned"]]["value"].iloc[0] == pytest.approx(claims[claim][0], rel=1e-9)

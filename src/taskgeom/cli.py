@@ -500,6 +500,9 @@ def ladder(
 def sensitivity(
     run_dirs: List[Path] = typer.Argument(..., help="Finished run directories (for example a reproduction's runs at the highest k)."),
     csv: bool = typer.Option(False, "--csv", help="Print every row as CSV instead of the summary."),
+    places: bool = typer.Option(False, "--places", help="Instead: the claims' place (selected on a separate batch [ours]) against "
+                                "every other layer and site, read from the runs' stored m1.json and dual.json: P0-P2 and projection R^2 "
+                                "at the pinned place, and the lowest and highest over all places (median over the runs)."),
 ) -> None:
     """How the orthogonal-subspace ablation (the share of OOD and major in-context gain V removes)
     moves when each choice PAPER.md section 7 adds to the study's protocol is flipped alone: V kept
@@ -508,17 +511,26 @@ def sensitivity(
     pinned definition. Prints the median [min, max] over the runs of each choice."""
     import pandas as pd
 
-    from taskgeom.analysis.sensitivity import orthogonal_choices
+    from taskgeom.analysis.sensitivity import orthogonal_choices, place_choices
     from taskgeom.runs import Run
 
     rows = []
     for run_dir in run_dirs:
         run = Run.open(run_dir)
         rows += [{"run": run.path.name, "recipe": run.config.name, "diversity": run.config.task.diversity, "seed": run.config.train.seed,
-                  **row} for row in orthogonal_choices(run)]
+                  **row} for row in (place_choices if places else orthogonal_choices)(run)]
     table = pd.DataFrame(rows)
     if csv:
         typer.echo(table.to_csv(index=False), nl=False)
+        return
+    if places:
+        if table.empty:
+            raise TaskgeomError("none of the runs has analysis/m1.json or analysis/dual.json; run `taskgeom analyze` or a sweep first")
+        keys = ["recipe", "diversity", "analysis", "metric"]
+        per_run = table.groupby([*keys, "run"], sort=False)["value"]
+        summary = pd.DataFrame({"pinned": table[table["pinned"]].groupby([*keys, "run"], sort=False)["value"].first(),
+                                "lowest": per_run.min(), "highest": per_run.max()}).groupby(keys, sort=False).median()
+        typer.echo(summary.reset_index().round(3).to_string(index=False))
         return
     summary = (table.groupby(["recipe", "set", "choice"], sort=False)["gain_removed"].agg(["median", "min", "max", "count"])
                .rename(columns={"count": "runs"}).reset_index())

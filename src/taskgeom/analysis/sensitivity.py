@@ -15,11 +15,17 @@ The choices, each flipped alone from the pinned measurement:
 
 Each row: ``{choice, set, gain_removed, gain, clean, ablated, layer}`` on the ``dual`` batches
 (major, OOD); losses are the family's own, per prediction; ``layer`` is None for every layer.
+
+The place of the claims (selected on a separate batch, then measured apart: **[ours]**) is the
+other choice: ``place_choices`` reads, from a run's stored analyses, the values the claims would
+have at every other (layer, site): P0-P2 on the M1 measurement batch (``m1.json``) and projection
+R^2 of OOD states in both forms (``dual.json``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 
 import torch
 
@@ -86,4 +92,29 @@ def orthogonal_choices(run: Run, n_seq: int = 256, search_steps: int = 200) -> l
         for choice in CHOICES:
             ablated, window, site = measured[choice]
             rows.append({"choice": choice, "set": name, **share(ablated, clean, window), "layer": None if site is None else site[0]})
+    return rows
+
+
+PLACE_METRICS = {"m1": ("p0.cell_r2", "p1.additive_share", "p2.r2_task"), "dual": ("projection_r2_token", "projection_r2")}
+
+
+def place_choices(run: Run) -> list[dict]:
+    """``{analysis, metric, layer, site, value, pinned}`` for every (layer, site) a stored analysis
+    of ``run`` measured (``m1.json``: the measurement batch's late window; ``dual.json``: the final
+    model's OOD states); ``pinned``: the place the claims read."""
+    rows = []
+    for analysis, metrics in PLACE_METRICS.items():
+        path = run.path / "analysis" / f"{analysis}.json"
+        if not path.is_file():
+            continue
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        if analysis == "m1":
+            chosen = next(r for r in stored if r["metric"] == "place.selected")
+            values = [r for r in stored if r["batch"] == "measure" and r["position"] is None and r["metric"] in metrics]
+        else:
+            chosen = next(r for r in stored if r["metric"] == "place_selected")
+            values = [{**r, "metric": r["metric"].removeprefix("table.")} for r in stored
+                      if r["metric"].removeprefix("table.") in metrics and r["metric"].startswith("table.")]
+        rows += [{"analysis": analysis, "metric": r["metric"], "layer": r["layer"], "site": r["site"], "value": r["value"],
+                  "pinned": (r["layer"], r["site"]) == (chosen["layer"], chosen["site"])} for r in values]
     return rows
