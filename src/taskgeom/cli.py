@@ -352,7 +352,8 @@ def export_hf(
 
 @app.command()
 def reproduce(
-    profile: str = typer.Option("quick", help="A profile every recipe defines: quick (reduced sizes for a 2-core CPU), "
+    profile: str = typer.Option("quick", help="A profile every recipe defines: quick (reduced sizes for a 2-core CPU), standard "
+                                "(quick's sizes, E4 trained twice as long, the grid k = -1, 0, 1, 2, 4, 8; under an hour on 2 cores), "
                                 "paper (the study's sizes), or a rung of the scale ladder (wide, long; README)."),
     seeds: str = typer.Option("0,1,2", help="Comma-separated training seeds: every setting is trained on each, and each claim is "
                               "judged over them (pass: every seed passes; fail: every seed fails; unstable: they disagree)."),

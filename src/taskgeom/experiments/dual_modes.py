@@ -22,7 +22,8 @@ from taskgeom.storage import atomic_write_text
 # profiles leave E2 out: its runs cost 2.5 CPU-minutes each at quick sizes, and the three-seed quick
 # reproduction already takes about 25 minutes on 2 cores (README). The rungs of the scale ladder use
 # quick's grid unless ``--grid`` says otherwise.
-GRIDS = {"quick": ([-1, 3, 8], ("e1", "e3")), "paper": (list(range(-1, 11)), ("e1", "e2", "e3"))}
+GRIDS = {"quick": ([-1, 3, 8], ("e1", "e3")), "standard": ([-1, 0, 1, 2, 4, 8], ("e1", "e3")),
+         "paper": (list(range(-1, 11)), ("e1", "e2", "e3"))}
 
 
 def grid(ctx: Context) -> tuple[list[int], tuple[str, ...]]:
