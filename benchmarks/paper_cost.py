@@ -17,6 +17,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -67,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     seeds = tuple(int(s) for s in args.seeds.split(","))
-    table = plan_table(planned_runs(Context(tempfile.mkdtemp(), "paper", seeds), EXPERIMENTS))
+    table = plan_table(planned_runs(Context(Path(tempfile.mkdtemp()), "paper", seeds), EXPERIMENTS))
     rate = {}
     print(f"device {args.device}, {args.threads} torch threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     for recipe in sorted(table["recipe"].unique()):
