@@ -117,7 +117,8 @@ def plot_ladder(rows: pd.DataFrame, rung_order: list[str], out: Path) -> list[Pa
             x = part["rung"].map({r: i for i, r in enumerate(rung_order)})
             ax.scatter(x, part["value"], c=part["status"].map(_COLOURS), s=18, zorder=3)
             medians = part.groupby("rung")["value"].median().reindex(rung_order)
-            ax.plot(range(len(rung_order)), medians.values, color="black", lw=1, zorder=2)
+            present = medians.notna().to_numpy()  # rungs that measured the claim, joined in order
+            ax.plot([i for i, p in enumerate(present) if p], medians.dropna().values, color="black", lw=1, marker="_", zorder=2)
             ax.axhline(part["threshold"].iloc[0], color="gray", ls="--", lw=1)
             ax.set_title(f"{claim} ({part['comparison'].iloc[0]} {number(part['threshold'].iloc[0])})", fontsize=8)
             ax.set_xticks(range(len(rung_order)), rung_order, fontsize=7)
