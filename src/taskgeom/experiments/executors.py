@@ -10,6 +10,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -79,8 +81,20 @@ def execute(fn: Task, items: list, executor: Executor) -> Finished:
         yield from _on_pool(fn, items, executor)
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Pool worker initializer: end this worker when the process that started it is gone (killed,
+    or stopped by a signal that runs no cleanup), instead of training on, holding its run's lock."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
 def _on_pool(fn: Task, items: list, executor: Executor) -> Finished:
-    with ProcessPoolExecutor(executor.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(executor.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_exit_with_parent,
+                             initargs=(os.getpid(),)) as pool:
         futures = {pool.submit(fn, item, executor.threads): item for item in items}
         for future in as_completed(futures):
             try:
