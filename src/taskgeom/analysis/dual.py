@@ -79,7 +79,7 @@ def _projection_r2(geometry: Geometry, h_ood: torch.Tensor, current: torch.Tenso
             "token": projection_r2(token_centred, subspace.conditioned_basis(late).flatten(0, 1))}
 
 
-def _batches(run: Run, size: int) -> dict[str, Batch]:
+def loss_batches(run: Run, size: int) -> dict[str, Batch]:
     """Held-out batches for losses: major, minor (if the pool has minors) and ood."""
     family, pool, cfg = run.family, run.pool, run.config
     T, seed = cfg.task.seq_len, cfg.train.seed
@@ -90,7 +90,7 @@ def _batches(run: Run, size: int) -> dict[str, Batch]:
     return out
 
 
-def _geometries(model: torch.nn.Module, major: Inputs, ood: Inputs, sites: list[Site],
+def fitted_geometries(model: torch.nn.Module, major: Inputs, ood: Inputs, sites: list[Site],
                 window: slice) -> dict[Site, tuple[Geometry, torch.Tensor]]:
     """{site: (geometry fitted on the major inputs, OOD states [N, P, D])} from one streamed pass."""
     n, K = major.batch.tokens.shape[0], major.alpha.shape[-1]
@@ -173,7 +173,7 @@ def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 
     window = late_window(major_inputs.current.shape[1])
     search_sites = [(layer, SEARCH_SITE if SEARCH_SITE in run.sites else "resid_post") for layer in range(n_layers)]
     readout_site = (n_layers - 1, "resid_post")
-    fitted = _geometries(model, major_inputs, ood_inputs, list(dict.fromkeys([*all_sites, *search_sites, readout_site])), window)
+    fitted = fitted_geometries(model, major_inputs, ood_inputs, list(dict.fromkeys([*all_sites, *search_sites, readout_site])), window)
     for site in all_sites:  # the full table; the claims read the selected place
         for form, r2 in _projection_r2(*fitted[site], ood_inputs.current, window).items():
             add(f"table.{_PROJECTION[form]}", r2.mean(), _quartiles(r2), "ood", place=site)
@@ -185,7 +185,7 @@ def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 
         add(_PROJECTION[form], r2.mean(), _quartiles(r2), "ood", place=place)
     checkpoints = {**run.snapshots(), cfg.train.steps: model}  # {step: model} across training
     for step, snapshot in checkpoints.items():
-        by_form = final if snapshot is model else _projection_r2(*_geometries(snapshot, major_inputs, ood_inputs, [place], window)[place],
+        by_form = final if snapshot is model else _projection_r2(*fitted_geometries(snapshot, major_inputs, ood_inputs, [place], window)[place],
                                                                  ood_inputs.current, window)
         for form, r2 in by_form.items():
             add(_PROJECTION[form], r2.mean(), _quartiles(r2), "ood", step, place)
@@ -217,7 +217,7 @@ def analyze_dual(run: Run, n_seq: int = 256, rank: int = 1, search_steps: int = 
     gen = generator(seed, 0, "dual-random")
     free = complement_basis(avoided[v_site])  # random controls live where V may
     controls = [random_directions(free, rank, gen) for _ in range(N_RANDOM_CONTROLS)]
-    batches = _batches(run, n_seq)
+    batches = loss_batches(run, n_seq)
     references = {name: family.reference_predictions(batch, pool) for name, batch in batches.items()}
     streams = {name: LayerStreams(model, batch.tokens) for name, batch in batches.items()}  # one prefix per batch for every edit
     clean = {name: model_losses(family, streams[name], batch, references[name]) for name, batch in batches.items()}

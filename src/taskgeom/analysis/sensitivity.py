@@ -29,7 +29,7 @@ import json
 
 import torch
 
-from taskgeom.analysis.dual import SEARCH_SITE, _batches, _geometries, search_loss_fn, select_v_site
+from taskgeom.analysis.dual import SEARCH_SITE, fitted_geometries, loss_batches, search_loss_fn, select_v_site
 from taskgeom.analysis.orthogonal import avoid_basis, orthogonal_searches, token_subspace
 from taskgeom.analysis.retrieval import analysis_inputs, family_inputs
 from taskgeom.analysis.subspace import direction_ablation, model_losses
@@ -58,7 +58,7 @@ def orthogonal_choices(run: Run, n_seq: int = 256, search_steps: int = 200) -> l
     ood = family.sample_ood(n_seq, cfg.task.seq_len, seed, 0, "dual-geometry-ood")
     ood_inputs = family_inputs(family, ood, run.pool.subset("major"))
     sites = [(layer, SEARCH_SITE if SEARCH_SITE in run.sites else "resid_post") for layer in range(n_layers)]
-    fitted = _geometries(model, major_inputs, ood_inputs, sites, late_window(major_inputs.current.shape[1]))
+    fitted = fitted_geometries(model, major_inputs, ood_inputs, sites, late_window(major_inputs.current.shape[1]))
     positions = major_inputs.model_positions(slice(None))
     avoid = {}
     for site in sites:
@@ -72,7 +72,7 @@ def orthogonal_choices(run: Run, n_seq: int = 256, search_steps: int = 200) -> l
     chosen = {kind: select_v_site(run, model, found[kind], n_seq, positions)[0] for kind in kinds}
 
     rows = []
-    batches = {name: batch for name, batch in _batches(run, n_seq).items() if name in ("major", "ood")}
+    batches = {name: batch for name, batch in loss_batches(run, n_seq).items() if name in ("major", "ood")}
     for name, batch in batches.items():
         references = family.reference_predictions(batch, run.pool)
         streams = LayerStreams(model, batch.tokens)
@@ -84,9 +84,7 @@ def orthogonal_choices(run: Run, n_seq: int = 256, search_steps: int = 200) -> l
             for site, directions in found["pinned"].items():
                 stack.enter_context(intervene(model, site, direction_ablation(directions), positions))
             every_layer = family.position_losses(model, batch, *references)["loss"].mean(0)
-        measured = {"pinned": (at_layer["pinned"], after_first, chosen["pinned"]),
-                    "V may enter the token subspace": (at_layer["V may enter the token subspace"], after_first,
-                                                       chosen["V may enter the token subspace"]),
+        measured = {**{kind: (at_layer[kind], after_first, chosen[kind]) for kind in kinds},
                     "V ablated at every layer": (every_layer, after_first, None),
                     "gain over the late window": (at_layer["pinned"], late, chosen["pinned"])}
         for choice in CHOICES:

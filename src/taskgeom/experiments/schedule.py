@@ -166,10 +166,10 @@ def plan_table(tasks: list[TrainTask]) -> pd.DataFrame:
     rows = {}
     for task in tasks:
         c = task.config
-        tokens = c.train.steps * c.train.batch_size * c.task.seq_len
+        tokens, parameters = c.train.steps * c.train.batch_size * c.task.seq_len, parameter_count(c)
         rows.setdefault(task.name, {"run": task.name, "recipe": c.name, "diversity": c.task.diversity, "seed": c.train.seed,
                                     "steps": c.train.steps, "batch_size": c.train.batch_size, "seq_len": c.task.seq_len,
-                                    "parameters": parameter_count(c), "tokens": tokens, "flops": 6 * parameter_count(c) * tokens})
+                                    "parameters": parameters, "tokens": tokens, "flops": 6 * parameters * tokens})
     return pd.DataFrame(list(rows.values()))
 
 
