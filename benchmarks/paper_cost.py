@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from taskgeom.experiments import EXPERIMENTS
 from taskgeom.experiments.base import Context, planned_runs
 from taskgeom.experiments.schedule import plan_table
 from taskgeom.recipes import load_recipe
@@ -68,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     seeds = tuple(int(s) for s in args.seeds.split(","))
-    table = plan_table(planned_runs(Context(Path(tempfile.mkdtemp()), "paper", seeds), EXPERIMENTS))
+    table = plan_table(planned_runs(Context(Path(tempfile.mkdtemp()), "paper", seeds)))
     rate = {}
     print(f"device {args.device}, {args.threads} torch threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     for recipe in sorted(table["recipe"].unique()):

@@ -57,9 +57,9 @@ def tiny_reproduction(tmp_path_factory):
     """The results folder of a whole ``reproduce`` (every experiment, quick profile) on two seeds
     with every run shrunk by TINY_REPRODUCTION: about two minutes on 2 cores. Tests must not modify
     it (copy it)."""
-    from taskgeom.experiments import EXPERIMENTS, reproduce
+    from taskgeom.experiments import reproduce
     from taskgeom.experiments.executors import Executor
 
     out = tmp_path_factory.mktemp("tiny-reproduction")
-    reproduce(out, "quick", EXPERIMENTS, Executor("local", 2), device="cpu", overrides=TINY_REPRODUCTION, seeds=TINY_SEEDS)
+    reproduce(out, "quick", None, Executor("local", 2), device="cpu", overrides=TINY_REPRODUCTION, seeds=TINY_SEEDS)
     return out

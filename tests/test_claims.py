@@ -181,7 +181,7 @@ def test_report_shows_status_parts_and_reason(tmp_path):
 
 @pytest.mark.parametrize(("claims", "code"), [([passing(), na()], 0), ([passing(), na(), failing()], 1)])
 def test_reproduce_prints_statuses_and_exits_on_failures_only(tmp_path, monkeypatch, claims, code):
-    monkeypatch.setattr(taskgeom.experiments, "EXPERIMENTS", {"fake": lambda ctx: ctx.claim(0, *claims)})
+    monkeypatch.setattr(taskgeom.experiments, "declared", lambda studies, profile: {"fake": lambda ctx: ctx.claim(0, *claims)})
     result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), "--device", "cpu"])
     assert result.exit_code == code, result.output
     assert re.search(r"^PASS +e1\.P0 ", result.output, re.M) and re.search(r"^N/A +e1\.P3\.shrinks ", result.output, re.M)
@@ -198,7 +198,7 @@ def test_reproduce_judges_each_claim_over_its_seeds(tmp_path, monkeypatch):
             ctx.claim(seed, check("e1.P0", "e1", "cell R^2", {3: 0.95, 4: 0.5, 5: 0.97}[seed], ">=", 0.9, ctx.profile),
                       check("e1.P1", "e1", "additive share", 0.1 * seed, ">=", 0.9, ctx.profile))
 
-    monkeypatch.setattr(taskgeom.experiments, "EXPERIMENTS", {"fake": fake})
+    monkeypatch.setattr(taskgeom.experiments, "declared", lambda studies, profile: {"fake": fake})
     result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), "--device", "cpu", "--seeds", "3,4,5"])
     assert result.exit_code == 1, result.output
     assert re.search(r"^UNSTABLE +e1\.P0 +0\.95 >= 0\.9  seeds: 3=0\.95, 4=0\.5, 5=0\.97$", result.output, re.M), result.output

@@ -286,7 +286,7 @@ def test_within_shares_are_zero_for_token_cells_of_the_embedding_and_one_for_a_s
     of the current token, so (anything, token) cells hold no variance; one cell holds all of it."""
     from taskgeom.analysis.states import collect
     from taskgeom.config import ModelConfig
-    from taskgeom.experiments.e4 import within_shares
+    from taskgeom.extras.dyck import within_shares
     from taskgeom.model import Transformer
 
     fam = tasks.make("dyck", n_pairs=4)

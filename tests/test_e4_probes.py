@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from taskgeom.experiments.e4 import (MAX_BACK, PROBE_MARGIN, best_layers, prefix_probes, probe_batch, probe_rows, probe_targets,
+from taskgeom.extras.dyck import (MAX_BACK, PROBE_MARGIN, best_layers, prefix_probes, probe_batch, probe_rows, probe_targets,
                                       weakest_probe)
 from taskgeom.recipes import load_recipe
-from taskgeom.report.dyck import plot_prefix_probes
+from taskgeom.extras.dyck_figures import plot_prefix_probes
 from taskgeom.rng import generator
 from taskgeom.runs import Run
 

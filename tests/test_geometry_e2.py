@@ -84,7 +84,7 @@ def test_continuous_code_edits_and_regression_recover_planted_states():
 
 
 def test_prediction_readout_scores_the_mixture_prediction_at_prediction_positions():
-    family = Regression(d=2, noise=0.5)
+    family = Regression(d=2, noise=0.5, layout="separator")
     params = torch.tensor([[1.0, 0.0], [0.0, 2.0], [-1.0, -1.0]], dtype=torch.float64)
     batch = family.make_batch(params[torch.tensor([0, 1])], torch.tensor([0, 1]), 12, torch.Generator().manual_seed(0))
     readout = PredictionReadout(family, batch, params)
@@ -98,7 +98,7 @@ def test_prediction_readout_scores_the_mixture_prediction_at_prediction_position
 
 
 def test_paired_batch_gives_every_task_the_same_x_and_fresh_noise():
-    family = Regression(d=3, noise=0.5)
+    family = Regression(d=3, noise=0.5, layout="separator")
     pool = family.sample_pool(3, 0, seed=0)
     batch = family.sample_paired(pool, 13, 15, seed=1)  # 13 // 3 = 4 x sequences per task
     assert batch.task.tolist() == [0] * 4 + [1] * 4 + [2] * 4
@@ -115,7 +115,7 @@ def test_paired_design_cancels_a_nonlinear_x_effect_in_the_task_vectors():
     """States = tanh(x W) + theta_task: the additive model's linear x term misses the curvature,
     but with shared x sequences it misses it equally for every task, so theta comes out exact."""
     gen = torch.Generator().manual_seed(7)
-    family = Regression(d=DX, noise=0.5)
+    family = Regression(d=DX, noise=0.5, layout="separator")
     pool = family.sample_pool(K, 0, seed=2)
     theta = torch.randn(K, D, generator=gen, dtype=torch.float64)
     theta -= theta.mean(0)
@@ -134,7 +134,7 @@ def test_paired_design_cancels_a_nonlinear_x_effect_in_the_task_vectors():
 def test_e2_inputs_read_the_separators_with_the_posterior_before_y():
     from taskgeom.analysis.retrieval import family_inputs
 
-    family = Regression(d=2, noise=0.5)
+    family = Regression(d=2, noise=0.5, layout="separator")
     pool = family.sample_pool(3, 0, seed=0)
     batch = family.sample_paired(pool, 6, 3 * 5, seed=1)
     inputs = family_inputs(family, batch, pool)

@@ -23,12 +23,13 @@ def _claims(folder: Path) -> list[dict]:
 
 
 def test_a_rung_measures_only_its_recipes_over_its_grid(tmp_path):
-    from taskgeom.experiments import EXPERIMENTS, reproduce
+    from taskgeom.experiments import reproduce
+    from taskgeom.experiments.base import shipped_studies
     from taskgeom.experiments.executors import Executor
 
     out = tmp_path / "rung"
-    reproduce(out, "wide", EXPERIMENTS, Executor("local", 1), device="cpu", overrides=(*TINY_REPRODUCTION, "model.d_model=16"),
-              seeds=(0,), recipes=("e1",), diversities=(-1, 2))
+    reproduce(out, "wide", None, Executor("local", 1), device="cpu", overrides=(*TINY_REPRODUCTION, "model.d_model=16"),
+              seeds=(0,), studies=tuple(s for s in shipped_studies() if s.name == "e1"), diversities=(-1, 2))
     ids = [c["id"] for c in _claims(out)]
     assert ids and all(i.startswith("e1.") for i in ids) and "e1.ablate_V_ood" in ids and "e1.bayes_optimal" in ids
     manifest = json.loads((out / "reproduction.json").read_text())

@@ -209,7 +209,7 @@ def test_a_search_from_cached_layer_streams_equals_the_whole_model_search():
     once per batch for every search; V and the losses equal those of whole forward passes."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig(n_layers=3, d_model=16, n_heads=2, d_mlp=32, max_len=12), vocab_size=5).eval()
-    family = make("dice", vocab_size=5)
+    family = make("dice", vocab_size=5, majors="prior")
     batches = {step: family.sample_ood(BATCH_SIZE, 12, 0, step, "search") for step in range(15)}
     streams = {step: LayerStreams(model, batch.tokens) for step, batch in batches.items()}
     searches = [((layer, "resid_mid"), avoid_basis(torch.eye(16)[:, layer : layer + 2]), 2) for layer in range(3)]

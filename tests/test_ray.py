@@ -200,7 +200,7 @@ def test_reproduce_takes_the_executor_options(tmp_path, monkeypatch, options, ex
     import taskgeom.experiments
 
     seen = []
-    monkeypatch.setattr(taskgeom.experiments, "EXPERIMENTS", {"record": seen.append})
+    monkeypatch.setattr(taskgeom.experiments, "declared", lambda studies, profile: {"record": seen.append})
     result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), *options])
     assert result.exit_code == 0, result.output
     (ctx,) = seen

@@ -72,7 +72,7 @@ def test_steer_measures_the_model_with_and_without_the_edit_against_the_same_tar
     V, K, D, B, T = 4, 3, 16, 6, 10
     torch.manual_seed(0)
     model = Transformer(ModelConfig(n_layers=2, d_model=D, n_heads=2, d_mlp=32, max_len=T), V).eval()
-    fam = make("dice", vocab_size=V)
+    fam = make("dice", vocab_size=V, majors="prior")
     pool = fam.sample_pool(K, 0, seed=0)
     gen = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, V, (B, T), generator=gen)

@@ -120,7 +120,7 @@ def test_gain_removed_formula_averages_every_prediction_after_the_first():
 
 
 def test_generalising_predictor_interpolates_majors_and_the_prior():
-    fam = tasks.make("dice", vocab_size=4)
+    fam = tasks.make("dice", vocab_size=4, majors="prior")
     pool = fam.sample_pool(3, 0, seed=0)
     batch = fam.sample_ood(8, 12, seed=1)
     majors_only = predict_generalising(fam, batch.tokens, pool, p_new=1e-12)

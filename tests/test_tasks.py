@@ -13,6 +13,11 @@ from taskgeom import tasks
 FAMILIES = [("dice", 4), ("markov", 3)]
 
 
+def family(name: str, **settings) -> tasks.TaskFamily:
+    """``tasks.make`` with dice's majors drawn from the prior, like the minors (so the pools below are generic)."""
+    return tasks.make(name, **({"majors": "prior"} if name == "dice" else {}), **settings)
+
+
 def brute_log_likelihood(name: str, seq: list[int], params: torch.Tensor) -> float:
     """log p(seq | task) by a plain loop."""
     V = params.shape[-1]
@@ -23,7 +28,7 @@ def brute_log_likelihood(name: str, seq: list[int], params: torch.Tensor) -> flo
 
 @pytest.mark.parametrize("name,V", FAMILIES)
 def test_posterior_and_predictive_match_brute_force(name, V):
-    fam = tasks.make(name, vocab_size=V)
+    fam = family(name, vocab_size=V)
     pool = fam.sample_pool(n_major=2, n_minor=3, p_minor=0.2, seed=1)
     batch = fam.sample(pool, batch_size=5, seq_len=7, seed=3, step=2)
     logpost = fam.log_posterior(batch.tokens, pool)
@@ -44,7 +49,7 @@ def test_posterior_and_predictive_match_brute_force(name, V):
 @pytest.mark.parametrize("name,V", FAMILIES)
 def test_ood_evidence_is_the_dirichlet_multinomial_closed_form(name, V):
     alpha = 0.7
-    fam = tasks.make(name, vocab_size=V, alpha=alpha)
+    fam = family(name, vocab_size=V, alpha=alpha)
     batch = fam.sample_ood(batch_size=6, seq_len=9, seed=0)
     evidence = fam.log_marginal_ood(batch.tokens)[:, -1]
 
@@ -64,7 +69,7 @@ def test_ood_evidence_is_the_dirichlet_multinomial_closed_form(name, V):
 
 @pytest.mark.parametrize("name,V", FAMILIES)
 def test_every_predictive_sums_to_one(name, V):
-    fam = tasks.make(name, vocab_size=V)
+    fam = family(name, vocab_size=V)
     pool = fam.sample_pool(3, 16, 0.1, seed=0)
     batch = fam.sample(pool, 32, 20, seed=0)
     for probs in (fam.predict_id(batch.tokens, pool), fam.predict_ood(batch.tokens), fam.predict_task(batch.tokens, batch.params)):
@@ -74,7 +79,7 @@ def test_every_predictive_sums_to_one(name, V):
 
 
 def test_ood_predictor_is_add_alpha_counting_for_dice():
-    fam = tasks.make("dice", vocab_size=3, alpha=2.0)
+    fam = tasks.make("dice", vocab_size=3, alpha=2.0, majors="prior")
     tokens = torch.tensor([[0, 0, 2, 1]])
     expected = torch.tensor([[3, 2, 2], [4, 2, 2], [4, 2, 3], [4, 3, 3]], dtype=torch.float64)
     torch.testing.assert_close(fam.predict_ood(tokens)[0], expected / expected.sum(-1, keepdim=True))
@@ -107,7 +112,7 @@ def test_disjoint_dice_majors():
 
 @pytest.mark.parametrize("name,V", FAMILIES)
 def test_sampling_is_a_pure_function_of_seed_step_stream(name, V):
-    fam = tasks.make(name, vocab_size=V)
+    fam = family(name, vocab_size=V)
     pool = fam.sample_pool(3, 4, seed=0)
     a = fam.sample(pool, 16, 12, seed=5, step=3)
     b = fam.sample(pool, 16, 12, seed=5, step=3)
@@ -122,7 +127,7 @@ def test_sampling_is_a_pure_function_of_seed_step_stream(name, V):
 @pytest.mark.parametrize("name,V", FAMILIES)
 def test_sampled_frequencies_match_the_task(name, V):
     """Empirical unigram (dice) or transition (markov) frequencies converge to the task."""
-    fam = tasks.make(name, vocab_size=V)
+    fam = family(name, vocab_size=V)
     pool = fam.sample_pool(1, 0, seed=2)
     tokens = fam.sample(pool, 400, 200, seed=0).tokens
     if name == "dice":
@@ -145,7 +150,7 @@ def test_bayes_posterior_brute_force_over_all_short_sequences(name, V, T):
     """For every sequence of length T: the posterior after each prefix equals prior x product of
     likelihoods (a plain loop over tokens, no tensor code of the family), normalised; and the chain
     of Bayes predictives gives each whole sequence the pool mixture's probability sum_k w_k p_k(seq)."""
-    fam = tasks.make(name, vocab_size=V)
+    fam = family(name, vocab_size=V)
     pool = fam.sample_pool(2, 2, 0.3, seed=0)
     seqs = torch.tensor(list(itertools.product(range(V), repeat=T)))  # all V**T sequences
     post = fam.log_posterior(seqs, pool).exp()  # [V**T, T, K]

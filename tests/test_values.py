@@ -25,6 +25,7 @@ from taskgeom.cli import app
 from taskgeom.claims import check
 from taskgeom.errors import EnvironmentRefused, TaskgeomError, TrainingDiverged
 from taskgeom.experiments.base import Context
+from taskgeom.recipes import load_study
 from taskgeom.tasks import TaskPool, make
 
 # ---------------------------------------------------------------- P3: medians per position and per quarter
@@ -91,7 +92,7 @@ def test_transition_statistic_on_a_case_computed_by_hand():
     params = [[0.8, 0.2], [0.3, 0.7], [0.5, 0.5]]
     weights = [0.45, 0.45, 0.1]
     pool = TaskPool(torch.tensor(params, dtype=torch.float64), torch.tensor(weights, dtype=torch.float64), n_major=2)
-    family = make("dice", vocab_size=2, alpha=1.0)
+    family = make("dice", vocab_size=2, alpha=1.0, majors="prior")
     tokens = torch.tensor([[0, 0, 1, 0], [1, 1, 1, 0]])
     logits = torch.randn(2, 4, 2, generator=torch.Generator().manual_seed(0))
     model = torch.softmax(logits.double(), -1).tolist()
@@ -130,7 +131,7 @@ def test_transition_statistic_on_a_case_computed_by_hand():
 
 
 def test_with_no_minor_mass_the_generalising_predictor_is_bayes_over_the_majors():
-    family = make("dice", vocab_size=3)
+    family = make("dice", vocab_size=3, majors="prior")
     pool = family.sample_pool(3, 2, 0.0, seed=0)
     tokens = family.sample_ood(4, 6, seed=0).tokens
     expected = family.predict_id(tokens, pool.subset("major"))
@@ -193,7 +194,7 @@ def test_e4_claims_read_planted_shares_and_probes(tmp_path, monkeypatch, e4_shar
     the larger of E1's and E3's smallest at resid_mid; e4.prefix_probe = the smallest over targets
     of the best layer's score minus control at resid_mid. resid_post holds numbers that would give
     other answers."""
-    e4 = importlib.import_module("taskgeom.experiments.e4")
+    e4 = importlib.import_module("taskgeom.extras.dyck")
     references = {"e1": {"resid_mid": [0.05, 0.02], "resid_post": [0.001, 0.5]},
                   "e3": {"resid_mid": [0.04, 0.03], "resid_post": [0.3, 0.2]}}
     token_due = [e4_shares[0], 0.5]
@@ -226,7 +227,7 @@ def test_e4_claims_read_planted_shares_and_probes(tmp_path, monkeypatch, e4_shar
     monkeypatch.setattr(e4, "plot_prefix_probes", lambda *a, **k: None)
 
     ctx = Context(tmp_path, "quick")
-    e4.e4(ctx)
+    e4.e4(ctx, load_study("e4"), ("e1", "e3"))
     claims = {c.id: c for _, c in ctx.measured}
     assert list(claims) == ["e4.P0_failure", "e4.prefix_probe"]
     p0 = claims["e4.P0_failure"]
@@ -261,14 +262,14 @@ def _raiser(error: Exception):
 
 @pytest.mark.parametrize("options, message", [
     (["--profile", "huge"], "unknown profile 'huge'"),
-    (["--only", "e9"], "unknown experiments ['e9']"),
+    (["--only", "e9"], "--only: unknown experiments or recipes ['e9']"),
     (["--executor", "dask"], "unknown executor 'dask'"),
     (["--workers", "0"], "--workers must be at least 1"),
     (["--device", "tpu"], "unknown device 'tpu'"),
 ])
 def test_reproduce_exits_2_on_bad_input_before_writing(tmp_path, monkeypatch, options, message):
     ran = []
-    monkeypatch.setattr(taskgeom.experiments, "EXPERIMENTS", {"fake": ran.append})
+    monkeypatch.setattr(taskgeom.experiments, "declared", lambda studies, profile: {"fake": ran.append})
     result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path / "out"), *options])
     assert result.exit_code == 2, result.output
     assert message in result.output
@@ -283,7 +284,7 @@ def test_reproduce_exits_2_on_bad_input_before_writing(tmp_path, monkeypatch, op
 def test_reproduce_exit_code_says_what_stopped_it(tmp_path, monkeypatch, error, code):
     """The contract of issue 12: 2 bad input, 3 the environment refused, 1 the work ran and failed;
     one line naming the problem, no traceback."""
-    monkeypatch.setattr(taskgeom.experiments, "EXPERIMENTS", {"fake": _raiser(error)})
+    monkeypatch.setattr(taskgeom.experiments, "declared", lambda studies, profile: {"fake": _raiser(error)})
     result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), "--device", "cpu"])
     assert result.exit_code == code, result.output
     assert str(error) in result.output and "Traceback" not in result.output

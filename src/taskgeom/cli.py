@@ -358,9 +358,12 @@ def reproduce(
     seeds: str = typer.Option("0,1,2", help="Comma-separated training seeds: every setting is trained on each, and each claim is "
                               "judged over them (pass: every seed passes; fail: every seed fails; unstable: they disagree)."),
     out: Path = typer.Option(Path("results"), help="Output folder: runs/, figures/, claims.json, report.html."),
-    only: Optional[List[str]] = typer.Option(None, help="Run only these experiments (repeatable)."),
-    recipes: Optional[str] = typer.Option(None, help="Comma-separated recipes to measure (e1,e2,e3,e4); default all. E4's "
-                                          "experiment also trains E1 and E3's k = -1 runs, its references."),
+    only: Optional[List[str]] = typer.Option(None, help="Run only these experiments (bayes_optimum, m1, dual_modes, or a recipe's "
+                                             "own: e2, e4), or only those of these recipes (repeatable)."),
+    recipes: Optional[str] = typer.Option(None, help="Comma-separated recipes to measure (e1,e2,e3,e4, and those of --recipe); "
+                                          "default all. E4's experiment also trains E1 and E3's k = -1 runs, its references."),
+    recipe: Optional[List[Path]] = typer.Option(None, "--recipe", help="A recipe file to measure besides the shipped ones "
+                                                "(repeatable), e.g. a plugin family's; its study section says what it takes part in."),
     grid: Optional[str] = typer.Option(None, help="Comma-separated diversities k of the dual-mode sweep instead of the "
                                        "profile's (the claims read the lowest and the highest), e.g. -1,8 for a rung of the ladder."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override applied to every run of every experiment, "
@@ -384,35 +387,23 @@ def reproduce(
     sweeps run on the executor chosen by the executor options (as in `taskgeom sweep`); the other
     experiments' runs train in this process, on --device."""
     from taskgeom.experiments.executors import Executor
-    from taskgeom.experiments import EXPERIMENTS, reproduce as run_all
+    from taskgeom.experiments import declared, reproduce as run_all
     from taskgeom.claims import exit_code, summary
-    from taskgeom.config import profile_names
-    from taskgeom.recipes import recipe_names, recipe_path
 
     where = Executor(executor, workers, address, cpus_per_run, gpus_per_run)
     _check_training(device, tracker)  # its single runs train in this process
     _folder(out, "--out")
-    unknown = set(only or []) - set(EXPERIMENTS)
-    if unknown:
-        raise TaskgeomError(f"unknown experiments {sorted(unknown)}; available: {list(EXPERIMENTS)}")
-    recipe_list = None if recipes is None else [r.strip() for r in recipes.split(",") if r.strip()]
-    unknown = set(recipe_list or []) - set(recipe_names())
-    if unknown or recipe_list == []:
-        raise TaskgeomError(f"--recipes: unknown recipes {sorted(unknown)}; available: {recipe_names()}")
-    for recipe in recipe_list or recipe_names():
-        if profile not in profile_names(recipe_path(recipe)):
-            raise TaskgeomError(f"unknown profile {profile!r} for recipe {recipe}; it defines {profile_names(recipe_path(recipe))}")
+    studies, experiments = _studies(recipe or [], recipes, only or [], profile)
+    chosen = {name: run for name, run in declared(studies, profile).items() if not experiments or name in experiments}
     seed_list = _int_list(seeds, "--seeds")
     diversities = None if grid is None else _int_list(grid, "--grid")
     if any(setting.split("=", 1)[0].strip() == "train.seed" for setting in set_ or []):
         raise TaskgeomError("--set train.seed: reproduce trains every setting on each seed of --seeds; say --seeds instead")
-    chosen = {k: v for k, v in EXPERIMENTS.items() if not only or k in only}
     if plan:
         from taskgeom.experiments.base import Context, planned_runs
         from taskgeom.experiments.schedule import plan_table
 
-        ctx = Context(out, profile, tuple(seed_list), where, device, tracker, tuple(set_ or []), recipe_list and tuple(recipe_list),
-                      diversities and tuple(diversities))
+        ctx = Context(out, profile, tuple(seed_list), where, device, tracker, tuple(set_ or []), studies, diversities and tuple(diversities))
         table = plan_table(planned_runs(ctx, chosen))
         typer.echo(table.to_csv(index=False) if csv else table.to_string(index=False))
         if not csv:
@@ -420,12 +411,46 @@ def reproduce(
                        f"{table['flops'].sum():.3g} training FLOPs (6 x parameters x tokens)")
         return
     where.check()  # Ray importable and its address answering, before any training
-    ctx = run_all(out, profile, chosen, where, device, tracker, tuple(set_ or []), tuple(seed_list), recipe_list, diversities)
+    ctx = run_all(out, profile, chosen, where, device, tracker, tuple(set_ or []), tuple(seed_list), studies, diversities)
     for claim in ctx.claims:
         typer.echo(claim_line(claim))
     typer.echo(f"{summary(ctx.claims)}; report: {ctx.out / 'report.html'}")
     if exit_code(ctx.claims):
         raise typer.Exit(1)
+
+
+def _studies(files: list[Path], recipes: str | None, only: list[str], profile: str) -> tuple[tuple, list[str]]:
+    """(the studies ``reproduce`` measures, the experiments named by ``--only``): the shipped recipes
+    and ``--recipe`` files, those of ``--recipes`` or of the recipe names among ``--only`` (a name
+    that is an experiment's is the experiment) alone when given; TaskgeomError for an unknown name,
+    a recipe name given twice, or a recipe without ``profile``."""
+    from taskgeom.config import profile_names
+    from taskgeom.experiments import EXPERIMENTS
+    from taskgeom.recipes import load_study, recipe_names
+
+    for path in files:
+        if not path.is_file():
+            raise TaskgeomError(f"--recipe {path}: no such file")
+    everything = [load_study(name) for name in recipe_names()] + [load_study(path) for path in files]
+    names = [study.name for study in everything]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise TaskgeomError(f"--recipe: recipes named {twice} twice (a recipe's name is its file's stem); rename the file")
+    wanted = None if recipes is None else [r.strip() for r in recipes.split(",") if r.strip()]
+    if wanted is not None and (not wanted or set(wanted) - set(names)):
+        raise TaskgeomError(f"--recipes: unknown recipes {sorted(set(wanted) - set(names))}; available: {names}")
+    experiments = set(EXPERIMENTS) | {name for study in everything for name in study.experiments}
+    unknown = sorted(set(only) - set(names) - experiments)
+    if unknown:
+        raise TaskgeomError(f"--only: unknown experiments or recipes {unknown}; experiments: {sorted(experiments)}, recipes: {names}")
+    by_recipe = [name for name in only if name not in experiments]
+    if by_recipe:
+        wanted = [name for name in (wanted or names) if name in by_recipe]
+    studies = tuple(study for study in everything if wanted is None or study.name in wanted)
+    for study in studies:
+        if profile not in profile_names(study.path):
+            raise TaskgeomError(f"unknown profile {profile!r} for recipe {study.name}; it defines {profile_names(study.path)}")
+    return studies, [name for name in only if name in experiments]
 
 
 def claim_line(claim) -> str:

@@ -9,13 +9,14 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BeforeValidator, Field, SerializeAsAny, ValidationError, model_validator
 
 from taskgeom.errors import EnvironmentRefused, TaskgeomError
+from taskgeom.settings import Int, PositiveFloat, PositiveInt, Real, StrictModel, TaskSettings
+from taskgeom.tasks.registry import FamilyError, build_family, families, settings_model
 
 
 class ConfigError(TaskgeomError, ValueError):
@@ -26,86 +27,35 @@ class MemoryRefused(EnvironmentRefused):
     """A config that needs more memory than the machine has (exit code 3); the message gives the estimate."""
 
 
-def _not_bool(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise PydanticCustomError("float_type", "Input should be a number, not a boolean")
-    return value
+def _task_settings(value: Any) -> Any:
+    """A ``task`` section validated by the model of the family it names (``tasks.registry``)."""
+    if isinstance(value, TaskSettings):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"config field 'task' must be a mapping of settings, got {_kind(value)}")
+    family, known = value.get("family"), families()  # a plugin that fails to load: FamilyError, its message kept
+    if family is None:
+        raise ValueError(f"task.family is missing; registered families: {', '.join(sorted(known))}")
+    if not isinstance(family, str):
+        raise ValueError(f"config field 'task.family' must name a family, got {_kind(family)}")
+    try:
+        model = settings_model(family)
+    except FamilyError as err:
+        raise ValueError(f"config field 'task.family': {err}") from None
+    try:
+        return model.model_validate(value)
+    except ValidationError as err:
+        raise ValueError(describe_validation(err, ("task",))) from None
 
 
-# Counts are integers in the YAML sense only: true, 1.0 and "3" are refused (pydantic would read them as 1, 1, 3).
-Int = Annotated[int, Strict()]
-PositiveInt = Annotated[int, Strict(), Field(gt=0)]
-# Real numbers: finite (the models below set allow_inf_nan=False) and never a boolean.
-Real = Annotated[float, BeforeValidator(_not_bool)]
-PositiveFloat = Annotated[float, BeforeValidator(_not_bool), Field(gt=0)]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class _TaskBase(_Strict):
-    n_major: PositiveInt = 3
-    diversity: Int = Field(-1, ge=-1, le=20, description="k: 2**k minor tasks; -1 means majors only")
-    p_minor: Real = Field(0.1, ge=0.0, lt=1.0)
-
-
-class _TokenTaskBase(_TaskBase):
-    seq_len: PositiveInt = 64
-
-
-class DiceConfig(_TokenTaskBase):
-    family: Literal["dice"] = "dice"
-    vocab_size: Int = Field(6, ge=2)
-    alpha: PositiveFloat = 1.0
-    majors: Literal["prior", "disjoint"] = "disjoint"
-    floor: Real = Field(0.02, ge=0.0)
-
-    @model_validator(mode="after")
-    def _disjoint_majors_have_faces(self) -> "DiceConfig":
-        if self.majors == "disjoint" and self.n_major > self.vocab_size:
-            raise ValueError(f"task.majors disjoint gives each major task faces of its own: task.n_major ({self.n_major}) "
-                             f"must not exceed task.vocab_size ({self.vocab_size}); raise task.vocab_size or set task.majors=prior")
-        return self
-
-
-class MarkovConfig(_TokenTaskBase):
-    family: Literal["markov"] = "markov"
-    vocab_size: Int = Field(8, ge=2)
-    alpha: PositiveFloat = 1.0
-
-
-class DyckConfig(_TokenTaskBase):
-    family: Literal["dyck"] = "dyck"
-    n_noise: Int = Field(7, ge=1)
-    n_pairs: PositiveInt = 10
-    p_bracket: Real = Field(0.25, gt=0.0, lt=1.0)
-
-
-class RegressionConfig(_TaskBase):
-    """E2; its model sequence holds ``n_examples`` examples of 3 positions (``layout: separator``)
-    or 2 (``layout: pair``), and ``seq_len`` is that number of positions."""
-
-    family: Literal["regression"] = "regression"
-    d: PositiveInt = 4
-    n_examples: PositiveInt = 16
-    noise: PositiveFloat = Field(0.5, description="noise standard deviation")
-    layout: Literal["separator", "pair"] = "separator"
-
-    @property
-    def seq_len(self) -> int:
-        return self.n_examples * (3 if self.layout == "separator" else 2)
-
-
-TASK_CONFIGS = (DiceConfig, MarkovConfig, RegressionConfig, DyckConfig)
-TaskConfig = Annotated[Union[TASK_CONFIGS], Field(discriminator="family")]
-FAMILY_TAGS = {cls.model_fields["family"].default for cls in TASK_CONFIGS}
+# The task section: any registered family's settings (kept as that family's model when dumped).
+TaskConfig = Annotated[SerializeAsAny[TaskSettings], BeforeValidator(_task_settings)]
 
 
 ARCH_POSITIONS = {"gpt2": "learned", "llama": "rotary"}  # the position scheme each Hugging Face architecture has
 
 
-class ModelConfig(_Strict):
+class ModelConfig(StrictModel):
     n_layers: PositiveInt = 2
     d_model: PositiveInt = 64
     n_heads: PositiveInt = 2
@@ -135,7 +85,7 @@ class ModelConfig(_Strict):
         return self
 
 
-class TrainConfig(_Strict):
+class TrainConfig(StrictModel):
     steps: PositiveInt = 1500
     batch_size: PositiveInt = 64
     lr: PositiveFloat = 4e-4
@@ -155,7 +105,7 @@ class TrainConfig(_Strict):
 LATER_SETTINGS: tuple[tuple[str, str], ...] = (("train", "precision"), ("model", "arch"))
 
 
-class RunConfig(_Strict):
+class RunConfig(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     task: TaskConfig
     model: ModelConfig = ModelConfig()
@@ -164,17 +114,19 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _positions_hold_sequence(self) -> "RunConfig":
         if self.task.seq_len > self.model.max_len:
-            if isinstance(self.task, RegressionConfig):
-                raise ValueError(f"task.n_examples ({self.task.n_examples}) needs {self.task.seq_len} positions in the "
-                                 f"{self.task.layout!r} layout, more than model.max_len ({self.model.max_len})")
-            raise ValueError(f"task.seq_len ({self.task.seq_len}) exceeds model.max_len ({self.model.max_len})")
+            raise ValueError(f"{self.task.length_setting()} exceeds model.max_len ({self.model.max_len})")
         return self
 
     @model_validator(mode="after")
     def _hf_arch_reads_tokens(self) -> "RunConfig":
-        if self.model.arch != "taskgeom" and isinstance(self.task, RegressionConfig):
-            raise ValueError(f"model.arch {self.model.arch!r} reads tokens, but the regression family feeds vectors; use model.arch taskgeom")
+        if self.model.arch != "taskgeom" and not self.family.reads_tokens:
+            raise ValueError(f"model.arch {self.model.arch!r} reads tokens, but the {self.task.family} family feeds vectors; use model.arch taskgeom")
         return self
+
+    @property
+    def family(self):
+        """The task family (``tasks.TaskFamily``) of the task section, built anew each time."""
+        return build_family(self.task)
 
     def digest(self) -> str:
         """Short hash of the resolved settings: names the run directory. Settings added after the
@@ -230,11 +182,12 @@ def build_config(raw: dict, overrides: list[str] = ()) -> RunConfig:
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_describe(err)) from None
+        raise ConfigError(describe_validation(err)) from None
 
 
 def load_config(path: str | Path, profile: str = "quick", overrides: list[str] = ()) -> RunConfig:
-    """Read a recipe: its ``base`` section merged with ``profiles[profile]``, then overrides."""
+    """Read a recipe: its ``base`` section merged with ``profiles[profile]``, then overrides (its
+    ``study`` section is ``recipes.load_study``'s)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -246,9 +199,9 @@ def load_config(path: str | Path, profile: str = "quick", overrides: list[str] =
         raise ConfigError(f"{path}: not valid YAML ({yaml_problem(err)})") from None
     if not isinstance(recipe, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    unknown = set(recipe) - {"base", "profiles"}
+    unknown = set(recipe) - {"base", "profiles", "study"}
     if unknown:
-        raise ConfigError(f"{path}: unknown top-level keys {sorted(unknown, key=str)}; allowed: base, profiles")
+        raise ConfigError(f"{path}: unknown top-level keys {sorted(unknown, key=str)}; allowed: base, profiles, study")
     base, profiles = recipe.get("base") or {}, recipe.get("profiles") or {}
     if not isinstance(base, dict):
         raise ConfigError(f"{path}: 'base' must be a mapping of settings, got {_kind(base)}")
@@ -288,10 +241,11 @@ def _kind(value: Any) -> str:
     return f"the {type(value).__name__} {value!r}"[:80]
 
 
-def _describe(err: ValidationError) -> str:
+def describe_validation(err: ValidationError, prefix: tuple[str, ...] = ()) -> str:
+    """One line for a validation error: each problem with the dotted field it is in (under ``prefix``)."""
     lines = []
     for item in err.errors():
-        where = ".".join(str(p) for p in item["loc"] if p not in FAMILY_TAGS)
+        where = ".".join(str(p) for p in (*prefix, *item["loc"]))
         if item["type"] == "extra_forbidden":
             lines.append(f"unknown config field {where!r}")
         elif not where or item["type"] == "value_error":  # a check of ours: its message names the fields
@@ -302,23 +256,15 @@ def _describe(err: ValidationError) -> str:
 
 
 # ---- memory: what a config needs, checked against the machine before anything is written --------
-def _io_widths(task: TaskConfig) -> tuple[int, int]:
-    """(input width, output width) of the model for ``task``: the vocabulary of a token family; x_t
-    and y_t features in, one prediction out for regression."""
-    if isinstance(task, RegressionConfig):
-        return task.d + 2, 1
-    vocab = task.n_noise + 2 if isinstance(task, DyckConfig) else task.vocab_size
-    return vocab, vocab
-
-
 def parameter_count(config: RunConfig) -> int:
     """Parameters of the model of ``config``: exact for ours; within a few per cent for the Hugging
     Face ones (llama's gated MLP counted with three matrices, gpt2's biases left out)."""
-    m, (n_in, n_out) = config.model, _io_widths(config.task)
+    m, family = config.model, config.family
+    n_in, n_out = family.io_widths()
     mlp_mats = 3 if m.arch == "llama" else 2
     per_layer = 4 * m.d_model * m.d_model + mlp_mats * m.d_model * m.d_mlp + m.d_mlp + 5 * m.d_model
     positions = m.max_len * m.d_model if m.positions == "learned" else 0
-    embed = n_in * m.d_model + (m.d_model if isinstance(config.task, RegressionConfig) else 0)  # a Linear (with bias) for vectors
+    embed = n_in * m.d_model + (0 if family.reads_tokens else m.d_model)  # a Linear (with bias) for vectors
     return embed + positions + m.n_layers * per_layer + 2 * m.d_model + m.d_model * n_out
 
 
@@ -333,29 +279,28 @@ def training_memory(config: RunConfig) -> dict[str, int]:
     and AdamW's two moments: 16 bytes a parameter), ``activations`` (those the backward pass of one
     batch keeps, or one evaluation forward pass, whichever is larger) and ``bayes`` (the exact
     posterior over the task pool of an evaluation batch, float64)."""
-    m, t, (_, n_out) = config.model, config.train, _io_widths(config.task)
-    T = config.task.seq_len
+    m, t, family = config.model, config.train, config.family
+    T, n_out = config.task.seq_len, family.io_widths()[1]
     # per token and layer, fp32: residual, norms, q/k/v, attention output (~10 d_model) and the
     # MLP's two hidden tensors (attention scores left out: fused attention need not keep them)
     kept = 4 * (10 * m.d_model + 2 * m.d_mlp)
     train = t.batch_size * T * (m.n_layers * kept + 3 * 4 * n_out)
     evaluate = t.eval_batch * T * (kept + 2 * 8 * n_out)  # no grad: one layer at a time, float64 log-probs
-    bayes = 3 * 8 * t.eval_batch * T * _pool_size(config.task)  # log-likelihoods, their cumulative sum, the posterior
+    bayes = t.eval_batch * family.bayes_memory(T, _pool_size(config.task))
     return {"weights": 16 * parameter_count(config), "activations": max(train, evaluate), "bayes": bayes}
 
 
 def analysis_memory(config: RunConfig, n_sequences: int) -> int:
     """Bytes the M1 analysis of ``n_sequences`` sequences per batch needs at least: fp32 weights;
-    tokens (int64) and the exact posterior over the majors (float64) of the selection and measurement
-    batches; one streamed forward pass over all sequences (attention and MLP of one layer, logits);
+    the inputs and the exact Bayes quantities over the majors (``bayes_memory``) of the selection and
+    measurement batches; one streamed forward pass over all sequences (attention and MLP of one layer, logits);
     the states of the measured sites with their float64 copies for the fits. A lower bound: steering
     and the fits' own work come on top."""
-    m, (n_in, n_out) = config.model, _io_widths(config.task)
-    T, K, sites = config.task.seq_len, config.task.n_major, 2
-    per_token = (2 * 8 * (1 + K if not isinstance(config.task, RegressionConfig) else n_in + K)
-                 + 4 * (m.d_mlp + 4 * m.d_model + n_out)
-                 + sites * m.d_model * (4 + 2 * 8))
-    return 4 * parameter_count(config) + n_sequences * T * per_token
+    m, family = config.model, config.family
+    (n_in, n_out), T, K, sites = family.io_widths(), config.task.seq_len, config.task.n_major, 2
+    inputs = 2 * 8 * T * (1 if family.reads_tokens else n_in)  # the two batches' inputs: int64 tokens or float64 vectors
+    per_token = 4 * (m.d_mlp + 4 * m.d_model + n_out) + sites * m.d_model * (4 + 2 * 8)
+    return 4 * parameter_count(config) + n_sequences * (inputs + 2 * family.bayes_memory(T, K) + T * per_token)
 
 
 def format_bytes(n: float) -> str:

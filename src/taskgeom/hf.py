@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from taskgeom.config import ConfigError, ModelConfig, RegressionConfig, RunConfig
+from taskgeom.config import ConfigError, ModelConfig, RunConfig
 from taskgeom.errors import RunDirError, TaskgeomError
 from taskgeom.model import HookPoint, ResidualModel
 from taskgeom.recipes import load_recipe
@@ -265,7 +265,7 @@ def open_pretrained(source: Path | str, recipe: str | None, profile: str = "quic
         raise RunDirError(f"{source}/config.json cannot be read by transformers ({err})") from None
     model = model_config(hf)
     config = load_recipe(recipe, profile, list(overrides))
-    if isinstance(config.task, RegressionConfig):
+    if not config.family.reads_tokens:
         raise ConfigError(f"a Hugging Face causal LM reads tokens, but the recipe's family {config.task.family!r} feeds vectors")
     if config.task.seq_len > model.max_len:
         raise ConfigError(f"the task's sequences have {config.task.seq_len} positions; the model at {source} has {model.max_len}")

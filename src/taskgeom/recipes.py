@@ -1,10 +1,32 @@
-"""The shipped YAML recipes (``e1`` ... ``e4``), found by name or by path."""
+"""Recipes: the shipped YAML files (``e1`` ... ``e4``) or any other, found by name or by path. A
+recipe's ``base`` and ``profiles`` make its run configs (``config.load_config``); its ``study``
+section declares what ``taskgeom reproduce`` measures on it:
+
+```yaml
+study:
+  section: "E4: planted Dyck"            # its section of the report
+  experiments:                           # in order; a generic experiment by name, or one of its own
+    m1: {}                               # M1's geometry on its k = -1 runs
+    dual_modes: {profiles: [paper]}      # the diversity sweep, at these profiles only
+    e4: {run: "taskgeom.extras.dyck:e4", options: {references: [e1, e3]}}
+```
+
+An experiment of its own (``run: module:function``) is called as ``function(ctx, studies,
+**options)`` and may carry ``function.runs(ctx, studies)`` (the runs it needs, for the schedule)
+and its module an ``evidence(table)`` (its interactive figures in the report)."""
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
-from taskgeom.config import ConfigError, RunConfig, load_config
+import yaml
+from pydantic import Field, ValidationError
+
+from taskgeom.config import ConfigError, RunConfig, describe_validation, load_config
+from taskgeom.settings import StrictModel
 
 RECIPE_DIR = Path(__file__).parent / "configs"
 
@@ -26,3 +48,56 @@ def recipe_path(name_or_path: str | Path) -> Path:
 
 def load_recipe(name_or_path: str | Path, profile: str = "quick", overrides: list[str] = ()) -> RunConfig:
     return load_config(recipe_path(name_or_path), profile, list(overrides))
+
+
+class ExperimentEntry(StrictModel):
+    run: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="module:function of an experiment of the recipe's own")
+    profiles: list[str] | None = Field(None, description="only at these profiles; all when left out")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of an experiment of its own")
+
+
+class StudySection(StrictModel):
+    section: str = Field(min_length=1)
+    experiments: dict[str, ExperimentEntry]
+
+
+@dataclass(frozen=True)
+class Study:
+    """One recipe's part in a reproduction: its name (the file's stem: ``e1``, the prefix of its
+    claims), its file, its report section's title and the experiments it takes part in."""
+
+    name: str
+    path: Path
+    section: str
+    experiments: dict[str, ExperimentEntry]
+
+    def takes_part(self, experiment: str, profile: str) -> bool:
+        entry = self.experiments.get(experiment)
+        return entry is not None and (entry.profiles is None or profile in entry.profiles)
+
+
+def load_study(name_or_path: str | Path) -> Study:
+    """The study section of a recipe; ConfigError naming the file when it has none or a wrong one."""
+    path = recipe_path(name_or_path)
+    try:
+        recipe = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: unreadable ({err})") from None
+    section = recipe.get("study") if isinstance(recipe, dict) else None
+    if section is None:
+        raise ConfigError(f"{path}: no study section; `taskgeom reproduce` measures a recipe that declares what it takes part in "
+                          "(see taskgeom.recipes)")
+    try:
+        study = StudySection.model_validate(section)
+    except ValidationError as err:
+        raise ConfigError(f"{path}: {describe_validation(err, ('study',))}") from None
+    return Study(path.stem, path, study.section, study.experiments)
+
+
+def experiment_function(reference: str) -> Callable:
+    """The function ``module:function`` names; ConfigError when it cannot be imported."""
+    module, name = reference.split(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"experiment {reference!r} cannot be loaded: {type(err).__name__}: {err}") from None

@@ -30,7 +30,6 @@ from taskgeom.storage import atomic_write_json, atomic_write_text, exclusive_loc
 
 RUN_FORMAT = 1
 LOCK_NAME = ".lock"
-_FAMILY_SETTINGS = {"family", "n_major", "diversity", "p_minor", "seq_len", "n_examples"}
 
 
 class Run:
@@ -91,8 +90,7 @@ class Run:
     # ---- what the run is made of ------------------------------------------------------------
     @cached_property
     def family(self) -> tasks.TaskFamily:
-        settings = self.config.task.model_dump()
-        return tasks.make(settings["family"], **{k: v for k, v in settings.items() if k not in _FAMILY_SETTINGS})
+        return self.config.family
 
     @cached_property
     def pool(self) -> tasks.TaskPool:

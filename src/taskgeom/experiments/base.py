@@ -3,6 +3,7 @@ claims and figures, and the ``reproduce`` driver."""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -16,7 +17,7 @@ from taskgeom.devices import check_training_fits
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.schedule import TrainTask, train_all
 from taskgeom.progress import console, step_bar
-from taskgeom.recipes import load_recipe
+from taskgeom.recipes import Study, load_recipe, load_study, recipe_names
 from taskgeom.report.manifest import MANIFEST, manifest
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_json
@@ -49,7 +50,7 @@ class Context:
     device: str = "auto"
     tracker: str = "none"
     overrides: tuple[str, ...] = ()  # ``--set`` settings applied to every run's recipe, before each run's own
-    recipes: tuple[str, ...] | None = None  # the recipes the experiments measure (``--recipes``); None: all of them
+    studies: tuple[Study, ...] = field(default_factory=lambda: shipped_studies())  # the recipes measured, with what each takes part in
     diversities: tuple[int, ...] | None = None  # the sweep's diversity grid (``--grid``); None: the profile's
     measured: list[tuple[int, Claim]] = field(default_factory=list)
     claims: list[Claim] = field(default_factory=list)
@@ -79,14 +80,15 @@ class Context:
         """Record ``claims`` as measured on the runs of training seed ``seed``."""
         self.measured.extend((seed, claim) for claim in claims)
 
-    def selected(self, recipes: tuple[str, ...]) -> tuple[str, ...]:
-        """Those of ``recipes`` this reproduction measures (``--recipes``), in their order."""
-        return tuple(r for r in recipes if self.recipes is None or r in self.recipes)
+    def taking_part(self, experiment: str) -> tuple[Study, ...]:
+        """The studies (recipes) that declare ``experiment`` at this profile, in their order."""
+        return tuple(study for study in self.studies if study.takes_part(experiment, self.profile))
 
     def config(self, recipe: str, overrides: tuple[str, ...] = (), seed: int = 0) -> RunConfig:
-        """``recipe`` under this profile, with this reproduction's overrides, then ``overrides``,
-        trained on ``seed``."""
-        return load_recipe(recipe, self.profile, [*self.overrides, *overrides, f"train.seed={seed}"])
+        """``recipe`` (a study's name, else a shipped recipe or a file) under this profile, with this
+        reproduction's overrides, then ``overrides``, trained on ``seed``."""
+        source = next((study.path for study in self.studies if study.name == recipe), recipe)
+        return load_recipe(source, self.profile, [*self.overrides, *overrides, f"train.seed={seed}"])
 
     def plans(self, recipe: str, overrides: tuple[str, ...] = (), threads: int = 0) -> list[TrainTask]:
         """The runs ``trained(recipe, overrides, seed)`` gives for every seed, as tasks for the
@@ -110,30 +112,61 @@ class Context:
         return run
 
 
+def shipped_studies() -> tuple[Study, ...]:
+    """The study sections of the shipped recipes, by name."""
+    return tuple(load_study(name) for name in recipe_names())
+
+
 Experiment = Callable[[Context], None]  # may carry ``runs(ctx) -> list[TrainTask]``: the runs it needs, for the schedule
 
 
-def planned_runs(ctx: Context, experiments: dict[str, Experiment]) -> list[TrainTask]:
-    """Every run the experiments declare for ``ctx`` (``runs``), in order; a run two experiments
-    need appears once for each."""
+@dataclass(frozen=True)
+class Extra:
+    """An experiment of one study's own (``run: module:function`` in its recipe), as an Experiment:
+    ``function(ctx, study, **options)``, and its ``runs`` likewise."""
+
+    function: Callable
+    study: Study
+    options: dict
+
+    def __call__(self, ctx: Context) -> None:
+        self.function(ctx, self.study, **self.options)
+
+    def runs(self, ctx: Context) -> list[TrainTask]:
+        runs = getattr(self.function, "runs", None)
+        return [] if runs is None else runs(ctx, self.study, **self.options)
+
+
+def planned_runs(ctx: Context, experiments: dict[str, Experiment] | None = None) -> list[TrainTask]:
+    """Every run the experiments (by default those ``ctx``'s studies declare) declare for ``ctx``
+    (``runs``), in order; a run two experiments need appears once for each."""
+    if experiments is None:
+        from taskgeom.experiments import declared  # the generic experiments import this module
+
+        experiments = declared(ctx.studies, ctx.profile)
     return [task for experiment in experiments.values() for task in getattr(experiment, "runs", lambda _: [])(ctx)]
 
 
-def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], executor: Executor = Executor(),
+def reproduce(out: Path, profile: str, experiments: dict[str, Experiment] | None = None, executor: Executor = Executor(),
               device: str = "auto", tracker: str = "none", overrides: tuple[str, ...] = (), seeds: tuple[int, ...] = (0,),
-              recipes: tuple[str, ...] | None = None, diversities: tuple[int, ...] | None = None) -> Context:
+              studies: tuple[Study, ...] | None = None, diversities: tuple[int, ...] | None = None) -> Context:
     """Train every run the experiments declare (``runs``) for every seed of ``seeds`` on
     ``executor``'s local pool first (``schedule``), then run each experiment (their sweeps on
     ``executor``; training on ``device``, also logged to ``tracker``; every recipe with
-    ``overrides`` applied first; only the recipes of ``recipes``, the sweeps over ``diversities``
-    when given), judge each claim over the seeds, then write ``claims.json``,
-    ``timings.json``, ``reproduction.json``, the tables and ``report.html``."""
+    ``overrides`` applied first; the recipes of ``studies``, by default the shipped ones; the sweeps
+    over ``diversities`` when given), judge each claim over the seeds, then write ``claims.json``,
+    ``timings.json``, ``reproduction.json``, the tables and ``report.html``. ``experiments``: by
+    default those the studies declare at ``profile`` (``experiments.declared``)."""
     from taskgeom.report.html import write_report
 
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds must be distinct and at least one, got {list(seeds)}")
     ctx = Context(Path(out), profile, tuple(seeds), executor, device, tracker, tuple(overrides),
-                  None if recipes is None else tuple(recipes), None if diversities is None else tuple(diversities))
+                  shipped_studies() if studies is None else tuple(studies), None if diversities is None else tuple(diversities))
+    if experiments is None:
+        from taskgeom.experiments import declared  # the generic experiments import this module
+
+        experiments = declared(ctx.studies, profile)
     tasks = planned_runs(ctx, experiments)
     for task in tasks:  # every experiment measures in the task subspace: refuse before anything is written
         check_major_tasks(task.config.task.n_major, f"reproduce ({task.config.name}, k = {task.config.task.diversity})")
@@ -156,7 +189,16 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment], execu
     atomic_write_json(ctx.out / "timings.json", ctx.timings.as_dict())
     figures = [{"path": f.path, "pdf": str(Path(f.path).with_suffix(".pdf")), "caption": f.caption, "experiment": f.experiment,
                 "claims": list(f.claims)} for f in ctx.figures]
+    sections = {study.name: study.section for study in ctx.studies}
     atomic_write_json(ctx.out / MANIFEST, manifest(profile, ctx.overrides, device, executor.kind, list(experiments), list(ctx.used),
-                                                     ctx.made_by, figures, ctx.seeds, ctx.runs_root, ctx.recipes, ctx.diversities))
+                                                     ctx.made_by, figures, ctx.seeds, ctx.runs_root, sections, ctx.diversities,
+                                                     _evidence_modules(experiments)))
     write_report(ctx.out)
     return ctx
+
+
+def _evidence_modules(experiments: dict[str, Experiment]) -> list[str]:
+    """The modules of the studies' own experiments that give the report interactive evidence
+    (an ``evidence(table)`` function), in order."""
+    modules = dict.fromkeys(extra.function.__module__ for extra in experiments.values() if isinstance(extra, Extra))
+    return [name for name in modules if hasattr(importlib.import_module(name), "evidence")]

@@ -1,5 +1,6 @@
 """The dual modes across task diversity (PAPER.md section 5): projection R^2, the double
-dissociation, the predictor transition and Theorem 2, for E1 and E3, measured where PAPER.md
+dissociation, the predictor transition and Theorem 2, for the recipes that declare ``dual_modes``
+at the profile (E1 and E3; E2 at paper), measured where PAPER.md
 section 7 pins them (``analysis.dual``). Projection R^2 claims read the token-conditioned form;
 every share of in-context gain carries its parts (clean, ablated and first losses, the gain in
 nats, and ``unreliable`` when the gain is below 0.05 nats)."""
@@ -18,18 +19,14 @@ from taskgeom.report.dual import (plot_dissociation, plot_projection_r2, plot_pr
 from taskgeom.report.manifest import DUAL_EVIDENCE
 from taskgeom.storage import atomic_write_text
 
-# (diversity grid, recipes) per profile; the seeds are the reproduction's. [ours] The quick and standard
-# profiles leave E2 out: its runs cost 2.5 CPU-minutes each at quick sizes, and the three-seed quick
-# reproduction already takes about 25 minutes on 2 cores (README). The rungs of the scale ladder use
+# The diversity grid per profile; the seeds are the reproduction's. The rungs of the scale ladder use
 # quick's grid unless ``--grid`` says otherwise.
-GRIDS = {"quick": ([-1, 3, 8], ("e1", "e3")), "standard": ([-1, 0, 1, 2, 4, 8], ("e1", "e3")),
-         "paper": (list(range(-1, 11)), ("e1", "e2", "e3"))}
+GRIDS = {"quick": [-1, 3, 8], "standard": [-1, 0, 1, 2, 4, 8], "paper": list(range(-1, 11))}
 
 
 def grid(ctx: Context) -> tuple[list[int], tuple[str, ...]]:
     """The sweep's diversities (``--grid``, else the profile's) and the recipes it measures."""
-    diversities, recipes = GRIDS.get(ctx.profile, GRIDS["quick"])
-    return list(ctx.diversities or diversities), ctx.selected(recipes)
+    return list(ctx.diversities or GRIDS.get(ctx.profile, GRIDS["quick"])), tuple(study.name for study in ctx.taking_part("dual_modes"))
 
 # Projection R^2 of OOD states onto S: below this at the highest diversity of the grid ...
 MAX_R2_HIGH_DIVERSITY = 0.2
@@ -66,7 +63,8 @@ def _each_recipe(ctx: Context, *claims: str) -> tuple[str, ...]:
 
 def _jobs(ctx: Context) -> list[Job]:
     diversities, recipes = grid(ctx)
-    return [Job(recipe, k, seed, ctx.profile, str(ctx.runs_root), ctx.overrides, ctx.device, ctx.tracker)
+    paths = {study.name: str(study.path) for study in ctx.studies}
+    return [Job(paths[recipe], k, seed, ctx.profile, str(ctx.runs_root), ctx.overrides, ctx.device, ctx.tracker)
             for recipe in recipes for k in diversities for seed in ctx.seeds]
 
 

@@ -1,6 +1,6 @@
 """M1, Bayesian task retrieval (PAPER.md section 4): P0-P3 and causal steering on the k = -1 runs
-of E1 and E3 (the runs ``bayes_optimum`` trains, reused here) and of E2 (the run the ``e2``
-experiment reads; whichever comes first trains it). Claims are read at the place (layer, site)
+of the recipes that declare ``m1`` (E1, E2, E3; the runs ``bayes_optimum`` and E2's own experiment
+read too, whichever comes first trains them). Claims are read at the place (layer, site)
 selected on a separate batch (highest R^2_task), measured on an independent batch (PAPER.md
 section 7); every threshold is fixed here, beside its check, and the same for every family. For E2
 the analysis reads the separators: P0's "cells" are a per-task intercept and linear map of the
@@ -46,11 +46,9 @@ _CAPTIONS = {
 }
 
 
-RECIPES = ("e1", "e3", "e2")
-
 
 def m1(ctx: Context) -> None:
-    for experiment in ctx.selected(RECIPES):
+    for experiment in (study.name for study in ctx.taking_part("m1")):
         results = {}
         for seed in ctx.seeds:
             run = ctx.trained(experiment, ("task.diversity=-1",), seed)
@@ -66,7 +64,7 @@ def m1(ctx: Context) -> None:
                        seeds=pd.concat([pd.DataFrame(r.rows).assign(seed=seed) for seed, r in results.items()], ignore_index=True))
 
 
-m1.runs = lambda ctx: [task for recipe in ctx.selected(RECIPES) for task in ctx.plans(recipe, ("task.diversity=-1",))]  # for the schedule
+m1.runs = lambda ctx: [task for study in ctx.taking_part("m1") for task in ctx.plans(study.name, ("task.diversity=-1",))]  # for the schedule
 
 
 def claims(result: Result, profile: str) -> list:

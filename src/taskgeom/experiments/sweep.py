@@ -40,6 +40,12 @@ class Job:
     device: str = "auto"
     tracker: str = "none"
 
+    @property
+    def name(self) -> str:
+        """The recipe's name in the tables: the file's stem for a recipe given as a file."""
+        path = Path(self.recipe)
+        return path.stem if path.suffix in (".yaml", ".yml") else self.recipe
+
     def config(self) -> RunConfig:
         return load_recipe(self.recipe, self.profile, [*self.overrides, f"task.diversity={self.diversity}", f"train.seed={self.seed}"])
 
@@ -107,8 +113,8 @@ def run_sweep(jobs: list[Job], executor: Executor = Executor(), out: Path | None
             job = submitted[located]
             if isinstance(result, BaseException):  # the process running the job died
                 result = [{"status": "failed", "error": f"{type(result).__name__}: {result}"}]
-            rows += [{"recipe": job.recipe, "diversity": job.diversity, "seed": job.seed, **row} for row in result]
-            advance(f"{job.recipe} k={job.diversity} seed={job.seed}")
+            rows += [{"recipe": job.name, "diversity": job.diversity, "seed": job.seed, **row} for row in result]
+            advance(f"{job.name} k={job.diversity} seed={job.seed}")
     table = pd.DataFrame(rows)
     for row in table[table["status"] != "ok"].drop_duplicates(["recipe", "diversity", "seed"]).itertuples():
         console.print(f"[red]{row.status}[/red] {row.recipe} k={row.diversity} seed={row.seed}: {row.error}")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from taskgeom.report.interactive import Evidence, evidence
-from taskgeom.report.manifest import SECTIONS, figure_section, read_json, read_manifest, section
+from taskgeom.report.manifest import figure_section, read_json, read_manifest, section, sections as section_titles
 from taskgeom.report.tables import run_config, write_analysis_table
 from taskgeom.storage import atomic_write_text
 
@@ -139,9 +139,9 @@ def _png(figure: dict) -> str:
             f"<figcaption>{html.escape(figure['caption'])} (<a href='{html.escape(figure['pdf'])}'>PDF</a>)</figcaption></figure>")
 
 
-def _summary(claims: list[dict], sections: dict[str, str], timings: dict, order: list[str], seeds: str) -> str:
-    counts = {name: Counter(c["status"] for c in claims if sections[c["id"]] == name) for name in SECTIONS}
-    rows = "".join(f"<tr><td><a href='#sec-{name}'>{html.escape(SECTIONS[name])}</a></td><td class=pass>{n['pass']}</td>"
+def _summary(claims: list[dict], sections: dict[str, str], titles: dict[str, str], timings: dict, order: list[str], seeds: str) -> str:
+    counts = {name: Counter(c["status"] for c in claims if sections[c["id"]] == name) for name in titles}
+    rows = "".join(f"<tr><td><a href='#sec-{name}'>{html.escape(titles[name])}</a></td><td class=pass>{n['pass']}</td>"
                    f"<td class=fail>{n['fail']}</td><td class=unstable>{n['unstable']}</td><td class=na>{n['n/a']}</td></tr>"
                    for name, n in counts.items() if sum(n.values()))
     total = Counter(c["status"] for c in claims)
@@ -208,18 +208,19 @@ def write_report(out: Path) -> None:
     again = f"rerun `taskgeom reproduce --out {out}` (finished runs and analyses are reused)"
     claims = read_json(out / "claims.json", again)
     timings = read_json(out / "timings.json", again) if (out / "timings.json").is_file() else {}
-    sections = {c["id"]: section(c["id"], manifest["claims"].get(c["id"], "")) for c in claims}
-    pieces = evidence(write_analysis_table(out, manifest["runs"]))
+    titles = section_titles(manifest)
+    sections = {c["id"]: section(c["id"], manifest["claims"].get(c["id"], ""), manifest["sections"]) for c in claims}
+    pieces = evidence(write_analysis_table(out, manifest["runs"]), manifest)
     figures = manifest["figures"]
     targets = [(piece.claims, piece.anchor, piece.title) for piece in pieces]
     targets += [(f["claims"], _figure_anchor(f["path"]), f"figure: {Path(f['path']).name}") for f in figures]
     links = {c["id"]: [(anchor, title) for ids, anchor, title in targets if c["id"] in ids] for c in claims}
     body, present = [], []
-    for name, title in SECTIONS.items():
+    for name, title in titles.items():
         mine = [c for c in claims if sections[c["id"]] == name]
         if not mine:  # a section of an experiment this reproduction did not run
             continue
-        pngs = [f for f in figures if figure_section(f) == name]
+        pngs = [f for f in figures if figure_section(f, manifest["sections"]) == name]
         shown = [p for p in pieces if p.section == name]
         present.append(name)
         rows = "".join(_claim_row(c, links[c["id"]]) for c in mine)
@@ -231,7 +232,7 @@ def write_report(out: Path) -> None:
         "<a href='#settings'>Settings</a>" + ("<a href='#timings'>Timings</a>" if timings else "")
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>taskgeom report</title><style>{_STYLE}</style>"
             f"<script src='{PLOTLY_JS}'></script></head><body><nav>{nav}</nav><h1>taskgeom: reproduction report</h1>"
-            f"{_summary(claims, sections, timings, ['schedule', *manifest['experiments']], ', '.join(map(str, manifest['seeds'])))}{''.join(body)}{_settings(out, manifest)}{_timings(timings)}"
+            f"{_summary(claims, sections, titles, timings, ['schedule', *manifest['experiments']], ', '.join(map(str, manifest['seeds'])))}{''.join(body)}{_settings(out, manifest)}{_timings(timings)}"
             f"<script>{_SCRIPT}</script></body></html>")
     _write_plotly(out)
     atomic_write_text(out / "report.html", page)

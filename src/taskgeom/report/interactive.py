@@ -8,6 +8,7 @@ the claims it supports, and either a Plotly figure (as JSON) or a table (a DataF
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -15,9 +16,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
-from taskgeom.report.manifest import DUAL_EVIDENCE, M1_EVIDENCE
+from taskgeom.report.manifest import DUAL_EVIDENCE, DUAL_EXPERIMENT, M1_EVIDENCE
 
-M1_FAMILIES = ("e1", "e2", "e3")
 COLORS = qualitative.Plotly  # '#rrggbb' strings
 _LAYOUT = {"template": "plotly_white", "height": 380, "margin": {"l": 60, "r": 20, "t": 50, "b": 50}}
 M1_LAYER_METRICS = {"p0.cell_r2": "P0 cell-means R^2", "p1.additive_share": "P1 additive share", "p2.r2_task": "P2 R^2_task",
@@ -47,7 +47,7 @@ def _rgba(color: str, alpha: float) -> str:
     return f"rgba({r},{g},{b},{alpha})"
 
 
-def _lines(rows: pd.DataFrame, x: str, name: Callable[[tuple], str], by: list[str], title: str, xaxis: str, yaxis: str,
+def lines(rows: pd.DataFrame, x: str, name: Callable[[tuple], str], by: list[str], title: str, xaxis: str, yaxis: str,
            dash: Callable[[tuple], str] = lambda key: "solid") -> str:
     """A line per group of ``rows`` (grouped by ``by``; ``name(key)`` its legend entry) of value
     against column ``x``: the median over the rows at each x (the seeds), with their range drawn as
@@ -83,8 +83,9 @@ def _bars(rows: pd.DataFrame, x: str, by: str, title: str, yaxis: str) -> str:
     return fig.to_json()
 
 
-def _m1(table: pd.DataFrame, family: str) -> list[Evidence]:
-    """The M1 figures and table of ``family``'s k = -1 run (from its m1.json rows), and its losses."""
+def _m1(table: pd.DataFrame, family: str, loss_claims: tuple[str, ...]) -> list[Evidence]:
+    """The M1 figures and table of ``family``'s k = -1 run (from its m1.json rows), and its losses
+    (evidence for ``loss_claims``)."""
     rows = table[(table["analysis"] == "m1") & (table["recipe"] == family) & (table["diversity"] == -1)]
     if rows.empty:
         return []
@@ -98,14 +99,14 @@ def _m1(table: pd.DataFrame, family: str) -> list[Evidence]:
     evidence = [
         Evidence(f"{family}-layers", f"{family.upper()}: P0-P2 per layer and site (measurement batch)", family,
                  claim(*M1_EVIDENCE["layers"]),
-                 figure=_lines(places, "layer", label, ["metric", "site"], f"{family.upper()}: P0-P2 per layer", "layer", "value",
+                 figure=lines(places, "layer", label, ["metric", "site"], f"{family.upper()}: P0-P2 per layer", "layer", "value",
                                dash=lambda key: "dot" if key[1] == "resid_post" else "solid")),
         Evidence(f"{family}-positions", f"{family.upper()}: R^2_task of P2 per position, every layer and site", family, claim(*M1_EVIDENCE["positions"]),
-                 figure=_lines(per_position, "position", lambda key: f"layer {int(key[0])} {key[1]}", ["layer", "site"],
+                 figure=lines(per_position, "position", lambda key: f"layer {int(key[0])} {key[1]}", ["layer", "site"],
                                f"{family.upper()}: R^2_task per position", "position", "R^2_task")),
         Evidence(f"{family}-p3", f"{family.upper()}: median TV and KL between beta_t and the posterior alpha_t per position (P3)",
                  family, claim(*M1_EVIDENCE["simplex"]),
-                 figure=_lines(p3, "position", lambda key: key[0], ["metric"], f"{family.upper()}: P3 per position", "position",
+                 figure=lines(p3, "position", lambda key: key[0], ["metric"], f"{family.upper()}: P3 per position", "position",
                                "divergence")),
         Evidence(f"{family}-steering", f"{family.upper()}: steering, distance to the target mixture", family, claim(*M1_EVIDENCE["steering"]),
                  figure=_bars(steering.assign(kind=steering["metric"].str.split("_").str[-1], run_seed="seed " + steering["seed"].astype(str)),
@@ -116,18 +117,18 @@ def _m1(table: pd.DataFrame, family: str) -> list[Evidence]:
                  table=rows[rows["metric"].isin(list(M1_LAYER_METRICS) + ["p0.within_share", "p2.r2_task_exact"]) & rows["position"].isna()]
                  .pivot_table(index=["seed", "batch", "layer", "site"], columns="metric", values="value").reset_index()),
     ]
-    return evidence + _loss(table, family)
+    return evidence + _loss(table, family, loss_claims)
 
 
-def _loss(table: pd.DataFrame, family: str) -> list[Evidence]:
-    """The per-position losses of ``family``'s k = -1 run against the Bayes predictors (eval.json)."""
+def _loss(table: pd.DataFrame, family: str, claims: tuple[str, ...]) -> list[Evidence]:
+    """The per-position losses of ``family``'s k = -1 run against the Bayes predictors (eval.json),
+    evidence for ``claims``."""
     rows = table[(table["analysis"] == "eval") & (table["recipe"] == family) & (table["diversity"] == -1)]
     rows = rows[rows["metric"].isin(["loss", "bayes_id_loss", "bayes_ood_loss"])]
     if rows.empty:
         return []
-    claims = (f"{family}.bayes_optimal",) + (("e2.ood_between", "e2.ood_near_dmmse") if family == "e2" else ())
     return [Evidence(f"{family}-loss", f"{family.upper()}: per-position loss of the model and the Bayes predictors", family, claims,
-                     figure=_lines(rows, "position", lambda key: f"{key[0]}: {key[1]}", ["set", "metric"],
+                     figure=lines(rows, "position", lambda key: f"{key[0]}: {key[1]}", ["set", "metric"],
                                    f"{family.upper()}: loss by position (k = -1)", "position", "loss",
                                    dash=lambda key: {"loss": "solid", "bayes_id_loss": "dash"}.get(key[1], "dot")))]
 
@@ -159,18 +160,18 @@ def _dual(table: pd.DataFrame) -> list[Evidence]:
     return [
         Evidence("dual-projection", "Projection R^2 of OOD states onto the task subspace across diversity", "dual",
                  claim(*DUAL_EVIDENCE["projection"]),
-                 figure=_lines(projection, "diversity", lambda k: f"{k[0]} {k[1].replace('projection_r2', 'R^2')}",
+                 figure=lines(projection, "diversity", lambda k: f"{k[0]} {k[1].replace('projection_r2', 'R^2')}",
                                ["recipe", "metric"], "Projection R^2 (OOD) against diversity k (median; band: range over seeds)",
                                "diversity k", "projection R^2", dash=lambda k: "solid" if k[1].endswith("token") else "dash")),
         Evidence("dual-ablations", "Double dissociation: % of in-context gain removed at the highest diversity", "dual",
                  claim(*DUAL_EVIDENCE["dissociation"]),
                  figure=_bars(ablations, "where", "what", "% of in-context gain removed (highest diversity)", "% gain removed")),
         Evidence("dual-rank", "% of OOD gain removed by V of rank r", "dual", claim(*DUAL_EVIDENCE["rank"]),
-                 figure=_lines(rank, "rank", lambda k: f"{k[0]} k = {k[1]}", ["recipe", "diversity"],
+                 figure=lines(rank, "rank", lambda k: f"{k[0]} k = {k[1]}", ["recipe", "diversity"],
                                "OOD gain removed by V of rank r (median; band: range over seeds)", "rank r", "% OOD gain removed")),
         Evidence("dual-steps", "Projection R^2 and the predictor transition across training", "dual",
                  claim(*DUAL_EVIDENCE["transition"]),
-                 figure=_lines(steps, "step", lambda k: f"{k[0]} k = {k[1]}: {k[2]}", ["recipe", "diversity", "metric"],
+                 figure=lines(steps, "step", lambda k: f"{k[0]} k = {k[1]}: {k[2]}", ["recipe", "diversity", "metric"],
                                "Across training: projection R^2 (solid) and log(KL_mem / KL_gen) (dashed); band: range over seeds",
                                "step", "value", dash=lambda k: "dash" if k[2] == "transition_log_ratio" else "solid")),
         Evidence("dual-table", "Dual-mode measures per run (final model)", "dual",
@@ -180,27 +181,13 @@ def _dual(table: pd.DataFrame) -> list[Evidence]:
     ]
 
 
-def _e4(table: pd.DataFrame) -> list[Evidence]:
-    """E4's within-cell shares and prefix probes (the folder's e4.json rows)."""
-    p0 = table[table["analysis"] == "e4.p0"]
-    probes = pd.concat([table[table["analysis"] == name] for name in ("e4.probes", "e4.probes_ood")])
-    if p0.empty:
-        return []
-    shown = probes[probes["site"] == "resid_mid"].drop(columns="value", errors="ignore").rename(columns={"score": "value"})
-    return [
-        Evidence("e4-p0", "Within-cell share of state variance per layer (P0 fails for E4)", "e4", ("e4.P0_failure",),
-                 figure=_lines(p0, "layer", lambda k: f"{k[0]} {k[1]}", ["site", "series"], "Within-cell share per layer", "layer",
-                               "within-cell share", dash=lambda k: "dot" if k[0] == "resid_post" else "solid")),
-        Evidence("e4-probes", "Held-out prefix probes at resid_mid (pool and OOD sequences)", "e4", ("e4.prefix_probe",),
-                 figure=_lines(shown, "layer", lambda k: f"{k[1]} ({k[0]})", ["set", "target"], "Probe score per layer (resid_mid)",
-                               "layer", "score", dash=lambda k: "solid" if k[0] == "pool" else "dash")),
-        Evidence("e4-probe-table", "Prefix probes: score and shuffled-label control per target, layer, site and set", "e4",
-                 ("e4.prefix_probe",), table=probes[["seed", "set", "target", "site", "layer", "metric", "score", "control"]]
-                 .assign(gain=probes["score"] - probes["control"])),
-    ]
-
-
-def evidence(table: pd.DataFrame) -> list[Evidence]:
-    """Every interactive figure and sortable table the long table supports, in section order."""
-    pieces = [piece for family in M1_FAMILIES for piece in _m1(table, family)]
-    return pieces + _e4(table) + _dual(table)
+def evidence(table: pd.DataFrame, manifest: dict) -> list[Evidence]:
+    """Every interactive figure and sortable table the long table supports, in section order: M1's
+    per recipe, then those of the recipes' own experiments (``manifest["evidence"]``: modules with an
+    ``evidence(table)``), then the dual modes'."""
+    recipes = [recipe for recipe in manifest["sections"] if ((table["analysis"] == "m1") & (table["recipe"] == recipe)).any()]
+    own = {recipe: tuple(claim for claim, experiment in manifest["claims"].items()
+                         if claim.startswith(f"{recipe}.") and experiment not in ("m1", DUAL_EXPERIMENT)) for recipe in recipes}
+    pieces = [piece for recipe in recipes for piece in _m1(table, recipe, own[recipe])]
+    extras = [piece for module in manifest.get("evidence", []) for piece in importlib.import_module(module).evidence(table)]
+    return pieces + extras + _dual(table)

@@ -1,10 +1,12 @@
 """``reproduction.json``: what a reproduction was (profile, settings, machine) and how its figures
 and claims are organised, so that ``taskgeom report`` can rebuild the page from the files alone.
 
-Format: {"format": 3, "taskgeom": version, "commit": the git commit or None, "profile", "seeds": [training seeds], "overrides": [...],
-"device", "executor", "machine": {...}, "experiments": [names in order], "runs": [the run directories
-it used], "models": {run directory: sha256 of its model.safetensors}, "claims": {id: experiment
-that checked it}, "figures": [{"path", "pdf", "caption", "experiment", "claims": [ids]}]}.
+Format: {"format": 4, "taskgeom": version, "commit": the git commit or None, "profile", "seeds": [training seeds], "overrides": [...],
+"recipes": [the recipes measured], "sections": {recipe: its report section's title}, "grid",
+"device", "executor", "machine": {...}, "experiments": [names in order], "evidence": [modules of the
+recipes' own experiments that give interactive evidence], "runs": [the run directories it used],
+"models": {run directory: sha256 of its model.safetensors}, "claims": {id: experiment that checked
+it}, "figures": [{"path", "pdf", "caption", "experiment", "claims": [ids]}]}.
 
 The machine is on record because other CPUs train other floats: torch picks its kernels by CPU
 (``cpu_capability``), MKL and oneDNN by their own dispatch, and training amplifies the last bits.
@@ -26,7 +28,7 @@ from taskgeom import __version__
 from taskgeom.errors import TaskgeomError
 
 MANIFEST = "reproduction.json"
-FORMAT = 3  # 2: the run directories used ("runs"); 3: seeds, the machine's kernels and the models' sha256
+FORMAT = 4  # 2: the run directories used ("runs"); 3: seeds, the machine's kernels and the models' sha256; 4: the recipes' sections
 DUAL_EXPERIMENT = "dual_modes"
 # The claims each kind of figure (PNG or interactive) is evidence for, as suffixes of their ids
 # (``e1.`` + ``P0``): M1's per family, the dual modes' per recipe of the sweep.
@@ -35,8 +37,7 @@ M1_EVIDENCE = {"simplex": ("P3", "P3.shrinks"), "layers": ("P0", "P1", "P2", "P2
 DUAL_EVIDENCE = {"projection": ("projection_r2_high_diversity", "projection_r2_drop"),
                  "dissociation": ("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major", "random_control"),
                  "rank": ("ablate_V_ood",), "transition": ("transition_memorising", "transition_generalising")}
-SECTIONS = {"e1": "E1: biased dice", "e2": "E2: in-context linear regression", "e3": "E3: mixture of Markov chains",
-            "e4": "E4: planted Dyck", "dual": "Dual modes across task diversity (E1, E3)", "other": "Other claims"}
+DUAL_SECTION, OTHER_SECTION = "dual", "other"  # the sections beside the recipes'
 
 
 # Environment variables that pin or steer the CPU kernels a run trains with.
@@ -100,13 +101,13 @@ def file_sha256(path: Path) -> str | None:
 
 def manifest(profile: str, overrides: tuple[str, ...], device: str, executor: str, experiments: list[str], runs: list[str],
              claims: dict[str, str], figures: list[dict], seeds: tuple[int, ...], runs_root: Path,
-             recipes: tuple[str, ...] | None = None, grid: tuple[int, ...] | None = None) -> dict:
+             sections: dict[str, str], grid: tuple[int, ...] | None = None, evidence: list[str] = ()) -> dict:
     """The manifest of one reproduction (see the module docstring for the fields)."""
     models = {name: file_sha256(Path(runs_root) / name / "model.safetensors") for name in runs}
     return {"format": FORMAT, "taskgeom": __version__, "commit": source_commit(), "profile": profile, "seeds": list(seeds),
-            "overrides": list(overrides), "recipes": None if recipes is None else list(recipes), "grid": None if grid is None else list(grid),
-            "device": device, "executor": executor, "machine": machine(), "experiments": experiments, "runs": runs, "models": models,
-            "claims": claims, "figures": figures}
+            "overrides": list(overrides), "recipes": list(sections), "sections": sections, "grid": None if grid is None else list(grid),
+            "device": device, "executor": executor, "machine": machine(), "experiments": experiments, "evidence": list(evidence),
+            "runs": runs, "models": models, "claims": claims, "figures": figures}
 
 
 def read_json(path: Path, remedy: str):
@@ -134,13 +135,25 @@ def read_manifest(out: Path) -> dict:
     return data
 
 
-def figure_section(figure: dict) -> str:
+def sections(manifest: dict) -> dict[str, str]:
+    """{section: title} of a manifest, in the report's order: each recipe's, the dual modes', the rest."""
+    dual = [recipe.upper() for recipe, experiment in _claim_recipes(manifest) if experiment == DUAL_EXPERIMENT]
+    return {**manifest["sections"], DUAL_SECTION: f"Dual modes across task diversity ({', '.join(dict.fromkeys(dual))})",
+            OTHER_SECTION: "Other claims"}
+
+
+def _claim_recipes(manifest: dict) -> list[tuple[str, str]]:
+    """(recipe, experiment) of each claim of a manifest."""
+    return [(claim_id.split(".")[0], experiment) for claim_id, experiment in manifest["claims"].items()]
+
+
+def figure_section(figure: dict, recipes: dict[str, str]) -> str:
     """The report section of a manifest figure: that of the first claim it supports, else of its name."""
-    return section(figure["claims"][0] if figure["claims"] else Path(figure["path"]).stem, figure["experiment"])
+    return section(figure["claims"][0] if figure["claims"] else Path(figure["path"]).stem, figure["experiment"], recipes)
 
 
-def section(claim_id: str, experiment: str) -> str:
+def section(claim_id: str, experiment: str, recipes: dict[str, str]) -> str:
     """The report section of a claim (or figure) checked by ``experiment``: the dual-mode section,
-    else the family its id starts with (``e1.P0`` -> ``e1``), else ``other``."""
-    family = claim_id.split(".")[0].split("_")[0]
-    return "dual" if experiment == DUAL_EXPERIMENT else family if family in SECTIONS else "other"
+    else the recipe of ``recipes`` its id starts with (``e1.P0`` -> ``e1``), else ``other``."""
+    recipe = claim_id.split(".")[0].split("_")[0]
+    return DUAL_SECTION if experiment == DUAL_EXPERIMENT else recipe if recipe in recipes else OTHER_SECTION

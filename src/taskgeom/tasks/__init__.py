@@ -1,4 +1,6 @@
-"""Latent-task data families: ``tasks.make(name, **settings)`` builds one by name."""
+"""Latent-task data families: ``tasks.make(name, **settings)`` builds one by name, from the
+registry (``tasks.registry``) that the shipped families join here and other packages' families
+through the entry-point group ``taskgeom.families``."""
 
 from __future__ import annotations
 
@@ -7,15 +9,17 @@ from taskgeom.tasks.dice import Dice
 from taskgeom.tasks.dyck import Dyck
 from taskgeom.tasks.markov import Markov
 from taskgeom.tasks.regression import Regression
+from taskgeom.tasks.registry import (FAMILIES, FamilyError, build_family, families, family_class, register, settings_model)
 
-FAMILIES: dict[str, type[TaskFamily]] = {"dice": Dice, "markov": Markov, "regression": Regression, "dyck": Dyck}
+for _family in (Dice, Markov, Regression, Dyck):
+    register(_family)
 
 
 def make(name: str, **settings) -> TaskFamily:
-    """The family called ``name`` (one of FAMILIES) with its settings (vocab_size, alpha, d, noise, ...)."""
-    if name not in FAMILIES:
-        raise ValueError(f"unknown task family {name!r}; choose one of {sorted(FAMILIES)}")
-    return FAMILIES[name](**settings)
+    """The family called ``name`` with its settings (vocab_size, alpha, d, noise, ...; the rest take
+    the defaults of the family's settings model, which also checks them)."""
+    return build_family(settings_model(name).model_validate(settings))
 
 
-__all__ = ["Batch", "FAMILIES", "TaskFamily", "TaskPool", "TokenFamily", "make", "n_minor_for_diversity", "pool_weights"]
+__all__ = ["Batch", "FAMILIES", "FamilyError", "TaskFamily", "TaskPool", "TokenFamily", "build_family", "families", "family_class",
+           "make", "n_minor_for_diversity", "pool_weights", "register", "settings_model"]

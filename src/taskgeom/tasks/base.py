@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 
 from taskgeom.devices import to_device
 from taskgeom.rng import generator
+from taskgeom.settings import TaskSettings
 
 Subset = Literal["all", "major", "minor"]
 
@@ -93,9 +94,15 @@ def n_minor_for_diversity(k: int) -> int:
 
 class TaskFamily(ABC):
     """What every latent-task family shares: pools, seeded sampling, and the dispatch points the
-    trainer and evaluator use (model sizes, training loss, evaluation losses)."""
+    trainer and evaluator use (model sizes, training loss, evaluation losses).
 
-    name: str
+    A family is registered (``tasks.registry``) under ``name``, the ``family:`` value of a recipe;
+    ``Settings`` is the model of its ``task`` section (a ``TaskSettings`` subclass whose own fields
+    are the constructor's keyword arguments, with their defaults)."""
+
+    name: ClassVar[str]
+    Settings: ClassVar[type[TaskSettings]]
+    reads_tokens: ClassVar[bool] = True  # False: the model reads vectors (``Batch.tokens`` is float)
     # how figures name the evaluation metrics: (ID-Bayes, OOD-optimal, loss unit, position axis)
     plot_labels = ("ID-Bayes (pool posterior)", "OOD-optimal (continuous prior)", "loss (nats / token)", "context position t")
 
@@ -133,6 +140,24 @@ class TaskFamily(ABC):
     def major_params(self, n_major: int, gen: torch.Generator) -> torch.Tensor:
         """[n_major, ...] major tasks; by default draws from the prior."""
         return self.sample_params(n_major, gen)
+
+    @classmethod
+    def from_settings(cls, settings: TaskSettings) -> "TaskFamily":
+        """The family a validated ``task`` section describes: its own settings as keyword arguments."""
+        return cls(**settings.family_arguments())
+
+    def io_widths(self) -> tuple[int, int]:
+        """(input width, output width) of the model: the vocabulary twice for tokens, else
+        ``model_io``'s ``d_in`` and ``n_out``."""
+        io = self.model_io()
+        return (io["vocab_size"], io["vocab_size"]) if "vocab_size" in io else (io["d_in"], io["n_out"])
+
+    def bayes_memory(self, seq_len: int, pool_size: int) -> int:
+        """Bytes the exact Bayes quantities over a pool of ``pool_size`` tasks keep for one sequence of
+        ``seq_len`` positions (float64): by default log-likelihoods, their cumulative sum and the
+        posterior, one number each per task and position. A family with more state per task (hidden
+        states, a bank of prior draws) counts it here; the memory checks read it."""
+        return 3 * 8 * seq_len * pool_size
 
     # ---- shared machinery -------------------------------------------------------------------
     def sample_pool(self, n_major: int, n_minor: int, p_minor: float = 0.1, seed: int = 0) -> TaskPool:

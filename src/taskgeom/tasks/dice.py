@@ -7,8 +7,24 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pydantic import Field, model_validator
 
+from taskgeom.settings import Int, PositiveFloat, Real, TokenTaskSettings
 from taskgeom.tasks.base import TokenFamily
+
+
+class DiceSettings(TokenTaskSettings):
+    vocab_size: Int = Field(6, ge=2)
+    alpha: PositiveFloat = 1.0
+    majors: Literal["prior", "disjoint"] = "disjoint"
+    floor: Real = Field(0.02, ge=0.0)
+
+    @model_validator(mode="after")
+    def _disjoint_majors_have_faces(self) -> "DiceSettings":
+        if self.majors == "disjoint" and self.n_major > self.vocab_size:
+            raise ValueError(f"task.majors disjoint gives each major task faces of its own: task.n_major ({self.n_major}) "
+                             f"must not exceed task.vocab_size ({self.vocab_size}); raise task.vocab_size or set task.majors=prior")
+        return self
 
 
 class Dice(TokenFamily):
@@ -20,18 +36,9 @@ class Dice(TokenFamily):
     """
 
     name = "dice"
+    Settings = DiceSettings
 
-    def __init__(
-        self,
-        vocab_size: int = 6,
-        alpha: float = 1.0,
-        majors: Literal["prior", "disjoint"] = "prior",
-        floor: float = 0.02,
-    ):
-        if vocab_size < 2:
-            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
-        if alpha <= 0:
-            raise ValueError(f"alpha must be > 0, got {alpha}")
+    def __init__(self, vocab_size: int, alpha: float, majors: Literal["prior", "disjoint"], floor: float):
         self.vocab_size, self.alpha, self.majors, self.floor = vocab_size, alpha, majors, floor
 
     def sample_params(self, n: int, gen: torch.Generator) -> torch.Tensor:

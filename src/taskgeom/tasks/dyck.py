@@ -17,7 +17,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
+from taskgeom.settings import Int, PositiveInt, Real, TokenTaskSettings
 from taskgeom.tasks.base import TaskPool, TokenFamily
 
 OPEN, CLOSE = 0, 1
@@ -52,18 +54,20 @@ def open_probability(remaining: torch.Tensor, depth: torch.Tensor) -> torch.Tens
     return torch.where(exists, ratio, 0.5)
 
 
+
+class DyckSettings(TokenTaskSettings):
+    n_noise: Int = Field(7, ge=1)
+    n_pairs: PositiveInt = 10
+    p_bracket: Real = Field(0.25, gt=0.0, lt=1.0)
+
+
 class Dyck(TokenFamily):
     """E4. params: [K, 2 * n_pairs] long bracket strings (0 = "(", 1 = ")")."""
 
     name = "dyck"
+    Settings = DyckSettings
 
-    def __init__(self, n_noise: int = 7, n_pairs: int = 10, p_bracket: float = 0.25):
-        if n_noise < 1:
-            raise ValueError(f"n_noise must be >= 1, got {n_noise}")
-        if n_pairs < 1:
-            raise ValueError(f"n_pairs must be >= 1, got {n_pairs}")
-        if not 0.0 < p_bracket < 1.0:
-            raise ValueError(f"p_bracket must lie in (0, 1), got {p_bracket}")
+    def __init__(self, n_noise: int, n_pairs: int, p_bracket: float):
         self.n_noise, self.n_pairs, self.p_bracket = n_noise, n_pairs, p_bracket
         self.vocab_size = n_noise + 2
 

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
+from taskgeom.settings import Int, PositiveFloat, TokenTaskSettings
 from taskgeom.tasks.base import TokenFamily
+
+
+class MarkovSettings(TokenTaskSettings):
+    vocab_size: Int = Field(8, ge=2)
+    alpha: PositiveFloat = 1.0
 
 
 class Markov(TokenFamily):
     """E3. params: [K, V, V] transition rows P[k, from, to]; the first state is uniform [ours]."""
 
     name = "markov"
+    Settings = MarkovSettings
 
-    def __init__(self, vocab_size: int = 8, alpha: float = 1.0):
-        if vocab_size < 2:
-            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
-        if alpha <= 0:
-            raise ValueError(f"alpha must be > 0, got {alpha}")
+    def __init__(self, vocab_size: int, alpha: float):
         self.vocab_size, self.alpha = vocab_size, alpha
 
     def sample_params(self, n: int, gen: torch.Generator) -> torch.Tensor:

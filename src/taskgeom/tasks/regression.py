@@ -16,30 +16,47 @@ about w). Shapes: ``B`` sequences, ``n`` examples, ``d`` input width, ``K`` pool
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
+from pydantic import Field
 
 from taskgeom.rng import generator
+from taskgeom.settings import PositiveFloat, PositiveInt, TaskSettings
 from taskgeom.tasks.base import Batch, TaskFamily, TaskPool
 
 Layout = Literal["separator", "pair"]
 _STRIDE = {"separator": 3, "pair": 2}
 
 
+class RegressionSettings(TaskSettings):
+    """E2's model sequence holds ``n_examples`` examples of 3 positions (``layout: separator``) or 2
+    (``layout: pair``), and ``seq_len`` is that number of positions."""
+
+    pool_fields: ClassVar[frozenset[str]] = TaskSettings.pool_fields | {"n_examples"}
+
+    d: PositiveInt = 4
+    n_examples: PositiveInt = 16
+    noise: PositiveFloat = Field(0.5, description="noise standard deviation")
+    layout: Layout = "separator"
+
+    @property
+    def seq_len(self) -> int:
+        return self.n_examples * _STRIDE[self.layout]
+
+    def length_setting(self) -> str:
+        return f"task.n_examples ({self.n_examples}) needs {self.seq_len} positions in the {self.layout!r} layout, which"
+
+
 class Regression(TaskFamily):
     """E2. params: [K, d] task weights; ``noise`` is the noise standard deviation."""
 
     name = "regression"
+    Settings = RegressionSettings
+    reads_tokens = False
     plot_labels = ("dMMSE (pool posterior)", "ridge, lambda = noise^2", "mean squared error", "example index i (predicting y_i)")
 
-    def __init__(self, d: int = 4, noise: float = 0.5, layout: Layout = "separator"):
-        if d < 1:
-            raise ValueError(f"d must be >= 1, got {d}")
-        if not noise > 0:
-            raise ValueError(f"noise must be > 0, got {noise}")
-        if layout not in _STRIDE:
-            raise ValueError(f"unknown layout {layout!r}; choose one of {sorted(_STRIDE)}")
+    def __init__(self, d: int, noise: float, layout: Layout):
         self.d, self.noise, self.layout = d, float(noise), layout
 
     # ---- layout -----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
+import pandas as pd
 import torch
 
 from taskgeom.analysis.anova import two_way
@@ -30,8 +31,10 @@ from taskgeom.analysis.states import collect
 from taskgeom.analysis.task_vectors import late_window
 from taskgeom.claims import check
 from taskgeom.experiments.base import Context
+from taskgeom.extras.dyck_figures import plot_p0_comparison, plot_prefix_probes
 from taskgeom.hooks import Site
-from taskgeom.report.dyck import plot_p0_comparison, plot_prefix_probes
+from taskgeom.recipes import Study
+from taskgeom.report.interactive import Evidence, lines
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_json
 from taskgeom.tasks import Batch
@@ -46,8 +49,8 @@ PROBE_MARGIN = 0.10
 PROBE_DIVERSITY = 8  # k of the high-diversity model the probes read (2**k minor tasks)
 MAX_BACK = 7  # probes for the planted bracket j back, j = 1..MAX_BACK
 N_SEQUENCES = 256  # sequences per analysis
-# The families whose P0 E4 is set beside: E2 joins here once its recipe exists, with its token
-# factor binned, since x_t is continuous there.
+# The recipes whose P0 E4 is set beside (the recipe's ``options: {references: [...]}``): token
+# families; E2 would need its token factor binned, since x_t is continuous there.
 REFERENCES = ("e1", "e3")
 # Sites measured at every layer, for P0 and for the probes; the claims and the figures read
 # resid_mid (PAPER.md section 7), the first of them.
@@ -202,57 +205,57 @@ def weakest_probe(rows: list[dict], site: str = CLAIM_SITE, layers: dict[str, in
     return {"target": row["target"], "layer": row["layer"], "score": row["score"], "control": row["control"], "gain": row["score"] - row["control"]}
 
 
-def runs(ctx: Context) -> list:
-    """The runs ``e4`` trains or reads, for the schedule: E4 at k = -1 and k = PROBE_DIVERSITY, and
-    the references at k = -1, each on every seed."""
-    if not ctx.selected(("e4",)):
-        return []
-    return [*ctx.plans("e4", ("task.diversity=-1",)), *ctx.plans("e4", (f"task.diversity={PROBE_DIVERSITY}",)),
-            *(task for name in REFERENCES for task in ctx.plans(name, ("task.diversity=-1",)))]
+def runs(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> list:
+    """The runs ``e4`` trains or reads, for the schedule: the study's at k = -1 and k =
+    PROBE_DIVERSITY, and the references at k = -1, each on every seed."""
+    return [*ctx.plans(study.name, ("task.diversity=-1",)), *ctx.plans(study.name, (f"task.diversity={PROBE_DIVERSITY}",)),
+            *(task for name in references for task in ctx.plans(name, ("task.diversity=-1",)))]
 
 
-def e4(ctx: Context) -> None:
-    if not ctx.selected(("e4",)):
-        return
+def e4(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> None:
+    """E4's claims on ``study``'s runs against ``references`` (every seed), one seed's figures, and
+    every row in the folder's ``analysis/{study}.json``."""
     tables: dict[str, list[dict]] = {"p0": [], "probes": [], "probes_ood": [], "probes_untrained": []}
     for seed in ctx.seeds:
-        measured = measure(ctx, seed)
+        measured = measure(ctx, study.name, tuple(references), seed)
         for name, rows in measured.items():
             tables[name] += [{"seed": seed, **row} for row in rows]
-        if seed == ctx.seeds[0]:  # one seed's figures illustrate; the claims read every seed (analysis/e4.json holds them all)
-            plot(ctx, measured, seed)
-    atomic_write_json(ctx.out / "analysis" / "e4.json", tables)
+        if seed == ctx.seeds[0]:  # one seed's figures illustrate; the claims read every seed (the JSON holds them all)
+            plot(ctx, study.name, tuple(references), measured, seed)
+    atomic_write_json(ctx.out / "analysis" / f"{study.name}.json", tables)
 
 
-def measure(ctx: Context, seed: int) -> dict[str, list[dict]]:
-    """E4's P0 shares and prefix probes on the runs of ``seed``; records its claims; returns the
-    tidy rows of ``analysis/e4.json`` (without the seed)."""
-    majors = ctx.trained("e4", ("task.diversity=-1",), seed)
-    diverse = ctx.trained("e4", (f"task.diversity={PROBE_DIVERSITY}",), seed)
-    reference_runs = {name: ctx.trained(name, ("task.diversity=-1",), seed) for name in REFERENCES}
+
+def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int) -> dict[str, list[dict]]:
+    """The P0 shares and prefix probes of recipe ``name``'s runs of ``seed``; records its claims;
+    returns the tidy rows of ``analysis/{name}.json`` (without the seed)."""
+    majors = ctx.trained(name, ("task.diversity=-1",), seed)
+    diverse = ctx.trained(name, (f"task.diversity={PROBE_DIVERSITY}",), seed)
+    reference_runs = {ref: ctx.trained(ref, ("task.diversity=-1",), seed) for ref in references}
     with ctx.stage(f"P0 within-cell shares (E1, E3, E4; seed {seed})"):
-        references = {name: reference_p0(run) for name, run in reference_runs.items()}
+        reference_shares = {ref: reference_p0(run) for ref, run in reference_runs.items()}
         dyck = dyck_p0(majors)
     with ctx.stage(f"prefix probes (trained and untrained, pool and OOD; seed {seed})"):
         model, untrained_model = diverse.load_model(), diverse.new_model()  # untrained: random features of the same network
         probes = {which: prefix_probes(diverse, model, which) for which in PROBE_SETS}
         layers = best_layers(prefix_probes(diverse, model, "pool", stream=SELECT_STREAM))  # chosen apart from the claim's batch
         untrained = [row for which in PROBE_SETS for row in prefix_probes(diverse, untrained_model, which)]
-    p0 = {name: {**{ref: references[ref][name] for ref in REFERENCES}, **{f"e4_{k}": v for k, v in dyck[name].items()}} for name in P0_SITES}
+    p0 = {site: {**{ref: reference_shares[ref][site] for ref in references}, **{f"e4_{k}": v for k, v in dyck[site].items()}}
+          for site in P0_SITES}
     p0_rows = [{"site": site, "series": name, "layer": layer, "metric": "p0.within_share", "value": share}
                for site, series in p0.items() for name, shares in series.items() for layer, share in enumerate(shares)]
 
     shares = p0[CLAIM_SITE]
     e4_smallest = min(min(shares["e4_token_due"]), min(shares["e4_last3_due"]))
-    reference_smallest = max(min(shares[ref]) for ref in REFERENCES)
+    reference_smallest = max(min(shares[ref]) for ref in references)
     weakest = weakest_probe(probes["pool"], CLAIM_SITE, layers)
     ctx.claim(seed, check(
-        "e4.P0_failure", "e4",
+        f"{name}.P0_failure", name,
         f"E4's smallest within-cell share over layers ({CLAIM_SITE}; either grouping, bracket phase of the late window) "
         "divided by the larger of E1's and E3's smallest (task, token) share; k = -1",
         e4_smallest / reference_smallest, ">=", P0_FACTOR, ctx.profile,
         parts={"e4_smallest": e4_smallest, "reference_smallest": reference_smallest}), check(
-        "e4.prefix_probe", "e4",
+        f"{name}.prefix_probe", name,
         f"smallest over targets (bracket j back, j = 1..{MAX_BACK}, and depth) of the probe score ({CLAIM_SITE}, at the layer "
         f"chosen per target on a separate batch) minus its shuffled-label control, in-distribution (pool) sequences, k = {PROBE_DIVERSITY}",
         weakest["gain"], ">=", PROBE_MARGIN, ctx.profile,
@@ -261,26 +264,50 @@ def measure(ctx: Context, seed: int) -> dict[str, list[dict]]:
     return {"p0": p0_rows, "probes": probes["pool"], "probes_ood": probes["ood"], "probes_untrained": untrained}
 
 
-def plot(ctx: Context, measured: dict[str, list[dict]], seed: int) -> None:
+def plot(ctx: Context, name: str, references: tuple[str, ...], measured: dict[str, list[dict]], seed: int) -> None:
     """The P0 comparison and the prefix-probe figures of one seed's rows (``measure``)."""
     shares: dict[str, list[float]] = {}
     for row in measured["p0"]:
         if row["site"] == CLAIM_SITE:
             shares.setdefault(row["series"], []).append(row["value"])
-    series = {f"{ref.upper()} (task, token)": shares[ref] for ref in REFERENCES}
+    series = {f"{ref.upper()} (task, token)": shares[ref] for ref in references}
     series |= {"E4 (task, token), bracket phase": shares["e4_token_due"], "E4 (task, last 3 brackets), bracket phase": shares["e4_last3_due"]}
     plot_p0_comparison(series, ctx.figure("p0_across_families.png",
                        f"P0 across families: within-cell share of state variance per layer at {CLAIM_SITE}; E1 and E3 by "
                        f"(task, current token), E4 by (task, current token) and by (task, last three planted brackets), k = -1 (seed {seed})",
-                       ("e4.P0_failure",)), site=CLAIM_SITE)
+                       (f"{name}.P0_failure",)), site=CLAIM_SITE)
     last = max(row["layer"] for row in measured["probes_untrained"])
     untrained = [r for r in measured["probes_untrained"] if r["site"] == CLAIM_SITE and r["layer"] == last]
     plot_prefix_probes([*measured["probes"], *measured["probes_ood"]], untrained,
-                       ctx.figure("e4_prefix_probes.png",
+                       ctx.figure(f"{name}_prefix_probes.png",
                                   f"E4: held-out linear probes at {CLAIM_SITE} for the planted bracket j back and for the depth, "
                                   f"k = {PROBE_DIVERSITY}; solid: in-distribution (pool) sequences, dashed: OOD sequences, "
-                                  f"dotted: shuffled labels; grey: layer {last} of the untrained network (seed {seed})", ("e4.prefix_probe",)),
+                                  f"dotted: shuffled labels; grey: layer {last} of the untrained network (seed {seed})", (f"{name}.prefix_probe",)),
                        f"E4: linear probes for the planted bracket prefix at {CLAIM_SITE}, k = {PROBE_DIVERSITY}", site=CLAIM_SITE)
 
 
 e4.runs = runs
+
+
+def evidence(table: pd.DataFrame) -> list[Evidence]:
+    """The report's interactive pieces of every recipe this experiment measured: within-cell shares
+    and prefix probes (the rows of the folder's ``analysis/{recipe}.json``)."""
+    names = [analysis.removesuffix(".p0") for analysis in table["analysis"].unique() if analysis.endswith(".p0")]
+    return [piece for name in names for piece in _evidence(table, name)]
+
+
+def _evidence(table: pd.DataFrame, e4: str) -> list[Evidence]:
+    p0 = table[table["analysis"] == f"{e4}.p0"]
+    probes = pd.concat([table[table["analysis"] == f"{e4}.{name}"] for name in ("probes", "probes_ood")])
+    shown = probes[probes["site"] == "resid_mid"].drop(columns="value", errors="ignore").rename(columns={"score": "value"})
+    return [
+        Evidence(f"{e4}-p0", f"Within-cell share of state variance per layer (P0 fails for {e4.upper()})", e4, (f"{e4}.P0_failure",),
+                 figure=lines(p0, "layer", lambda k: f"{k[0]} {k[1]}", ["site", "series"], "Within-cell share per layer", "layer",
+                               "within-cell share", dash=lambda k: "dot" if k[0] == "resid_post" else "solid")),
+        Evidence(f"{e4}-probes", "Held-out prefix probes at resid_mid (pool and OOD sequences)", e4, (f"{e4}.prefix_probe",),
+                 figure=lines(shown, "layer", lambda k: f"{k[1]} ({k[0]})", ["set", "target"], "Probe score per layer (resid_mid)",
+                               "layer", "score", dash=lambda k: "solid" if k[0] == "pool" else "dash")),
+        Evidence(f"{e4}-probe-table", "Prefix probes: score and shuffled-label control per target, layer, site and set", e4,
+                 (f"{e4}.prefix_probe",), table=probes[["seed", "set", "target", "site", "layer", "metric", "score", "control"]]
+                 .assign(gain=probes["score"] - probes["control"])),
+    ]

@@ -15,6 +15,7 @@ import pandas as pd
 from taskgeom.claims import check
 from taskgeom.evaluate import evaluate_run
 from taskgeom.experiments.base import Context
+from taskgeom.recipes import Study
 from taskgeom.report.figures import plot_loss_by_position
 
 MAX_RELATIVE_EXCESS = 0.10  # the issue's "within 10% of the dMMSE predictor"
@@ -26,37 +27,40 @@ def late_means(table: pd.DataFrame, n_examples: int) -> pd.DataFrame:
     return late.groupby(["set", "metric"])["value"].mean().unstack()
 
 
-def e2(ctx: Context) -> None:
-    if not ctx.selected(("e2",)):
-        return
+def e2(ctx: Context, study: Study) -> None:
+    """E2's claims on the k = -1 runs of ``study`` (every seed), and one seed's figure."""
+    name, shown = study.name, study.name.upper()
     for seed in ctx.seeds:
-        run = ctx.trained("e2", ("task.diversity=-1",), seed)
+        run = ctx.trained(name, ("task.diversity=-1",), seed)
         with ctx.stage(f"evaluate {run.path.name}"):
             table = pd.DataFrame(evaluate_run(run))
-        ctx.claim(seed, *claims(late_means(table, run.config.task.n_examples), ctx.profile))
+        ctx.claim(seed, *claims(late_means(table, run.config.task.n_examples), ctx.profile, name))
         if seed == ctx.seeds[0]:  # one seed's curves illustrate; the claims read every seed
-            plot_loss_by_position(table, ctx.figure("e2_mse_by_example.png",
-                                  f"E2: per-example squared error of the model against dMMSE (pool posterior) and ridge (OOD-optimal), "
-                                  f"k = -1 (seed {seed})", ("e2.bayes_optimal", "e2.ood_between", "e2.ood_near_dmmse")),
-                                  run.family.plot_labels, title=f"E2 (k = -1, seed {seed})", log_scale=True)
+            plot_loss_by_position(table, ctx.figure(f"{name}_mse_by_example.png",
+                                  f"{shown}: per-example squared error of the model against dMMSE (pool posterior) and ridge (OOD-optimal), "
+                                  f"k = -1 (seed {seed})", tuple(f"{name}.{claim}" for claim in CLAIMS)),
+                                  run.family.plot_labels, title=f"{shown} (k = -1, seed {seed})", log_scale=True)
 
 
-def claims(means: pd.DataFrame, profile: str) -> list:
-    """E2's claims from one run's late means (``late_means``)."""
+e2.runs = lambda ctx, study: ctx.plans(study.name, ("task.diversity=-1",))  # for the schedule
+
+CLAIMS = ("bayes_optimal", "ood_between", "ood_near_dmmse")
+
+
+def claims(means: pd.DataFrame, profile: str, e: str = "e2") -> list:
+    """The claims of recipe ``e`` from one run's late means (``late_means``)."""
     major, ood = means.loc["major"], means.loc["ood"]
     g = (ood["bayes_id_loss"] - ood["loss"]) / (ood["bayes_id_loss"] - ood["bayes_ood_loss"])
     parts = {"mse_model": ood["loss"], "mse_dmmse": ood["bayes_id_loss"], "mse_ridge": ood["bayes_ood_loss"]}
     return [
-        check("e2.bayes_optimal", "e2", "model MSE / dMMSE MSE - 1 on held-out major-task prompts, last half of the examples, k = -1",
+        check(f"{e}.bayes_optimal", e, "model MSE / dMMSE MSE - 1 on held-out major-task prompts, last half of the examples, k = -1",
               major["loss"] / major["bayes_id_loss"] - 1, "<=", MAX_RELATIVE_EXCESS, profile,
               {"mse_model": major["loss"], "mse_dmmse": major["bayes_id_loss"]}),
-        check("e2.ood_between", "e2",
+        check(f"{e}.ood_between", e,
               "|g - 1/2| for g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
               "(<= 1/2: the model's error lies between dMMSE's and ridge's)", abs(g - 0.5), "<=", 0.5, profile, parts),
-        check("e2.ood_near_dmmse", "e2",
+        check(f"{e}.ood_near_dmmse", e,
               "g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
               "(<= 1/2: closer to dMMSE than to ridge at low diversity)", g, "<=", 0.5, profile, parts),
     ]
 
-
-e2.runs = lambda ctx: ctx.plans("e2", ("task.diversity=-1",)) if ctx.selected(("e2",)) else []  # for the schedule
