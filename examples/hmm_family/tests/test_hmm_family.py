@@ -265,6 +265,16 @@ def test_cli_sweep_on_two_workers(tmp_path):
     assert sorted(zip(table["recipe"], table["diversity"], table["status"])) == [("hmm", -1, "ok"), ("hmm", 1, "ok")]
 
 
+def test_cli_sweep_on_ray(tmp_path):
+    """Ray tasks run in Ray's own worker processes: each must find the plugin through its entry point."""
+    pytest.importorskip("ray")
+    result = taskgeom("sweep", RECIPE, "--profile", "tiny", "--diversity", "-1", "--seeds", "0", "--executor", "ray", "--workers", "1",
+                      "--cpus-per-run", "1", "--device", "cpu", "--out", "sweep", cwd=tmp_path)
+    check(result)
+    table = pd.read_csv(tmp_path / "sweep" / "sweep.csv")
+    assert list(zip(table["recipe"], table["diversity"], table["status"])) == [("hmm", -1, "ok")]
+
+
 def test_cli_reproduce_only_this_recipe(tmp_path):
     """Exit 0 or 1: tiny models may fail claims (exit 1 is "the work ran and some claims failed"),
     so the runs themselves are checked: every sweep run ok. Every claim is the recipe's own, each
