@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import taskgeom.experiments
 from taskgeom.analysis.properties import KL_FLOOR
 from taskgeom.analysis.retrieval import alignment_rows
-from taskgeom.analysis.study import Alignment
+from taskgeom.analysis.geometry import Alignment
 from taskgeom.analysis.task_vectors import late_window
 from taskgeom.analysis.theory import theorem2
 from taskgeom.analysis.transition import predict_generalising, reference_predictors, transition_statistic

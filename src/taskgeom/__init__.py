@@ -25,7 +25,9 @@ from taskgeom.analysis.heldout import Split  # noqa: E402
 from taskgeom.analysis.retrieval import Result as M1Result, analyze as analyze_m1  # noqa: E402
 from taskgeom.analysis.shares import MIN_RELIABLE_GAIN, Share, share_of_gain  # noqa: E402
 from taskgeom.analysis.steering import Steering  # noqa: E402
-from taskgeom.analysis.study import Alignment, Edit, Geometry, Place, Selection, Sequences, StudyRun, open_run  # noqa: E402
+from taskgeom.analysis.edits import Edit, Place  # noqa: E402
+from taskgeom.analysis.geometry import Alignment, Geometry  # noqa: E402
+from taskgeom.analysis.study import Selection, Sequences, StudyRun, open_run  # noqa: E402
 from taskgeom.results import Results, results  # noqa: E402
 
 __all__ = [

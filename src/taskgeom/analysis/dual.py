@@ -42,7 +42,9 @@ import torch
 from taskgeom.analysis.probes import linear_probe
 from taskgeom.analysis.rows import row, stored_rows
 from taskgeom.analysis.shares import share_of_gain
-from taskgeom.analysis.study import Geometry, Place, Sequences, StudyRun
+from taskgeom.analysis.edits import Place
+from taskgeom.analysis.geometry import Geometry
+from taskgeom.analysis.study import Sequences, StudyRun
 from taskgeom.analysis.subspace import complement_basis, random_directions
 from taskgeom.analysis.task_vectors import late_window
 from taskgeom.analysis.theory import clr, participation_ratio, theorem2

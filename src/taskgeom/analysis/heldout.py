@@ -30,7 +30,7 @@ from typing import Callable, Literal, get_args
 
 import torch
 
-from taskgeom.analysis.properties import Geometry, stability, stability_linear
+from taskgeom.analysis.properties import Fit, stability, stability_linear
 from taskgeom.analysis.steering import PredictionReadout, Readout, TokenReadout
 from taskgeom.errors import AnalysisError
 from taskgeom.tasks import FAMILIES, Batch, TaskFamily, TaskPool, TokenFamily
@@ -114,14 +114,14 @@ def unsupported(family: TaskFamily) -> str | None:
 class Inputs:
     """How a family's sequences enter the analysis. batch: the sequences; positions: [P] the model
     positions analysed (None: all); current: [N, P] tokens or [N, P, d] x_t there; fit: (h, task,
-    current, K, window) -> Geometry (P0/P1 and the task subspace); vocab: the token count (None for
+    current, K, window) -> Fit (P0/P1 and the task subspace); vocab: the token count (None for
     continuous x_t); alpha: [N, P, K] exact posterior over the majors; readout: what steering
     compares; effect: the token-effect model in words."""
 
     batch: Batch
     positions: torch.Tensor | None
     current: torch.Tensor
-    fit: Callable[..., Geometry]
+    fit: Callable[..., Fit]
     vocab: int | None
     alpha: torch.Tensor
     readout: Readout

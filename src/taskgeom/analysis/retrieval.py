@@ -28,7 +28,9 @@ import torch
 from taskgeom.analysis.properties import Shrinkage, quantiles
 from taskgeom.analysis.rows import row
 from taskgeom.analysis.steering import Steering
-from taskgeom.analysis.study import DEFAULT_SITES, Alignment, Directions, Geometry, Place, StudyRun
+from taskgeom.analysis.edits import Place
+from taskgeom.analysis.geometry import Alignment, Directions, Geometry
+from taskgeom.analysis.study import DEFAULT_SITES, StudyRun
 from taskgeom.analysis.task_vectors import check_major_tasks
 from taskgeom.errors import AnalysisError
 from taskgeom.storage import atomic_write_json
@@ -114,6 +116,7 @@ def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tupl
     for label, place in (("place.selected", best), ("place.runner_up", runner_up)):
         if place is not None:
             rows.append(row(label, r2[place], place=place, batch="select", set="major"))
+    del selection  # its states, before the measurement batch's
 
     measure = run.heldout("major", n_sequences, split="measure")
     kept = None

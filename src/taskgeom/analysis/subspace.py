@@ -2,7 +2,7 @@
 
 Shapes: ``N`` sequences, ``T`` positions, ``D`` width, ``K`` task vectors, ``r`` ablated directions.
 Every ablation is an edit of one site (layer, name), applied at every position or at the analysed
-ones (E2: its separators) by ``study.Edit``.
+ones (E2: its separators) by ``edits.Edit``.
 """
 
 from __future__ import annotations
