@@ -246,3 +246,16 @@ def test_an_m1_file_of_an_earlier_row_version_is_not_read(folder, tmp_path):
     (run.path / "analysis" / "m1.json").write_text(json.dumps([{**r, "version": ROW_VERSION - 1} for r in rows]))
     assert stored_rows(run.directory, "m1") is None
     assert {r["analysis"] for r in place_choices(run.directory)} == {"dual"}
+
+
+def test_the_run_at_each_kept_training_step_gives_the_stored_projection_across_training(e3):
+    dual = stored(e3, "dual")
+    chosen = one(dual, "place_selected")
+    place = tg.Place(chosen["layer"], chosen["site"])
+    major, ood = e3.heldout("major", 256, split="geometry"), e3.heldout("ood", 256, split="geometry")
+    snapshots = e3.snapshots()
+    assert list(snapshots) == sorted(snapshots) and len(snapshots) >= 1
+    for step, snapshot in snapshots.items():
+        assert snapshot.model is not e3.model and snapshot.path == e3.path
+        r2 = snapshot.geometry(major, place).projection_r2(ood, form="plain")
+        assert float(r2.mean()) == pytest.approx(one(dual, "projection_r2", step=step)["value"], rel=1e-12), step

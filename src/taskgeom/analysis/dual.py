@@ -99,8 +99,9 @@ def v_layer(run: StudyRun, found: dict[Place, torch.Tensor], n_seq: int) -> tupl
     return max(found, key=ablated_loss.get), rows
 
 
-def analyze_dual(run: StudyRun, n_seq: int = 256, rank: int = 1, search_steps: int = 200) -> list[dict]:
-    """All section-5 measurements of a finished run; writes and returns the rows."""
+def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps: int = 200) -> list[dict]:
+    """All section-5 measurements of a finished run (``n_seq`` sequences per batch, V of ``rank``
+    directions found in ``search_steps`` steps); writes ``analysis/dual.json`` and returns its rows."""
     family, cfg, seed = run.family, run.config, run.seed
     n_layers = cfg.model.n_layers
     all_sites = run.places()
