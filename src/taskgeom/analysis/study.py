@@ -41,8 +41,9 @@ from taskgeom.analysis.states import LayerStreams, stream_layers
 from taskgeom.analysis.subspace import direction_ablation
 from taskgeom.analysis.task_vectors import late_window
 from taskgeom.errors import AnalysisError
+from taskgeom.config import RunConfig
 from taskgeom.runs import Run
-from taskgeom.tasks import Batch
+from taskgeom.tasks import Batch, TaskFamily, TaskPool
 from taskgeom.tasks.regression import Regression
 
 DEFAULT_SITES = ("resid_mid", "resid_post")
@@ -105,22 +106,27 @@ class StudyRun:
 
     @property
     def path(self) -> Path:
+        """The run directory (where ``analysis/`` and ``figures/`` are written)."""
         return self.directory.path
 
     @property
-    def config(self):
+    def config(self) -> RunConfig:
+        """The run's validated config."""
         return self.directory.config
 
     @property
-    def family(self):
+    def family(self) -> TaskFamily:
+        """The latent-task family the model was trained on."""
         return self.directory.family
 
     @property
-    def pool(self):
+    def pool(self) -> TaskPool:
+        """The task pool of training: the major tasks, then the minor ones."""
         return self.directory.pool
 
     @property
     def seed(self) -> int:
+        """The training seed: every held-out split and every random draw of the analysis derives from it."""
         return self.config.train.seed
 
     def places(self, sites: Sequence[str] | None = None, layers: Sequence[int] | None = None) -> list[Place]:
