@@ -28,7 +28,8 @@ def invoke(*args: str):
 def test_analyze_writes_tidy_rows_and_figures(trained):
     import numpy as np
 
-    from taskgeom.analysis.retrieval import MEASURE_STREAM, SELECTION_STREAM, analysis_inputs
+    from taskgeom.analysis.rows import FIELDS, ROW_VERSION
+    from taskgeom.analysis.study import StudyRun
     from taskgeom.analysis.task_vectors import late_window
     from taskgeom.hooks import capture
 
@@ -52,10 +53,9 @@ def test_analyze_writes_tidy_rows_and_figures(trained):
     result = invoke(str(trained.path), "--sequences", "48")
     assert result.exit_code == 0, result.output
     table = pd.read_json(trained.path / "analysis" / "m1.json")
-    assert set(table.columns) == {"experiment", "batch", "layer", "site", "metric", "value", "band", "position", "task"}
-    assert set(table["experiment"]) == {"e1"}
-    assert set(table["batch"]) == {"selection", "measure"}
-    for batch in ("selection", "measure"):
+    assert set(table.columns) == set(FIELDS) and set(table["version"]) == {ROW_VERSION}
+    assert set(table["batch"]) == {"select", "measure"} and set(table["set"]) == {"major"}
+    for batch in ("select", "measure"):
         per_layer = table[table["position"].isna() & (table["batch"] == batch)]
         for metric in ("p0.within_share", "p0.cell_r2", "p1.additive_share", "p2.r2_task", "p2.r2_random"):
             rows = per_layer[per_layer["metric"] == metric]
@@ -66,8 +66,8 @@ def test_analyze_writes_tidy_rows_and_figures(trained):
     # ordinary least squares on the observations
     model = trained.load_model()
     places = [(layer, site) for layer in range(2) for site in ("resid_mid", "resid_post")]
-    for batch, stream in (("selection", SELECTION_STREAM), ("measure", MEASURE_STREAM)):
-        inputs = analysis_inputs(trained, stream, 48)
+    for batch in ("select", "measure"):
+        inputs = StudyRun(trained).heldout("major", 48, split=batch).inputs
         with torch.no_grad(), capture(model, places) as states:
             model(inputs.batch.tokens)
         rows = table[table["position"].isna() & (table["batch"] == batch)].set_index(["metric", "layer", "site"])["value"]
@@ -120,15 +120,16 @@ def test_missing_run_directory_exits_2(tmp_path):
 
 
 def test_the_place_is_selected_on_one_batch_and_the_claims_measured_on_another(trained):
-    from taskgeom.analysis.retrieval import Options, analyze
+    from taskgeom.analysis.retrieval import analyze
+    from taskgeom.analysis.study import StudyRun
     from taskgeom.experiments.m1 import MIN_CELL_R2, MIN_STEERING_RATIO, claims as m1_claims
 
-    result = analyze(trained, Options(n_sequences=48, n_random=2))
+    result = analyze(StudyRun(trained), n_sequences=48, n_random=2)
     claims = {c.id: c for c in m1_claims(result, "quick")}
     assert list(claims) == ["e1.P0", "e1.P1", "e1.P2", "e1.P2.vs_random", "e1.P3", "e1.P3.shrinks", "e1.steering"]
     table = pd.DataFrame(result.rows)
     per_place = table[table["position"].isna() & table["task"].isna()]
-    selection = per_place[(per_place["batch"] == "selection") & (per_place["metric"] == "p2.r2_task")].set_index(["layer", "site"])["value"]
+    selection = per_place[(per_place["batch"] == "select") & (per_place["metric"] == "p2.r2_task")].set_index(["layer", "site"])["value"]
     ranked = selection.sort_values(ascending=False).index.tolist()
     assert result.best == ranked[0] and result.runner_up == ranked[1]
     chosen = per_place[per_place["metric"] == "place.selected"]
@@ -142,14 +143,15 @@ def test_the_place_is_selected_on_one_batch_and_the_claims_measured_on_another(t
     assert claims["e1.steering"].value == pytest.approx(best["steering.kl_unsteered"] / best["steering.kl_steered"])
     assert claims["e1.P0"].threshold == MIN_CELL_R2 and claims["e1.steering"].threshold == MIN_STEERING_RATIO
 
-    fixed = analyze(trained, Options(n_sequences=48, n_random=2, site="resid_post"))
+    fixed = analyze(StudyRun(trained), n_sequences=48, n_random=2, site="resid_post")
     assert fixed.best[1] == "resid_post" and fixed.runner_up[1] == "resid_post"
 
 
 def test_analyze_e2_regression_run(tmp_path):
     """E2: x_t is the current example's x, P3 uses the posterior at every model position, and
     steering reports squared errors of the prediction of y_i; the m1 claims read them."""
-    from taskgeom.analysis.retrieval import Options, analyze
+    from taskgeom.analysis.retrieval import analyze
+    from taskgeom.analysis.study import StudyRun
     from taskgeom.config import build_config
     from taskgeom.experiments.m1 import claims as m1_claims
 
@@ -170,7 +172,7 @@ def test_analyze_e2_regression_run(tmp_path):
     for name in ("simplex", "layers", "positions", "steering"):
         assert (run.path / "figures" / f"m1_{name}.png").stat().st_size > 10_000
 
-    analysed = analyze(run, Options(n_sequences=48, n_random=2))
+    analysed = analyze(StudyRun(run), n_sequences=48, n_random=2)
     assert analysed.alpha.shape == (48, 4, 3) and torch.allclose(analysed.alpha.sum(-1), torch.ones(48, 4))
     claims = {c.id: c for c in m1_claims(analysed, "quick")}
     assert list(claims) == ["e2.P0", "e2.P1", "e2.P2", "e2.P2.vs_random", "e2.P3", "e2.P3.shrinks", "e2.steering"]
@@ -182,7 +184,7 @@ def test_analyze_e2_regression_run(tmp_path):
 def test_unsupported_family_is_a_clear_error():
     from types import SimpleNamespace
 
-    from taskgeom.analysis.retrieval import Options, check_request
+    from taskgeom.analysis.study import StudyRun
     from taskgeom.errors import AnalysisError
     from taskgeom.tasks import TaskFamily
 
@@ -191,4 +193,4 @@ def test_unsupported_family_is_a_clear_error():
         sample_params = make_batch = model_io = reference_predictions = training_loss = position_losses = context_statistic = None
 
     with pytest.raises(AnalysisError, match="'other' is not supported yet"):
-        check_request(SimpleNamespace(family=Other()), Options())
+        StudyRun(SimpleNamespace(family=Other()))

@@ -42,7 +42,8 @@ def test_every_python_block_of_the_readme_runs_as_written(tiny_reproduction, tmp
     # what the blocks say they compute
     assert namespace["logpost"].exp().sum(-1).sub(1).abs().max() < 1e-9
     assert namespace["h"].shape == (64, 64, 16)
-    assert not torch.equal(namespace["ablated"], namespace["logits"])
+    assert namespace["ablated"] != namespace["loss"]
+    assert torch.equal(namespace["steered"].a[0], torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64))
     assert len(namespace["claims"]) == 46 and set(namespace["p0"]["recipe"]) == {"e1", "e2", "e3"}
     assert any(row["metric"] == "p0.cell_r2" for row in namespace["result"].rows)
 
@@ -57,6 +58,9 @@ def test_the_quickstart_notebook_runs_top_to_bottom(tmp_path):
     seconds = time.perf_counter() - start
     text = "".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs)
     assert "P0 cell-means R^2" in text and "median KL to the target mixture" in text
+    compared = re.findall(r"^(\S[^\n]*?)\s+API (\S+)  stored (\S+)$", text, flags=re.M)  # the study's numbers beside the stored ones
+    assert [name for name, _, _ in compared] == ["P0", "P1", "P2", "P3", "share major", "share ood", "projection R^2"]
+    assert all(api == stored for _, api, stored in compared), compared
     assert any("image/png" in output.get("data", {}) for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs)
-    assert (tmp_path / "notebook-runs").is_dir()
+    assert (tmp_path / "notebook-results" / "claims.json").is_file()
     print(f"quickstart.ipynb ran in {seconds:.1f} s")

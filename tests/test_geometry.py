@@ -148,18 +148,19 @@ def test_streamed_states_equal_one_full_forward():
 
 
 def test_selection_and_measurement_sequences_are_held_out_and_independent(tmp_path):
-    from taskgeom.analysis.retrieval import MEASURE_STREAM, SELECTION_STREAM, analysis_inputs
+    from taskgeom.analysis.study import StudyRun
     from taskgeom.evaluate import eval_sets
     from taskgeom.recipes import load_recipe
     from taskgeom.runs import Run
 
     run = Run.create(load_recipe("e1", "quick", ["task.diversity=1", "train.eval_batch=16"]), tmp_path)
-    select, measure = (analysis_inputs(run, stream, 16).batch for stream in (SELECTION_STREAM, MEASURE_STREAM))
+    study = StudyRun(run)
+    select, measure = (study.heldout("major", 16, split=split).batch for split in ("select", "measure"))
     for batch in (select, measure):
         assert batch.task.lt(run.pool.n_major).all() and batch.tokens.shape == (16, run.config.task.seq_len)
         assert not torch.equal(batch.tokens, eval_sets(run)[0].batch.tokens)
     assert not torch.equal(select.tokens, measure.tokens)
-    assert torch.equal(select.tokens, analysis_inputs(run, SELECTION_STREAM, 16).batch.tokens)  # a pure function of the seed
+    assert torch.equal(select.tokens, StudyRun(run).heldout("major", 16, split="select").batch.tokens)  # a pure function of the seed
 
 
 def test_shrinkage_compares_quarters_of_the_uncertain_positions_or_is_not_applicable():

@@ -132,7 +132,7 @@ def test_paired_design_cancels_a_nonlinear_x_effect_in_the_task_vectors():
 
 
 def test_e2_inputs_read_the_separators_with_the_posterior_before_y():
-    from taskgeom.analysis.retrieval import family_inputs
+    from taskgeom.analysis.heldout import family_inputs
 
     family = Regression(d=2, noise=0.5, layout="separator")
     pool = family.sample_pool(3, 0, seed=0)

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 transformers = pytest.importorskip("transformers")
 
 from taskgeom import hf  # noqa: E402
-from taskgeom.analysis.retrieval import Options, analyze, check_request  # noqa: E402
+from taskgeom.analysis.retrieval import analyze, check_request  # noqa: E402
+from taskgeom.analysis.study import StudyRun, open_run  # noqa: E402
 from taskgeom.analysis.states import LayerStreams  # noqa: E402
 from taskgeom.cli import app  # noqa: E402
 from taskgeom.config import ConfigError, ModelConfig, build_config  # noqa: E402
@@ -143,8 +144,8 @@ def test_hf_arch_runs_build_seeded_models_and_need_token_families():
     with pytest.raises(ConfigError, match="model.arch 'gpt2' reads tokens, but the regression family feeds vectors"):
         build_config({"name": "e2", "task": {"family": "regression"}, "model": {"arch": "gpt2"}})
     with pytest.raises(AnalysisError, match=r"unknown sites \['mlp_in'\]; this model has"):
-        check_request(run, Options(sites=("mlp_in", "resid_post")))
-    assert check_request(run, Options())[1] == ("resid_mid", "resid_post")
+        check_request(StudyRun(run), sites=("mlp_in", "resid_post"))
+    assert {place.site for place in check_request(StudyRun(run))} == {"resid_mid", "resid_post"}
 
 
 # ---- resid_mid: formed inside the HF layer, edited through attn_out ------------------------------
@@ -257,7 +258,7 @@ def test_exported_model_loads_with_from_pretrained_and_keeps_the_weights(trained
 
 
 def test_m1_of_the_loaded_copy_equals_the_runs_own(trained, exported):
-    own = analyze(trained, Options(n_sequences=N_SEQUENCES))
+    own = analyze(StudyRun(trained), n_sequences=N_SEQUENCES)
     result = CliRunner().invoke(app, ["analyze", str(exported), "--recipe", "e1", *sum((["--set", s] for s in TASK), []),
                                       "--sequences", str(N_SEQUENCES)])
     assert result.exit_code == 0, result.output
@@ -265,7 +266,7 @@ def test_m1_of_the_loaded_copy_equals_the_runs_own(trained, exported):
     assert set(table["site"]) == {"resid_mid", "resid_post"}
     for name in ("simplex", "layers", "steering"):
         assert (exported / "taskgeom" / "figures" / f"m1_{name}.png").stat().st_size > 10_000
-    api = analyze(hf.open_pretrained(exported, "e1", overrides=TASK), Options(n_sequences=N_SEQUENCES))
+    api = analyze(open_run(exported, "e1", overrides=TASK), n_sequences=N_SEQUENCES)
     expected = _table(own.rows)
     for rows in (table.to_dict("records"), api.rows):
         got = _table(rows)
@@ -280,7 +281,7 @@ def test_the_tiny_gpt2_has_the_m1_geometry(trained):
     are task + token cells (P0, P1), lie on the task simplex (P2, P3) and steer (ratio >= 3)."""
     from taskgeom.experiments.m1 import claims
 
-    result = analyze(trained, Options(n_sequences=N_SEQUENCES))
+    result = analyze(StudyRun(trained), n_sequences=N_SEQUENCES)
     passed = {c.id: c.passed for c in claims(result, "quick")}
     assert result.summary["p0.within_share"] < 0.01
     assert all(passed[f"e1.{name}"] for name in ("P0", "P1", "P2", "P2.vs_random", "P3", "steering")), passed

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from taskgeom.analysis.retrieval import _steering_rows
-from taskgeom.analysis.steering import AdditiveCode, Steering, TokenReadout, kl_rows, steer
+from taskgeom.analysis.retrieval import steering_rows
+from taskgeom.analysis.steering import AdditiveCode, Steering, TokenReadout, dirichlet_points, kl_rows, steer
 from taskgeom.config import ModelConfig
 from taskgeom.hooks import intervene
 from taskgeom.model import Transformer
@@ -79,7 +79,8 @@ def test_steer_measures_the_model_with_and_without_the_edit_against_the_same_tar
     basis = torch.linalg.qr(torch.randn(D, K - 1, generator=gen))[0]
     code = AdditiveCode(torch.randn(K, D, generator=gen), torch.randn(V, D, generator=gen))
     late, site = slice(7, 10), (1, "resid_mid")
-    result = steer(model, TokenReadout(fam, tokens, pool.params), tokens, tokens[:, late], site, late, late, basis, code,
+    a = dirichlet_points(B, K, torch.Generator().manual_seed(5))
+    result = steer(model, TokenReadout(fam, tokens, pool.params), tokens, tokens[:, late], site, late, late, basis.double(), code, a,
                    torch.Generator().manual_seed(5))
     a = result.a
     assert a.shape == (B, K) and torch.allclose(a.sum(-1), torch.ones(B, dtype=torch.float64)) and (a >= 0).all()
@@ -110,7 +111,7 @@ def test_steering_rows_are_medians_with_quartile_bands_and_the_ratio_of_medians(
     unsteered = torch.tensor([[0.9, 0.1, 0.5, 0.7, 0.3]], dtype=torch.float64)
     steered = torch.tensor([[0.01, 0.2, 0.05, 0.04, 0.02]], dtype=torch.float64)
     random = torch.tensor([[0.6, 0.8, 0.4, 1.0, 0.2]], dtype=torch.float64)
-    rows = _steering_rows("e1", (1, "resid_mid"), Steering(torch.full((1, 3), 1 / 3), unsteered, steered, random))
+    rows = steering_rows((1, "resid_mid"), Steering(torch.full((1, 3), 1 / 3), unsteered, steered, random))
     by_metric = {r["metric"]: r for r in rows}
     assert list(by_metric) == ["steering.kl_unsteered", "steering.kl_steered", "steering.kl_random", "steering.ratio"]
     expected = {"steering.kl_unsteered": (0.5, [0.3, 0.7]), "steering.kl_steered": (0.04, [0.02, 0.05]),
@@ -119,7 +120,7 @@ def test_steering_rows_are_medians_with_quartile_bands_and_the_ratio_of_medians(
         row = by_metric[metric]
         assert row["value"] == pytest.approx(value, rel=1e-12), metric
         assert row["band"] == (band if band is None else pytest.approx(band, rel=1e-12)), metric
-        assert (row["experiment"], row["batch"], row["layer"], row["site"], row["position"], row["task"]) == ("e1", "measure", 1, "resid_mid", None, None)
-    sq = _steering_rows("e2", (0, "resid_post"), Steering(torch.full((1, 3), 1 / 3), unsteered, steered, random, measure="sq"))
+        assert (row["batch"], row["layer"], row["site"], row["position"], row["task"]) == ("measure", 1, "resid_mid", None, None)
+    sq = steering_rows((0, "resid_post"), Steering(torch.full((1, 3), 1 / 3), unsteered, steered, random, measure="sq"))
     assert [r["metric"] for r in sq] == ["steering.sq_unsteered", "steering.sq_steered", "steering.sq_random", "steering.ratio"]
     assert sq[-1]["value"] == pytest.approx(12.5, rel=1e-12)

@@ -9,16 +9,12 @@ import pytest
 import torch
 
 from taskgeom import tasks
-from taskgeom.analysis.states import LayerStreams
-from taskgeom.analysis.subspace import complement_basis, direction_ablation, gain_removed, model_losses, projection_r2, task_ablation
+from taskgeom.analysis.shares import MIN_RELIABLE_GAIN, share_of_gain
+from taskgeom.analysis.subspace import complement_basis, projection_r2, task_ablation
 from taskgeom.analysis.task_vectors import task_subspace, token_conditioned
 from taskgeom.errors import AnalysisError
 from taskgeom.analysis.theory import participation_ratio, readout_lipschitz
 from taskgeom.analysis.transition import predict_generalising
-from taskgeom.config import ModelConfig
-from taskgeom.hooks import intervene
-from taskgeom.model import Transformer
-from taskgeom.tasks.regression import Regression
 
 
 def test_projection_r2_is_one_inside_and_zero_orthogonal():
@@ -112,11 +108,27 @@ def test_a_degenerate_task_subspace_is_refused():
         task_subspace(theta, torch.zeros(1, 2), slice(0, 1))
 
 
-def test_gain_removed_formula_averages_every_prediction_after_the_first():
-    clean = torch.tensor([2.0, 1.5, 1.0, 1.0])
-    ablated = torch.tensor([2.0, 1.8, 1.5, 1.5])
+def test_share_of_gain_averages_every_prediction_after_the_first_and_carries_its_parts():
+    clean = torch.tensor([2.0, 1.5, 1.0, 1.0], dtype=torch.float64)
+    ablated = torch.tensor([2.0, 1.8, 1.5, 1.5], dtype=torch.float64)
     late, late_ablated = (1.5 + 1.0 + 1.0) / 3, (1.8 + 1.5 + 1.5) / 3
-    assert gain_removed(ablated, clean) == pytest.approx(100 * (late_ablated - late) / (2.0 - late))
+    share = share_of_gain(ablated, clean)
+    assert share.value == pytest.approx(100 * (late_ablated - late) / (2.0 - late))
+    assert (share.gain, share.clean, share.ablated, share.first) == pytest.approx((2.0 - late, late, late_ablated, 2.0))
+    assert share.unreliable is False and share.reason is None
+    windowed = share_of_gain(ablated, clean, slice(2, None))  # the late window of the sensitivity analysis
+    assert windowed.value == pytest.approx(100 * (1.5 - 1.0) / (2.0 - 1.0))
+
+
+def test_a_share_of_a_gain_that_is_not_positive_is_null_with_its_reason_and_a_small_one_unreliable():
+    clean = torch.tensor([1.0, 1.2, 1.1], dtype=torch.float64)  # the loss rises in context: gain -0.15
+    share = share_of_gain(clean + 0.1, clean)
+    assert share.value is None and share.gain == pytest.approx(-0.15) and share.unreliable is True
+    assert "not positive" in share.reason and "-0.15" in share.reason
+    assert share_of_gain(clean, torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)).value is None  # zero gain
+    small = torch.tensor([1.0, 1.0 - MIN_RELIABLE_GAIN / 2, 1.0 - MIN_RELIABLE_GAIN / 2], dtype=torch.float64)
+    shaky = share_of_gain(small + 0.01, small)
+    assert shaky.value == pytest.approx(100 * 0.01 / (MIN_RELIABLE_GAIN / 2)) and shaky.unreliable is True and shaky.reason is None
 
 
 def test_generalising_predictor_interpolates_majors_and_the_prior():
@@ -148,27 +160,3 @@ def test_participation_ratio_and_lipschitz_estimators():
     centred = weight - weight.mean(0)
     assert lipschitz == pytest.approx(float(torch.linalg.matrix_norm(centred, ord=2)), rel=1e-5)
     assert math.isfinite(lipschitz)
-
-
-@pytest.mark.parametrize("family", [tasks.make("markov", vocab_size=5), tasks.make("regression", d=2)], ids=["tokens", "regression"])
-def test_ablated_losses_from_shared_streams_equal_whole_forward_passes(family):
-    """The dual analysis runs every edit of a batch from its layer on, on the streams one clean pass
-    kept: the losses equal those of the whole model under the same edit (E2: at its separators)."""
-    torch.manual_seed(0)
-    T = 12
-    model = Transformer(ModelConfig(n_layers=3, d_model=16, n_heads=2, d_mlp=32, max_len=T), **family.model_io()).eval()
-    pool = family.sample_pool(3, 2, seed=0)
-    batch = family.sample_ood(16, T, seed=0)
-    references = family.reference_predictions(batch, pool)
-    positions = family.prediction_positions(T // family.stride) if isinstance(family, Regression) else slice(None)
-    directions = torch.linalg.qr(torch.randn(16, 3, generator=torch.Generator().manual_seed(1)))[0]
-    streams = LayerStreams(model, batch.tokens)
-    with torch.no_grad():
-        clean = family.position_losses(model, batch, *references)["loss"].mean(0)
-    assert torch.equal(model_losses(family, streams, batch, references), clean)
-    for site in [(2, "resid_mid"), (0, "resid_mid"), (1, "resid_post"), (1, "resid_pre")]:
-        with torch.no_grad(), intervene(model, site, direction_ablation(directions), positions):
-            whole = family.position_losses(model, batch, *references)["loss"].mean(0)
-        reused = model_losses(family, streams, batch, references, site, direction_ablation(directions), positions)
-        torch.testing.assert_close(reused, whole, atol=1e-5, rtol=0)
-        assert not torch.allclose(reused, clean)  # the edit acts

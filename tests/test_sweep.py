@@ -11,6 +11,8 @@ import yaml
 from conftest import tiny_config
 from taskgeom.experiments.executors import Executor
 from taskgeom.analysis.dual import load_dual
+from taskgeom.analysis.rows import ROW_VERSION
+from taskgeom.analysis.shares import MIN_RELIABLE_GAIN
 from taskgeom.experiments.sweep import Job, job_seconds, run_sweep, summary
 from taskgeom.runs import Run
 
@@ -26,6 +28,12 @@ def test_sweep_isolates_failures_and_resumes(tmp_path):
     assert "diversity" in table[table["diversity"] == 30]["error"].iloc[0]
     wide = pd.read_csv(tmp_path / "sweep.csv")
     assert len(wide) == 3 and {"projection_r2@ood", "gain_removed_ablate_S@major", "gain_removed_ablate_V@ood"} <= set(wide.columns)
+    finished = wide[wide["status"] == "ok"]
+    for set_name in ("major", "ood"):  # each share beside the gain it divides by: empty, with the reason, where there is none
+        gain, share = finished[f"gain@{set_name}"], finished[f"gain_removed_ablate_S@{set_name}"]
+        assert gain.notna().all() and (share.notna() == (gain > 0)).all()
+        assert (finished[f"unreliable@{set_name}"] == ~(gain >= MIN_RELIABLE_GAIN)).all()
+        assert finished.loc[gain <= 0, f"reason@{set_name}"].fillna("").astype(str).str.contains("not positive").all()
     steps = pd.read_csv(tmp_path / "by_step.csv")
     assert set(steps["diversity"]) == {-1, 1} and {"log_ratio", "projection_r2", "projection_r2_token"} <= set(steps.columns)
     one = table[(table["diversity"] == -1) & table["step"].isna()]
@@ -33,7 +41,8 @@ def test_sweep_isolates_failures_and_resumes(tmp_path):
     n_layers = tiny_config("dice", steps=30).model.n_layers
     assert sorted(zip(search["layer"], search["site"])) == [(layer, "resid_mid") for layer in range(n_layers)]  # every layer's
     chosen = one[one["metric"] == "v_layer_selected"]
-    best = search.loc[search["value"].idxmax()]
+    ablated = one[one["metric"] == "search_loss_ablate_V"]  # V's layer: the highest ablated OOD loss (a share flips with its gain)
+    best = ablated.loc[ablated["value"].idxmax()]
     assert (chosen["layer"].iloc[0], chosen["site"].iloc[0]) == (best["layer"], best["site"])
     ablate_v = one[one["metric"] == "gain_removed_ablate_V"]
     assert set(ablate_v["layer"]) == {best["layer"]}
@@ -49,6 +58,8 @@ def test_sweep_isolates_failures_and_resumes(tmp_path):
     rows = json.loads(old.read_text())
     old.write_text(json.dumps([{k: v for k, v in r.items() if k != "version"} for r in rows]))
     assert load_dual(run) is None  # an analysis of an earlier version is measured again
+    old.write_text(json.dumps([{**r, "version": ROW_VERSION - 1} for r in rows]))
+    assert load_dual(run) is None
     old.write_text(json.dumps(rows))
     kept = {p: p.stat().st_mtime_ns for p in (done / "model.safetensors", done / "analysis" / "dual.json")}
     (redo / "model.safetensors").unlink()  # as if the sweep had been killed while training this run

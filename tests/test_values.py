@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 import taskgeom.experiments
 from taskgeom.analysis.properties import KL_FLOOR
-from taskgeom.analysis.retrieval import _alignment_rows
+from taskgeom.analysis.retrieval import alignment_rows
+from taskgeom.analysis.geometry import Alignment
 from taskgeom.analysis.task_vectors import late_window
 from taskgeom.analysis.theory import theorem2
 from taskgeom.analysis.transition import predict_generalising, reference_predictors, transition_statistic
@@ -51,7 +52,8 @@ def test_p3_rows_are_medians_and_quartiles_over_the_stated_positions_and_sequenc
     N, T, K = beta.shape
     window = late_window(T)
     assert (window.start, window.stop) == (9, 12)
-    rows, shrink = _alignment_rows("e1", (1, "resid_mid"), beta.float(), alpha, task, window)
+    p3 = Alignment.of(beta.float(), alpha, window)
+    rows, shrink = alignment_rows((1, "resid_mid"), p3, task), p3.shrinkage
     b, al = beta.float().double().numpy(), alpha.numpy()
     tv = np.array([[0.5 * sum(abs(b[n, t, k] - al[n, t, k]) for k in range(K)) for t in range(T)] for n in range(N)])
     smooth = (b + KL_FLOOR / K) / (1 + KL_FLOOR)
@@ -77,7 +79,7 @@ def test_p3_rows_are_medians_and_quartiles_over_the_stated_positions_and_sequenc
     assert got[("p3.uncertain_positions", None, None)]["value"] == 8 and shrink.positions == list(range(8))
     assert got[("p3.tv_first_uncertain", None, None)]["value"] == pytest.approx(tv[:, [0, 1]].mean(), rel=1e-9)
     assert got[("p3.tv_last_uncertain", None, None)]["value"] == pytest.approx(tv[:, [6, 7]].mean(), rel=1e-9)
-    assert all((r["experiment"], r["batch"], r["layer"], r["site"]) == ("e1", "measure", 1, "resid_mid") for r in rows)
+    assert all((r["batch"], r["set"], r["layer"], r["site"]) == ("measure", "major", 1, "resid_mid") for r in rows)
     assert len(rows) == 2 * (4 * T + 2) + 3
 
 

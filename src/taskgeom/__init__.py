@@ -1,7 +1,37 @@
-"""taskgeom: task-vector geometry of in-context task inference in small transformers."""
+"""taskgeom: task-vector geometry of in-context task inference in small transformers.
+
+The public API, ``import taskgeom as tg`` (docs/python-api.md walks through a study):
+
+- ``tg.open_run(path)`` -> ``tg.StudyRun``: a finished run (model, family, pool, config) and its
+  verbs: ``heldout`` sequences of a named ``tg.Split``, ``cache`` states at a ``tg.Place``,
+  ``geometry`` / ``geometries`` / ``select_place``, ``loss``, ``ablate`` directions,
+  ``orthogonal_search``, ``snapshots``.
+- ``tg.Geometry``: task vectors, basis, token effects, P0-P3, beta at a place; ``steer`` toward a
+  point of the simplex, ``ablate`` the task subspace S (a ``tg.Edit``, used as ``with``),
+  ``projection_r2``.
+- ``tg.share_of_gain`` -> ``tg.Share``: the share of in-context gain an edit removes, with its gain
+  (None when the gain is not positive; ``unreliable`` below ``tg.MIN_RELIABLE_GAIN``).
+- ``tg.analyze_m1`` and ``tg.analyze_dual``: the stored analyses (``m1.json``, ``dual.json``),
+  written with the objects above.
+- ``tg.results(folder)`` -> ``tg.Results``: a reproduction's claims and every analysis row.
+- ``tg.tasks``: the latent-task families (``tasks.make``).
+"""
 
 __version__ = "0.1.0"
 
-from taskgeom import tasks  # noqa: E402  (public API: taskgeom.tasks.make)
+from taskgeom import tasks  # noqa: E402  (first: the modules below import it)
+from taskgeom.analysis.dual import analyze_dual  # noqa: E402
+from taskgeom.analysis.heldout import Split  # noqa: E402
+from taskgeom.analysis.retrieval import Result as M1Result, analyze as analyze_m1  # noqa: E402
+from taskgeom.analysis.shares import MIN_RELIABLE_GAIN, Share, share_of_gain  # noqa: E402
+from taskgeom.analysis.steering import Steering  # noqa: E402
+from taskgeom.analysis.edits import Edit, Place  # noqa: E402
+from taskgeom.analysis.geometry import Alignment, Geometry  # noqa: E402
+from taskgeom.analysis.study import Selection, Sequences, StudyRun, open_run  # noqa: E402
+from taskgeom.results import Results, results  # noqa: E402
 
-__all__ = ["tasks", "__version__"]
+__all__ = [
+    "open_run", "StudyRun", "Split", "Sequences", "Place", "Selection", "Geometry", "Alignment", "Steering", "Edit",
+    "share_of_gain", "Share", "MIN_RELIABLE_GAIN", "analyze_m1", "M1Result", "analyze_dual", "results", "Results", "tasks",
+    "__version__",
+]

@@ -19,6 +19,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Iterable, Literal, Optional, Union
 
+from taskgeom.analysis.shares import MIN_RELIABLE_GAIN  # the share of gain's reliability floor (PAPER.md section 7)
 from taskgeom.storage import standard_json
 
 Comparison = Literal["<=", ">=", "<", ">"]
@@ -26,11 +27,6 @@ Status = Literal["pass", "fail", "unstable", "n/a"]
 STATUSES: tuple[str, ...] = ("pass", "fail", "unstable", "n/a")
 Part = Union[float, int, bool, str]
 _OPS = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b, "<": lambda a, b: a < b, ">": lambda a, b: a > b}
-
-# Share of in-context gain (PAPER.md section 7): the share removed by an ablation is unreliable when
-# the gain it divides by, L_0 - L (loss at the first position minus the clean loss), is below this
-# many nats.
-MIN_RELIABLE_GAIN = 0.05
 
 
 @dataclass(frozen=True)

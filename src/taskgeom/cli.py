@@ -288,7 +288,8 @@ def analyze(
     selection batch and on an independent measurement batch; the place with the highest R^2_task on
     the selection batch is chosen, and P3 and causal steering are measured there on the measurement
     batch. Writes analysis/m1.json (tidy rows) and figures/m1_*.png."""
-    from taskgeom.analysis.retrieval import Options, analyze as analyze_run, write
+    from taskgeom.analysis.retrieval import analyze as analyze_run, write
+    from taskgeom.analysis.study import StudyRun
     from taskgeom.report.geometry import FIGURES, plot_retrieval
     from taskgeom.runs import Run
 
@@ -304,9 +305,10 @@ def analyze(
         from taskgeom.hf import open_pretrained
 
         run = open_pretrained(run_dir, recipe, profile, set_ or [], out)
-    options = Options(tuple(layer) if layer else None, tuple(site) if site else None, primary, sequences, directions=directions)
     _check_analysis_memory(run.config, sequences)
-    result = analyze_run(run, options)
+    run = StudyRun(run)
+    result = analyze_run(run, layers=tuple(layer) if layer else None, sites=tuple(site) if site else None, site=primary,
+                         n_sequences=sequences, directions=directions)
     write(run, result)
     (run.path / "figures").mkdir(parents=True, exist_ok=True)
     plot_retrieval(result, {name: run.path / "figures" / f"m1_{name}.png" for name in FIGURES})
@@ -538,13 +540,14 @@ def sensitivity(
     import pandas as pd
 
     from taskgeom.analysis.sensitivity import orthogonal_choices, place_choices
+    from taskgeom.analysis.study import StudyRun
     from taskgeom.runs import Run
 
     rows = []
     for run_dir in run_dirs:
         run = Run.open(run_dir)
         rows += [{"run": run.path.name, "recipe": run.config.name, "diversity": run.config.task.diversity, "seed": run.config.train.seed,
-                  **row} for row in (place_choices if places else orthogonal_choices)(run)]
+                  **row} for row in (place_choices(run) if places else orthogonal_choices(StudyRun(run)))]
     table = pd.DataFrame(rows)
     if csv:
         typer.echo(table.to_csv(index=False), nl=False)

@@ -16,7 +16,7 @@ Shapes: ``N`` sequences, ``T`` positions, ``D`` width, ``K`` major tasks, ``V`` 
 the tasks, rather than the raw late-window task means: the raw means also carry each task's typical
 token code, which P2 already removes through ``nu(x_t)``; with near-disjoint tasks (E1) the two
 differ. Both span the task subspace S when tokens and tasks are balanced (E2's paired design makes
-them equal). ``Geometry.subspace`` is the one ``TaskSubspace`` that P2, steering, projection R^2, the
+them equal). ``Fit.subspace`` is the one ``TaskSubspace`` that P2, steering, projection R^2, the
 ablations, Theorem 2 and the probes all use.
 """
 
@@ -34,10 +34,11 @@ KL_FLOOR = 1e-3  # [ours] beta is mixed with this much of the uniform law before
 
 
 @dataclass(frozen=True)
-class Geometry:
-    """The M1 geometry of one (layer, site): layout: P0/P1 fit on the late window (``TwoWay`` over
-    tokens, or ``TaskLinear`` over continuous x_t); subspace: the task subspace whose theta [K, D]
-    are the centred task effects of the layout (mu [T, D] as measured)."""
+class Fit:
+    """The fitted M1 description of one (layer, site), which ``study.Geometry`` holds: layout: P0/P1
+    fit on the late window (``TwoWay`` over tokens, or ``TaskLinear`` over continuous x_t);
+    subspace: the task subspace whose theta [K, D] are the centred task effects of the layout
+    (mu [T, D] as measured)."""
 
     layout: Layout
     subspace: TaskSubspace
@@ -52,21 +53,21 @@ class Geometry:
         return h.double() - self.subspace.mu[: h.shape[1]] - self.layout.effect(inputs).double()
 
 
-def stability(h: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor, n_tasks: int, vocab: int, window: slice) -> Geometry:
+def stability(h: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor, n_tasks: int, vocab: int, window: slice) -> Fit:
     """P0 and P1 of h: [N, T, D] for sequences of task: [N], tokens: [N, T], over ``window``; the
     subspace also carries the token-conditioned vectors theta_{k,a} of the same late states."""
     late, cells = _late(h, task, window)
     late_tokens = tokens[:, window].reshape(-1)
     layout = two_way(late, cells, late_tokens, n_tasks, vocab)
     conditioned = token_conditioned(late, cells, late_tokens, n_tasks, vocab, layout.effect_a)
-    return Geometry(layout, task_subspace(layout.effect_a, position_means(h, task, n_tasks), window, conditioned))
+    return Fit(layout, task_subspace(layout.effect_a, position_means(h, task, n_tasks), window, conditioned))
 
 
-def stability_linear(h: torch.Tensor, task: torch.Tensor, x: torch.Tensor, n_tasks: int, window: slice) -> Geometry:
+def stability_linear(h: torch.Tensor, task: torch.Tensor, x: torch.Tensor, n_tasks: int, window: slice) -> Fit:
     """P0 and P1 of h: [N, T, D] when the current input is continuous, x: [N, T, d] (E2's x_t)."""
     late, cells = _late(h, task, window)
     layout = task_linear(late, cells, x[:, window].reshape(-1, x.shape[-1]), n_tasks)
-    return Geometry(layout, task_subspace(layout.effect_a, position_means(h, task, n_tasks), window))
+    return Fit(layout, task_subspace(layout.effect_a, position_means(h, task, n_tasks), window))
 
 
 def _late(h: torch.Tensor, task: torch.Tensor, window: slice) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +102,7 @@ def random_rotation(dim: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def interpolation(y: torch.Tensor, theta: torch.Tensor, window: slice, n_random: int = 8, seed: int = 0) -> Interpolation:
-    """P2 for y: [N, T, D] (``Geometry.residual``) and theta: [K, D]: beta at every state, R^2 over
+    """P2 for y: [N, T, D] (``Fit.residual``) and theta: [K, D]: beta at every state, R^2 over
     the states of ``window`` (and per position)."""
     theta = theta.double()
     y = y.double()

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from taskgeom.analysis.anova import Layout
+from taskgeom.analysis.properties import quantiles
 from taskgeom.hooks import Site, intervene
 from taskgeom.tasks import Batch, TokenFamily
 from taskgeom.tasks.regression import Regression
@@ -60,12 +61,14 @@ def code_from_regression(h: torch.Tensor, alpha: torch.Tensor, inputs: torch.Ten
 
 
 def steer_edit(basis: torch.Tensor, code: AdditiveCode, a: torch.Tensor, inputs: torch.Tensor) -> Edit:
-    """The edit h -> h - P_S h + P_S code.state(a, inputs); basis: [D, r] orthonormal; a: [B, K];
+    """The edit h -> h - P_S h + P_S code.state(a, inputs); basis: [D, r] orthonormal (any float
+    dtype: ``TaskSubspace.basis`` is float64; it is cast to the code's dtype); a: [B, K];
     inputs: [B, T'] tokens or [B, T', d] x_t at the edited positions."""
+    basis = basis.to(code.centre.dtype)
     target = code.state(a, inputs) @ basis  # [B, T', r]
 
     def edit(h: torch.Tensor) -> torch.Tensor:
-        return h + (target - h @ basis) @ basis.T
+        return h + (target.to(h.dtype) - h @ basis.to(h.dtype)) @ basis.T.to(h.dtype)
 
     return edit
 
@@ -141,22 +144,35 @@ class Steering:
     measure: str = "kl"
     label: str = TokenReadout.label
 
+    def median(self, kind: str) -> float:
+        """The median of ``kind`` (unsteered, steered, random) over every sequence and position, as
+        the stored rows give it (``torch.quantile``: the mean of the two middle values when even)."""
+        return float(quantiles(getattr(self, kind).reshape(-1))[0])
+
+    @property
+    def ratio(self) -> float:
+        """median(unsteered) / median(steered): what the steering claim reads."""
+        return self.median("unsteered") / self.median("steered")
+
+
+def dirichlet_points(n: int, K: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, K] float64 points drawn from Dirichlet(1) on the simplex (normalised unit gammas)."""
+    gamma = torch._standard_gamma(torch.ones(n, K, dtype=torch.float64), gen)
+    return gamma / gamma.sum(-1, keepdim=True)
+
 
 @torch.no_grad()
 def steer(
     model: torch.nn.Module, readout: Readout, tokens: torch.Tensor, inputs: torch.Tensor, site: Site, positions: slice | torch.Tensor,
-    late: slice, basis: torch.Tensor, code: AdditiveCode, gen: torch.Generator,
+    late: slice, basis: torch.Tensor, code: AdditiveCode, a: torch.Tensor, gen: torch.Generator,
 ) -> Steering:
     """Steer the model input tokens: [B, T, ...] at ``site`` on the model ``positions`` (the
-    analysed positions ``late``) toward a ~ Dirichlet(1) over the K tasks of ``readout.params``;
+    analysed positions ``late``) toward the mixtures a: [B, K] of the K tasks of ``readout.params``;
     inputs: [B, T'] tokens or [B, T', d] x_t at those positions (what the code's token term reads);
-    basis: [D, r] of the task subspace."""
+    basis: [D, r] of the task subspace; gen: the random control's directions."""
     model.eval()
-    B, K = tokens.shape[0], readout.params.shape[0]
-    gamma = torch._standard_gamma(torch.ones(B, K, dtype=torch.float64), gen)
-    a = gamma / gamma.sum(-1, keepdim=True)
     distance = readout.distance(a, late)
-    edit = steer_edit(basis.float(), code, a, inputs)
+    edit = steer_edit(basis, code, a, inputs)
 
     def run(change: Edit | None) -> torch.Tensor:
         if change is None:

@@ -1,9 +1,8 @@
 """PAPER.md section 5: the task subspace S against the nearly orthogonal OOD subspace.
 
 Shapes: ``N`` sequences, ``T`` positions, ``D`` width, ``K`` task vectors, ``r`` ablated directions.
-Every ablation acts on one site (layer, name) through ``hooks.intervene``, at every position or at
-the analysed ones (E2: its separators); the model runs from that site's layer on, on the stream a
-batch's ``states.LayerStreams`` keeps.
+Every ablation is an edit of one site (layer, name), applied at every position or at the analysed
+ones (E2: its separators) by ``edits.Edit``.
 """
 
 from __future__ import annotations
@@ -12,10 +11,7 @@ from typing import Callable
 
 import torch
 
-from taskgeom.analysis.states import LayerStreams
 from taskgeom.analysis.task_vectors import TaskSubspace
-from taskgeom.hooks import Site, intervene
-from taskgeom.tasks import Batch, TaskFamily
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
 
@@ -55,33 +51,13 @@ def task_ablation(subspace: TaskSubspace) -> Edit:
 
 
 def direction_ablation(directions: torch.Tensor) -> Edit:
-    """h <- h - V V^T h for orthonormal directions: [D, r]."""
+    """h <- h - V V^T h for orthonormal directions: [D, r] (cast to the states' dtype)."""
 
     def edit(h: torch.Tensor) -> torch.Tensor:
-        return h - h @ directions @ directions.T
+        v = directions.to(h.dtype)
+        return h - h @ v @ v.T
 
     return edit
-
-
-def model_losses(family: TaskFamily, streams: LayerStreams, batch: Batch, references: tuple[torch.Tensor, torch.Tensor],
-                 site: Site | None = None, edit: Edit | None = None, positions: slice | torch.Tensor | None = None) -> torch.Tensor:
-    """[P] the model's mean loss per prediction (nats for tokens, squared error for E2) over the
-    batch, with ``edit`` applied at ``site`` on ``positions`` (all by default); streams: the
-    batch's ``LayerStreams``, so the model runs only from the edited block on (and a clean pass
-    fills every stream); references: ``family.reference_predictions``."""
-    with torch.no_grad():
-        if edit is None:
-            return family.position_losses(streams.model_from(None), batch, *references)["loss"].mean(0)
-        with intervene(streams.model, site, edit, positions):
-            return family.position_losses(streams.model_from(site), batch, *references)["loss"].mean(0)
-
-
-def gain_removed(ablated: torch.Tensor, clean: torch.Tensor) -> float:
-    """Share of in-context gain removed, in percent: 100 (L_ablated - L) / (L_0 - L), where L and
-    L_ablated average the per-prediction losses [P] over every prediction after the first (the
-    study's choice) and L_0 is the clean loss of the first prediction."""
-    late, late_ablated = clean[1:].mean(), ablated[1:].mean()
-    return float(100 * (late_ablated - late) / (clean[0] - late))
 
 
 def random_directions(complement: torch.Tensor, rank: int, gen: torch.Generator) -> torch.Tensor:

@@ -3,14 +3,15 @@ dissociation, the predictor transition and Theorem 2, for the recipes that decla
 at the profile (E1 and E3; E2 at paper), measured where PAPER.md
 section 7 pins them (``analysis.dual``). Projection R^2 claims read the token-conditioned form;
 every share of in-context gain carries its parts (clean, ablated and first losses, the gain in
-nats, and ``unreliable`` when the gain is below 0.05 nats)."""
+nats, and ``unreliable`` when the gain is below ``MIN_RELIABLE_GAIN``), and a claim on a share of
+a gain that is not positive is ``n/a`` with that reason."""
 
 from __future__ import annotations
 
 import pandas as pd
 
 from taskgeom.analysis.dual import N_RANDOM_CONTROLS
-from taskgeom.claims import check, gain_parts
+from taskgeom.claims import check, gain_parts, not_applicable
 from taskgeom.experiments.base import Context
 from taskgeom.experiments.schedule import TrainTask
 from taskgeom.experiments.sweep import Job, by_step, job_seconds, run_sweep
@@ -56,6 +57,13 @@ def _band(rows: pd.DataFrame, metric: str, diversity: int, set_name: str) -> lis
     return [min(b[0] for b in bands), max(b[1] for b in bands)] if bands else [float("nan"), float("nan")]
 
 
+def _reason(rows: pd.DataFrame, metric: str, diversity: int, set_name: str) -> str | None:
+    """Why a final-model share of gain in ``rows`` (one seed's) is null (its gain is not positive), else None."""
+    pick = rows[(rows["metric"] == metric) & (rows["diversity"] == diversity) & rows["step"].isna() & (rows["set"] == set_name)]
+    reasons = [r for r in pick["reason"] if isinstance(r, str)] if "reason" in pick else []
+    return reasons[0] if reasons else None
+
+
 def _each_recipe(ctx: Context, *claims: str) -> tuple[str, ...]:
     """The ids of ``claims`` for every recipe of the profile's grid (``e1.ablate_V_ood``, ...)."""
     return tuple(f"{recipe}.{claim}" for recipe in grid(ctx)[1] for claim in claims)
@@ -78,8 +86,12 @@ def runs(ctx: Context) -> list[TrainTask]:
 def claims(rows: pd.DataFrame, recipe: str, low: int, high: int, profile: str) -> list:
     """The dual-mode claims of ``recipe`` from the sweep rows of one seed (its runs at every k)."""
     made = []
-    claim = lambda name, description, value, op, threshold, parts=None: made.append(  # noqa: E731
-        check(f"{recipe}.{name}", recipe, description, value, op, threshold, profile, parts))
+
+    def claim(name, description, value, op, threshold, parts=None, reason=None):
+        """A checked claim, or ``n/a`` with ``reason`` (a share of a gain that is not positive)."""
+        made.append(check(f"{recipe}.{name}", recipe, description, value, op, threshold, profile, parts) if reason is None else
+                    not_applicable(f"{recipe}.{name}", recipe, description, op, threshold, profile, reason, parts))
+
     r2_high, r2_low = _value(rows, "projection_r2_token", high, "ood"), _value(rows, "projection_r2_token", low, "ood")
     plain = {"plain_form": _value(rows, "projection_r2", high, "ood")}
     claim("projection_r2_high_diversity", f"projection R^2 (token-conditioned) of OOD states onto S at k = {high}", r2_high, "<",
@@ -92,11 +104,13 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int, profile: str) -
             parts = gain_parts(_value(rows, "loss", high, set_name), _value(rows, f"loss_{ablation}", high, set_name),
                                _value(rows, "loss_first", high, set_name))
             claim(f"{ablation}_{set_name}", f"% of {set_name} in-context gain removed by ablating the {what} (k = {high})",
-                  _value(rows, f"gain_removed_{ablation}", high, set_name), op, threshold, parts)
+                  _value(rows, f"gain_removed_{ablation}", high, set_name), op, threshold, parts,
+                  _reason(rows, f"gain_removed_{ablation}", high, set_name))
     random = {s: _band(rows, "gain_removed_random", high, s) for s in ("major", "ood")}
+    reasons = [f"{s}: {r}" for s in random if (r := _reason(rows, "gain_removed_random", high, s))]
     claim("random_control", f"largest |% gain removed| by any of {N_RANDOM_CONTROLS} random same-rank directions, major and OOD "
           f"(k = {high})", max(abs(v) for band in random.values() for v in band), "<", MAX_RANDOM_GAIN_REMOVED,
-          {f"{s}_{end}": v for s, band in random.items() for end, v in zip(("min", "max"), band)})
+          {f"{s}_{end}": v for s, band in random.items() for end, v in zip(("min", "max"), band)}, "; ".join(reasons) or None)
     if len(rows) and rows["metric"].str.startswith("transition_").any():  # token families only
         final = by_step(rows).sort_values("step").groupby("diversity").last()
         for name, k, op, word in (("transition_memorising", low, "<", "negative: memorising"),

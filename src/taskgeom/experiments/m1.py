@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from taskgeom.analysis.retrieval import Options, Result, analyze, write
+from taskgeom.analysis.retrieval import Result, analyze, write
+from taskgeom.analysis.study import StudyRun
 from taskgeom.claims import check, not_applicable
 from taskgeom.experiments.base import Context
 from taskgeom.report.geometry import FIGURES, plot_retrieval
@@ -51,9 +52,9 @@ def m1(ctx: Context) -> None:
     for experiment in (study.name for study in ctx.taking_part("m1")):
         results = {}
         for seed in ctx.seeds:
-            run = ctx.trained(experiment, ("task.diversity=-1",), seed)
+            run = StudyRun(ctx.trained(experiment, ("task.diversity=-1",), seed))
             with ctx.stage(f"analyse {run.path.name}"):
-                results[seed] = analyze(run, Options())
+                results[seed] = analyze(run)
                 write(run, results[seed])
             ctx.claim(seed, *claims(results[seed], ctx.profile))
         first = ctx.seeds[0]  # its figures illustrate; the per-layer one spans every seed, and the tables hold them all

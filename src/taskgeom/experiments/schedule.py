@@ -90,6 +90,7 @@ def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float
     """Do one unit in this process; returns the (wall, CPU) seconds of its ``train`` and ``analyse``.
     (``_pool_threads``: what ``execute`` passes every task; a unit sets its own thread counts.)"""
     from taskgeom.analysis.dual import analyze_dual, load_dual
+    from taskgeom.analysis.study import StudyRun
     from taskgeom.train import train
 
     task, seconds = unit.task, {}
@@ -97,7 +98,7 @@ def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float
         seconds["train"] = _with_threads(unit.train_threads, lambda: train(Run.create(task.config, task.root), device=task.device,
                                                                                tracker=task.tracker))
     if unit.analysis_threads:
-        seconds["analyse"] = _with_threads(unit.analysis_threads, lambda: load_dual(run := Run.open(task.path)) or analyze_dual(run))
+        seconds["analyse"] = _with_threads(unit.analysis_threads, lambda: load_dual(run := Run.open(task.path)) or analyze_dual(StudyRun(run)))
     return seconds
 
 

@@ -70,6 +70,7 @@ def run_job(job: Job, threads: int = 0) -> list[dict]:
     """Train (or resume) and analyse one run; returns its tidy dual-mode rows, or one row with
     status ``failed`` and the error."""
     from taskgeom.analysis.dual import analyze_dual, load_dual
+    from taskgeom.analysis.study import StudyRun
     from taskgeom.train import train
 
     try:
@@ -82,7 +83,7 @@ def run_job(job: Job, threads: int = 0) -> list[dict]:
         clock = Clock()
         train(run, device=job.device, tracker=job.tracker)
         trained = clock.lap()
-        rows = load_dual(run) or analyze_dual(run)
+        rows = load_dual(run) or analyze_dual(StudyRun(run))
         analysed = clock.lap()
         seconds = {"train_wall_s": trained[0], "train_cpu_s": trained[1], "analysis_wall_s": analysed[0], "analysis_cpu_s": analysed[1]}
         return [{"run": str(run.path), "status": "ok", **row, **seconds} for row in rows]
@@ -127,7 +128,10 @@ def run_sweep(jobs: list[Job], executor: Executor = Executor(), out: Path | None
 
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:
-    """One row per run: a column per metric (``metric@set`` where the metric has a set)."""
+    """One row per run: a column per metric (``metric@set`` where the metric has a set; a share of
+    gain is empty where its gain is not positive), and per set with shares of in-context gain the
+    gain they divide by (``gain@set``), whether it is below ``MIN_RELIABLE_GAIN``
+    (``unreliable@set``) and why a share is empty (``reason@set``)."""
     keys = ["recipe", "diversity", "seed", "status"]
     ok = table[(table["status"] == "ok") & table["step"].isna()] if {"step", "metric"} <= set(table) else table.iloc[0:0]
     if not ok.empty:
@@ -135,7 +139,15 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
     if ok.empty:  # no run finished: one row per run with its error
         return table.drop_duplicates(keys)[[k for k in [*keys, "error"] if k in table]]
     name = ok["metric"] + ok["set"].map(lambda s: f"@{s}" if isinstance(s, str) else "")
-    wide = ok.assign(name=name).pivot_table(index=keys, columns="name", values="value").reset_index()
+    wide = ok.assign(name=name).groupby([*keys, "name"])["value"].mean().unstack("name")
+    if "gain" in ok:
+        shares = ok[ok["gain"].notna()].groupby([*keys, "set"])
+        gains = pd.DataFrame({"gain": shares["gain"].first(), "unreliable": shares["unreliable"].first(),
+                              "reason": shares["reason"].first()}).unstack("set")
+        gains.columns = [f"{field}@{set_name}" for field, set_name in gains.columns]
+        wide = wide.join(gains)
+    wide = wide.reset_index()
+    wide.columns.name = None
     failed = table[table["status"] != "ok"].drop_duplicates(keys)[[k for k in [*keys, "error"] if k in table]]
     return pd.concat([wide, failed], ignore_index=True).sort_values(["recipe", "diversity", "seed"])
 

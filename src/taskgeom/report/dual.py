@@ -49,39 +49,59 @@ def plot_projection_r2(rows: pd.DataFrame, path: Path) -> None:
             "OOD states leave the task subspace as diversity grows")
 
 
+SHARE_FIELDS = ["gain", "unreliable", "reason"]  # what a share of in-context gain carries (``shares.Share``)
+
+
 def rank_curve(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per (recipe, diversity, seed, rank r): the % of OOD gain removed by V of rank r at
-    the layer the orthogonal search chose."""
+    the layer the orthogonal search chose, with the gain it divides by (empty, with the reason,
+    where the gain is not positive; ``unreliable`` below ``MIN_RELIABLE_GAIN``)."""
     pick = rows[rows["metric"].str.startswith("gain_removed_ablate_V_rank") & rows["step"].isna()]
     rank = pick["metric"].str.removeprefix("gain_removed_ablate_V_rank").astype(int)
-    return pick.assign(rank=rank)[["recipe", "diversity", "seed", "layer", "site", "rank", "value"]].sort_values(
+    pick = pick.assign(rank=rank, **{field: pick[field] if field in pick else None for field in SHARE_FIELDS})
+    return pick[["recipe", "diversity", "seed", "layer", "site", "rank", "value", *SHARE_FIELDS]].sort_values(
         ["recipe", "diversity", "seed", "rank"]).reset_index(drop=True)
 
 
 def plot_rank_curve(curve: pd.DataFrame, path: Path) -> None:
     """% of OOD in-context gain removed by ablating V of rank r = 1..ceil(d0), one line per recipe
-    and diversity."""
+    and diversity (the mean over the seeds whose gain is positive); open markers where some seed's
+    gain is unreliable (below ``MIN_RELIABLE_GAIN``); a line is missing where no seed has a gain."""
     fig, ax = plt.subplots(figsize=(5.6, 3.8))
-    for (recipe, k), group in curve.groupby(["recipe", "diversity"]):
-        mean = group.groupby("rank")["value"].mean()
-        ax.plot(mean.index, mean.values, "o-", label=f"{recipe.upper()} k = {k}")
+    for i, ((recipe, k), group) in enumerate(curve.groupby(["recipe", "diversity"])):
+        by_rank = group.groupby("rank")
+        mean, unreliable = by_rank["value"].mean(), by_rank["unreliable"].agg(lambda u: bool(u.fillna(True).astype(bool).any()))
+        ax.plot(mean.index, mean.values, "-", color=f"C{i}", label=f"{recipe.upper()} k = {k}")
+        for flag, face in ((False, f"C{i}"), (True, "white")):
+            ax.plot(mean.index[unreliable == flag], mean.values[unreliable == flag], "o", color=f"C{i}", markerfacecolor=face)
     ax.axhline(50, color="0.5", ls=":", lw=1)
-    _finish(fig, ax, path, "rank r of the ablated orthogonal subspace V", "% of OOD in-context gain removed",
+    _finish(fig, ax, path, "rank r of the ablated orthogonal subspace V", "% of OOD in-context gain removed\n(open: gain unreliable)",
             "How many directions the OOD mode needs")
 
 
 def plot_dissociation(rows: pd.DataFrame, path: Path, title: str) -> None:
-    """Share of in-context gain removed by each ablation on each sequence set (one model)."""
+    """Share of in-context gain removed by each ablation on each sequence set (one model), each set
+    labelled with its gain; hatched where the gain is unreliable (below ``MIN_RELIABLE_GAIN``),
+    marked "gain ≤ 0" where there is no gain to remove."""
     ablations = [("gain_removed_ablate_S", "ablate task subspace S"), ("gain_removed_ablate_V", "ablate orthogonal V"),
                  ("gain_removed_random", "random control")]
     sets = [s for s in ("major", "minor", "ood") if ((rows["set"] == s) & (rows["metric"] == "gain_removed_ablate_S")).any()]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     width = 0.8 / len(ablations)
     for i, (metric, label) in enumerate(ablations):
-        values = [rows[(rows["metric"] == metric) & (rows["set"] == s)]["value"].mean() for s in sets]
-        ax.bar(np.arange(len(sets)) + (i - 1) * width, np.clip(values, -20, 150), width, label=label)
+        picked = [rows[(rows["metric"] == metric) & (rows["set"] == s)] for s in sets]
+        values = [pick["value"].mean() for pick in picked]
+        shaky = [bool(pick["unreliable"].fillna(True).astype(bool).any()) if "unreliable" in pick else False for pick in picked]
+        x = np.arange(len(sets)) + (i - 1) * width
+        for bar, unreliable in zip(ax.bar(x, np.clip(values, -20, 150), width, label=label, color=f"C{i}"), shaky):
+            bar.set_hatch("//" if unreliable else "")
+        for xi, value in zip(x, values):
+            if np.isnan(value):
+                ax.text(xi, 0, "gain ≤ 0", rotation=90, ha="center", va="bottom", fontsize=7)
     ax.axhline(0, color="k", lw=0.8)
-    ax.set_xticks(np.arange(len(sets)), [f"{s} sequences" for s in sets])
+    gain = {s: rows[(rows["metric"] == "gain_removed_ablate_S") & (rows["set"] == s)]["gain"].mean() if "gain" in rows else np.nan
+            for s in sets}
+    ax.set_xticks(np.arange(len(sets)), [f"{s} sequences\n(gain {gain[s]:.3g})" for s in sets])
     ax.set_ylabel("in-context gain removed (%)\n(clipped to [-20, 150])")
     ax.legend(frameon=False, fontsize=8)
     ax.set_title(title)

@@ -117,7 +117,8 @@ def plot_properties_by_layer(table: pd.DataFrame, path: Path, title: str = "") -
 def plot_steering(steering: Steering, path: Path, title: str = "") -> None:
     """Distributions of the distance to the target mixture per steered state (``steering.label``:
     KL(model || target mixture), or E2's squared error): unsteered, steered toward a Dirichlet(1)
-    mixture, and moved by a random direction of the same norm."""
+    mixture, and moved by a random direction of the same norm; each labelled with its median as
+    stored (``Steering.median``)."""
     kinds = (("unsteered", "C0"), ("steered", "C2"), ("random", "0.5"))
     data = [getattr(steering, kind).reshape(-1).clamp_min(1e-8).log10().numpy() for kind, _ in kinds]
     fig, ax = plt.subplots(figsize=(5.5, 4))
@@ -126,8 +127,9 @@ def plot_steering(steering: Steering, path: Path, title: str = "") -> None:
     for patch, (_, color) in zip(parts["boxes"], kinds):
         patch.set_facecolor(color)
         patch.set_alpha(0.5)
-    for i, values in enumerate(data, start=1):
-        ax.annotate(f"median {10 ** np.median(values):.3g}", (i, np.median(values)), textcoords="offset points", xytext=(0, 4),
+    for i, (kind, _) in enumerate(kinds, start=1):  # the median as m1.json stores it
+        median = steering.median(kind)
+        ax.annotate(f"median {median:.3g}", (i, np.log10(max(median, 1e-8))), textcoords="offset points", xytext=(0, 4),
                     ha="center", fontsize=8)
     ax.set_ylabel(f"log10 {steering.label}")
     ax.set_title(title or "Causal steering toward a Dirichlet(1) task mixture")

@@ -1,0 +1,172 @@
+"""The M1 geometry at one place (PAPER.md section 4), as a researcher uses it: task vectors, the
+basis of the task subspace S, token effects, P0-P3 and beta, and the verbs that read or edit
+the model there: ``steer`` toward a point of the simplex, ``ablate`` S (section 5), and
+``projection_r2`` of other states on S.
+
+Shapes: ``N`` sequences, ``P`` analysed positions (every position; E2: its separators), ``D``
+width, ``K`` major tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Literal, Sequence
+
+import torch
+
+from taskgeom.analysis.edits import Edit, Place
+from taskgeom.analysis.orthogonal import avoid_basis, token_subspace
+from taskgeom.analysis.properties import Fit, Interpolation, Shrinkage, alignment, interpolation, quantiles, shrinkage
+from taskgeom.analysis.steering import Steering, code_from_layout, code_from_regression, dirichlet_points, steer
+from taskgeom.analysis.subspace import projection_r2, task_ablation
+from taskgeom.errors import AnalysisError
+from taskgeom.rng import generator
+from taskgeom.tasks.regression import Regression
+
+if TYPE_CHECKING:
+    from taskgeom.analysis.study import Sequences, StudyRun
+
+Form = Literal["token", "plain"]
+Directions = Literal["task_vectors", "regression"]
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """P3 at a place: tv, kl: [N, P] distances between beta_t and the posterior alpha_t (total
+    variation, KL(alpha || beta)); shrinkage: P3.shrinks' parts; window: the late positions."""
+
+    tv: torch.Tensor
+    kl: torch.Tensor
+    shrinkage: Shrinkage
+    window: slice
+
+    @classmethod
+    def of(cls, beta: torch.Tensor, alpha: torch.Tensor, window: slice) -> "Alignment":
+        """P3 of fitted coefficients beta and the posterior alpha: [N, P, K]."""
+        tv, kl = alignment(beta, alpha)
+        return cls(tv, kl, shrinkage(tv, alpha), window)
+
+    def quarter(self, metric: Literal["tv", "kl"], part: Literal["first", "last"]) -> tuple[float, float, float]:
+        """(median, lower, upper quartile) of ``metric`` over every state of the first or last quarter of positions."""
+        values = getattr(self, metric)
+        span = self.window if part == "last" else slice(0, values.shape[1] - self.window.start)
+        return tuple(float(q) for q in quantiles(values[:, span].reshape(-1)))
+
+    @property
+    def tv_last_quarter(self) -> float:
+        """The median TV over the last quarter of positions: what the P3 claim reads."""
+        return self.quarter("tv", "last")[0]
+
+
+class Geometry:
+    """The M1 geometry at ``place`` fitted on the major ``sequences`` (states: [N, P, D] there):
+    the two-way layout over (task, current token) of the late window (E2: task and a linear map of
+    x_t) and the task subspace S of its centred task effects."""
+
+    def __init__(self, run: "StudyRun", place: Place, sequences: Sequences, states: torch.Tensor, window: slice, n_random: int):
+        self.run, self.place, self.sequences, self.states, self.window, self.n_random = run, place, sequences, states, window, n_random
+        inputs = sequences.inputs
+        self.fit: Fit = inputs.fit(states, sequences.batch.task, inputs.current, sequences.alpha.shape[-1], window)
+
+    @property
+    def task_vectors(self) -> torch.Tensor:
+        """[K, D] theta_k, centred over the tasks (float64)."""
+        return self.fit.subspace.theta
+
+    @property
+    def basis(self) -> torch.Tensor:
+        """[D, K-1] orthonormal basis of the task subspace S (float64)."""
+        return self.fit.subspace.basis
+
+    @property
+    def token_effects(self) -> torch.Tensor:
+        """[V, D] nu(a) (E2: [d, D], the map A of x_t)."""
+        return self.fit.nu
+
+    @property
+    def mu(self) -> torch.Tensor:
+        """[P, D] the mean state per position over the major tasks (float64)."""
+        return self.fit.subspace.mu
+
+    @property
+    def p0(self) -> float:
+        """P0, stability: the cell-means R^2 of the late window (``fit.layout.within_share`` its complement)."""
+        return self.fit.layout.cell_r2
+
+    @property
+    def p1(self) -> float:
+        """P1, decoupling: the additive share of the between-cell variance."""
+        return self.fit.layout.additive_share
+
+    @cached_property
+    def p2(self) -> Interpolation:
+        """P2, interpolation: beta and R^2_task (beside ``n_random`` random subspaces, seeded by the run's seed)."""
+        residual = self.fit.residual(self.states, self.sequences.inputs.current)
+        return interpolation(residual, self.task_vectors, self.window, self.n_random, self.run.seed)
+
+    @property
+    def beta(self) -> torch.Tensor:
+        """[N, P, K] fitted task coefficients on the simplex."""
+        return self.p2.beta
+
+    @cached_property
+    def p3(self) -> Alignment:
+        """P3, alignment of beta_t with the exact posterior alpha_t."""
+        return Alignment.of(self.beta, self.sequences.alpha, self.window)
+
+    def steer(self, to: torch.Tensor | Sequence[float] | Literal["dirichlet"] = "dirichlet",
+              directions: Directions = "task_vectors") -> Steering:
+        """Replace the task component of the late states of these sequences by a point ``to`` of
+        the simplex ([K] for every sequence, [N, K] one per sequence, or ``"dirichlet"``: a
+        Dirichlet(1) draw per sequence) and compare the model with the target mixture
+        (PAPER.md section 4); ``directions``: the additive code from the task vectors or from a
+        joint regression of h on [posterior, one-hot token]. Random draws come from the run's seed."""
+        inputs, window, N, K = self.sequences.inputs, self.window, len(self.sequences), self.task_vectors.shape[0]
+        gen = generator(self.run.seed, 0, "steering")
+        a = dirichlet_points(N, K, gen) if isinstance(to, str) and to == "dirichlet" else simplex_point(to, N, K)
+        if directions == "task_vectors":
+            code = code_from_layout(self.fit.layout)
+        elif directions == "regression":
+            late, alpha = self.states[:, window], self.sequences.alpha[:, window]
+            code = code_from_regression(late.reshape(-1, late.shape[-1]), alpha.reshape(-1, K),
+                                        inputs.current[:, window].reshape(-1, *inputs.current.shape[2:]), inputs.vocab)
+        else:
+            raise AnalysisError(f"unknown directions {directions!r}; choose task_vectors or regression")
+        return steer(self.run.model, inputs.readout, self.sequences.batch.tokens, inputs.current[:, window], self.place,
+                     inputs.model_positions(window), window, self.basis, code, a, gen)
+
+    def ablate(self) -> Edit:
+        """The S ablation h <- h - P_S (h - mu_t) at this place on the analysed positions."""
+        return Edit(self.run, self.place, task_ablation(self.fit.subspace), self.sequences.inputs.model_positions(slice(None)))
+
+    def projection_r2(self, sequences: Sequences, form: Form = "token", states: torch.Tensor | None = None) -> torch.Tensor:
+        """[N' * W] projection R^2 on S of the late states of other ``sequences`` (OOD ones, as a
+        rule) at this place (``states``: [N', P, D] if already captured): centred by mu_t and
+        regressed on the task vectors (``plain``), or centred by mu_t + nu(x_t) and regressed on
+        theta_{k, x_t} (``token``; E2 and E1 give both forms alike). Its mean is the stored value."""
+        if form not in ("token", "plain"):
+            raise AnalysisError(f"unknown form {form!r}; choose token or plain")
+        h = self.run.cache(sequences, [self.place])[self.place] if states is None else states
+        subspace, window = self.fit.subspace, self.window
+        late = sequences.inputs.current[:, window]
+        centred = (h[:, window].double() - subspace.mu[window]).flatten(0, 1)  # [N' * W, D]
+        if form == "plain":
+            return projection_r2(centred, subspace.basis)
+        return projection_r2(centred - self.fit.layout.effect(late).double().flatten(0, 1), subspace.conditioned_basis(late).flatten(0, 1))
+
+    @cached_property
+    def avoided(self) -> torch.Tensor:
+        """[D, m] where the orthogonal search may not go: S and the token subspace (PAPER.md section 7)."""
+        tokens = token_subspace(self.token_effects.float(), centre=not isinstance(self.run.family, Regression))
+        return avoid_basis(self.basis.float(), tokens)
+
+
+def simplex_point(to, n: int, K: int) -> torch.Tensor:
+    """[n, K] float64 from a point [K] (for every sequence) or points [n, K] of the simplex; AnalysisError otherwise."""
+    a = torch.as_tensor(to, dtype=torch.float64)
+    if a.shape not in ((K,), (n, K)):
+        raise AnalysisError(f"a steering target is a point of the simplex over the {K} major tasks, [{K}] or [{n}, {K}]; got shape {tuple(a.shape)}")
+    if (a < 0).any() or ((a.sum(-1) - 1).abs() > 1e-6).any():
+        raise AnalysisError("a steering target must be non-negative and sum to one (a point of the simplex)")
+    return a.expand(n, K).clone()

@@ -1,0 +1,154 @@
+"""Held-out sequences by name: a fixed set of splits (``Split``), each a stream of the run's seed
+that no training batch uses, and how a family's sequences enter the analysis (``family_inputs``).
+
+A split names what its sequences are for, so an analysis and a researcher who ask for the same
+split get the same sequences, and a typo is an error naming the allowed splits:
+
+========================  ======================  =================================================
+split                     sets (stream)            used for
+========================  ======================  =================================================
+``select``                major (m1-select)        choosing the place (highest R^2_task of P2)
+``measure``               major (m1-measure)       P0-P3 and steering at that place (m1.json)
+``geometry``              major (dual-geometry),   the task subspace of dual.json and its projection
+                          ood (dual-geometry-ood)  R^2, V's probes
+``loss``                  major, minor (dual),     losses and ablations of dual.json
+                          ood (dual-ood)
+``search-select``         ood (dual-ood-search-    choosing the layer of V
+                          select)
+``prior``                 ood (dual-prior)         the OOD prediction map that d0 is estimated from
+========================  ======================  =================================================
+
+E2's major sequences of ``select``, ``measure`` and ``geometry`` are paired: all K tasks share the
+same x sequences (PAPER.md section 7), so the x effects cancel when task means are subtracted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Literal, get_args
+
+import torch
+
+from taskgeom.analysis.properties import Fit, stability, stability_linear
+from taskgeom.analysis.steering import PredictionReadout, Readout, TokenReadout
+from taskgeom.errors import AnalysisError
+from taskgeom.tasks import FAMILIES, Batch, TaskFamily, TaskPool, TokenFamily
+from taskgeom.tasks.regression import Regression
+
+Kind = Literal["major", "minor", "ood"]
+KINDS: tuple[str, ...] = get_args(Kind)
+
+
+class Split(str, Enum):
+    """The held-out splits (module docstring)."""
+
+    SELECT = "select"
+    MEASURE = "measure"
+    GEOMETRY = "geometry"
+    LOSS = "loss"
+    SEARCH_SELECT = "search-select"
+    PRIOR = "prior"
+
+    @classmethod
+    def of(cls, split: "Split | str") -> "Split":
+        """``split`` as a Split; AnalysisError naming the allowed ones for anything else."""
+        try:
+            return cls(split)
+        except ValueError:
+            raise AnalysisError(f"unknown split {split!r}; choose one of {[s.value for s in cls]}") from None
+
+
+STREAMS: dict[tuple[Split, str], str] = {
+    (Split.SELECT, "major"): "m1-select", (Split.MEASURE, "major"): "m1-measure",
+    (Split.GEOMETRY, "major"): "dual-geometry", (Split.GEOMETRY, "ood"): "dual-geometry-ood",
+    (Split.LOSS, "major"): "dual", (Split.LOSS, "minor"): "dual", (Split.LOSS, "ood"): "dual-ood",
+    (Split.SEARCH_SELECT, "ood"): "dual-ood-search-select", (Split.PRIOR, "ood"): "dual-prior",
+}
+PAIRED = (Split.SELECT, Split.MEASURE, Split.GEOMETRY)  # E2's major sequences of these are paired over tasks
+
+
+def stream(split: "Split | str", kind: str) -> str:
+    """The random stream of ``kind`` sequences of ``split``; AnalysisError for a combination that
+    does not exist."""
+    split = Split.of(split)
+    if kind not in KINDS:
+        raise AnalysisError(f"unknown set {kind!r}; choose one of {list(KINDS)}")
+    if (split, kind) not in STREAMS:
+        kinds = [k for s, k in STREAMS if s is split]
+        raise AnalysisError(f"split {split.value!r} has no {kind} sequences; it has {kinds}")
+    return STREAMS[(split, kind)]
+
+
+def sample(family: TaskFamily, pool: TaskPool, kind: str, n: int, split: "Split | str", seq_len: int, seed: int) -> Batch:
+    """``n`` held-out ``kind`` sequences of ``split`` (module docstring)."""
+    name, split = stream(split, kind), Split.of(split)
+    if n < 1:
+        raise AnalysisError(f"the number of sequences must be at least 1, got {n}")
+    if kind == "ood":
+        return family.sample_ood(n, seq_len, seed, 0, name)
+    if kind == "minor" and not pool.n_minor:
+        raise AnalysisError("this run's pool has no minor tasks (task.diversity = -1)")
+    if kind == "major" and split in PAIRED:
+        majors = pool.subset("major")
+        batch = (family.sample_paired(majors, n, seq_len, seed, 0, name) if isinstance(family, Regression)
+                 else family.sample(pool, n, seq_len, seed, 0, name, "major"))
+        if len(torch.unique(batch.task)) < majors.size:
+            raise AnalysisError(f"{n} sequences do not cover all {majors.size} major tasks; ask for more")
+        return batch
+    return family.sample(pool, n, seq_len, seed, 0, name, kind)
+
+
+_SUPPORTED = (TokenFamily, Regression)
+
+
+def unsupported(family: TaskFamily) -> str | None:
+    """Why the geometry analysis cannot read ``family`` (None when it can)."""
+    if isinstance(family, _SUPPORTED):
+        return None
+    names = sorted(name for name, cls in FAMILIES.items() if issubclass(cls, _SUPPORTED))
+    return f"the geometry analysis supports the families {names}; {family.name!r} is not supported yet"
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """How a family's sequences enter the analysis. batch: the sequences; positions: [P] the model
+    positions analysed (None: all); current: [N, P] tokens or [N, P, d] x_t there; fit: (h, task,
+    current, K, window) -> Fit (P0/P1 and the task subspace); vocab: the token count (None for
+    continuous x_t); alpha: [N, P, K] exact posterior over the majors; readout: what steering
+    compares; effect: the token-effect model in words."""
+
+    batch: Batch
+    positions: torch.Tensor | None
+    current: torch.Tensor
+    fit: Callable[..., Fit]
+    vocab: int | None
+    alpha: torch.Tensor
+    readout: Readout
+    effect: str
+
+    def select(self, h: torch.Tensor) -> torch.Tensor:
+        """[N, P, D] the analysed positions of model states h: [N, T, D]."""
+        return h if self.positions is None else h[:, self.positions]
+
+    def model_positions(self, analysed: slice) -> slice | torch.Tensor:
+        """The model positions of a slice of the analysed positions (what hooks edit)."""
+        return analysed if self.positions is None else self.positions[analysed]
+
+
+def family_inputs(family: TaskFamily, batch: Batch, majors: TaskPool) -> Inputs:
+    """The one place the analysis depends on the family: the token-effect model and its
+    companions (the token families read the current token; E2 its separators' x)."""
+    if isinstance(family, TokenFamily):
+        V = family.vocab_size
+
+        def fit(h, task, current, K, window):
+            return stability(h, task, current, K, V, window)
+
+        return Inputs(batch, None, batch.tokens, fit, V, family.log_posterior(batch.tokens, majors).exp(),
+                      TokenReadout(family, batch.tokens, majors.params), "current token")
+    if isinstance(family, Regression):
+        separators = family.prediction_positions(batch.x.shape[1])
+        return Inputs(batch, separators, batch.x, stability_linear, None, family.log_posterior(batch, majors).exp(),
+                      PredictionReadout(family, batch, majors.params), "linear map of x_t")
+    raise AnalysisError(unsupported(family))

@@ -1,0 +1,256 @@
+"""The researcher's objects (``import taskgeom as tg``): a run, its held-out sequences, a place, the
+geometry there (``analysis.geometry``) and the edits made there (``analysis.edits``); the verbs
+are their methods, the options keywords.
+
+- ``StudyRun`` (``tg.open_run(path)``): the model, family, pool and config of a finished run;
+  ``heldout`` sequences of a named ``Split``; ``cache`` states at places; ``geometry`` there;
+  ``select_place``; ``loss`` (under any edit whose ``with`` block is open); ``ablate`` directions;
+  ``orthogonal_search``; ``snapshots`` (the run at each kept training step).
+- ``Sequences``: one held-out batch with what the analysis reads of it (``inputs``, the exact
+  posterior ``alpha``, the Bayes ``references`` of its losses).
+- ``Place``: ``(layer, site)``, a named tuple that every hook accepts.
+- ``Geometry``: the M1 geometry at a place (PAPER.md section 4): task vectors, the basis of S,
+  token effects, P0-P3 and beta; ``steer`` toward a point of the simplex, ``ablate`` S,
+  ``projection_r2`` of other states (section 5).
+- ``Edit``: a change of the states at one place, in force while its ``with`` block runs.
+
+The stored analyses (``m1.json``, ``dual.json``) are written with these objects
+(``analysis.retrieval``, ``analysis.dual``), so a stored number is what the API returns.
+
+Shapes: ``N`` sequences, ``P`` analysed positions (every position; E2: its separators), ``D``
+width, ``K`` major tasks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from taskgeom.analysis.edits import Edit, Place
+from taskgeom.analysis.geometry import Geometry
+from taskgeom.analysis.heldout import Inputs, Kind, Split, family_inputs, sample, unsupported
+from taskgeom.analysis.orthogonal import BATCH_SIZE, orthogonal_searches
+from taskgeom.analysis.states import LayerStreams, stream_layers
+from taskgeom.analysis.subspace import direction_ablation
+from taskgeom.analysis.task_vectors import late_window
+from taskgeom.errors import AnalysisError
+from taskgeom.config import RunConfig
+from taskgeom.runs import Run
+from taskgeom.tasks import Batch, TaskFamily, TaskPool
+from taskgeom.tasks.regression import Regression
+
+DEFAULT_SITES = ("resid_mid", "resid_post")
+SEARCH_STREAM = "dual-ood-search"  # the orthogonal search's fresh OOD batch of each step
+
+
+class Sequences:
+    """Held-out sequences of one run: ``batch`` (``kind`` sequences of ``split``), with what the
+    analysis reads of them, computed when first asked for."""
+
+    def __init__(self, run: "StudyRun", kind: Kind, split: Split, batch: Batch):
+        self.kind, self.split, self.batch = kind, split, batch
+        self._family, self._pool = run.family, run.pool
+
+    def __len__(self) -> int:
+        return self.batch.tokens.shape[0]
+
+    @cached_property
+    def inputs(self) -> Inputs:
+        """The family's inputs (analysed positions, current tokens or x_t, posterior over the majors)."""
+        return family_inputs(self._family, self.batch, self._pool.subset("major"))
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        """[N, P, K] the exact posterior over the major tasks after each analysed position."""
+        return self.inputs.alpha
+
+    @cached_property
+    def references(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (ID-Bayes, OOD-optimal) predictions the losses are scored beside (float64)."""
+        return self._family.reference_predictions(self.batch, self._pool)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The place where the task-vector description fits best (highest R^2_task of P2), its
+    runner-up (None when one place was measured) and the geometry at every measured place."""
+
+    best: Place
+    runner_up: Place | None
+    geometries: list[Geometry]
+
+
+class StudyRun:
+    """A finished run opened for study (``tg.open_run``); ``directory`` is its ``runs.Run``."""
+
+    def __init__(self, directory: Run, model: torch.nn.Module | None = None):
+        if (reason := unsupported(directory.family)) is not None:
+            raise AnalysisError(reason)
+        self.directory = directory
+        if model is not None:
+            self.model = model
+        self._edits: list[Edit] = []
+        self._streams: weakref.WeakKeyDictionary[Sequences, LayerStreams] = weakref.WeakKeyDictionary()
+
+    @cached_property
+    def model(self) -> torch.nn.Module:
+        """The finished model, in eval mode."""
+        return self.directory.load_model()
+
+    @property
+    def path(self) -> Path:
+        """The run directory (where ``analysis/`` and ``figures/`` are written)."""
+        return self.directory.path
+
+    @property
+    def config(self) -> RunConfig:
+        """The run's validated config."""
+        return self.directory.config
+
+    @property
+    def family(self) -> TaskFamily:
+        """The latent-task family the model was trained on."""
+        return self.directory.family
+
+    @property
+    def pool(self) -> TaskPool:
+        """The task pool of training: the major tasks, then the minor ones."""
+        return self.directory.pool
+
+    @property
+    def seed(self) -> int:
+        """The training seed: every held-out split and every random draw of the analysis derives from it."""
+        return self.config.train.seed
+
+    def places(self, sites: Sequence[str] | None = None, layers: Sequence[int] | None = None) -> list[Place]:
+        """Every (layer, site) of ``layers`` (all) and ``sites`` (those of DEFAULT_SITES the model has), in layer order."""
+        n_layers = self.config.model.n_layers
+        layers = range(n_layers) if layers is None else layers
+        sites = [s for s in DEFAULT_SITES if s in self.directory.sites] if sites is None else list(sites)
+        bad = [layer for layer in layers if not 0 <= layer < n_layers]
+        if bad:
+            raise AnalysisError(f"layers {bad} do not exist; the model has layers 0..{n_layers - 1}")
+        unknown = [s for s in sites if s not in self.directory.sites]
+        if unknown:
+            raise AnalysisError(f"unknown sites {unknown}; this model has {list(self.directory.sites)}")
+        return [Place(layer, site) for layer in layers for site in sites]
+
+    @property
+    def analysed_positions(self) -> slice | torch.Tensor:
+        """The model positions the analysis reads and edits: all (token families), E2's separators."""
+        family = self.family
+        if isinstance(family, Regression):
+            return family.prediction_positions(family.n_examples(self.config.task.seq_len))
+        return slice(None)
+
+    def heldout(self, kind: Kind, n: int, *, split: Split | str) -> Sequences:
+        """``n`` held-out ``kind`` sequences ("major", "minor", "ood") of the named ``split``
+        (``heldout.Split``); the same arguments give the same sequences."""
+        split = Split.of(split)
+        return Sequences(self, kind, split, sample(self.family, self.pool, kind, n, split, self.config.task.seq_len, self.seed))
+
+    def cache(self, sequences: Sequences, places: Sequence[tuple[int, str]]) -> dict[Place, torch.Tensor]:
+        """{place: [N, P, D] float32} the states at the analysed positions, from one streamed pass
+        (with the edits in force)."""
+        return {Place(layer, site): sequences.inputs.select(h)
+                for layer, states in stream_layers(self.model, sequences.batch.tokens, list(places)) for site, h in states.items()}
+
+    def geometries(self, sequences: Sequences, places: Sequence[tuple[int, str]], *, window: float = 0.25,
+                   n_random: int = 8) -> Iterator[Geometry]:
+        """The geometry at each place, in layer order, from one streamed pass over the major
+        ``sequences``; ``window``: the late fraction of positions; ``n_random``: P2's random subspaces."""
+        if sequences.kind != "major":
+            raise AnalysisError(f"a geometry is fitted on major sequences, not {sequences.kind}")
+        late = late_window(sequences.inputs.current.shape[1], window)
+        for layer, states in stream_layers(self.model, sequences.batch.tokens, list(places)):
+            for site, h in states.items():
+                yield Geometry(self, Place(layer, site), sequences, sequences.inputs.select(h), late, n_random)
+
+    def geometry(self, sequences: Sequences, place: tuple[int, str], *, window: float = 0.25, n_random: int = 8) -> Geometry:
+        """The geometry at one place (``geometries``)."""
+        return next(self.geometries(sequences, [place], window=window, n_random=n_random))
+
+    def select_place(self, sequences: Sequences, places: Sequence[tuple[int, str]] | None = None, *, site: str | None = None,
+                     window: float = 0.25, n_random: int = 8) -> Selection:
+        """The place of highest R^2_task on ``sequences`` among ``places`` (every layer and
+        default site), restricted to the site name ``site`` when given (PAPER.md section 7)."""
+        measured = list(self.geometries(sequences, places or self.places(), window=window, n_random=n_random))
+        ranked = sorted((g for g in measured if (site is None or g.place.site == site) and math.isfinite(g.p2.r2_task)),
+                        key=lambda g: -g.p2.r2_task)
+        if not ranked:
+            raise AnalysisError("no place has a finite R^2_task to select by")
+        return Selection(ranked[0].place, ranked[1].place if len(ranked) > 1 else None, measured)
+
+    def _streams_of(self, sequences: Sequences) -> LayerStreams:
+        if sequences not in self._streams:
+            self._streams[sequences] = LayerStreams(self.model, sequences.batch.tokens)
+        return self._streams[sequences]
+
+    def loss(self, sequences: Sequences, *, per_position: bool = False) -> float | torch.Tensor:
+        """The model's loss on ``sequences`` (nats; E2: squared error) with the edits in force:
+        per prediction, averaged over the sequences ([P - 1] for tokens), or (the default) L, the
+        mean over every prediction after the first. Each batch's unedited streams are kept, so an
+        edit runs the model from its block on only."""
+        streams = self._streams_of(sequences)
+        with torch.no_grad():
+            if len(self._edits) > 1:
+                model = self.model
+            else:
+                model = streams.model_from(self._edits[0].place if self._edits else None)
+            losses = self.family.position_losses(model, sequences.batch, *sequences.references)["loss"].mean(0)
+        return losses if per_position else float(losses[1:].mean())
+
+    def ablate(self, directions: torch.Tensor, place: tuple[int, str]) -> Edit:
+        """The ablation h <- h - V V^T h of orthonormal directions: [D, r] at ``place`` on the analysed positions."""
+        return Edit(self, Place(*place), direction_ablation(directions), self.analysed_positions)
+
+    def _search_loss(self):
+        """loss_fn(step, site) of ``orthogonal_searches``: the training loss of batch ``step`` of
+        the search stream (``BATCH_SIZE`` fresh OOD sequences) run from ``site`` on; searches in
+        lockstep share each step's draw and prefix."""
+        family, T, seed = self.family, self.config.task.seq_len, self.seed
+
+        @functools.lru_cache(maxsize=1)
+        def search_batch(step: int) -> tuple[Batch, LayerStreams]:
+            batch = family.sample_ood(BATCH_SIZE, T, seed, step, SEARCH_STREAM)
+            return batch, LayerStreams(self.model, batch.tokens)
+
+        def search_loss(step: int, site) -> torch.Tensor:
+            batch, streams = search_batch(step)
+            return family.training_loss(streams.model_from(site), batch)
+
+        return search_loss
+
+    def orthogonal_search(self, searches: Sequence[tuple[Geometry, int]], *, steps: int = 200,
+                          avoid: Callable[[Geometry], torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """V: [D, r] for each ``(geometry, rank r)``: directions outside ``avoid(geometry)``
+        (default ``Geometry.avoided``: S and the token subspace) whose ablation at the geometry's
+        place raises the loss of fresh OOD sequences most (PAPER.md section 7's protocol); the
+        searches run in lockstep, each giving what it would alone."""
+        avoid = avoid or (lambda geometry: geometry.avoided)
+        results = orthogonal_searches(self.model, self._search_loss(), [(g.place, avoid(g), rank) for g, rank in searches],
+                                      steps=steps, seed=self.seed, positions=self.analysed_positions)
+        return [result.directions for result in results]
+
+    def snapshots(self) -> dict[int, "StudyRun"]:
+        """{step: this run with the weights kept at that training step}, in step order."""
+        return {step: StudyRun(self.directory, model) for step, model in self.directory.snapshots().items()}
+
+
+def open_run(path: Path | str, recipe: str | None = None, profile: str = "quick", overrides: Sequence[str] = (),
+             out: Path | str | None = None) -> StudyRun:
+    """A finished run directory for study; with ``recipe``, a Hugging Face model directory read as
+    a model of that recipe's task (``hf.open_pretrained``: profile, dotted overrides, ``out`` for
+    what the analyses write)."""
+    if recipe is None:
+        return StudyRun(Run.open(path))
+    from taskgeom.hf import open_pretrained
+
+    return StudyRun(open_pretrained(path, recipe, profile, list(overrides), out))

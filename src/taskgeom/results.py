@@ -1,0 +1,44 @@
+"""A reproduction's results folder in pandas (``tg.results(folder)``): its claims and every
+analysis row of every run it used, in one layout (``report.tables.analysis_table``: ``run``,
+``recipe``, ``diversity``, ``seed``, ``analysis``, then the fields of ``analysis.rows``), and its
+runs opened for study."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from taskgeom.analysis.study import StudyRun, open_run
+from taskgeom.errors import TaskgeomError
+from taskgeom.report.manifest import read_json, read_manifest
+from taskgeom.report.tables import analysis_table, run_config
+
+
+@dataclass(frozen=True)
+class Results:
+    """folder: the results folder; claims: one row per claim of ``claims.json`` (id, status,
+    value, threshold, parts, seeds, ...); rows: every analysis row (m1, dual, eval, e4, ...);
+    runs: the run directories the reproduction used (names under ``folder/runs``)."""
+
+    folder: Path
+    claims: pd.DataFrame
+    rows: pd.DataFrame
+    runs: tuple[str, ...]
+
+    def run(self, recipe: str, diversity: int = -1, seed: int = 0) -> StudyRun:
+        """The run of ``recipe`` at task diversity ``diversity`` trained on ``seed``, opened for study."""
+        for name in self.runs:
+            config = run_config(self.folder / "runs" / name)
+            if (config["name"], config["task"]["diversity"], config["train"]["seed"]) == (recipe, diversity, seed):
+                return open_run(self.folder / "runs" / name)
+        raise TaskgeomError(f"{self.folder} used no run of {recipe!r} at diversity {diversity} on seed {seed}")
+
+
+def results(folder: Path | str) -> Results:
+    """The results folder written by ``taskgeom reproduce``; TaskgeomError naming the file when it is not one."""
+    folder = Path(folder)
+    runs = tuple(read_manifest(folder)["runs"])
+    claims = pd.DataFrame(read_json(folder / "claims.json", f"rerun `taskgeom reproduce --out {folder}`"))
+    return Results(folder, claims, analysis_table(folder, list(runs)), runs)

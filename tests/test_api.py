@@ -1,0 +1,261 @@
+"""The public API (``import taskgeom as tg``) on a tiny reproduction's runs: the seven-step study
+of the quickstart notebook gives the stored analyses' numbers, and each verb agrees with an
+independent computation (steering against the mixture by hand, ablation losses against a plain
+forward hook, states against ``hooks.capture``)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+from pathlib import Path
+
+import nbformat
+import pandas as pd
+import pytest
+import torch
+
+import taskgeom as tg
+from taskgeom.errors import AnalysisError, TaskgeomError
+from taskgeom.hooks import capture, intervene
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def study_cell() -> str:
+    """The notebook's study: the code cell tagged ``study``."""
+    notebook = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
+    (cell,) = [c for c in notebook.cells if "study" in c.metadata.get("tags", [])]
+    return cell.source
+
+
+def stored(run: tg.StudyRun, analysis: str) -> list[dict]:
+    """The rows of a stored analysis as written (json, not pandas, whose reader rounds the last digit)."""
+    return json.loads((run.path / "analysis" / f"{analysis}.json").read_text())
+
+
+def one(rows: list[dict], metric: str, **where) -> dict:
+    (found,) = [r for r in rows if r["metric"] == metric and all(r[k] == v for k, v in where.items())]
+    return found
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_reproduction, tmp_path_factory) -> Path:
+    copy = tmp_path_factory.mktemp("api") / "results"
+    shutil.copytree(tiny_reproduction, copy)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def e3(folder) -> tg.StudyRun:
+    return tg.results(folder).run("e3", diversity=-1, seed=0)
+
+
+def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folder):
+    code = study_cell()
+    lines = [line for line in code.splitlines() if line.strip() and not line.strip().startswith("#")]
+    assert len(lines) <= 20, len(lines)
+    assert code in (ROOT / "docs" / "python-api.md").read_text(encoding="utf-8")  # the page shows this very study
+    imports = [node for node in ast.walk(ast.parse(code)) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert [ast.unparse(node) for node in imports] == ["import taskgeom as tg"]
+    namespace = {"folder": folder}
+    exec(compile(code, "the study", "exec"), namespace)
+    run, place, geometry, shares, r2, claims = (namespace[k] for k in ("run", "place", "geometry", "shares", "r2", "claims"))
+
+    m1, dual = stored(run, "m1"), stored(run, "dual")
+    selected = one(m1, "place.selected")
+    assert tuple(place) == (selected["layer"], selected["site"])
+    at = {"layer": place.layer, "site": place.site, "batch": "measure", "position": None, "task": None}
+    for name, metric in (("P0", "p0.cell_r2"), ("P1", "p1.additive_share"), ("P2", "p2.r2_task"), ("P3", "p3.tv_last_quarter")):
+        assert namespace["p"][name] == pytest.approx(one(m1, metric, **at)["value"], rel=1e-12, abs=1e-15), name
+        assert claims.loc[f"e3.{name}", "seeds"][0]["value"] == pytest.approx(namespace["p"][name], rel=1e-12), name
+    drawn = geometry.steer("dirichlet")  # the stored steering draws its points; the study's chosen point is checked below
+    assert one(m1, "steering.ratio", **at)["value"] == drawn.ratio == claims.loc["e3.steering", "seeds"][0]["value"]
+    assert one(m1, "steering.kl_steered", **at)["value"] == drawn.median("steered")
+    assert namespace["steered"].a.eq(torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)).all()
+    for kind, share in shares.items():
+        row = one(dual, "gain_removed_ablate_S", set=kind)
+        assert (row["value"], row["gain"], row["unreliable"], row["reason"]) == (share.value, share.gain, share.unreliable, share.reason)
+        assert one(dual, "loss_ablate_S", set=kind)["value"] == pytest.approx(share.ablated, rel=1e-12)
+    assert float(r2) == pytest.approx(one(dual, "projection_r2_token", step=None)["value"], rel=1e-12)
+    assert set(namespace["table"]["set"]) >= {"major", "ood"}
+
+
+def test_projection_r2_in_both_forms_at_every_place_is_the_stored_table(e3):
+    dual = stored(e3, "dual")
+    major, ood = e3.heldout("major", 256, split="geometry"), e3.heldout("ood", 256, split="geometry")
+    for geometry in e3.geometries(major, e3.places()):
+        for form, metric in (("token", "table.projection_r2_token"), ("plain", "table.projection_r2")):
+            row = one(dual, metric, layer=geometry.place.layer, site=geometry.place.site)
+            r2 = geometry.projection_r2(ood, form=form)
+            assert float(r2.mean()) == pytest.approx(row["value"], rel=1e-12)
+            assert torch.quantile(r2.double(), 0.25).item() == pytest.approx(row["band"][0], rel=1e-12)
+    with pytest.raises(AnalysisError, match="unknown form 'tokens'; choose token or plain"):
+        geometry.projection_r2(ood, form="tokens")
+
+
+def test_the_orthogonal_search_gives_the_stored_ablated_losses(e3):
+    dual = stored(e3, "dual")
+    major, select = e3.heldout("major", 256, split="geometry"), e3.heldout("ood", 256, split="search-select")
+    geometries = list(e3.geometries(major, [(layer, "resid_mid") for layer in range(e3.config.model.n_layers)]))
+    for geometry, v in zip(geometries, e3.orthogonal_search([(g, 1) for g in geometries])):
+        assert v.shape == (geometry.basis.shape[0], 1) and (v.T.double() @ geometry.avoided.double()).abs().max() < 1e-5
+        with e3.ablate(v, geometry.place):
+            ablated = e3.loss(select)
+        row = one(dual, "search_loss_ablate_V", layer=geometry.place.layer, site=geometry.place.site)
+        assert ablated == pytest.approx(row["value"], rel=1e-12)
+
+
+def test_steering_to_a_chosen_point_moves_the_model_to_the_mixture_computed_by_hand(e3):
+    major = e3.heldout("major", 64, split="measure")
+    place = e3.places()[0]
+    geometry = e3.geometry(major, place)
+    a = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+    result = geometry.steer(to=a)
+    layout, window, tokens = geometry.fit.layout, geometry.window, major.batch.tokens
+    basis = geometry.basis.float()  # the same edit from the float64 basis, built here by hand
+    wanted = (a.float() @ (layout.intercept + layout.effect_a).float())[None, None] + layout.effect_b.float()[tokens[:, window]]
+
+    def by_hand(h: torch.Tensor) -> torch.Tensor:
+        return h - h @ basis @ basis.T + wanted @ basis @ basis.T
+
+    model = e3.model
+    with torch.no_grad():
+        plain = torch.log_softmax(model(tokens)[:, window].double(), -1)
+        with intervene(model, place, by_hand, window):
+            edited = torch.log_softmax(model(tokens)[:, window].double(), -1)
+    transitions = e3.pool.subset("major").params.double()  # [K, V, V]
+    target = torch.einsum("k,kbtv->btv", a, transitions[:, tokens[:, window]])  # sum_k a_k P_k(. | x_t)
+
+    def kl(logp: torch.Tensor) -> torch.Tensor:
+        return (logp.exp() * (logp - target.log())).sum(-1)
+
+    torch.testing.assert_close(result.unsteered, kl(plain), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(result.steered, kl(edited), rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(result.steered, result.unsteered)  # the edit acts
+    with pytest.raises(AnalysisError, match="sum to one"):
+        geometry.steer(to=[0.6, 0.3, 0.3])
+    with pytest.raises(AnalysisError, match=r"over the 3 major tasks, \[3\] or \[64, 3\]; got shape \(2,\)"):
+        geometry.steer(to=[0.5, 0.5])
+
+
+@pytest.mark.parametrize("recipe", ["e3", "e2"])
+def test_ablation_losses_equal_a_plain_forward_hook(folder, recipe):
+    """S (on the analysed positions: E2's separators), V, and both at once, against hooks written here."""
+    run = tg.results(folder).run(recipe, diversity=-1, seed=0)
+    geometry = run.geometry(run.heldout("major", 64, split="geometry"), run.places()[0])
+    sequences = run.heldout("ood", 32, split="loss")
+    gen = torch.Generator().manual_seed(0)
+    v = torch.linalg.qr(torch.randn(geometry.basis.shape[0], 2, generator=gen, dtype=torch.float64))[0]
+    place_v = run.places()[-1]
+    positions = run.analysed_positions
+    mu, basis = geometry.mu.float(), geometry.basis.float()
+
+    def hooked(*edits) -> torch.Tensor:
+        handles = []
+        for place, edit in edits:
+            def hook(_module, _inputs, out, edit=edit):
+                out = out.clone()
+                out[:, positions] = edit(out[:, positions])
+                return out
+            handles.append(run.model.site(*place).register_forward_hook(hook))
+        try:
+            with torch.no_grad():
+                return run.family.position_losses(run.model, sequences.batch, *sequences.references)["loss"].mean(0)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    ablate_s = (geometry.place, lambda h: h - (h - mu) @ basis @ basis.T)
+    ablate_v = (place_v, lambda h: h - h @ v.float() @ v.float().T)
+    clean = run.loss(sequences, per_position=True)
+    torch.testing.assert_close(clean, hooked(), rtol=0, atol=1e-6)
+    with geometry.ablate():
+        torch.testing.assert_close(run.loss(sequences, per_position=True), hooked(ablate_s), rtol=0, atol=1e-5)
+    with run.ablate(v, place_v):  # float64 directions work as they are
+        torch.testing.assert_close(run.loss(sequences, per_position=True), hooked(ablate_v), rtol=0, atol=1e-5)
+    with geometry.ablate(), run.ablate(v, place_v):
+        both = run.loss(sequences, per_position=True)
+    torch.testing.assert_close(both, hooked(ablate_s, ablate_v), rtol=0, atol=1e-5)
+    assert not torch.allclose(both, clean) and run.loss(sequences) == pytest.approx(float(clean[1:].mean()), rel=1e-12)
+    if recipe == "e3":  # a token family's loss is the cross-entropy of the next token, written out here
+        with torch.no_grad():
+            logp = torch.log_softmax(run.model(sequences.batch.tokens).double(), -1)
+        nll = -logp[:, :-1].gather(-1, sequences.batch.tokens[:, 1:, None])[..., 0].mean(0)
+        torch.testing.assert_close(clean, nll, rtol=0, atol=1e-9)
+
+
+def test_cache_holds_the_states_the_hooks_capture(e3):
+    major = e3.heldout("major", 32, split="measure")
+    places = e3.places()
+    states = e3.cache(major, places)
+    with torch.no_grad(), capture(e3.model, places) as captured:
+        e3.model(major.batch.tokens)
+    assert list(states) == places and all(isinstance(p, tg.Place) for p in states)
+    for place in places:
+        torch.testing.assert_close(states[place], captured[place], rtol=0, atol=1e-5)
+
+
+def test_a_split_or_a_set_that_does_not_exist_is_a_clear_error(e3):
+    with pytest.raises(AnalysisError, match=r"unknown split 'mesure'; choose one of \['select', 'measure', 'geometry', 'loss', "
+                                            r"'search-select', 'prior'\]"):
+        e3.heldout("major", 8, split="mesure")
+    with pytest.raises(AnalysisError, match=r"split 'select' has no ood sequences; it has \['major'\]"):
+        e3.heldout("ood", 8, split="select")
+    with pytest.raises(AnalysisError, match=r"unknown set 'majors'; choose one of \['major', 'minor', 'ood'\]"):
+        e3.heldout("majors", 8, split="measure")
+    with pytest.raises(AnalysisError, match="has no minor tasks"):
+        e3.heldout("minor", 8, split="loss")
+    with pytest.raises(AnalysisError, match="fitted on major sequences, not ood"):
+        e3.geometry(e3.heldout("ood", 8, split="loss"), e3.places()[0])
+    same = e3.heldout("major", 8, split=tg.Split.MEASURE).batch.tokens
+    assert torch.equal(same, e3.heldout("major", 8, split="measure").batch.tokens)
+    assert not torch.equal(same, e3.heldout("major", 8, split="select").batch.tokens)
+
+
+def test_results_hold_every_share_with_its_gain(folder):
+    results = tg.results(folder)
+    assert set(results.rows["analysis"]) >= {"m1", "dual"} and len(results.claims) == results.claims["id"].nunique()
+    shares = results.claims[results.claims["id"].str.contains(r"\.ablate_[SV]_")]
+    assert len(shares)
+    for claim in shares.itertuples():
+        for seed in claim.seeds:
+            assert {"gain", "unreliable", "clean_loss", "ablated_loss", "loss_first"} <= set(seed["parts"])
+            assert (seed["status"] == "n/a") == (not seed["parts"]["gain"] > 0), claim.id
+            assert seed["parts"]["unreliable"] == (not seed["parts"]["gain"] >= tg.MIN_RELIABLE_GAIN)
+    dual = results.rows[(results.rows["analysis"] == "dual") & results.rows["metric"].str.startswith("gain_removed")]
+    assert dual["gain"].notna().all() and (dual["value"].notna() == (dual["gain"] > 0)).all()
+    assert dual.loc[dual["value"].isna(), "reason"].fillna("").astype(str).str.contains("not positive").all()
+    curve = pd.read_csv(folder / "tables" / "rank_curve.csv")
+    assert {"gain", "unreliable", "reason"} <= set(curve.columns) and (curve["value"].notna() == (curve["gain"] > 0)).all()
+    with pytest.raises(TaskgeomError, match="used no run of 'e3' at diversity 5"):
+        results.run("e3", diversity=5)
+
+
+def test_an_m1_file_of_an_earlier_row_version_is_not_read(folder, tmp_path):
+    """Stored rows of another layout are measured again, never misread: the sensitivity table
+    leaves such an m1.json out, and the M1 experiment rewrites it (as ``taskgeom analyze`` does)."""
+    from taskgeom.analysis.rows import ROW_VERSION, stored_rows
+    from taskgeom.analysis.sensitivity import place_choices
+
+    shutil.copytree(tg.results(folder).run("e1").path, tmp_path / "run")
+    run = tg.open_run(tmp_path / "run")
+    rows = stored(run, "m1")
+    assert stored_rows(run.directory, "m1") == rows and {r["version"] for r in rows} == {ROW_VERSION}
+    assert {r["analysis"] for r in place_choices(run.directory)} == {"m1", "dual"}
+    (run.path / "analysis" / "m1.json").write_text(json.dumps([{**r, "version": ROW_VERSION - 1} for r in rows]))
+    assert stored_rows(run.directory, "m1") is None
+    assert {r["analysis"] for r in place_choices(run.directory)} == {"dual"}
+
+
+def test_the_run_at_each_kept_training_step_gives_the_stored_projection_across_training(e3):
+    dual = stored(e3, "dual")
+    chosen = one(dual, "place_selected")
+    place = tg.Place(chosen["layer"], chosen["site"])
+    major, ood = e3.heldout("major", 256, split="geometry"), e3.heldout("ood", 256, split="geometry")
+    snapshots = e3.snapshots()
+    assert list(snapshots) == sorted(snapshots) and len(snapshots) >= 1
+    for step, snapshot in snapshots.items():
+        assert snapshot.model is not e3.model and snapshot.path == e3.path
+        r2 = snapshot.geometry(major, place).projection_r2(ood, form="plain")
+        assert float(r2.mean()) == pytest.approx(one(dual, "projection_r2", step=step)["value"], rel=1e-12), step
