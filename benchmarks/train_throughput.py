@@ -21,7 +21,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-from taskgeom import tasks
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run
 

@@ -9,7 +9,6 @@ import shutil
 import time
 from pathlib import Path
 
-import pytest
 import torch
 from typer.testing import CliRunner
 

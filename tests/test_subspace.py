@@ -35,7 +35,7 @@ def test_projection_r2_regresses_on_exactly_k_minus_1_directions_despite_roundin
     """float32 task vectors sum to zero only up to rounding: the old lstsq on theta took that noise
     direction as a third regressor and biased R^2 upward; the rank-(K-1) basis gives the exact answer."""
     gen = torch.Generator().manual_seed(4)
-    D, K = 32, 3
+    D = 32
     frame = torch.linalg.qr(torch.randn(D, D, generator=gen, dtype=torch.float64))[0]
     exact = torch.stack([frame[:, 0], frame[:, 1], -frame[:, 0] - frame[:, 1]])  # [K, D], sums to zero exactly
     # planted rounding noise along a third direction, different per task vector, so that it survives

@@ -13,10 +13,7 @@ depth and the count, through the number of Dyck completions of the prefix.
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 
 from taskgeom.settings import Int, PositiveInt, Real, TokenTaskSettings
