@@ -66,12 +66,13 @@ def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: tor
 
 
 def _most_uncertain(alpha: torch.Tensor, chosen: torch.Tensor, count: int) -> list[int]:
-    """Indices of the ``count`` chosen sequences (chosen: [N] bool) of highest mean posterior
-    entropy over the first quarter of positions; alpha: [N, T, K]."""
+    """The positions (in 0..N-1) of the ``count`` chosen sequences (chosen: [N] bool) of highest
+    mean posterior entropy over the first quarter of positions; alpha: [N, T, K]."""
     early = alpha[:, : max(1, alpha.shape[1] // 4)].double()
     entropy = -torch.special.xlogy(early, early).sum(-1).mean(-1)
     entropy = entropy.masked_fill(~chosen, -1.0)
-    return entropy.topk(min(count, int(chosen.sum()))).indices.tolist()
+    _, order = entropy.topk(min(count, int(chosen.sum())))
+    return order.tolist()
 
 
 _LAYER_METRICS = (("p0.cell_r2", "P0 cell-means R^2", "C0"), ("p1.additive_share", "P1 additive share", "C1"),
