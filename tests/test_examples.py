@@ -43,6 +43,7 @@ def test_every_python_block_of_the_readme_runs_as_written(tiny_reproduction, tmp
     assert namespace["h"].shape == (64, 64, 16)
     assert namespace["ablated"] != namespace["loss"]
     assert torch.equal(namespace["steered"].a[0], torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64))
+    assert not torch.equal(namespace["steered"].steered, namespace["steered"].unsteered)  # the edit moved the model
     assert len(namespace["claims"]) == 46 and set(namespace["p0"]["recipe"]) == {"e1", "e2", "e3"}
     assert any(row["metric"] == "p0.cell_r2" for row in namespace["result"].rows)
 

@@ -19,7 +19,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Iterable, Literal, Optional, Union
 
-from taskgeom.analysis.shares import MIN_RELIABLE_GAIN  # the share of gain's reliability floor (PAPER.md section 7)
+from taskgeom.analysis.shares import MIN_RELIABLE_GAIN, unreliable_gain  # the share of gain's reliability floor (PAPER.md section 7)
 from taskgeom.storage import standard_json
 
 Comparison = Literal["<=", ">=", "<", ">"]
@@ -95,7 +95,7 @@ def gain_parts(clean: float, ablated: float, first: float, min_gain: float = MIN
     clean, ablated, first = float(clean), float(ablated), float(first)
     gain = first - clean
     return {"clean_loss": clean, "ablated_loss": ablated, "loss_first": first, "gain": gain,
-            "unreliable": not gain >= min_gain}
+            "unreliable": unreliable_gain(gain, min_gain)}
 
 
 def verdict(statuses: Iterable[str]) -> Status:

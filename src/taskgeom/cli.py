@@ -426,14 +426,14 @@ def _studies(files: list[Path], recipes: str | None, only: list[str], profile: s
     and ``--recipe`` files, those of ``--recipes`` or of the recipe names among ``--only`` (a name
     that is an experiment's is the experiment) alone when given; TaskgeomError for an unknown name,
     a recipe name given twice, or a recipe without ``profile``."""
-    from taskgeom.config import profile_names
     from taskgeom.experiments import EXPERIMENTS
-    from taskgeom.recipes import load_study, recipe_names
+    from taskgeom.experiments.base import shipped_studies
+    from taskgeom.recipes import load_study
 
     for path in files:
         if not path.is_file():
             raise TaskgeomError(f"--recipe {path}: no such file")
-    everything = [load_study(name) for name in recipe_names()] + [load_study(path) for path in files]
+    everything = [*shipped_studies(), *(load_study(path) for path in files)]
     names = [study.name for study in everything]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
@@ -450,8 +450,8 @@ def _studies(files: list[Path], recipes: str | None, only: list[str], profile: s
         wanted = [name for name in (wanted or names) if name in by_recipe]
     studies = tuple(study for study in everything if wanted is None or study.name in wanted)
     for study in studies:
-        if profile not in profile_names(study.path):
-            raise TaskgeomError(f"unknown profile {profile!r} for recipe {study.name}; it defines {profile_names(study.path)}")
+        if profile not in study.profiles:
+            raise TaskgeomError(f"unknown profile {profile!r} for recipe {study.name}; it defines {list(study.profiles)}")
     return studies, [name for name in only if name in experiments]
 
 

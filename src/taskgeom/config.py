@@ -16,7 +16,7 @@ from pydantic import BeforeValidator, Field, SerializeAsAny, ValidationError, mo
 
 from taskgeom.errors import EnvironmentRefused, TaskgeomError
 from taskgeom.settings import Int, PositiveFloat, PositiveInt, Real, StrictModel, TaskSettings
-from taskgeom.tasks.registry import FamilyError, build_family, families, settings_model
+from taskgeom.tasks.registry import FamilyError, build_family, families, family_class, load_plugins, settings_model
 
 
 class ConfigError(TaskgeomError, ValueError):
@@ -33,9 +33,10 @@ def _task_settings(value: Any) -> Any:
         return value
     if not isinstance(value, dict):
         raise ValueError(f"config field 'task' must be a mapping of settings, got {_kind(value)}")
-    family, known = value.get("family"), families()  # a plugin that fails to load: FamilyError, its message kept
+    load_plugins()  # a plugin that fails to load: FamilyError, its message kept
+    family = value.get("family")
     if family is None:
-        raise ValueError(f"task.family is missing; registered families: {', '.join(sorted(known))}")
+        raise ValueError(f"task.family is missing; registered families: {', '.join(sorted(families()))}")
     if not isinstance(family, str):
         raise ValueError(f"config field 'task.family' must name a family, got {_kind(family)}")
     try:
@@ -119,7 +120,7 @@ class RunConfig(StrictModel):
 
     @model_validator(mode="after")
     def _hf_arch_reads_tokens(self) -> "RunConfig":
-        if self.model.arch != "taskgeom" and not self.family.reads_tokens:
+        if self.model.arch != "taskgeom" and not family_class(self.task.family).reads_tokens:
             raise ValueError(f"model.arch {self.model.arch!r} reads tokens, but the {self.task.family} family feeds vectors; use model.arch taskgeom")
         return self
 
@@ -228,12 +229,6 @@ def _profile_settings(path: Path, profiles: dict, profile: str, seen: tuple[str,
     return merge(_profile_settings(path, profiles, parent, (*seen, profile)), settings)
 
 
-def profile_names(path: str | Path) -> list[str]:
-    """The profiles a recipe file defines, in its order."""
-    recipe = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    return [str(name) for name in (recipe.get("profiles") or {})]
-
-
 def _kind(value: Any) -> str:
     """``a list``, ``the int 5``: how a wrong YAML value is named in a message."""
     if isinstance(value, list):
@@ -259,8 +254,12 @@ def describe_validation(err: ValidationError, prefix: tuple[str, ...] = ()) -> s
 def parameter_count(config: RunConfig) -> int:
     """Parameters of the model of ``config``: exact for ours; within a few per cent for the Hugging
     Face ones (llama's gated MLP counted with three matrices, gpt2's biases left out)."""
-    m, family = config.model, config.family
-    n_in, n_out = family.io_widths()
+    return _parameter_count(config, config.family)
+
+
+def _parameter_count(config: RunConfig, family) -> int:
+    """``parameter_count`` with ``config``'s family already built (a family may be costly to build)."""
+    m, (n_in, n_out) = config.model, family.io_widths()
     mlp_mats = 3 if m.arch == "llama" else 2
     per_layer = 4 * m.d_model * m.d_model + mlp_mats * m.d_model * m.d_mlp + m.d_mlp + 5 * m.d_model
     positions = m.max_len * m.d_model if m.positions == "learned" else 0
@@ -287,7 +286,7 @@ def training_memory(config: RunConfig) -> dict[str, int]:
     train = t.batch_size * T * (m.n_layers * kept + 3 * 4 * n_out)
     evaluate = t.eval_batch * T * (kept + 2 * 8 * n_out)  # no grad: one layer at a time, float64 log-probs
     bayes = t.eval_batch * family.bayes_memory(T, _pool_size(config.task))
-    return {"weights": 16 * parameter_count(config), "activations": max(train, evaluate), "bayes": bayes}
+    return {"weights": 16 * _parameter_count(config, family), "activations": max(train, evaluate), "bayes": bayes}
 
 
 def analysis_memory(config: RunConfig, n_sequences: int) -> int:
@@ -300,7 +299,7 @@ def analysis_memory(config: RunConfig, n_sequences: int) -> int:
     (n_in, n_out), T, K, sites = family.io_widths(), config.task.seq_len, config.task.n_major, 2
     inputs = 2 * 8 * T * (1 if family.reads_tokens else n_in)  # the two batches' inputs: int64 tokens or float64 vectors
     per_token = 4 * (m.d_mlp + 4 * m.d_model + n_out) + sites * m.d_model * (4 + 2 * 8)
-    return 4 * parameter_count(config) + n_sequences * (inputs + 2 * family.bayes_memory(T, K) + T * per_token)
+    return 4 * _parameter_count(config, family) + n_sequences * (inputs + 2 * family.bayes_memory(T, K) + T * per_token)
 
 
 def format_bytes(n: float) -> str:
@@ -328,7 +327,7 @@ def check_training_memory(config: RunConfig, available: int | None, where: str, 
     ``available`` bytes of ``where``. ``host``: (bytes, name) of the CPU memory when the model is on
     a GPU; the exact posterior, computed on the CPU, is checked against it."""
     need = training_memory(config)
-    what = f"training {config.name} ({parameter_count(config):.3g} parameters)"
+    what = f"training {config.name} ({need['weights'] // 16:.3g} parameters)"  # 16 bytes a parameter
     advice = "reduce model.d_model, model.d_mlp, model.n_layers, task.seq_len, train.batch_size, train.eval_batch or task.diversity"
     if host is None:
         check_memory(need, available, where, what, advice)

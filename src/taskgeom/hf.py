@@ -28,6 +28,7 @@ from taskgeom.errors import RunDirError, TaskgeomError
 from taskgeom.model import HookPoint, ResidualModel
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run
+from taskgeom.tasks.registry import family_class
 
 SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")  # as taskgeom.model.SITES
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")  # those that take an additive [1, 1, T, T] mask
@@ -265,7 +266,7 @@ def open_pretrained(source: Path | str, recipe: str | None, profile: str = "quic
         raise RunDirError(f"{source}/config.json cannot be read by transformers ({err})") from None
     model = model_config(hf)
     config = load_recipe(recipe, profile, list(overrides))
-    if not config.family.reads_tokens:
+    if not family_class(config.task.family).reads_tokens:
         raise ConfigError(f"a Hugging Face causal LM reads tokens, but the recipe's family {config.task.family!r} feeds vectors")
     if config.task.seq_len > model.max_len:
         raise ConfigError(f"the task's sequences have {config.task.seq_len} positions; the model at {source} has {model.max_len}")

@@ -11,8 +11,8 @@ study:
     e4: {run: "taskgeom.extras.dyck:e4", options: {references: [e1, e3]}}
 ```
 
-An experiment of its own (``run: module:function``) is called as ``function(ctx, studies,
-**options)`` and may carry ``function.runs(ctx, studies)`` (the runs it needs, for the schedule)
+An experiment of its own (``run: module:function``) is called as ``function(ctx, study,
+**options)`` and may carry ``function.runs(ctx, study, **options)`` (the runs it needs, for the schedule)
 and its module an ``evidence(table)`` (its interactive figures in the report)."""
 
 from __future__ import annotations
@@ -64,12 +64,14 @@ class StudySection(StrictModel):
 @dataclass(frozen=True)
 class Study:
     """One recipe's part in a reproduction: its name (the file's stem: ``e1``, the prefix of its
-    claims), its file, its report section's title and the experiments it takes part in."""
+    claims), its file, its report section's title, the experiments it takes part in and the
+    profiles the recipe defines (in its order)."""
 
     name: str
     path: Path
     section: str
     experiments: dict[str, ExperimentEntry]
+    profiles: tuple[str, ...]
 
     def takes_part(self, experiment: str, profile: str) -> bool:
         entry = self.experiments.get(experiment)
@@ -91,7 +93,8 @@ def load_study(name_or_path: str | Path) -> Study:
         study = StudySection.model_validate(section)
     except ValidationError as err:
         raise ConfigError(f"{path}: {describe_validation(err, ('study',))}") from None
-    return Study(path.stem, path, study.section, study.experiments)
+    profiles = recipe.get("profiles") if isinstance(recipe.get("profiles"), dict) else {}
+    return Study(path.stem, path, study.section, study.experiments, tuple(map(str, profiles)))
 
 
 def experiment_function(reference: str) -> Callable:

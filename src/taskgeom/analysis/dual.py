@@ -39,6 +39,7 @@ import math
 
 import torch
 
+from taskgeom.analysis.properties import quantiles
 from taskgeom.analysis.probes import linear_probe
 from taskgeom.analysis.rows import row, stored_rows
 from taskgeom.analysis.shares import share_of_gain
@@ -63,9 +64,9 @@ PRIOR_TASKS = 2048  # OOD tasks whose predictions sample the OOD prediction map 
 
 
 def quartiles(x: torch.Tensor) -> list[float]:
-    """[lower, upper] quartile of x (float64)."""
-    q = torch.quantile(x.double().flatten(), torch.tensor([0.25, 0.75], dtype=torch.float64))
-    return [float(q[0]), float(q[1])]
+    """[lower, upper] quartile of x (float64), as a row's band."""
+    _, low, high = quantiles(x.flatten())
+    return [float(low), float(high)]
 
 
 def search_places(run: StudyRun) -> list[Place]:
@@ -131,7 +132,11 @@ def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps
     for form, r2 in final.items():
         rows.append(row(PROJECTION[form], r2.mean(), quartiles(r2), place=place, **geo_ood))
     for step, snapshot in checkpoints.items():
-        by_form = final if snapshot is run else {form: snapshot.geometry(major, place).projection_r2(ood, form) for form in PROJECTION}
+        if snapshot is run:
+            by_form = final
+        else:  # one fit and one capture of the OOD states per snapshot, read in both forms
+            fitted, states = snapshot.geometry(major, place), snapshot.cache(ood, [place])[place]
+            by_form = {form: fitted.projection_r2(ood, form, states) for form in PROJECTION}
         for form, r2 in by_form.items():
             rows.append(row(PROJECTION[form], r2.mean(), quartiles(r2), place=place, step=step, **geo_ood))
 

@@ -138,13 +138,14 @@ class Geometry:
 
     def ablate(self) -> Edit:
         """The S ablation h <- h - P_S (h - mu_t) at this place on the analysed positions."""
-        return Edit(self.run, self.place, task_ablation(self.fit.subspace), self.sequences.inputs.model_positions(slice(None)))
+        return Edit(self.run, self.place, task_ablation(self.fit.subspace), self.run.analysed_positions)
 
     def projection_r2(self, sequences: Sequences, form: Form = "token", states: torch.Tensor | None = None) -> torch.Tensor:
         """[N' * W] projection R^2 on S of the late states of other ``sequences`` (OOD ones, as a
         rule) at this place (``states``: [N', P, D] if already captured): centred by mu_t and
         regressed on the task vectors (``plain``), or centred by mu_t + nu(x_t) and regressed on
-        theta_{k, x_t} (``token``; E2 and E1 give both forms alike). Its mean is the stored value."""
+        theta_{k, x_t} (``token``; for E2, whose x_t is continuous, both forms regress on S's basis and
+        differ only by the centring nu(x_t)). Its mean is the stored value."""
         if form not in ("token", "plain"):
             raise AnalysisError(f"unknown form {form!r}; choose token or plain")
         h = self.run.cache(sequences, [self.place])[self.place] if states is None else states

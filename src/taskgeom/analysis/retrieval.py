@@ -7,8 +7,8 @@ written with the objects of ``analysis.study``, so each stored number is what th
 sequences the full table of P0-P2 is computed at every (layer, site), and the place where the
 task-vector description fits best (highest R^2_task of P2) is chosen; its runner-up is recorded.
 Every claim is then measured at that place on an independent measurement batch (other sequences,
-another stream), where the full table is written again. ``Options.site`` restricts the choice to
-one site (``taskgeom analyze --primary``).
+another stream), where the full table is written again. ``analyze``'s ``site`` restricts the
+choice to one site (``taskgeom analyze --primary``).
 
 The families differ in one place, ``heldout.family_inputs``: the token families (E1, E3, E4) take the
 current token as x_t, a two-way layout over (task, token) for P0/P1, the posterior after each token

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 
 from taskgeom.analysis.orthogonal import avoid_basis
-from taskgeom.analysis.dual import loss_sets, search_places, v_layer
+from taskgeom.analysis.dual import search_places, v_layer
 from taskgeom.analysis.rows import stored_rows
 from taskgeom.analysis.shares import share_of_gain
 from taskgeom.analysis.study import StudyRun
@@ -49,9 +49,8 @@ def orthogonal_choices(run: StudyRun, n_seq: int = 256, search_steps: int = 200)
     chosen = {kind: v_layer(run, found[kind], n_seq)[0] for kind in kinds}
 
     rows = []
-    for name, sequences in loss_sets(run, n_seq).items():
-        if name == "minor":
-            continue
+    for name in ("major", "ood"):
+        sequences = run.heldout(name, n_seq, split="loss")
         clean = run.loss(sequences, per_position=True)
         at_layer = {}
         for kind in kinds:

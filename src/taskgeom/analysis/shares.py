@@ -37,6 +37,11 @@ class Share:
         return {"gain": self.gain, "unreliable": self.unreliable, "reason": self.reason}
 
 
+def unreliable_gain(gain: float, min_gain: float = MIN_RELIABLE_GAIN) -> bool:
+    """True when an in-context gain (nats) is below ``min_gain`` or is NaN: too small to divide by."""
+    return not gain >= min_gain
+
+
 def share_of_gain(ablated: torch.Tensor, clean: torch.Tensor, window: slice = slice(1, None),
                   min_gain: float = MIN_RELIABLE_GAIN) -> Share:
     """The share of in-context gain removed, for per-prediction losses ablated, clean: [P] (clean
@@ -44,7 +49,7 @@ def share_of_gain(ablated: torch.Tensor, clean: torch.Tensor, window: slice = sl
     after the first by default)."""
     late, late_ablated, first = float(clean[window].mean()), float(ablated[window].mean()), float(clean[0])
     gain = first - late
-    unreliable = not gain >= min_gain
+    unreliable = unreliable_gain(gain, min_gain)
     if not gain > 0:
         return Share(None, gain, late, late_ablated, first, unreliable,
                      f"the in-context gain L_0 - L = {gain:.3g} is not positive: no share of it can be removed")

@@ -54,10 +54,6 @@ class TaskSubspace:
     theta_token: torch.Tensor | None = None
     token_basis: torch.Tensor | None = None
 
-    @property
-    def rank(self) -> int:
-        return self.basis.shape[1]
-
     def conditioned_basis(self, tokens: torch.Tensor) -> torch.Tensor:
         """[..., D, K-1] the basis of span_k theta_{k,a} for each current token a of tokens: [...]
         long; the basis of S for continuous inputs (float tokens) or when there are no

@@ -137,13 +137,17 @@ class Extra:
         return [] if runs is None else runs(ctx, self.study, **self.options)
 
 
+def _declared(ctx: Context) -> dict[str, Experiment]:
+    """The experiments ``ctx``'s studies declare at its profile (``experiments.declared``)."""
+    from taskgeom.experiments import declared  # the generic experiments import this module
+
+    return declared(ctx.studies, ctx.profile)
+
+
 def planned_runs(ctx: Context, experiments: dict[str, Experiment] | None = None) -> list[TrainTask]:
     """Every run the experiments (by default those ``ctx``'s studies declare) declare for ``ctx``
     (``runs``), in order; a run two experiments need appears once for each."""
-    if experiments is None:
-        from taskgeom.experiments import declared  # the generic experiments import this module
-
-        experiments = declared(ctx.studies, ctx.profile)
+    experiments = _declared(ctx) if experiments is None else experiments
     return [task for experiment in experiments.values() for task in getattr(experiment, "runs", lambda _: [])(ctx)]
 
 
@@ -163,10 +167,7 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment] | None
         raise ValueError(f"seeds must be distinct and at least one, got {list(seeds)}")
     ctx = Context(Path(out), profile, tuple(seeds), executor, device, tracker, tuple(overrides),
                   shipped_studies() if studies is None else tuple(studies), None if diversities is None else tuple(diversities))
-    if experiments is None:
-        from taskgeom.experiments import declared  # the generic experiments import this module
-
-        experiments = declared(ctx.studies, profile)
+    experiments = _declared(ctx) if experiments is None else experiments
     tasks = planned_runs(ctx, experiments)
     for task in tasks:  # every experiment measures in the task subspace: refuse before anything is written
         check_major_tasks(task.config.task.n_major, f"reproduce ({task.config.name}, k = {task.config.task.diversity})")

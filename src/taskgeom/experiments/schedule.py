@@ -166,11 +166,13 @@ def plan_table(tasks: list[TrainTask]) -> pd.DataFrame:
     estimate 6 x parameters x tokens."""
     rows = {}
     for task in tasks:
-        c = task.config
+        name, c = task.name, task.config
+        if name in rows:  # a run two experiments need
+            continue
         tokens, parameters = c.train.steps * c.train.batch_size * c.task.seq_len, parameter_count(c)
-        rows.setdefault(task.name, {"run": task.name, "recipe": c.name, "diversity": c.task.diversity, "seed": c.train.seed,
-                                    "steps": c.train.steps, "batch_size": c.train.batch_size, "seq_len": c.task.seq_len,
-                                    "parameters": parameters, "tokens": tokens, "flops": 6 * parameters * tokens})
+        rows[name] = {"run": name, "recipe": c.name, "diversity": c.task.diversity, "seed": c.train.seed,
+                      "steps": c.train.steps, "batch_size": c.train.batch_size, "seq_len": c.task.seq_len,
+                      "parameters": parameters, "tokens": tokens, "flops": 6 * parameters * tokens}
     return pd.DataFrame(list(rows.values()))
 
 

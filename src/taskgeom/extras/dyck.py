@@ -232,7 +232,7 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int) -> 
     majors = ctx.trained(name, ("task.diversity=-1",), seed)
     diverse = ctx.trained(name, (f"task.diversity={PROBE_DIVERSITY}",), seed)
     reference_runs = {ref: ctx.trained(ref, ("task.diversity=-1",), seed) for ref in references}
-    with ctx.stage(f"P0 within-cell shares (E1, E3, E4; seed {seed})"):
+    with ctx.stage(f"P0 within-cell shares ({', '.join(r.upper() for r in (*references, name))}; seed {seed})"):
         reference_shares = {ref: reference_p0(run) for ref, run in reference_runs.items()}
         dyck = dyck_p0(majors)
     with ctx.stage(f"prefix probes (trained and untrained, pool and OOD; seed {seed})"):
@@ -249,10 +249,11 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int) -> 
     e4_smallest = min(min(shares["e4_token_due"]), min(shares["e4_last3_due"]))
     reference_smallest = max(min(shares[ref]) for ref in references)
     weakest = weakest_probe(probes["pool"], CLAIM_SITE, layers)
+    of_references = " and ".join(f"{ref.upper()}'s" for ref in references)  # E1's and E3's
     ctx.claim(seed, check(
         f"{name}.P0_failure", name,
         f"E4's smallest within-cell share over layers ({CLAIM_SITE}; either grouping, bracket phase of the late window) "
-        "divided by the larger of E1's and E3's smallest (task, token) share; k = -1",
+        f"divided by the larger of {of_references} smallest (task, token) share; k = -1",
         e4_smallest / reference_smallest, ">=", P0_FACTOR, ctx.profile,
         parts={"e4_smallest": e4_smallest, "reference_smallest": reference_smallest}), check(
         f"{name}.prefix_probe", name,
@@ -273,7 +274,7 @@ def plot(ctx: Context, name: str, references: tuple[str, ...], measured: dict[st
     series = {f"{ref.upper()} (task, token)": shares[ref] for ref in references}
     series |= {"E4 (task, token), bracket phase": shares["e4_token_due"], "E4 (task, last 3 brackets), bracket phase": shares["e4_last3_due"]}
     plot_p0_comparison(series, ctx.figure("p0_across_families.png",
-                       f"P0 across families: within-cell share of state variance per layer at {CLAIM_SITE}; E1 and E3 by "
+                       f"P0 across families: within-cell share of state variance per layer at {CLAIM_SITE}; {' and '.join(r.upper() for r in references)} by "
                        f"(task, current token), E4 by (task, current token) and by (task, last three planted brackets), k = -1 (seed {seed})",
                        (f"{name}.P0_failure",)), site=CLAIM_SITE)
     last = max(row["layer"] for row in measured["probes_untrained"])

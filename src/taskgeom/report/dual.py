@@ -13,6 +13,11 @@ import pandas as pd  # noqa: E402
 from taskgeom.report.figures import save  # noqa: E402
 
 
+def _any_unreliable(flags: pd.Series) -> bool:
+    """Whether any of these rows' shares is unreliable (a row without the flag counts as one)."""
+    return bool(flags.fillna(True).astype(bool).any())
+
+
 def _per_k(rows: pd.DataFrame, metric: str, set_name: str | None = "ood") -> pd.DataFrame:
     """Mean value and band over seeds per diversity k for one metric."""
     pick = rows[(rows["metric"] == metric) & (rows["step"].isna())]
@@ -70,7 +75,7 @@ def plot_rank_curve(curve: pd.DataFrame, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5.6, 3.8))
     for i, ((recipe, k), group) in enumerate(curve.groupby(["recipe", "diversity"])):
         by_rank = group.groupby("rank")
-        mean, unreliable = by_rank["value"].mean(), by_rank["unreliable"].agg(lambda u: bool(u.fillna(True).astype(bool).any()))
+        mean, unreliable = by_rank["value"].mean(), by_rank["unreliable"].agg(_any_unreliable)
         ax.plot(mean.index, mean.values, "-", color=f"C{i}", label=f"{recipe.upper()} k = {k}")
         for flag, face in ((False, f"C{i}"), (True, "white")):
             ax.plot(mean.index[unreliable == flag], mean.values[unreliable == flag], "o", color=f"C{i}", markerfacecolor=face)
@@ -91,7 +96,7 @@ def plot_dissociation(rows: pd.DataFrame, path: Path, title: str) -> None:
     for i, (metric, label) in enumerate(ablations):
         picked = [rows[(rows["metric"] == metric) & (rows["set"] == s)] for s in sets]
         values = [pick["value"].mean() for pick in picked]
-        shaky = [bool(pick["unreliable"].fillna(True).astype(bool).any()) if "unreliable" in pick else False for pick in picked]
+        shaky = [_any_unreliable(pick["unreliable"]) if "unreliable" in pick else False for pick in picked]
         x = np.arange(len(sets)) + (i - 1) * width
         for bar, unreliable in zip(ax.bar(x, np.clip(values, -20, 150), width, label=label, color=f"C{i}"), shaky):
             bar.set_hatch("//" if unreliable else "")

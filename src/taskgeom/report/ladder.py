@@ -27,7 +27,7 @@ def rungs(specs: list[str]) -> dict[str, Path]:
     """``{rung: folder}`` from ``NAME=PATH`` or ``PATH`` (named by its manifest's profile), in order."""
     named: dict[str, Path] = {}
     for spec in specs:
-        name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        name, _, path = spec.rpartition("=")
         folder = Path(path)
         name = name or read_manifest(folder)["profile"]
         if name in named:
