@@ -262,3 +262,26 @@ def test_the_run_at_each_kept_training_step_gives_the_stored_projection_across_t
         assert snapshot.model is not e3.model and snapshot.path == e3.path
         r2 = snapshot.geometry(major, place).projection_r2(ood, form="plain")
         assert float(r2.mean()) == pytest.approx(one(dual, "projection_r2", step=step)["value"], rel=1e-12), step
+
+
+@pytest.mark.parametrize("n_layers, expected", [
+    (2, {3: 1, 4: 1, 0: 0, 5: 1}),
+    (3, {3: 1, 4: 2, 0: 0, 5: 2}),
+    (6, {b: b for b in range(6)}),
+    (16, {3: 10, 4: 13, 0: 2, 5: 15}),
+])
+def test_place_at_depth_maps_a_study_block_of_six_to_the_same_relative_depth(n_layers, expected):
+    from taskgeom.analysis.edits import Place
+    for block, layer in expected.items():
+        assert Place.at_depth(block, 6, n_layers) == (layer, "resid_post")
+        # the same relative depth by hand: the first block whose end reaches (block + 1) / 6 of the model
+        assert min(l for l in range(n_layers) if (l + 1) / n_layers >= (block + 1) / 6) == layer
+
+
+def test_place_at_depth_of_sixteen_blocks():
+    from taskgeom.analysis.edits import Place
+    assert [Place.at_depth(b, 16, 16).layer for b in range(16)] == list(range(16))
+    assert Place.at_depth(10, 16, 3) == (2, "resid_post") and Place.at_depth(9, 16, 3) == (1, "resid_post")
+    assert Place.at_depth(10, 16, 2).layer == 1 and Place.at_depth(9, 16, 2).layer == 1
+    with pytest.raises(Exception, match="no study block"):
+        Place.at_depth(6, 6, 2)

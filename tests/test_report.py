@@ -257,7 +257,8 @@ def test_compare_names_the_run_whose_bits_differ_and_the_claims_whose_verdict_di
     changed = runs[0]
     manifest = json.loads((b / "reproduction.json").read_text())
     manifest["models"][changed] = hashlib.sha256(b"other weights").hexdigest()
-    manifest["machine"]["cpu_capability"] = "AVX2"
+    planted = "planted-" + manifest["machine"]["cpu_capability"]  # differs from a's on any machine
+    manifest["machine"]["cpu_capability"] = planted
     (b / "reproduction.json").write_text(json.dumps(manifest))
     claims = _claims_file(b)
     flipped = next(c for c in claims if c["status"] in ("pass", "fail"))
@@ -266,7 +267,7 @@ def test_compare_names_the_run_whose_bits_differ_and_the_claims_whose_verdict_di
     result = CliRunner().invoke(app, ["compare", str(a), str(b)])
     assert result.exit_code == 1, result.output
     assert f"({len(runs) - 1} bitwise equal, 1 differ)" in result.output and f"differs: {changed}" in result.output
-    assert re.search(r"cpu_capability +\S+ +!= AVX2", result.output)
+    assert re.search(rf"cpu_capability +\S+ +!= {re.escape(planted)}", result.output)
     assert "claims that differ: 1" in result.output and re.search(rf"{re.escape(flipped['id'])} .*-> unstable .*verdict", result.output)
 
 

@@ -1,0 +1,69 @@
+"""The earlier conventions of this project, kept computable by name (PAPER.md section 8).
+
+The claims are measured one way, the study's (section 7); each ``Variant`` here names one earlier
+choice that the API (``variant="..."``) and ``taskgeom sensitivity`` can measure instead, on the
+same runs, so a reader sees how a verdict depends on it. No variant ever decides a claim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from taskgeom.errors import AnalysisError
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One earlier convention: its ``name``, the ``claims`` (id prefixes) it can move, what it
+    ``changes`` from section 7 and ``why`` it existed."""
+
+    name: str
+    claims: tuple[str, ...]
+    changes: str
+    why: str
+
+
+VARIANTS = (
+    Variant("selected-place", ("P0", "P1", "P2", "P3", "steering", "projection_r2"),
+            "the place (layer, site) of best R^2_task on a selection batch, both sites, instead of the fixed block at resid_post",
+            "chose the layer by the data when the study's block did not exist at quick sizes"),
+    Variant("site-mid", ("P0", "P1", "P2", "P3", "steering", "projection_r2"),
+            "every readout at resid_mid (after attention) instead of resid_post",
+            "PAPER.md once named both sites as candidates"),
+    Variant("pooled-anova", ("P0", "P1"),
+            "P0/P1 pooled over the late window with no position term (the drift of mu_t counted as within-cell variance)",
+            "our first reading of the two-way layout"),
+    Variant("per-sequence-r2", ("projection_r2",),
+            "projection R^2 of each sequence's own state over the late window, centred by mu_t + nu(x_t), "
+            "regressed on the span of theta_(k, x_t)",
+            "scored single states, as a probe would read them"),
+    Variant("centred-S", ("ablate_S",),
+            "S ablation h - P_S (h - mu_t) on the rank K-1 span of the task vectors, at the selected place",
+            "the task subspace of section 4 rather than a probe's row space"),
+    Variant("v-avoids-tokens", ("ablate_V",),
+            "E1 and E2's V also kept out of the token subspace",
+            "kept V from removing what the current token carries"),
+    Variant("v-searched-on-ood", ("ablate_V",),
+            "V searched on OOD sequences instead of minor (pool) sequences",
+            "searched where the claim is read"),
+    Variant("v-best-block", ("ablate_V",),
+            "V read at the block where it removes the most OOD gain on a separate batch, not the mean over blocks",
+            "one place per claim, as for M1"),
+    Variant("e1-v6", ("e1",),
+            "E1 at V = 6 faces with near-disjoint majors (the earlier default recipe)",
+            "a smaller vocabulary trained faster at quick sizes"),
+    Variant("separator", ("e2",),
+            "E2's x, separator, y layout, the prediction of y read at the separator",
+            "the separator layout of the study's code, our earlier default"),
+)
+
+BY_NAME = {v.name: v for v in VARIANTS}
+
+
+def variant(name: str | None) -> Variant | None:
+    """The variant called ``name`` (None: the study's protocol); an unknown name is an error that lists them."""
+    if name is None or name == "protocol":
+        return None
+    if name not in BY_NAME:
+        raise AnalysisError(f"unknown variant {name!r}: choose 'protocol' or one of {', '.join(BY_NAME)}")
+    return BY_NAME[name]
