@@ -97,7 +97,6 @@ def test_unfinished_run_is_a_clear_error(tmp_path):
     (("--layer", "5"), "layers [5] do not exist; the model has layers 0..1"),
     (("--site", "resid_side"), "unknown sites ['resid_side']"),
     (("--primary", "attn_out"), "primary site 'attn_out' must be among"),
-    (("--directions", "sideways"), "unknown directions 'sideways'"),
 ])
 def test_bad_requests_exit_2_before_any_work(trained, tmp_path, args, message):
     """A bad request changes nothing an earlier analysis wrote: m1.json and the figures keep their bytes."""
@@ -122,7 +121,8 @@ def test_missing_run_directory_exits_2(tmp_path):
 def test_the_place_is_selected_on_one_batch_and_the_claims_measured_on_another(trained):
     from taskgeom.analysis.retrieval import analyze
     from taskgeom.analysis.study import StudyRun
-    from taskgeom.experiments.m1 import MIN_CELL_R2, MIN_STEERING_RATIO, claims as m1_claims
+    from taskgeom.analysis.steering import KINDS
+    from taskgeom.experiments.m1 import MAX_STEERING_SHARE, MIN_CELL_R2, claims as m1_claims
 
     result = analyze(StudyRun(trained), n_sequences=48, n_random=2)
     claims = {c.id: c for c in m1_claims(result, "quick")}
@@ -140,8 +140,16 @@ def test_the_place_is_selected_on_one_batch_and_the_claims_measured_on_another(t
     assert claims["e1.P0"].value == best["p0.cell_r2"]
     assert claims["e1.P2"].value == best["p2.r2_task"]
     assert claims["e1.P2.vs_random"].value == pytest.approx(best["p2.r2_task"] - best["p2.r2_random"])
-    assert claims["e1.steering"].value == pytest.approx(best["steering.kl_unsteered"] / best["steering.kl_steered"])
-    assert claims["e1.P0"].threshold == MIN_CELL_R2 and claims["e1.steering"].threshold == MIN_STEERING_RATIO
+    assert claims["e1.P0"].threshold == MIN_CELL_R2 and claims["e1.steering"].threshold == MAX_STEERING_SHARE
+    # steering at the study's place (block 3 of 6 at the depth of 2 blocks: block 1, resid_post), whatever was selected
+    steering = per_place[(per_place["layer"] == 1) & (per_place["site"] == "resid_post") & per_place["metric"].str.startswith("steering.")]
+    steering = steering.set_index("metric")["value"]
+    assert result.steering.place == (1, "resid_post") and result.steering.positions == (23,)  # 25-39 moved into a context of 24
+    assert [steering[f"steering.kl_{kind}"] for kind in KINDS] == [result.steering.mean(kind) for kind in KINDS]
+    assert (steering["steering.n_sequences"], steering["steering.n_points"]) == (48, 48)
+    parts = claims["e1.steering"].parts
+    assert claims["e1.steering"].value == pytest.approx(max(3 * parts["steered"] / parts["unsteered"], parts["steered"] / parts["mode"]))
+    assert parts["steered"] == steering["steering.kl_steered"] and (parts["layer"], parts["site"]) == (1, "resid_post")
 
     fixed = analyze(StudyRun(trained), n_sequences=48, n_random=2, site="resid_post")
     assert fixed.best[1] == "resid_post" and fixed.runner_up[1] == "resid_post"
@@ -149,7 +157,7 @@ def test_the_place_is_selected_on_one_batch_and_the_claims_measured_on_another(t
 
 def test_analyze_e2_regression_run(tmp_path):
     """E2: x_t is the current example's x, P3 uses the posterior at every model position, and
-    steering reports squared errors of the prediction of y_i; the m1 claims read them."""
+    steering reports the RMSE of the prediction of y_i; the m1 claims read them."""
     from taskgeom.analysis.retrieval import analyze
     from taskgeom.analysis.study import StudyRun
     from taskgeom.config import build_config
@@ -162,11 +170,11 @@ def test_analyze_e2_regression_run(tmp_path):
     train(run)
     result = CliRunner().invoke(app, ["analyze", str(run.path), "--sequences", "48"])
     assert result.exit_code == 0, result.output
-    assert "steering.sq_steered" in result.output
+    assert "steering at layer 0 (resid_post), positions 0-3, mean RMSE(model's y, y_a) over 48 target points" in result.output
     table = pd.read_json(run.path / "analysis" / "m1.json")
     per_layer = table[table["position"].isna()]
-    assert set(per_layer["metric"]) >= {"p0.cell_r2", "p1.additive_share", "p2.r2_task", "p2.r2_random", "steering.sq_unsteered",
-                                        "steering.sq_steered", "steering.sq_random", "steering.ratio"}
+    assert set(per_layer["metric"]) >= {"p0.cell_r2", "p1.additive_share", "p2.r2_task", "p2.r2_random", "steering.rmse_unsteered",
+                                        "steering.rmse_steered", "steering.rmse_mode", "steering.rmse_random"}
     tv = table[(table["metric"] == "p3.tv") & table["position"].notna() & table["task"].isna()]
     assert sorted(tv["position"].astype(int)) == list(range(4))  # one per separator (example)
     for name in ("simplex", "layers", "positions", "steering"):
@@ -176,8 +184,8 @@ def test_analyze_e2_regression_run(tmp_path):
     assert analysed.alpha.shape == (48, 4, 3) and torch.allclose(analysed.alpha.sum(-1), torch.ones(48, 4))
     claims = {c.id: c for c in m1_claims(analysed, "quick")}
     assert list(claims) == ["e2.P0", "e2.P1", "e2.P2", "e2.P2.vs_random", "e2.P3", "e2.P3.shrinks", "e2.steering"]
-    s = analysed.summary
-    assert claims["e2.steering"].value == pytest.approx(s["steering.sq_unsteered"] / s["steering.sq_steered"])
+    parts = claims["e2.steering"].parts
+    assert claims["e2.steering"].value == pytest.approx(max(2 * parts["steered"] / parts["unsteered"], parts["steered"] / parts["mode"]))
     assert "linear map of x_t" in claims["e2.P0"].description
 
 

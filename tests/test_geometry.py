@@ -1,4 +1,4 @@
-"""P0-P3 and steering on planted geometry, and layer-streamed state collection."""
+"""P0-P3 on planted geometry, and layer-streamed state collection."""
 
 import math
 
@@ -7,7 +7,6 @@ import torch
 
 from taskgeom.analysis.properties import alignment, interpolation, shrinkage, stability, KL_FLOOR
 from taskgeom.analysis.states import collect, stream_layers
-from taskgeom.analysis.steering import AdditiveCode, code_from_regression, random_edit, steer_edit
 from conftest import planted_paths
 from taskgeom.config import ModelConfig
 from taskgeom.hooks import capture
@@ -100,35 +99,6 @@ def test_alignment_closed_forms():
     smooth = lambda b: (b + KL_FLOOR / 3) / (1 + KL_FLOOR)  # noqa: E731
     expected = 0.5 * math.log(0.5 / smooth(1.0)) + 0.5 * math.log(0.5 / smooth(0.0))
     assert kl[0, 0] == pytest.approx(expected, rel=1e-9)
-
-
-def test_steering_edit_replaces_exactly_the_subspace_component():
-    gen = torch.Generator().manual_seed(2)
-    basis = torch.linalg.qr(torch.randn(D, K - 1, generator=gen))[0]  # [D, r]
-    code = AdditiveCode(torch.randn(K, D, generator=gen), torch.randn(V, D, generator=gen))
-    a = torch.tensor([[0.2, 0.5, 0.3], [1.0, 0.0, 0.0]])
-    tokens = torch.randint(0, V, (2, 5), generator=gen)
-    h = torch.randn(2, 5, D, generator=gen)
-    edit = steer_edit(basis, code, a, tokens)
-    out = edit(h)
-    project = basis @ basis.T
-    target = (a @ code.centre)[:, None] + code.token[tokens]
-    assert torch.allclose(out @ project, target @ project, atol=1e-5)
-    assert torch.allclose(out - out @ project, h - h @ project, atol=1e-5)
-    control = random_edit(edit, gen)(h)
-    assert torch.allclose((control - h).norm(dim=-1), (out - h).norm(dim=-1), atol=1e-5)
-
-
-def test_regression_code_recovers_planted_states():
-    gen = torch.Generator().manual_seed(3)
-    W, U = torch.randn(K, D, generator=gen, dtype=torch.float64), torch.randn(V, D, generator=gen, dtype=torch.float64)
-    gamma = torch._standard_gamma(torch.ones(400, K, dtype=torch.float64), gen)
-    alpha = gamma / gamma.sum(-1, keepdim=True)
-    tokens = torch.randint(0, V, (400,), generator=gen)
-    code = code_from_regression(alpha @ W + U[tokens], alpha, tokens, V)
-    a = torch.tensor([[0.1, 0.6, 0.3]])
-    grid = torch.arange(V)[None]
-    assert torch.allclose(code.state(a, grid).double(), (a.double() @ W)[:, None] + U[grid], atol=1e-4)
 
 
 def test_streamed_states_equal_one_full_forward():

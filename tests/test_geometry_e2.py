@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from taskgeom.analysis.properties import alignment, interpolation, stability_linear
-from taskgeom.analysis.steering import AdditiveCode, PredictionReadout, code_from_regression, steer_edit
 from conftest import planted_paths
 from taskgeom.analysis.task_vectors import late_window
 from taskgeom.tasks import Regression
@@ -62,39 +61,6 @@ def test_planted_task_by_x_interaction_lowers_p1_and_noise_raises_the_within_sha
     layout = stability_linear(noisy, task, late_x, K, slice(None)).layout
     assert 0.01 < expected < 0.99
     assert layout.within_share == pytest.approx(expected, abs=1e-8)
-
-
-def test_continuous_code_edits_and_regression_recover_planted_states():
-    gen = torch.Generator().manual_seed(3)
-    W, U = torch.randn(K, D, generator=gen, dtype=torch.float64), torch.randn(DX, D, generator=gen, dtype=torch.float64)
-    gamma = torch._standard_gamma(torch.ones(400, K, dtype=torch.float64), gen)
-    alpha = gamma / gamma.sum(-1, keepdim=True)
-    x = torch.randn(400, DX, generator=gen, dtype=torch.float64)
-    code = code_from_regression(alpha @ W + x @ U, alpha, x, None)
-    a = torch.tensor([[0.1, 0.6, 0.3]])
-    probe = torch.randn(1, 5, DX, generator=gen, dtype=torch.float64)
-    assert torch.allclose(code.state(a, probe).double(), (a.double() @ W)[:, None] + probe @ U, atol=1e-4)
-
-    basis = torch.linalg.qr(torch.randn(D, K - 1, generator=gen))[0]
-    code = AdditiveCode(W.float(), U.float())
-    h = torch.randn(1, 5, D, generator=gen)
-    out = steer_edit(basis, code, a, probe)(h)
-    project = basis @ basis.T
-    assert torch.allclose(out @ project, ((a @ code.centre)[:, None] + probe.float() @ code.token) @ project, atol=1e-5)
-
-
-def test_prediction_readout_scores_the_mixture_prediction_at_prediction_positions():
-    family = Regression(d=2, noise=0.5, layout="separator")
-    params = torch.tensor([[1.0, 0.0], [0.0, 2.0], [-1.0, -1.0]], dtype=torch.float64)
-    batch = family.make_batch(params[torch.tensor([0, 1])], torch.tensor([0, 1]), 12, torch.Generator().manual_seed(0))
-    readout = PredictionReadout(family, batch, params)
-    a = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]], dtype=torch.float64)
-    window = late_window(4, 0.5)  # examples 2 and 3 of 4, predicted at their separators, positions 7 and 10
-    out = torch.zeros(2, 12, 1)
-    out[:, 7, 0], out[:, 10, 0] = 1.0, -1.0
-    target = torch.stack([batch.x[0, 2:] @ params[1], batch.x[1, 2:] @ (0.5 * params[0] + 0.5 * params[2])])
-    expected = (torch.tensor([1.0, -1.0], dtype=torch.float64) - target) ** 2
-    assert torch.allclose(readout.distance(a, window)(out), expected)
 
 
 def test_paired_batch_gives_every_task_the_same_x_and_fresh_noise():

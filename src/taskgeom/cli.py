@@ -278,7 +278,6 @@ def analyze(
     primary: Optional[str] = typer.Option(None, help="Fix the site of the claims (resid_mid or resid_post); by default the place "
                                           "(layer and site) with the highest R^2_task on a selection batch is chosen."),
     sequences: int = typer.Option(512, help="Held-out major-task sequences to analyse."),
-    directions: str = typer.Option("task_vectors", help="Steering directions: task_vectors or regression."),
     recipe: Optional[str] = typer.Option(None, help="Hugging Face directory only: the recipe of the task the model learnt (model section ignored)."),
     profile: str = typer.Option("quick", help="Hugging Face directory only: the recipe's profile."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Hugging Face directory only: dotted override of the recipe, repeatable."),
@@ -289,12 +288,11 @@ def analyze(
     the selection batch is chosen, and P3 and causal steering are measured there on the measurement
     batch. Writes analysis/m1.json (tidy rows) and figures/m1_*.png."""
     from taskgeom.analysis.retrieval import analyze as analyze_run, write
+    from taskgeom.analysis.steering import KINDS
     from taskgeom.analysis.study import StudyRun
     from taskgeom.report.geometry import FIGURES, plot_retrieval
     from taskgeom.runs import Run
 
-    if directions not in ("task_vectors", "regression"):
-        raise TaskgeomError(f"unknown directions {directions!r}; choose task_vectors or regression")
     if out is not None:
         _folder(out, "--out")
     if (run_dir / "run.json").is_file() or (recipe is None and not (run_dir / "config.json").is_file()):
@@ -308,7 +306,7 @@ def analyze(
     _check_analysis_memory(run.config, sequences)
     run = StudyRun(run)
     result = analyze_run(run, layers=tuple(layer) if layer else None, sites=tuple(site) if site else None, site=primary,
-                         n_sequences=sequences, directions=directions)
+                         n_sequences=sequences)
     write(run, result)
     (run.path / "figures").mkdir(parents=True, exist_ok=True)
     plot_retrieval(result, {name: run.path / "figures" / f"m1_{name}.png" for name in FIGURES})
@@ -319,10 +317,13 @@ def analyze(
     best_layer, best_site = result.best
     runner = "" if result.runner_up is None else f"; runner-up layer {result.runner_up[0]} ({result.runner_up[1]})"
     typer.echo(f"selected layer {best_layer} ({best_site}) by R^2_task on the selection batch{runner}:")
-    steering = [f"steering.{result.steering.measure}_{kind}" for kind in ("unsteered", "steered", "random")]
-    for metric in ("p2.r2_task", "p3.tv_first_quarter", "p3.tv_last_quarter", "p3.tv_first_uncertain", "p3.tv_last_uncertain", *steering,
-                   "steering.ratio"):
+    for metric in ("p2.r2_task", "p3.tv_first_quarter", "p3.tv_last_quarter", "p3.tv_first_uncertain", "p3.tv_last_uncertain"):
         typer.echo(f"  {metric:<24} {result.summary[metric]:.4g}")
+    steering = result.steering
+    typer.echo(f"steering at layer {steering.place.layer} ({steering.place.site}), positions {steering.positions[0]}-{steering.positions[-1]}, "
+               f"mean {steering.label} over {steering.n_points} target points:")
+    for kind in KINDS:
+        typer.echo(f"  {kind:<24} {steering.mean(kind):.4g}")
     typer.echo(str(run.path / "analysis" / "m1.json"))
 
 

@@ -18,7 +18,8 @@ import torch
 from taskgeom.analysis.edits import Edit, Place
 from taskgeom.analysis.orthogonal import avoid_basis, token_subspace
 from taskgeom.analysis.properties import Fit, Interpolation, Shrinkage, alignment, interpolation, quantiles, shrinkage
-from taskgeom.analysis.steering import Steering, code_from_layout, code_from_regression, dirichlet_points, steer
+from taskgeom.analysis.steering import (STUDY_POSITIONS, Steering, SteeringForm, check_form, clip_positions, dirichlet_points, position_task_vectors,
+                                        steer, study_form, subspace_edit, task_edit)
 from taskgeom.analysis.subspace import projection_r2, task_ablation
 from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from taskgeom.analysis.study import Sequences, StudyRun
 
 Form = Literal["token", "plain"]
-Directions = Literal["task_vectors", "regression"]
 
 
 @dataclass(frozen=True)
@@ -115,26 +115,36 @@ class Geometry:
         """P3, alignment of beta_t with the exact posterior alpha_t."""
         return Alignment.of(self.beta, self.sequences.alpha, self.window)
 
-    def steer(self, to: torch.Tensor | Sequence[float] | Literal["dirichlet"] = "dirichlet",
-              directions: Directions = "task_vectors") -> Steering:
-        """Replace the task component of the late states of these sequences by a point ``to`` of
-        the simplex ([K] for every sequence, [N, K] one per sequence, or ``"dirichlet"``: a
-        Dirichlet(1) draw per sequence) and compare the model with the target mixture
-        (PAPER.md section 4); ``directions``: the additive code from the task vectors or from a
-        joint regression of h on [posterior, one-hot token]. Random draws come from the run's seed."""
-        inputs, window, N, K = self.sequences.inputs, self.window, len(self.sequences), self.task_vectors.shape[0]
+    def steer(self, to: torch.Tensor | Sequence[float] | Literal["dirichlet"] = "dirichlet", *, points: int = 1,
+              positions: Sequence[int] | None = None, form: SteeringForm | None = None) -> Steering:
+        """Steer these sequences at this place toward points of the simplex, one position per
+        forward pass (PAPER.md section 7; ``analysis.steering``): ``to`` a point [K] for every
+        sequence, [N, K] one per sequence, or ``"dirichlet"``: ``points`` Dirichlet(1) draws per
+        sequence, independent of its true task (the stored analysis, one each); ``positions``: the
+        analysed positions to edit (default the study's, E1 25-39, E2 and E3 0-39), clipped to the
+        context; ``form``: the edit (default the study's for this family: ``"task"``, per-position
+        task vectors, for E1; ``"subspace"`` for the others). Random draws come from the run's seed."""
+        form = study_form(self.run.family) if form is None else form
+        check_form(form)
+        if points < 1 or (points != 1 and not (isinstance(to, str) and to == "dirichlet")):
+            raise AnalysisError(f"points (target points per sequence) must be at least 1, and 1 for a chosen point; got {points}")
+        N, P, K = len(self.sequences), self.states.shape[1], self.task_vectors.shape[0]
         gen = generator(self.run.seed, 0, "steering")
-        a = dirichlet_points(N, K, gen) if isinstance(to, str) and to == "dirichlet" else simplex_point(to, N, K)
-        if directions == "task_vectors":
-            code = code_from_layout(self.fit.layout)
-        elif directions == "regression":
-            late, alpha = self.states[:, window], self.sequences.alpha[:, window]
-            code = code_from_regression(late.reshape(-1, late.shape[-1]), alpha.reshape(-1, K),
-                                        inputs.current[:, window].reshape(-1, *inputs.current.shape[2:]), inputs.vocab)
+        if isinstance(to, str) and to == "dirichlet":
+            a = dirichlet_points(N * points, K, gen)
         else:
-            raise AnalysisError(f"unknown directions {directions!r}; choose task_vectors or regression")
-        return steer(self.run.model, inputs.readout, self.sequences.batch.tokens, inputs.current[:, window], self.place,
-                     inputs.model_positions(window), window, self.basis, code, a, gen)
+            a = simplex_point(to, N, K)
+        sequence = torch.arange(N).repeat_interleave(points)
+        positions = clip_positions(STUDY_POSITIONS[form] if positions is None else positions, P)
+        if form == "task":
+            theta = position_task_vectors(self.states[:, list(positions)], self.sequences.batch.task, K)  # [K, P', D]
+            task = self.sequences.batch.task[sequence]
+            edits = {p: task_edit(theta[:, i], task, a) for i, p in enumerate(positions)}
+        else:
+            edits = {p: subspace_edit(self.task_vectors, self.basis, self.mu[p], a) for p in positions}
+        inputs = self.sequences.inputs
+        return steer(self.run.model, inputs.readout, self.sequences.batch.tokens, self.place, sequence, a, edits, inputs.positions, gen,
+                     form, N)
 
     def ablate(self) -> Edit:
         """The S ablation h <- h - P_S (h - mu_t) at this place on the analysed positions."""

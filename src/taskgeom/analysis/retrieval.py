@@ -1,5 +1,6 @@
 """The M1 analysis of one finished run (``taskgeom analyze``, the M1 experiment): P0-P2 at every
-requested layer and site, P3 and causal steering at the selected place, as the rows of
+requested layer and site, P3 at the selected place and causal steering at the study's place
+(``steering.steering_place``, PAPER.md section 7), as the rows of
 ``analysis/m1.json`` (``rows``' layout; batch: the split, ``select`` or ``measure``). It is
 written with the objects of ``analysis.study``, so each stored number is what they return.
 
@@ -15,7 +16,7 @@ current token as x_t, a two-way layout over (task, token) for P0/P1, the posteri
 for P3 and KL to the target mixture for steering; E2 (regression) is read at its separators only,
 where the model predicts y_i: x_t is that example's x with a linear token effect ``nu(x) = A x``
 (``stability_linear``), alpha the posterior given the earlier examples, and steering compares the
-prediction of y_i by squared error. E2's analysis batches are paired: all K tasks share the same x
+prediction of y_i by RMSE. E2's analysis batches are paired: all K tasks share the same x
 sequences, so the x effects cancel when task means are subtracted.
 """
 
@@ -27,9 +28,9 @@ import torch
 
 from taskgeom.analysis.properties import Shrinkage, quantiles
 from taskgeom.analysis.rows import row
-from taskgeom.analysis.steering import Steering
+from taskgeom.analysis.steering import KINDS, Steering, steering_place
 from taskgeom.analysis.edits import Place
-from taskgeom.analysis.geometry import Alignment, Directions, Geometry
+from taskgeom.analysis.geometry import Alignment, Geometry
 from taskgeom.analysis.study import DEFAULT_SITES, StudyRun
 from taskgeom.analysis.task_vectors import check_major_tasks
 from taskgeom.errors import AnalysisError
@@ -40,7 +41,7 @@ from taskgeom.storage import atomic_write_json
 class Result:
     """rows: the m1.json rows; best: the selected place; runner_up: the second place (None when
     only one was measured); alpha, beta: [N, P, K] posterior and fitted coefficients there
-    (measurement batch); task: [N]; steering: at the best place; shrinkage: P3.shrinks' parts;
+    (measurement batch); task: [N]; steering: at ``steering.steering_place``; shrinkage: P3.shrinks' parts;
     summary: {metric: value} of the non-positional measurement rows at the best place; window: the
     late analysed positions."""
 
@@ -100,11 +101,11 @@ def place_rows(geometry: Geometry, per_position: bool) -> list[dict]:
 
 
 def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tuple[str, ...] | None = None, site: str | None = None,
-            n_sequences: int = 512, window: float = 0.25, n_random: int = 8, directions: Directions = "task_vectors") -> Result:
+            n_sequences: int = 512, window: float = 0.25, n_random: int = 8) -> Result:
     """The M1 geometry of a finished run (options: ``check_request``; ``n_random``: P2's random
-    subspaces; ``directions``: steering's code); RunDirError if unfinished, AnalysisError for a bad request."""
-    if directions not in ("task_vectors", "regression"):
-        raise AnalysisError(f"unknown directions {directions!r}; choose task_vectors or regression")
+    subspaces); RunDirError if unfinished, AnalysisError for a bad request. Steering is measured at
+    ``steering.steering_place`` on the measurement batch, whether or not that place is among the
+    requested ones."""
     places = check_request(run, layers, sites, site, n_sequences, window)
     options = {"window": window, "n_random": n_random}
     selection = run.select_place(run.heldout("major", n_sequences, split="select"), places, site=site, **options)
@@ -119,14 +120,18 @@ def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tupl
     del selection  # its states, before the measurement batch's
 
     measure = run.heldout("major", n_sequences, split="measure")
-    kept = None
+    kept, steered_at = None, steering_place(run.family, run.config.model.n_layers)
+    steering = None
     for geometry in run.geometries(measure, places, **options):
         rows += place_rows(geometry, per_position=True)
         if geometry.place == best:
             kept = geometry
+        if geometry.place == steered_at:
+            steering = geometry.steer("dirichlet")
     rows += alignment_rows(best, kept.p3, measure.batch.task)
-    steering = kept.steer("dirichlet", directions)
-    rows += steering_rows(best, steering)
+    if steering is None:
+        steering = run.geometry(measure, steered_at, **options).steer("dirichlet")
+    rows += steering_rows(steering)
 
     summary = {r["metric"]: r["value"] for r in rows
                if r["batch"] == "measure" and (r["layer"], r["site"]) == best and r["position"] is None and r["task"] is None}
@@ -157,14 +162,19 @@ def alignment_rows(place: Place, p3: Alignment, task: torch.Tensor) -> list[dict
     return rows
 
 
-def steering_rows(place: Place, steering: Steering) -> list[dict]:
-    """steering.{measure}_{kind} (measure: kl, or sq for E2's squared error) and the ratio of medians."""
+def steering_rows(steering: Steering) -> list[dict]:
+    """At the steering's place: steering.{measure}_{kind} (measure kl, or rmse for E2; kind one of
+    unsteered, steered, mode, random): the mean over the (sequence, point) pairs with their
+    interquartile band; and what was steered: the number of sequences and target points, the first
+    and last edited position and how many were edited (one forward pass each)."""
+    where = {"place": steering.place, "batch": "measure", "set": "major"}
     rows = []
-    where = {"place": place, "batch": "measure", "set": "major"}
-    for kind in ("unsteered", "steered", "random"):
-        med, low, high = quantiles(getattr(steering, kind).reshape(-1))
-        rows.append(row(f"steering.{steering.measure}_{kind}", med, (low, high), **where))
-    rows.append(row("steering.ratio", steering.ratio, **where))
+    for kind in KINDS:
+        _, low, high = quantiles(getattr(steering, kind).reshape(-1))
+        rows.append(row(f"steering.{steering.measure}_{kind}", steering.mean(kind), (low, high), **where))
+    rows += [row("steering.n_sequences", steering.n_sequences, **where), row("steering.n_points", steering.n_points, **where),
+             row("steering.position_first", steering.positions[0], **where), row("steering.position_last", steering.positions[-1], **where),
+             row("steering.n_positions", len(steering.positions), **where)]
     return rows
 
 

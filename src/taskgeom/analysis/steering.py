@@ -1,74 +1,111 @@
-"""Causal steering (PAPER.md section 4): replace the task component of the states at one site by a
-chosen point ``a`` of the simplex and compare the model's next-token law with the target mixture
-``sum_k a_k p_k(. | context)`` (KL, ``TokenReadout``), or for E2 the model's prediction of y_i with
-the prediction of the mixture of task weights ``sum_k a_k w_k . x_i`` (squared error,
-``PredictionReadout``).
+"""Causal steering (PAPER.md section 7, "Steering"): edit the task component of the state at one
+position per forward pass toward a target point ``a`` of the simplex, and read how close the model
+comes to what the mixture ``a`` of the major tasks predicts there.
 
-The edit is ``h' = h - P_S h + P_S (sum_k a_k W_k + U(x_t))``: the part of h in the task subspace S
-is replaced by what an additive code ``W, U`` predicts for task mixture ``a`` and the current token
-(``U[x_t]``), or for E2 the current example's x (``x_t @ U``).
-**[ours]** The token term restores the footprint of the current token in S, which the paper's
-``h - P_S h + sum_k a_k W_k`` would erase; the codes come from the two-way layout
-(``code_from_layout``, task vectors, the default) or a joint regression of h on
-[posterior, one-hot token] (``code_from_regression``). The control moves each state by a random
-direction of the same norm as its steering displacement.
+- **Target points.** ``a ~ Dirichlet(1)`` (``dirichlet_points``), drawn independently of each
+  sequence's true task; ``points`` of them per sequence, all steered in one batch of
+  (sequence, point) pairs.
+- **Edits** at analysed position p (``SteeringForm``): ``"task"`` (E1, per-position task vectors,
+  ``task_edit``): ``h' = h - theta_k(p) + sum_j a_j theta_j(p)`` with k the sequence's true task
+  and ``theta_j(p)`` the mean state of task j at p minus the mean over tasks
+  (``position_task_vectors``); ``"subspace"`` (E2, E3, ``subspace_edit``):
+  ``h' = h - (h - mu_p) P_S + sum_j a_j theta_j`` with theta the late-window task vectors, P_S the
+  projector on their span and mu_p the mean state at p.
+- **Positions** (``STUDY_POSITIONS``): E1 25-39, E2 and E3 0-39 (E2: examples, edited where y_i
+  is read), clipped to the context: a position beyond the last is moved to the last, so a short
+  context keeps at least its last position **[ours]** (``clip_positions``).
+- **Readouts** per (sequence, point), over its edited positions: the mean KL(model || q_a) with
+  ``q_a = sum_j a_j p_j(. | context)`` (E1, E3, ``TokenReadout``), or the RMSE between the
+  model's y and ``y_a = sum_j a_j x.w_j`` (E2, ``PredictionReadout``); each unsteered, steered,
+  for the mode task (KL(q_mode || q_a), or the RMSE of the argmax task's prediction: no model)
+  and for a random direction of the same norm as each steering displacement. A ``Steering``
+  holds them; the claim reads their means over the pairs (``Steering.mean``).
+
+Each pass runs the model on the prefix up to the last edited position (the model is causal, so
+the outputs read there are those of the whole sequence) and from the edited block on
+(``LayerStreams``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal, Sequence
 
 import torch
 
-from taskgeom.analysis.anova import Layout
-from taskgeom.analysis.properties import quantiles
-from taskgeom.hooks import Site, intervene
-from taskgeom.tasks import Batch, TokenFamily
+from taskgeom.analysis.edits import Place
+from taskgeom.analysis.states import LayerStreams
+from taskgeom.errors import AnalysisError
+from taskgeom.hooks import intervene
+from taskgeom.tasks import Batch, TaskFamily, TokenFamily
+from taskgeom.tasks.dice import Dice
 from taskgeom.tasks.regression import Regression
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
+SteeringForm = Literal["task", "subspace"]
+FORMS: tuple[str, ...] = ("task", "subspace")
+STUDY_POSITIONS: dict[str, range] = {"task": range(25, 40), "subspace": range(0, 40)}
+KINDS = ("unsteered", "steered", "mode", "random")
 
 
-@dataclass(frozen=True)
-class AdditiveCode:
-    """state ~ sum_k a_k centre[k] + token[x] (tokens x, token: [V, D]) or + x @ token (continuous
-    x: [..., d], token: [d, D]); centre: [K, D]."""
-
-    centre: torch.Tensor
-    token: torch.Tensor
-
-    def state(self, a: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        """[B, T, D] for mixtures a: [B, K] and inputs: [B, T] tokens or [B, T, d] x_t."""
-        effect = inputs.to(self.token.dtype) @ self.token if inputs.is_floating_point() else self.token[inputs]
-        return (a.to(self.centre.dtype) @ self.centre)[:, None] + effect
+def check_form(form: str) -> None:
+    """AnalysisError for an unknown edit ``form``."""
+    if form not in FORMS:
+        raise AnalysisError(f"unknown steering form {form!r}; choose one of {list(FORMS)}")
 
 
-def code_from_layout(layout: Layout) -> AdditiveCode:
-    """The additive fit of the layout: centre_k = intercept + theta_k, token = nu (or the map A)."""
-    return AdditiveCode((layout.intercept + layout.effect_a).float(), layout.effect_b.float())
+def study_form(family: TaskFamily) -> SteeringForm:
+    """The study's edit for ``family``: per-position task vectors for E1 (dice), the task subspace
+    for the others (E2, E3, and any other family **[ours]**)."""
+    return "task" if isinstance(family, Dice) else "subspace"
 
 
-def code_from_regression(h: torch.Tensor, alpha: torch.Tensor, inputs: torch.Tensor, vocab: int | None) -> AdditiveCode:
-    """Least squares h ~ alpha @ W + onehot(x) @ U (minimum norm; the split of a shared constant
-    between W and U does not change any edit). h: [M, D]; alpha: [M, K]; inputs: [M] tokens, or
-    [M, d] continuous x (then h ~ alpha @ W + x @ U and vocab is unused)."""
-    effect = inputs.double() if inputs.is_floating_point() else torch.nn.functional.one_hot(inputs, vocab).double()
-    design = torch.cat([alpha.double(), effect], dim=1)
-    coef = torch.linalg.lstsq(design, h.double(), driver="gelsd").solution  # [K + V, D]
-    K = alpha.shape[1]
-    return AdditiveCode(coef[:K].float(), coef[K:].float())
+def steering_place(family: TaskFamily, n_layers: int) -> Place:
+    """Where steering reads and writes (PAPER.md section 7, the M1 place): the study's block 3 of
+    6 (E2: 10 of 16) at the same relative depth, ``resid_post``."""
+    return Place.at_depth(10, 16, n_layers) if isinstance(family, Regression) else Place.at_depth(3, 6, n_layers)
 
 
-def steer_edit(basis: torch.Tensor, code: AdditiveCode, a: torch.Tensor, inputs: torch.Tensor) -> Edit:
-    """The edit h -> h - P_S h + P_S code.state(a, inputs); basis: [D, r] orthonormal (any float
-    dtype: ``TaskSubspace.basis`` is float64; it is cast to the code's dtype); a: [B, K];
-    inputs: [B, T'] tokens or [B, T', d] x_t at the edited positions."""
-    basis = basis.to(code.centre.dtype)
-    target = code.state(a, inputs) @ basis  # [B, T', r]
+def clip_positions(span: Sequence[int], n_positions: int) -> tuple[int, ...]:
+    """The analysed positions of ``span`` in a context of ``n_positions``: each beyond the last
+    moved to the last, without repeats (at least one); AnalysisError for a negative or empty span."""
+    if not len(span) or min(span) < 0:
+        raise AnalysisError(f"steering positions must be a non-empty set of non-negative positions, got {list(span)}")
+    return tuple(sorted({min(int(p), n_positions - 1) for p in span}))
+
+
+def dirichlet_points(n: int, K: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, K] float64 points drawn from Dirichlet(1) on the simplex (normalised unit gammas)."""
+    gamma = torch._standard_gamma(torch.ones(n, K, dtype=torch.float64), gen)
+    return gamma / gamma.sum(-1, keepdim=True)
+
+
+def position_task_vectors(h: torch.Tensor, task: torch.Tensor, K: int) -> torch.Tensor:
+    """[K, P, D] float64 theta_k(p): the mean of task k's states at each position minus the mean
+    of those over the tasks, for h: [N, P, D] of sequences of task: [N] (each of 0..K-1 present)."""
+    onehot = torch.nn.functional.one_hot(task, K).double()  # [N, K]
+    counts = onehot.sum(0)
+    if (counts == 0).any():
+        raise AnalysisError(f"no sequences of tasks {torch.nonzero(counts == 0).flatten().tolist()}: cannot form their task vectors")
+    means = torch.einsum("nk,npd->kpd", onehot, h.double()) / counts[:, None, None]
+    return means - means.mean(0)
+
+
+def task_edit(theta: torch.Tensor, task: torch.Tensor, a: torch.Tensor) -> Edit:
+    """h -> h - theta[task] + a @ theta at one position: theta: [K, D] the task vectors there,
+    task: [M] the true tasks, a: [M, K]; h: [M, 1, D]."""
+    shift = (a.double() @ theta.double() - theta.double()[task])[:, None]  # [M, 1, D]
+    return lambda h: h + shift.to(h.dtype)
+
+
+def subspace_edit(theta: torch.Tensor, basis: torch.Tensor, mu: torch.Tensor, a: torch.Tensor) -> Edit:
+    """h -> h - (h - mu) P_S + a @ theta at one position: theta: [K, D], basis: [D, r] orthonormal
+    (P_S = basis basis^T), mu: [D] the mean state there, a: [M, K]; h: [M, 1, D]."""
+    target = (a.double() @ theta.double())[:, None]  # [M, 1, D]
 
     def edit(h: torch.Tensor) -> torch.Tensor:
-        return h + (target.to(h.dtype) - h @ basis.to(h.dtype)) @ basis.T.to(h.dtype)
+        B = basis.to(h.dtype)
+        return h - ((h - mu.to(h.dtype)) @ B) @ B.T + target.to(h.dtype)
 
     return edit
 
@@ -92,41 +129,74 @@ def kl_rows(logp: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TokenReadout:
-    """KL(model || target mixture) of the next-token law at each edited position; tokens: [B, T];
-    params: [K, ...] of the pool."""
+    """E1, E3: KL(model || q_a) of the next-token law at each edited position, averaged over them;
+    tokens: [N, T]; params: [K, ...] of the major tasks."""
 
     family: TokenFamily
     tokens: torch.Tensor
     params: torch.Tensor
     measure = "kl"
-    label = "KL(model || target mixture)"
+    label = "KL(model || q_a)"
 
-    def distance(self, a: torch.Tensor, late: slice) -> Callable[[torch.Tensor], torch.Tensor]:
-        """For mixtures a: [B, K], a function of the model's output [B, T, V] -> [B, T'] at the
-        positions ``late``."""
-        B, T = self.tokens.shape
-        target = self.family.mix_predictive(self.tokens, self.params.double(), a[:, None].expand(B, T, a.shape[1]))[:, late]
-        return lambda out: kl_rows(torch.log_softmax(out[:, late].double(), -1), target)
+    def mixture(self, sequence: torch.Tensor, weights: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
+        """[M, P', V] q = sum_j weights_j p_j(. | context) at ``positions`` of the sequences
+        ``sequence``: [M]; weights: [M, K]."""
+        tokens = self.tokens[sequence, : max(positions) + 1]
+        M, T = tokens.shape
+        return self.family.mix_predictive(tokens, self.params.double(), weights.double()[:, None].expand(M, T, -1))[:, list(positions)]
+
+    @staticmethod
+    def prediction(out: torch.Tensor) -> torch.Tensor:
+        """[..., V] log-probabilities of model outputs [..., V]."""
+        return torch.log_softmax(out.double(), -1)
+
+    @staticmethod
+    def of_mixture(q: torch.Tensor) -> torch.Tensor:
+        """What a predictor that follows the mixture q outputs, in ``prediction``'s form."""
+        return q.double().clamp_min(1e-300).log()
+
+    @staticmethod
+    def distance(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return kl_rows(prediction, target)
+
+    @staticmethod
+    def summarise(values: torch.Tensor) -> torch.Tensor:
+        """[M] the mean over the positions of values: [M, P']."""
+        return values.mean(-1)
 
 
 @dataclass(frozen=True)
 class PredictionReadout:
-    """E2: squared error between the model's prediction of y_i and the target mixture's
-    ``sum_k a_k w_k . x_i``, for the examples i of the analysed (separator) positions."""
+    """E2: the RMSE, over the edited examples, between the model's prediction of y_i (read where
+    the layout predicts it) and ``y_a = sum_j a_j x_i . w_j``; params: [K, d]."""
 
     family: Regression
     batch: Batch
     params: torch.Tensor
-    measure = "sq"
-    label = "squared error to the target mixture's prediction"
+    measure = "rmse"
+    label = "RMSE(model's y, y_a)"
 
-    def distance(self, a: torch.Tensor, late: slice) -> Callable[[torch.Tensor], torch.Tensor]:
-        """For mixtures a: [B, K], a function of the model's output [B, T, 1] -> [B, n'] over the
-        examples ``late``, each read at its separator."""
-        B, n = self.batch.x.shape[:2]
-        where = self.family.prediction_positions(n)[late]
-        target = self.family.mix_prediction(self.batch.x, self.params, a[:, None].expand(B, n, a.shape[1]))[:, late]
-        return lambda out: (out[..., 0].double()[:, where] - target) ** 2
+    def mixture(self, sequence: torch.Tensor, weights: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
+        """[M, P'] y = sum_j weights_j x_i . w_j for the examples i = ``positions``."""
+        x = self.batch.x[sequence][:, list(positions)]
+        return self.family.mix_prediction(x, self.params, weights.double()[:, None].expand(*x.shape[:2], -1))
+
+    @staticmethod
+    def prediction(out: torch.Tensor) -> torch.Tensor:
+        return out[..., 0].double()
+
+    @staticmethod
+    def of_mixture(y: torch.Tensor) -> torch.Tensor:
+        return y.double()
+
+    @staticmethod
+    def distance(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (prediction - target) ** 2
+
+    @staticmethod
+    def summarise(values: torch.Tensor) -> torch.Tensor:
+        """[M] the root of the mean over the positions of squared errors: [M, P']."""
+        return values.mean(-1).sqrt()
 
 
 Readout = TokenReadout | PredictionReadout
@@ -134,52 +204,64 @@ Readout = TokenReadout | PredictionReadout
 
 @dataclass(frozen=True)
 class Steering:
-    """a: [B, K] target mixtures; unsteered, steered, random: [B, P] the readout's distance between
-    the model and the target mixture (``measure``: "kl" or "sq"; ``label`` in words)."""
+    """One steering experiment (module docstring). a: [M, K] the target points; sequence: [M] the
+    steered sequence of each (0..n_sequences-1); positions: the analysed positions edited, one per
+    forward pass; unsteered, steered, mode, random: [M] the readout of each (sequence, point) over
+    those positions (``measure`` "kl" or "rmse", ``label`` in words); form: the edit; place: where
+    it reads and writes."""
 
     a: torch.Tensor
+    sequence: torch.Tensor
+    positions: tuple[int, ...]
     unsteered: torch.Tensor
     steered: torch.Tensor
+    mode: torch.Tensor
     random: torch.Tensor
-    measure: str = "kl"
-    label: str = TokenReadout.label
-
-    def median(self, kind: str) -> float:
-        """The median of ``kind`` (unsteered, steered, random) over every sequence and position, as
-        the stored rows give it (``torch.quantile``: the mean of the two middle values when even)."""
-        return float(quantiles(getattr(self, kind).reshape(-1))[0])
+    measure: str
+    label: str
+    form: str
+    place: Place
+    n_sequences: int
 
     @property
-    def ratio(self) -> float:
-        """median(unsteered) / median(steered): what the steering claim reads."""
-        return self.median("unsteered") / self.median("steered")
+    def n_points(self) -> int:
+        """The number of target points (one per steered (sequence, point) pair)."""
+        return self.a.shape[0]
 
-
-def dirichlet_points(n: int, K: int, gen: torch.Generator) -> torch.Tensor:
-    """[n, K] float64 points drawn from Dirichlet(1) on the simplex (normalised unit gammas)."""
-    gamma = torch._standard_gamma(torch.ones(n, K, dtype=torch.float64), gen)
-    return gamma / gamma.sum(-1, keepdim=True)
+    def mean(self, kind: str) -> float:
+        """The mean of ``kind`` (one of KINDS) over the (sequence, point) pairs: what the claim reads."""
+        if kind not in KINDS:
+            raise AnalysisError(f"unknown steering readout {kind!r}; choose one of {list(KINDS)}")
+        return float(getattr(self, kind).double().mean())
 
 
 @torch.no_grad()
-def steer(
-    model: torch.nn.Module, readout: Readout, tokens: torch.Tensor, inputs: torch.Tensor, site: Site, positions: slice | torch.Tensor,
-    late: slice, basis: torch.Tensor, code: AdditiveCode, a: torch.Tensor, gen: torch.Generator,
-) -> Steering:
-    """Steer the model input tokens: [B, T, ...] at ``site`` on the model ``positions`` (the
-    analysed positions ``late``) toward the mixtures a: [B, K] of the K tasks of ``readout.params``;
-    inputs: [B, T'] tokens or [B, T', d] x_t at those positions (what the code's token term reads);
-    basis: [D, r] of the task subspace; gen: the random control's directions."""
+def steer(model: torch.nn.Module, readout: Readout, tokens: torch.Tensor, place: Place, sequence: torch.Tensor, a: torch.Tensor,
+          edits: dict[int, Edit], model_positions: torch.Tensor | None, gen: torch.Generator, form: str, n_sequences: int) -> Steering:
+    """Steer the sequences ``sequence``: [M] (rows of tokens: [N, T, ...]) toward a: [M, K] at
+    ``place``, one forward pass per analysed position p of ``edits`` ({p: the edit of the states
+    [M, 1, D] there}), each read where the model predicts at p (model position
+    ``model_positions[p]``; None: p itself); the random control's directions come from ``gen``."""
     model.eval()
-    distance = readout.distance(a, late)
-    edit = steer_edit(basis, code, a, inputs)
+    positions = tuple(sorted(edits))
+    where = positions if model_positions is None else tuple(int(model_positions[p]) for p in positions)
+    prefix = tokens[sequence, : max(where) + 1]
+    forward = LayerStreams(model, prefix).model_from(place)
+    target = readout.mixture(sequence, a, positions)  # [M, P', ...]
+    mode = readout.distance(readout.of_mixture(readout.mixture(sequence, torch.nn.functional.one_hot(a.argmax(-1), a.shape[1]), positions)),
+                            target)
 
-    def run(change: Edit | None) -> torch.Tensor:
-        if change is None:
-            out = model(tokens)
-        else:
-            with intervene(model, site, change, positions):
-                out = model(tokens)
-        return distance(out)
+    def read(out: torch.Tensor, i: int) -> torch.Tensor:
+        return readout.distance(readout.prediction(out[:, where[i]]), target[:, i])
 
-    return Steering(a, run(None), run(edit), run(random_edit(edit, gen)), readout.measure, readout.label)
+    def edited(edit: Edit, i: int) -> torch.Tensor:
+        with intervene(model, place, edit, slice(where[i], where[i] + 1)):
+            return read(forward(prefix), i)
+
+    plain = forward(prefix)
+    unsteered = torch.stack([read(plain, i) for i in range(len(positions))], 1)
+    steered = torch.stack([edited(edits[p], i) for i, p in enumerate(positions)], 1)
+    random = torch.stack([edited(random_edit(edits[p], gen), i) for i, p in enumerate(positions)], 1)
+    values = {kind: readout.summarise(v) for kind, v in zip(KINDS, (unsteered, steered, mode, random))}
+    return Steering(a, sequence, positions, **values, measure=readout.measure, label=readout.label, form=form, place=Place(*place),
+                    n_sequences=n_sequences)

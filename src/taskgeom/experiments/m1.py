@@ -4,16 +4,19 @@ read too, whichever comes first trains them). Claims are read at the place (laye
 selected on a separate batch (highest R^2_task), measured on an independent batch (PAPER.md
 section 7); every threshold is fixed here, beside its check, and the same for every family. For E2
 the analysis reads the separators: P0's "cells" are a per-task intercept and linear map of the
-query x_i, and steering compares predictions of y_i by squared error instead of next-token laws by
-KL."""
+query x_i, and steering compares predictions of y_i by RMSE instead of next-token laws by KL.
+Steering is read at the study's own place (``analysis.steering.steering_place``)."""
 
 from __future__ import annotations
+
+import math
 
 import pandas as pd
 
 from taskgeom.analysis.retrieval import Result, analyze, write
+from taskgeom.analysis.steering import KINDS, Steering
 from taskgeom.analysis.study import StudyRun
-from taskgeom.claims import check, not_applicable
+from taskgeom.claims import Claim, check, not_applicable
 from taskgeom.experiments.base import Context
 from taskgeom.report.geometry import FIGURES, plot_retrieval
 from taskgeom.report.manifest import M1_EVIDENCE
@@ -32,9 +35,12 @@ MAX_TV_LATE = 0.1
 # ... and shrinking: mean TV over the last quarter of the uncertain positions (largest alpha_t below
 # 0.99) divided by that over their first quarter must be below one (n/a with fewer than 5 such).
 MAX_TV_RATIO = 1.0
-# Steering: the median KL(model || target mixture) of unsteered states over that of steered ones
-# (E2: the median squared error between the model's prediction of y_i and the target mixture's).
-MIN_STEERING_RATIO = 3.0
+# Steering (PAPER.md section 9): the steered readout (the mean over the steered sequences and target
+# points of KL(model || q_a); E2: of the RMSE to y_a) at most 1 / STEERING_FACTOR of the unsteered one
+# and below the mode task's; the claim's value, max(factor * steered / unsteered, steered / mode),
+# must be at most MAX_STEERING_SHARE (a tie with the mode task, of probability zero, would pass).
+STEERING_FACTOR = {"kl": 3.0, "rmse": 2.0}
+MAX_STEERING_SHARE = 1.0
 
 _CAPTIONS = {
     "simplex": "{E}: fitted task coefficients beta_t (solid) and the exact posterior alpha_t (dashed) in the simplex for two "
@@ -42,8 +48,9 @@ _CAPTIONS = {
     "layers": "{E}: P0 (cell-means R^2), P1 (additive share) and P2 (R^2_task, beside a random subspace of equal dimension) per layer and site; "
               "with several seeds, the median over seeds and their range",
     "positions": "{E}: R^2_task of P2 at each position, every layer and site (the selected place bold; shaded: the late window the claim reads)",
-    "steering": "{E}: distance to the target mixture (KL of next-token laws; E2: squared error of the prediction of y_i) when the task component is replaced by a Dirichlet(1) point of the simplex, "
-                "against unsteered states and a random direction of the same norm",
+    "steering": "{E}: the readout over the target points a ~ Dirichlet(1) of the simplex (KL(model || q_a) of next-token laws; E2: "
+                "RMSE of the prediction of y to y_a), unsteered and steered one position per forward pass, with the means of both, "
+                "the mode task's and a random direction's of the same norm",
 }
 
 
@@ -87,7 +94,6 @@ def claims(result: Result, profile: str) -> list:
         shrinks = check(f"{e}.P3.shrinks", e, shrink_description, shrink.tv_last / shrink.tv_first, "<", MAX_TV_RATIO, profile, shrink_parts)
     else:
         shrinks = not_applicable(f"{e}.P3.shrinks", e, shrink_description, "<", MAX_TV_RATIO, profile, shrink.reason, shrink_parts)
-    steer = result.steering.measure
     return [
         check(f"{e}.P0", e, f"{p0} over the late window ({where})", s["p0.cell_r2"], ">=", MIN_CELL_R2, profile, place),
         check(f"{e}.P1", e, f"P1: additive (task + {result.effect}, no interaction) share of the variance P0's model explains ({where})",
@@ -100,8 +106,24 @@ def claims(result: Result, profile: str) -> list:
         check(f"{e}.P3", e, f"P3: median TV(beta_t, alpha_t) over the last quarter of positions ({where})",
               s["p3.tv_last_quarter"], "<=", MAX_TV_LATE, profile, place),
         shrinks,
-        check(f"{e}.steering", e, f"steering: median {result.steering.label} unsteered / steered, late positions ({where})",
-              s["steering.ratio"], ">=", MIN_STEERING_RATIO, profile,
-              {"unsteered": s[f"steering.{steer}_unsteered"], "steered": s[f"steering.{steer}_steered"],
-               "random": s[f"steering.{steer}_random"], **place}),
+        steering_claim(result.steering, e, profile),
     ]
+
+
+def steering_claim(steering: Steering, e: str, profile: str) -> Claim:
+    """The steering claim of one run (PAPER.md sections 7 and 9) from its ``Steering``."""
+    factor = STEERING_FACTOR[steering.measure]
+    means = {kind: steering.mean(kind) for kind in KINDS}
+    value = max(_ratio(factor * means["steered"], means["unsteered"]), _ratio(means["steered"], means["mode"]))
+    return check(f"{e}.steering", e,
+                 f"steering: max({factor:g} x steered / unsteered, steered / mode task) of the mean {steering.label} over the target points "
+                 f"a ~ Dirichlet(1), one position per forward pass (<= 1: steered at most 1/{factor:g} of unsteered and below the mode task's); "
+                 f"the study's place", value, "<=", MAX_STEERING_SHARE, profile,
+                 {**means, "layer": steering.place.layer, "site": steering.place.site, "position_first": steering.positions[0],
+                  "position_last": steering.positions[-1], "n_positions": len(steering.positions), "n_sequences": steering.n_sequences,
+                  "n_points": steering.n_points, "form": steering.form})
+
+
+def _ratio(x: float, y: float) -> float:
+    """x / y for readouts x, y >= 0: inf when only y is 0, NaN (never passing) when both are."""
+    return x / y if y > 0 else math.inf if x > 0 else math.nan

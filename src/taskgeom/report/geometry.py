@@ -1,5 +1,5 @@
 """Figures of the M1 geometry (matplotlib, Agg): beta against alpha in the simplex, P0-P2 per
-layer, and steering before/after. Each function saves one PNG."""
+layer, and steering's simplex heat map. Each function saves one PNG."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from taskgeom.analysis.steering import Steering  # noqa: E402
+from taskgeom.analysis.steering import KINDS, Steering  # noqa: E402
 from taskgeom.report.figures import save  # noqa: E402
 
 _CORNERS = np.array([[0.0, 0.0], [1.0, 0.0], [0.5, math.sqrt(3) / 2]])  # the 2-simplex drawn flat
@@ -116,26 +116,45 @@ def plot_properties_by_layer(table: pd.DataFrame, path: Path, title: str = "") -
 
 
 def plot_steering(steering: Steering, path: Path, title: str = "") -> None:
-    """Distributions of the distance to the target mixture per steered state (``steering.label``:
-    KL(model || target mixture), or E2's squared error): unsteered, steered toward a Dirichlet(1)
-    mixture, and moved by a random direction of the same norm; each labelled with its median as
-    stored (``Steering.median``)."""
-    kinds = (("unsteered", "C0"), ("steered", "C2"), ("random", "0.5"))
-    data = [getattr(steering, kind).reshape(-1).clamp_min(1e-8).log10().numpy() for kind, _ in kinds]
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    parts = ax.boxplot(data, showfliers=False, patch_artist=True, widths=0.6)
-    ax.set_xticks(range(1, len(kinds) + 1), [kind for kind, _ in kinds])
-    for patch, (_, color) in zip(parts["boxes"], kinds):
-        patch.set_facecolor(color)
-        patch.set_alpha(0.5)
-    for i, (kind, _) in enumerate(kinds, start=1):  # the median as m1.json stores it
-        median = steering.median(kind)
-        ax.annotate(f"median {median:.3g}", (i, np.log10(max(median, 1e-8))), textcoords="offset points", xytext=(0, 4),
-                    ha="center", fontsize=8)
-    ax.set_ylabel(f"log10 {steering.label}")
-    ax.set_title(title or "Causal steering toward a Dirichlet(1) task mixture")
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
+    """The study's simplex heat map (K = 3): each target point a placed in the triangle of the
+    major tasks, hexagons coloured by the mean readout of the points inside (``steering.label``),
+    unsteered (left) and steered (right) on one colour scale; the means of the four readouts
+    (unsteered, steered, mode task, random direction: ``Steering.mean``, what the claim reads)
+    written below. For K != 3, bars of the four means."""
+    means = {kind: steering.mean(kind) for kind in KINDS}
+    written = (f"mean {steering.label} over {steering.n_points} target points, positions {steering.positions[0]}-{steering.positions[-1]}: "
+               + ", ".join(f"{kind} {value:.3g}" for kind, value in zip(("unsteered", "steered", "mode task", "random direction"),
+                                                                     means.values())))
+    K = steering.a.shape[1]
+    if K == 3:
+        xy = steering.a.double().numpy() @ _CORNERS
+        panels = (("unsteered", steering.unsteered), ("steered", steering.steered))
+        top = float(np.quantile(np.concatenate([v.double().numpy() for _, v in panels]), 0.95)) or 1.0
+        fig, axes = plt.subplots(1, 2, figsize=(10, 5.2))
+        for ax, (name, values) in zip(axes, panels):
+            cells = ax.hexbin(xy[:, 0], xy[:, 1], C=values.double().numpy(), reduce_C_function=np.mean, gridsize=14,
+                              extent=(0, 1, 0, math.sqrt(3) / 2), cmap="magma_r", vmin=0, vmax=top, linewidths=0.2)
+            triangle = plt.Polygon(_CORNERS, closed=True, fill=False, edgecolor="k", lw=1)
+            ax.add_patch(triangle)
+            cells.set_clip_path(triangle)  # hexagons at the edges cut to the simplex
+            for k in range(K):
+                ax.annotate(f"task {k}", _CORNERS[k], textcoords="offset points", xytext=(0, -12 if k < 2 else 5), ha="center", fontsize=9)
+            ax.set_title(f"{name}: mean {means[name]:.3g}")
+            ax.set_aspect("equal")
+            ax.axis("off")
+        fig.subplots_adjust(bottom=0.26, top=0.86)
+        bar = fig.add_axes((0.3, 0.14, 0.4, 0.03))
+        fig.colorbar(cells, cax=bar, orientation="horizontal", label=f"{steering.label} at the target point (clipped at the 95th percentile)")
+        fig.text(0.5, 0.02, written, ha="center", fontsize=8)
+    else:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar(range(len(means)), list(means.values()), color=["C0", "C2", "C1", "0.5"])
+        ax.set_xticks(range(len(means)), ["unsteered", "steered", "mode task", "random"])
+        ax.set_ylabel(f"mean {steering.label}")
+        ax.set_title(f"no simplex drawing for K = {K}: the means", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+    fig.suptitle(title or "Causal steering toward a Dirichlet(1) point of the simplex")
     save(fig, path)
 
 
@@ -176,4 +195,5 @@ def plot_retrieval(result, paths: dict[str, Path], seeds: pd.DataFrame | None = 
     plot_properties_by_layer(seeds if several else table, paths["layers"], f"{name}: P0-P2 per layer (measurement batch"
                              + (f"; median and range over seeds {', '.join(map(str, sorted(seeds['seed'].unique())))})" if several else ")"))
     plot_r2_by_position(table, result.best, result.window.start, paths["positions"], f"{name}: P2 R^2_task per position")
-    plot_steering(result.steering, paths["steering"], f"{name}: steering at layer {layer}, {site}")
+    place = result.steering.place
+    plot_steering(result.steering, paths["steering"], f"{name}: steering at layer {place.layer}, {place.site}")

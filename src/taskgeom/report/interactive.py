@@ -93,7 +93,7 @@ def _m1(table: pd.DataFrame, family: str, loss_claims: tuple[str, ...]) -> list[
     places = measure[measure["metric"].isin(list(M1_LAYER_METRICS)) & measure["position"].isna()]
     per_position = measure[(measure["metric"] == "p2.r2_task") & measure["position"].notna()]
     p3 = measure[measure["metric"].isin(["p3.tv", "p3.kl"]) & measure["position"].notna() & measure["task"].isna()]  # over all tasks
-    steering = measure[measure["metric"].str.startswith("steering.") & (measure["metric"] != "steering.ratio")]
+    steering = measure[measure["metric"].str.fullmatch(r"steering\.(kl|rmse)_(unsteered|steered|mode|random)")]
     claim = lambda *names: tuple(f"{family}.{n}" for n in names)  # noqa: E731
     label = lambda key: f"{M1_LAYER_METRICS[key[0]]}, {key[1]}"  # noqa: E731
     evidence = [
@@ -111,7 +111,7 @@ def _m1(table: pd.DataFrame, family: str, loss_claims: tuple[str, ...]) -> list[
         Evidence(f"{family}-steering", f"{family.upper()}: steering, distance to the target mixture", family, claim(*M1_EVIDENCE["steering"]),
                  figure=_bars(steering.assign(kind=steering["metric"].str.split("_").str[-1], run_seed="seed " + steering["seed"].astype(str)),
                               "kind", "run_seed",
-                              f"{family.upper()}: unsteered, steered, random direction", "median distance")),
+                              f"{family.upper()}: unsteered, steered, mode task, random direction", "mean readout")),
         Evidence(f"{family}-layer-table", f"{family.upper()}: P0-P2 per layer and site, selection and measurement batches", family,
                  claim(*M1_EVIDENCE["layers"]),
                  table=rows[rows["metric"].isin(list(M1_LAYER_METRICS) + ["p0.within_share", "p2.r2_task_exact"]) & rows["position"].isna()]
