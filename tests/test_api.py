@@ -16,7 +16,9 @@ import pytest
 import torch
 
 import taskgeom as tg
+from taskgeom.analysis.steering import KINDS, steering_place
 from taskgeom.errors import AnalysisError, TaskgeomError
+from taskgeom.experiments.m1 import steering_claim
 from taskgeom.hooks import capture, intervene
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,9 +71,13 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
     for name, metric in (("P0", "p0.cell_r2"), ("P1", "p1.additive_share"), ("P2", "p2.r2_task"), ("P3", "p3.tv_last_quarter")):
         assert namespace["p"][name] == pytest.approx(one(m1, metric, **at)["value"], rel=1e-12, abs=1e-15), name
         assert claims.loc[f"e3.{name}", "seeds"][0]["value"] == pytest.approx(namespace["p"][name], rel=1e-12), name
-    drawn = geometry.steer("dirichlet")  # the stored steering draws its points; the study's chosen point is checked below
-    assert one(m1, "steering.ratio", **at)["value"] == drawn.ratio == claims.loc["e3.steering", "seeds"][0]["value"]
-    assert one(m1, "steering.kl_steered", **at)["value"] == drawn.median("steered")
+    steering_at = steering_place(run.family, run.config.model.n_layers)  # the stored steering: the study's place, its own draws
+    drawn = run.geometry(namespace["major"], steering_at).steer("dirichlet")
+    stored_steering = claims.loc["e3.steering", "seeds"][0]
+    assert stored_steering["value"] == steering_claim(drawn, "e3", "quick").value
+    for kind in KINDS:
+        row = one(m1, f"steering.kl_{kind}", layer=steering_at.layer, site=steering_at.site)
+        assert row["value"] == drawn.mean(kind) == stored_steering["parts"][kind], kind
     steered = namespace["steered"]
     assert steered.a.eq(torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)).all()
     assert torch.isfinite(steered.steered).all() and not torch.equal(steered.steered, steered.unsteered)  # the edit moved the model
@@ -109,25 +115,26 @@ def test_the_orthogonal_search_gives_the_stored_ablated_losses(e3):
 
 
 def test_steering_to_a_chosen_point_moves_the_model_to_the_mixture_computed_by_hand(e3):
+    """On the trained E3 run: the edit h - (h - mu_p) P_S + a theta at position 5 alone, applied by a
+    plain hook, gives the steered KL to sum_k a_k P_k(. | x_5)."""
     major = e3.heldout("major", 64, split="measure")
     place = e3.places()[0]
     geometry = e3.geometry(major, place)
     a = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
-    result = geometry.steer(to=a)
-    layout, window, tokens = geometry.fit.layout, geometry.window, major.batch.tokens
-    basis = geometry.basis.float()  # the same edit from the float64 basis, built here by hand
-    wanted = (a.float() @ (layout.intercept + layout.effect_a).float())[None, None] + layout.effect_b.float()[tokens[:, window]]
+    result = geometry.steer(to=a, positions=[5])
+    tokens = major.batch.tokens
+    basis, theta, mu = geometry.basis.float(), geometry.task_vectors.float(), geometry.mu[5].float()
 
-    def by_hand(h: torch.Tensor) -> torch.Tensor:
-        return h - h @ basis @ basis.T + wanted @ basis @ basis.T
+    def by_hand(h: torch.Tensor) -> torch.Tensor:  # h: [N, 1, D] at position 5
+        return h - (h - mu) @ basis @ basis.T + a.float() @ theta
 
     model = e3.model
     with torch.no_grad():
-        plain = torch.log_softmax(model(tokens)[:, window].double(), -1)
-        with intervene(model, place, by_hand, window):
-            edited = torch.log_softmax(model(tokens)[:, window].double(), -1)
+        plain = torch.log_softmax(model(tokens)[:, 5].double(), -1)
+        with intervene(model, place, by_hand, slice(5, 6)):
+            edited = torch.log_softmax(model(tokens)[:, 5].double(), -1)
     transitions = e3.pool.subset("major").params.double()  # [K, V, V]
-    target = torch.einsum("k,kbtv->btv", a, transitions[:, tokens[:, window]])  # sum_k a_k P_k(. | x_t)
+    target = torch.einsum("k,kbv->bv", a, transitions[:, tokens[:, 5]])  # sum_k a_k P_k(. | x_5)
 
     def kl(logp: torch.Tensor) -> torch.Tensor:
         return (logp.exp() * (logp - target.log())).sum(-1)

@@ -41,7 +41,7 @@ from taskgeom.tasks import Batch, TaskFamily, TokenFamily
 from taskgeom.tasks.dice import Dice
 from taskgeom.tasks.regression import Regression
 
-Edit = Callable[[torch.Tensor], torch.Tensor]
+Change = Callable[[torch.Tensor], torch.Tensor]
 SteeringForm = Literal["task", "subspace"]
 FORMS: tuple[str, ...] = ("task", "subspace")
 STUDY_POSITIONS: dict[str, range] = {"task": range(25, 40), "subspace": range(0, 40)}
@@ -91,14 +91,14 @@ def position_task_vectors(h: torch.Tensor, task: torch.Tensor, K: int) -> torch.
     return means - means.mean(0)
 
 
-def task_edit(theta: torch.Tensor, task: torch.Tensor, a: torch.Tensor) -> Edit:
+def task_edit(theta: torch.Tensor, task: torch.Tensor, a: torch.Tensor) -> Change:
     """h -> h - theta[task] + a @ theta at one position: theta: [K, D] the task vectors there,
     task: [M] the true tasks, a: [M, K]; h: [M, 1, D]."""
     shift = (a.double() @ theta.double() - theta.double()[task])[:, None]  # [M, 1, D]
     return lambda h: h + shift.to(h.dtype)
 
 
-def subspace_edit(theta: torch.Tensor, basis: torch.Tensor, mu: torch.Tensor, a: torch.Tensor) -> Edit:
+def subspace_edit(theta: torch.Tensor, basis: torch.Tensor, mu: torch.Tensor, a: torch.Tensor) -> Change:
     """h -> h - (h - mu) P_S + a @ theta at one position: theta: [K, D], basis: [D, r] orthonormal
     (P_S = basis basis^T), mu: [D] the mean state there, a: [M, K]; h: [M, 1, D]."""
     target = (a.double() @ theta.double())[:, None]  # [M, 1, D]
@@ -110,7 +110,7 @@ def subspace_edit(theta: torch.Tensor, basis: torch.Tensor, mu: torch.Tensor, a:
     return edit
 
 
-def random_edit(edit: Edit, gen: torch.Generator) -> Edit:
+def random_edit(edit: Change, gen: torch.Generator) -> Change:
     """Move each state by a uniformly random direction, its length that of ``edit``'s displacement."""
 
     def control(h: torch.Tensor) -> torch.Tensor:
@@ -237,7 +237,7 @@ class Steering:
 
 @torch.no_grad()
 def steer(model: torch.nn.Module, readout: Readout, tokens: torch.Tensor, place: Place, sequence: torch.Tensor, a: torch.Tensor,
-          edits: dict[int, Edit], model_positions: torch.Tensor | None, gen: torch.Generator, form: str, n_sequences: int) -> Steering:
+          edits: dict[int, Change], model_positions: torch.Tensor | None, gen: torch.Generator, form: str, n_sequences: int) -> Steering:
     """Steer the sequences ``sequence``: [M] (rows of tokens: [N, T, ...]) toward a: [M, K] at
     ``place``, one forward pass per analysed position p of ``edits`` ({p: the edit of the states
     [M, 1, D] there}), each read where the model predicts at p (model position
@@ -254,7 +254,7 @@ def steer(model: torch.nn.Module, readout: Readout, tokens: torch.Tensor, place:
     def read(out: torch.Tensor, i: int) -> torch.Tensor:
         return readout.distance(readout.prediction(out[:, where[i]]), target[:, i])
 
-    def edited(edit: Edit, i: int) -> torch.Tensor:
+    def edited(edit: Change, i: int) -> torch.Tensor:
         with intervene(model, place, edit, slice(where[i], where[i] + 1)):
             return read(forward(prefix), i)
 
