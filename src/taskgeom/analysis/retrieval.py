@@ -120,8 +120,8 @@ def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tupl
     del selection  # its states, before the measurement batch's
 
     measure = run.heldout("major", n_sequences, split="measure")
-    kept, steered_at = None, steering_place(run.family, run.config.model.n_layers)
-    steering = None
+    steered_at = steering_place(run.family, run.config.model.n_layers)
+    kept = steering = None
     for geometry in run.geometries(measure, places, **options):
         rows += place_rows(geometry, per_position=True)
         if geometry.place == best:
