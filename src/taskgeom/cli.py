@@ -89,8 +89,15 @@ app = typer.Typer(
 def main(
     ctx: typer.Context,
     debug: bool = typer.Option(False, "--debug", help=f"Print the traceback of an error too (or set {_DEBUG_ENV}=1)."),
+    native_kernels: bool = typer.Option(
+        False, "--native-kernels", help="Let torch pick its CPU kernels by this CPU. By default ATen, MKL and oneDNN are pinned "
+        "to AVX2 (unless you set ATEN_CPU_CAPABILITY, MKL_CBWR or ONEDNN_MAX_CPU_ISA yourself), so every x86-64 CPU with AVX2 "
+        "trains the published bits; reproduction.json records the choice."),
 ) -> None:
+    from taskgeom.kernels import use_portable_kernels
+
     ctx.meta["taskgeom.debug"] = debug
+    use_portable_kernels(native_kernels)
 
 
 DEVICE_OPTION = typer.Option("auto", help="Where to train: auto (CUDA if available, else CPU), cpu, cuda or cuda:N.")
@@ -211,11 +218,21 @@ def _int_list(text: str, option: str) -> list[int]:
     return values
 
 
+def _executor(kind: str, workers: int | None, address: str | None, cpus_per_run: int | None, gpus_per_run: float):
+    """The executor of the options below, ``--workers`` defaulting to ``devices.default_workers``."""
+    from taskgeom.devices import default_workers
+    from taskgeom.experiments.executors import Executor
+
+    return Executor(kind, default_workers(cpus_per_run) if workers is None else workers, address, cpus_per_run, gpus_per_run)
+
+
 # The executor options, shared by `sweep` and `reproduce` (whose sweeps they run).
 _EXECUTOR = typer.Option("local", "--executor", help="Where runs execute: local (a process pool on this machine) or ray "
                          "(one Ray task per run; needs `pip install taskgeom\\[ray]`).")
-_WORKERS = typer.Option(2, help="local: parallel worker processes (1: run in this process); ray without --address: "
-                        "runs at once on the local Ray instance, which gets workers x cpus-per-run CPUs.")
+_WORKERS = typer.Option(None, show_default="usable cores / cpus-per-run", help="local: parallel worker processes (1: run in this "
+                        "process); by default every core this process may use (its CPU affinity and any cgroup quota) divided by the "
+                        "threads per run, and no more at once than memory allows for the runs' estimates. ray without --address: runs "
+                        "at once on the local Ray instance, which gets workers x cpus-per-run CPUs.")
 _ADDRESS = typer.Option(None, help="ray: join the running Ray cluster at HOST:PORT instead of starting a local instance. "
                         "Its nodes write the run directories into the output folder by absolute path, so that folder "
                         "(and a recipe given as a file) must be on a filesystem every node mounts at the same path.")
@@ -233,7 +250,7 @@ def sweep(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override applied to every run, repeatable."),
     out: Path = typer.Option(Path("runs"), help="Folder for the run directories and the tables sweep.csv, by_step.csv."),
     executor: str = _EXECUTOR,
-    workers: int = _WORKERS,
+    workers: Optional[int] = _WORKERS,
     address: Optional[str] = _ADDRESS,
     cpus_per_run: Optional[int] = _CPUS_PER_RUN,
     gpus_per_run: float = _GPUS_PER_RUN,
@@ -244,10 +261,9 @@ def sweep(
     predictor transition and Theorem 2. Finished runs are skipped; failures are reported, not fatal.
     Runs execute on a local process pool or on Ray (--executor ray: a local Ray instance, or a
     cluster with --address, whose nodes must share the output folder)."""
-    from taskgeom.experiments.executors import Executor
     from taskgeom.experiments.sweep import Job, run_sweep, summary
 
-    where = Executor(executor, workers, address, cpus_per_run, gpus_per_run)
+    where = _executor(executor, workers, address, cpus_per_run, gpus_per_run)
     _check_training(device, tracker, where.kind == "local")
     ks, seed_list = _int_list(diversity, "--diversity"), _int_list(seeds, "--seeds")
     _folder(out, "--out")
@@ -374,7 +390,7 @@ def reproduce(
                               "FLOPs; --csv for a table) and exit: nothing is trained or written."),
     csv: bool = typer.Option(False, "--csv", help="With --plan: the run list as CSV."),
     executor: str = _EXECUTOR,
-    workers: int = _WORKERS,
+    workers: Optional[int] = _WORKERS,
     address: Optional[str] = _ADDRESS,
     cpus_per_run: Optional[int] = _CPUS_PER_RUN,
     gpus_per_run: float = _GPUS_PER_RUN,
@@ -388,11 +404,10 @@ def reproduce(
     nothing). The diversity
     sweeps run on the executor chosen by the executor options (as in `taskgeom sweep`); the other
     experiments' runs train in this process, on --device."""
-    from taskgeom.experiments.executors import Executor
     from taskgeom.experiments import declared, reproduce as run_all
     from taskgeom.claims import exit_code, summary
 
-    where = Executor(executor, workers, address, cpus_per_run, gpus_per_run)
+    where = _executor(executor, workers, address, cpus_per_run, gpus_per_run)
     _check_training(device, tracker)  # its single runs train in this process
     _folder(out, "--out")
     studies, experiments = _studies(recipe or [], recipes, only or [], profile)

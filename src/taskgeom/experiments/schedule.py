@@ -17,15 +17,15 @@ gives it, as in the sweep.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import pandas as pd
+import torch
 
-from taskgeom.config import RunConfig, parameter_count
-from taskgeom.devices import check_training_fits, torch_threads
+from taskgeom.config import RunConfig, parameter_count, training_memory
+from taskgeom.devices import available_memory, check_training_fits, resolve_device, torch_threads, usable_cores
 from taskgeom.errors import RunDirError
 from taskgeom.experiments.executors import Executor, execute
 from taskgeom.progress import console, job_bar
@@ -176,6 +176,18 @@ def plan_table(tasks: list[TrainTask]) -> pd.DataFrame:
     return pd.DataFrame(list(rows.values()))
 
 
+def memory_workers(group: list[Unit], available: int | None = None) -> int:
+    """How many of ``group``'s units fit in this machine's free memory at once: its free bytes
+    (``available``, else MemAvailable) over the largest training estimate among the units that train
+    on the CPU (``config.training_memory``, a lower bound); ``len(group)`` when nothing bounds it."""
+    needs = [sum(training_memory(unit.task.config).values()) for unit in group
+             if unit.train_threads and resolve_device(unit.task.device).type == "cpu"]
+    available = available_memory(torch.device("cpu")) if available is None else available
+    if not needs or not available:
+        return len(group)
+    return max(1, available // max(needs))
+
+
 def train_all(tasks: list[TrainTask], executor: Executor, timings: Profile) -> None:
     """Train (and analyse, where asked) every run of ``tasks`` with work left on ``executor``'s
     local pool, phase by phase: units using t threads share the machine's cores, ``cores // t`` at
@@ -186,11 +198,11 @@ def train_all(tasks: list[TrainTask], executor: Executor, timings: Profile) -> N
     for unit in units:  # refuse before any run directory is made
         if unit.train_threads:
             check_training_fits(unit.task.config, unit.task.device)
-    cores, failed = os.cpu_count() or 1, set()
+    cores, failed = usable_cores(), set()
     with job_bar("train", len(units)) as advance:
         for threads, group in phases(units):
             group = [unit for unit in group if unit.task.name not in failed]  # no analysis of a run whose training failed
-            workers = max(1, min(executor.workers, cores // threads, len(group)))
+            workers = max(1, min(executor.workers, cores // threads, len(group), memory_workers(group)))
             for unit, result in _run_phase(group, workers):
                 name = unit.task.name
                 if isinstance(result, BaseException):
