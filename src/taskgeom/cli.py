@@ -424,8 +424,16 @@ def reproduce(
         table = plan_table(planned_runs(ctx, chosen))
         typer.echo(table.to_csv(index=False) if csv else table.to_string(index=False))
         if not csv:
+            from taskgeom.devices import usable_cores
+            from taskgeom.report.manifest import cpu_model
+            from taskgeom.timing import estimate_wall, matmul_rate
+
+            rate, workers = matmul_rate(), min(where.workers, usable_cores())
             typer.echo(f"{len(table)} runs, {table['steps'].sum():,} steps, {table['tokens'].sum():.3g} tokens, "
                        f"{table['flops'].sum():.3g} training FLOPs (6 x parameters x tokens)")
+            typer.echo(f"estimated wall time here: {estimate_wall(list(table['flops']), rate, workers) / 60:.0f} min on {workers} "
+                       f"worker(s) ({cpu_model()}, {usable_cores()} usable cores, matrix-multiply probe {rate / 1e9:.0f} GFLOP/s a "
+                       f"thread); an estimate from one measured reproduction, within about a third")
         return
     where.check()  # Ray importable and its address answering, before any training
     ctx = run_all(out, profile, chosen, where, device, tracker, tuple(set_ or []), tuple(seed_list), studies, diversities)

@@ -1,4 +1,4 @@
-"""Portable kernels (taskgeom.kernels), the default worker count and the memory cap of the schedule."""
+"""The whole machine, the same bits: portable kernels (taskgeom.kernels), the default worker count, the memory cap of the schedule and the wall-time estimate of a plan."""
 
 from __future__ import annotations
 
@@ -99,3 +99,28 @@ def test_the_schedule_runs_no_more_at_once_than_memory_allows(tmp_path):
     assert memory_workers(units, available=int(2.5 * need)) == 2
     assert memory_workers(units, available=need // 2) == 1
     assert memory_workers(units, available=100 * need) == 100  # the schedule takes the least of this, the cores and the group
+
+
+def test_the_estimate_spreads_cpu_seconds_over_the_workers_but_never_below_the_longest_run():
+    from taskgeom.timing import CPU_SECONDS_PER_FLOP_SECOND as c, estimate_wall
+
+    rate = 1e10
+    assert estimate_wall([4e10, 2e10, 2e10], rate, workers=2) == pytest.approx(c * 8 / 2)
+    assert estimate_wall([4e10, 2e10, 2e10], rate, workers=8) == pytest.approx(c * 4)  # the longest run
+    assert estimate_wall([], rate, workers=2) == 0
+
+
+def test_the_probe_times_a_matrix_multiply_against_its_flop_count(monkeypatch):
+    """One call of n x n @ n x n is 2 n^3 FLOPs: with a clock that advances 1 s per reading, a 3.5 s probe
+    multiplies 3 times (after the readings 1, 2, 3) and stops at the reading 4."""
+    from taskgeom import timing
+
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(ticks)))
+    assert timing.matmul_rate(seconds=3.5, n=8) == pytest.approx(3 * 2 * 8 ** 3 / 4)
+
+
+def test_the_plan_prints_its_wall_time_on_this_machine_with_the_probe(environ):
+    result = _run()
+    assert result.exit_code == 0, result.output
+    assert "estimated wall time here:" in result.output and "GFLOP/s a thread" in result.output and "usable cores" in result.output
