@@ -302,7 +302,7 @@ def analyze(
             raise TaskgeomError(f"{run_dir} is a taskgeom run directory, which has its own config: analyse it without --recipe, --set and --out")
         run = Run.open(run_dir)
     else:
-        from taskgeom.hf import open_pretrained
+        from taskgeom.pretrained import open_pretrained
 
         run = open_pretrained(run_dir, recipe, profile, set_ or [], out)
     _check_analysis_memory(run.config, sequences)
@@ -345,7 +345,7 @@ def export_hf(
 ) -> None:
     """Write a run's model as a Hugging Face model directory that AutoModelForCausalLM.from_pretrained
     loads (and `taskgeom analyze OUT --recipe ...` analyses); prints OUT."""
-    from taskgeom.hf import save_pretrained
+    from taskgeom.pretrained import save_pretrained
     from taskgeom.runs import Run
 
     _folder(out, "OUT")

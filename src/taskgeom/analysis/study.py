@@ -247,10 +247,10 @@ class StudyRun:
 def open_run(path: Path | str, recipe: str | None = None, profile: str = "quick", overrides: Sequence[str] = (),
              out: Path | str | None = None) -> StudyRun:
     """A finished run directory for study; with ``recipe``, a Hugging Face model directory read as
-    a model of that recipe's task (``hf.open_pretrained``: profile, dotted overrides, ``out`` for
+    a model of that recipe's task (``pretrained.open_pretrained``: profile, dotted overrides, ``out`` for
     what the analyses write)."""
     if recipe is None:
         return StudyRun(Run.open(path))
-    from taskgeom.hf import open_pretrained
+    from taskgeom.pretrained import open_pretrained
 
     return StudyRun(open_pretrained(path, recipe, profile, list(overrides), out))

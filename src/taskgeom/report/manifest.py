@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from taskgeom import __version__
+from taskgeom.version import __version__
 from taskgeom.errors import TaskgeomError
 
 MANIFEST = "reproduction.json"
