@@ -145,7 +145,7 @@ def train(
         from taskgeom.hf import require_transformers
 
         require_transformers()  # before the run directory is made
-    from taskgeom.devices import check_training_fits
+    from taskgeom.fits import check_training_fits
 
     check_training_fits(settings, device)
     if run_dir is None:
@@ -252,7 +252,7 @@ def sweep(
     ks, seed_list = _int_list(diversity, "--diversity"), _int_list(seeds, "--seeds")
     _folder(out, "--out")
     jobs = [Job(config, k, s, profile, str(out), tuple(set_ or []), device, tracker) for k in ks for s in seed_list]
-    from taskgeom.devices import check_training_fits
+    from taskgeom.fits import check_training_fits
 
     from taskgeom.analysis.task_vectors import check_major_tasks
 

@@ -13,9 +13,9 @@ import torch
 from taskgeom.analysis.task_vectors import check_major_tasks
 from taskgeom.claims import Claim, over_seeds
 from taskgeom.config import RunConfig
-from taskgeom.devices import check_training_fits
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.schedule import TrainTask, train_all
+from taskgeom.fits import check_training_fits
 from taskgeom.progress import console, step_bar
 from taskgeom.recipes import Study, load_recipe, load_study, recipe_names
 from taskgeom.report.manifest import MANIFEST, manifest

@@ -25,9 +25,10 @@ from typing import Iterator
 import pandas as pd
 
 from taskgeom.config import RunConfig, parameter_count
-from taskgeom.devices import check_training_fits, torch_threads
+from taskgeom.devices import torch_threads
 from taskgeom.errors import RunDirError
 from taskgeom.experiments.executors import Executor, execute
+from taskgeom.fits import check_training_fits
 from taskgeom.progress import console, job_bar
 from taskgeom.runs import Run
 from taskgeom.timing import Clock, Profile
