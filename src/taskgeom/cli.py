@@ -402,7 +402,7 @@ def reproduce(
     if any(setting.split("=", 1)[0].strip() == "train.seed" for setting in set_ or []):
         raise TaskgeomError("--set train.seed: reproduce trains every setting on each seed of --seeds; say --seeds instead")
     if plan:
-        from taskgeom.experiments.base import Context, planned_runs
+        from taskgeom.experiments import Context, planned_runs
         from taskgeom.experiments.schedule import plan_table
 
         ctx = Context(out, profile, tuple(seed_list), where, device, tracker, tuple(set_ or []), studies, diversities and tuple(diversities))
