@@ -50,7 +50,7 @@ def import_graph(root: Path) -> dict[str, dict[str, int]]:
                 continue
             for target in targets:
                 if target in modules and target != name:
-                    edges.setdefault(target, node.lineno)
+                    edges[target] = min(edges.get(target, node.lineno), node.lineno)
     return graph
 
 
