@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 transformers = pytest.importorskip("transformers")
 
-from taskgeom import hf  # noqa: E402
+from taskgeom import hf, pretrained  # noqa: E402
 from taskgeom.analysis.retrieval import analyze, check_request  # noqa: E402
 from taskgeom.analysis.study import StudyRun, open_run  # noqa: E402
 from taskgeom.analysis.states import LayerStreams  # noqa: E402
@@ -297,8 +297,8 @@ def test_plain_analyze_of_a_gpt2_run_directory(trained):
 def test_larger_vocabulary_is_cut_to_the_tasks_tokens(tmp_path):
     torch.manual_seed(0)
     adapter = hf.build(ModelConfig(n_layers=1, d_model=16, n_heads=2, d_mlp=32, max_len=32, arch="llama"), 10)
-    hf.save_pretrained(adapter, tmp_path / "wide")
-    run = hf.open_pretrained(tmp_path / "wide", "e1", overrides=["task.seq_len=32"])
+    pretrained.save_pretrained(adapter, tmp_path / "wide")
+    run = pretrained.open_pretrained(tmp_path / "wide", "e1", overrides=["task.seq_len=32"])
     assert run.config.model == ModelConfig(n_layers=1, d_model=16, n_heads=2, d_mlp=32, max_len=32, arch="llama")
     tokens = torch.randint(0, 6, (2, 32))
     with torch.no_grad():

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from taskgeom.config import parameter_count
-from taskgeom.experiments.base import Context, planned_runs
+from taskgeom.experiments import Context, planned_runs
 from taskgeom.experiments.schedule import plan_table
 from taskgeom.runs import Run
 from taskgeom.train import train

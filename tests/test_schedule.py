@@ -8,7 +8,7 @@ import json
 import yaml
 
 from conftest import tiny_config
-from taskgeom.experiments.base import Context, reproduce
+from taskgeom.experiments import Context, reproduce
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.schedule import TrainTask, phases, plan
 from taskgeom.experiments.sweep import Job, run_job

@@ -152,7 +152,7 @@ def train(
         from taskgeom.hf import require_transformers
 
         require_transformers()  # before the run directory is made
-    from taskgeom.devices import check_training_fits
+    from taskgeom.fits import check_training_fits
 
     check_training_fits(settings, device)
     if run_dir is None:
@@ -268,7 +268,7 @@ def sweep(
     ks, seed_list = _int_list(diversity, "--diversity"), _int_list(seeds, "--seeds")
     _folder(out, "--out")
     jobs = [Job(config, k, s, profile, str(out), tuple(set_ or []), device, tracker) for k in ks for s in seed_list]
-    from taskgeom.devices import check_training_fits
+    from taskgeom.fits import check_training_fits
 
     from taskgeom.analysis.task_vectors import check_major_tasks
 
@@ -318,7 +318,7 @@ def analyze(
             raise TaskgeomError(f"{run_dir} is a taskgeom run directory, which has its own config: analyse it without --recipe, --set and --out")
         run = Run.open(run_dir)
     else:
-        from taskgeom.hf import open_pretrained
+        from taskgeom.pretrained import open_pretrained
 
         run = open_pretrained(run_dir, recipe, profile, set_ or [], out)
     _check_analysis_memory(run.config, sequences)
@@ -361,7 +361,7 @@ def export_hf(
 ) -> None:
     """Write a run's model as a Hugging Face model directory that AutoModelForCausalLM.from_pretrained
     loads (and `taskgeom analyze OUT --recipe ...` analyses); prints OUT."""
-    from taskgeom.hf import save_pretrained
+    from taskgeom.pretrained import save_pretrained
     from taskgeom.runs import Run
 
     _folder(out, "OUT")
@@ -417,7 +417,7 @@ def reproduce(
     if any(setting.split("=", 1)[0].strip() == "train.seed" for setting in set_ or []):
         raise TaskgeomError("--set train.seed: reproduce trains every setting on each seed of --seeds; say --seeds instead")
     if plan:
-        from taskgeom.experiments.base import Context, planned_runs
+        from taskgeom.experiments import Context, planned_runs
         from taskgeom.experiments.schedule import plan_table
 
         ctx = Context(out, profile, tuple(seed_list), where, device, tracker, tuple(set_ or []), studies, diversities and tuple(diversities))

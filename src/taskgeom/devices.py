@@ -128,14 +128,3 @@ def describe(device: torch.device) -> str:
         return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
     return "this machine (cpu)"
 
-
-def check_training_fits(config, device: str) -> None:
-    """Refuse ``config`` (a RunConfig) when training it on ``device`` (resolved here, as the run will
-    be) cannot fit in the memory available there (EnvironmentRefused, exit 3); call it before the
-    run directory is made."""
-    from taskgeom.config import check_training_memory
-
-    where = resolve_device(device)
-    cpu = torch.device("cpu")
-    host = (available_memory(cpu), describe(cpu)) if where.type == "cuda" else None
-    check_training_memory(config, available_memory(where), describe(where), host)

@@ -11,21 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import Literal, Sequence
 
 import torch
 
 from taskgeom.analysis.edits import Edit, Place
 from taskgeom.analysis.orthogonal import avoid_basis, token_subspace
 from taskgeom.analysis.properties import Fit, Interpolation, Shrinkage, alignment, interpolation, quantiles, shrinkage
+from taskgeom.analysis.sequences import Sequences, StudiedRun
 from taskgeom.analysis.steering import Steering, code_from_layout, code_from_regression, dirichlet_points, steer
 from taskgeom.analysis.subspace import projection_r2, task_ablation
 from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
 from taskgeom.tasks.regression import Regression
-
-if TYPE_CHECKING:
-    from taskgeom.analysis.study import Sequences, StudyRun
 
 Form = Literal["token", "plain"]
 Directions = Literal["task_vectors", "regression"]
@@ -64,7 +62,7 @@ class Geometry:
     the two-way layout over (task, current token) of the late window (E2: task and a linear map of
     x_t) and the task subspace S of its centred task effects."""
 
-    def __init__(self, run: "StudyRun", place: Place, sequences: Sequences, states: torch.Tensor, window: slice, n_random: int):
+    def __init__(self, run: StudiedRun, place: Place, sequences: Sequences, states: torch.Tensor, window: slice, n_random: int):
         self.run, self.place, self.sequences, self.states, self.window, self.n_random = run, place, sequences, states, window, n_random
         inputs = sequences.inputs
         self.fit: Fit = inputs.fit(states, sequences.batch.task, inputs.current, sequences.alpha.shape[-1], window)

@@ -1,6 +1,6 @@
-"""The researcher's objects (``import taskgeom as tg``): a run, its held-out sequences, a place, the
-geometry there (``analysis.geometry``) and the edits made there (``analysis.edits``); the verbs
-are their methods, the options keywords.
+"""The researcher's objects (``import taskgeom as tg``): a run, its held-out sequences
+(``analysis.sequences``), a place, the geometry there (``analysis.geometry``) and the edits made
+there (``analysis.edits``); the verbs are their methods, the options keywords.
 
 - ``StudyRun`` (``tg.open_run(path)``): the model, family, pool and config of a finished run;
   ``heldout`` sequences of a named ``Split``; ``cache`` states at places; ``geometry`` there;
@@ -35,8 +35,9 @@ import torch
 
 from taskgeom.analysis.edits import Edit, Place
 from taskgeom.analysis.geometry import Geometry
-from taskgeom.analysis.heldout import Inputs, Kind, Split, family_inputs, sample, unsupported
+from taskgeom.analysis.heldout import Kind, Split, sample, unsupported
 from taskgeom.analysis.orthogonal import BATCH_SIZE, orthogonal_searches
+from taskgeom.analysis.sequences import Sequences
 from taskgeom.analysis.states import LayerStreams, stream_layers
 from taskgeom.analysis.subspace import direction_ablation
 from taskgeom.analysis.task_vectors import late_window
@@ -48,33 +49,6 @@ from taskgeom.tasks.regression import Regression
 
 DEFAULT_SITES = ("resid_mid", "resid_post")
 SEARCH_STREAM = "dual-ood-search"  # the orthogonal search's fresh OOD batch of each step
-
-
-class Sequences:
-    """Held-out sequences of one run: ``batch`` (``kind`` sequences of ``split``), with what the
-    analysis reads of them, computed when first asked for."""
-
-    def __init__(self, run: "StudyRun", kind: Kind, split: Split, batch: Batch):
-        self.kind, self.split, self.batch = kind, split, batch
-        self._family, self._pool = run.family, run.pool
-
-    def __len__(self) -> int:
-        return self.batch.tokens.shape[0]
-
-    @cached_property
-    def inputs(self) -> Inputs:
-        """The family's inputs (analysed positions, current tokens or x_t, posterior over the majors)."""
-        return family_inputs(self._family, self.batch, self._pool.subset("major"))
-
-    @property
-    def alpha(self) -> torch.Tensor:
-        """[N, P, K] the exact posterior over the major tasks after each analysed position."""
-        return self.inputs.alpha
-
-    @cached_property
-    def references(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (ID-Bayes, OOD-optimal) predictions the losses are scored beside (float64)."""
-        return self._family.reference_predictions(self.batch, self._pool)
 
 
 @dataclass(frozen=True)
@@ -247,10 +221,10 @@ class StudyRun:
 def open_run(path: Path | str, recipe: str | None = None, profile: str = "quick", overrides: Sequence[str] = (),
              out: Path | str | None = None) -> StudyRun:
     """A finished run directory for study; with ``recipe``, a Hugging Face model directory read as
-    a model of that recipe's task (``hf.open_pretrained``: profile, dotted overrides, ``out`` for
+    a model of that recipe's task (``pretrained.open_pretrained``: profile, dotted overrides, ``out`` for
     what the analyses write)."""
     if recipe is None:
         return StudyRun(Run.open(path))
-    from taskgeom.hf import open_pretrained
+    from taskgeom.pretrained import open_pretrained
 
     return StudyRun(open_pretrained(path, recipe, profile, list(overrides), out))

@@ -25,9 +25,10 @@ import pandas as pd
 import torch
 
 from taskgeom.config import RunConfig, parameter_count, training_memory
-from taskgeom.devices import available_memory, check_training_fits, resolve_device, torch_threads, usable_cores
+from taskgeom.devices import available_memory, resolve_device, torch_threads, usable_cores
 from taskgeom.errors import RunDirError
 from taskgeom.experiments.executors import Executor, execute
+from taskgeom.fits import check_training_fits
 from taskgeom.progress import console, job_bar
 from taskgeom.runs import Run
 from taskgeom.timing import Clock, Profile

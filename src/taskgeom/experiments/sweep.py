@@ -16,9 +16,9 @@ import pandas as pd
 import torch
 
 from taskgeom.config import RunConfig
-from taskgeom.devices import check_training_fits
 from taskgeom.errors import RunLockedError, TaskgeomError
 from taskgeom.experiments.executors import Executor, execute
+from taskgeom.fits import check_training_fits
 from taskgeom.progress import console, job_bar
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from taskgeom import __version__, kernels
+from taskgeom import kernels
+from taskgeom.version import __version__
 from taskgeom.errors import TaskgeomError
 
 MANIFEST = "reproduction.json"
