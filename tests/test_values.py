@@ -52,7 +52,7 @@ def test_p3_rows_are_medians_and_quartiles_over_the_stated_positions_and_sequenc
     N, T, K = beta.shape
     window = late_window(T)
     assert (window.start, window.stop) == (9, 12)
-    p3 = Alignment.of(beta.float(), alpha, window)
+    p3 = Alignment.of(beta.float(), beta, alpha, task, window)
     rows, shrink = alignment_rows((1, "resid_mid"), p3, task), p3.shrinkage
     b, al = beta.float().double().numpy(), alpha.numpy()
     tv = np.array([[0.5 * sum(abs(b[n, t, k] - al[n, t, k]) for k in range(K)) for t in range(T)] for n in range(N)])
@@ -75,12 +75,22 @@ def test_p3_rows_are_medians_and_quartiles_over_the_stated_positions_and_sequenc
             assert row["value"] == pytest.approx(med, rel=1e-9), (metric, part)
             assert row["band"] == pytest.approx([low, high], rel=1e-9), (metric, part)
     assert got[("p3.tv_last_quarter", None, None)]["value"] > got[("p3.tv_first_quarter", None, None)]["value"]
-    # P3.shrinks: 8 uncertain positions (0..7), quarters of 2
+    # the claim: per task, the mean beta (on the simplex already) against the mean posterior
+    k = task.numpy()
+    mean_tv = np.array([[0.5 * np.abs(beta.numpy()[k == m, t].mean(0) - al[k == m, t].mean(0)).sum() for t in range(T)] for m in range(K)])
+    for t in range(T):
+        assert got[("p3.tv_mean_beta", t, None)]["value"] == pytest.approx(mean_tv[:, t].mean(), rel=1e-9)
+        for m in range(K):
+            assert got[("p3.tv_mean_beta", t, m)]["value"] == pytest.approx(mean_tv[m, t], rel=1e-9)
+    assert got[("p3.tv_mean_beta", None, None)]["value"] == pytest.approx(mean_tv[:, 9:12].mean(), rel=1e-9)
+    # P3.shrinks on the mean curves: 8 uncertain positions (0..7), quarters of 2
     assert got[("p3.uncertain_positions", None, None)]["value"] == 8 and shrink.positions == list(range(8))
-    assert got[("p3.tv_first_uncertain", None, None)]["value"] == pytest.approx(tv[:, [0, 1]].mean(), rel=1e-9)
-    assert got[("p3.tv_last_uncertain", None, None)]["value"] == pytest.approx(tv[:, [6, 7]].mean(), rel=1e-9)
+    assert got[("p3.tv_first_uncertain", None, None)]["value"] == pytest.approx(mean_tv[:, [0, 1]].mean(), rel=1e-9)
+    assert got[("p3.tv_last_uncertain", None, None)]["value"] == pytest.approx(mean_tv[:, [6, 7]].mean(), rel=1e-9)
     assert all((r["batch"], r["set"], r["layer"], r["site"]) == ("measure", "major", 1, "resid_mid") for r in rows)
-    assert len(rows) == 2 * (4 * T + 2) + 3
+    assert len(rows) == 1 + (1 + K) * T + 2 * (4 * T + 2) + 3
+    summary = alignment_rows((1, "resid_mid"), p3, task, per_position=False)
+    assert [r for r in rows if r["position"] is None] == summary
 
 
 # ---------------------------------------------------------------- the predictor transition
