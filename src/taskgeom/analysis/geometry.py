@@ -20,6 +20,7 @@ from taskgeom.analysis.orthogonal import avoid_basis, token_subspace
 from taskgeom.analysis.anova import Layout, Shares
 from taskgeom.analysis.properties import (Fit, Interpolation, MeanAlignment, Shrinkage, additive_r2, alignment, by_position, interpolation,
                                           mean_alignment, pooled, quantiles, shrinkage)
+from taskgeom.analysis.simplex import project_simplex
 from taskgeom.analysis.steering import Steering, code_from_layout, code_from_regression, dirichlet_points, steer
 from taskgeom.analysis.subspace import projection_r2, task_ablation
 from taskgeom.analysis.task_vectors import fraction_window
@@ -148,7 +149,7 @@ class Geometry:
         if inputs.vocab is not None:
             return None
         centred = self.states.double() - self.mu[: self.states.shape[1]]
-        return additive_r2(centred, self.beta.double() @ self.task_vectors, inputs.current, self.window)
+        return additive_r2(centred, project_simplex(self.p2.raw) @ self.task_vectors, inputs.current, self.window)
 
     @property
     def beta(self) -> torch.Tensor:

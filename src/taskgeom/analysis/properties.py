@@ -198,6 +198,7 @@ def mean_alignment(raw: torch.Tensor, alpha: torch.Tensor, task: torch.Tensor, n
     counts = onehot.sum(0)
     if (counts == 0).any():
         raise ValueError(f"no sequences of tasks {torch.nonzero(counts == 0).flatten().tolist()}: cannot average their beta")
+
     def mean(values: torch.Tensor) -> torch.Tensor:  # [M, T, K]
         return torch.einsum("nm,ntk->mtk", onehot, values.double()) / counts[:, None, None]
 
