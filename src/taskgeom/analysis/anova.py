@@ -140,8 +140,8 @@ def two_way_by_position(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, n_a: 
     counts = torch.bincount(index, minlength=T * C).double().view(T, C)
     sums = torch.zeros(T * C, D, dtype=torch.float64).index_add_(0, index, h.reshape(-1, D)).view(T, C, D)
     means = sums / counts.clamp_min(1)[..., None]  # [T, C, D]
-    total = ((h - h.mean(0)) ** 2).sum((0, 2))
-    within = ((h.reshape(-1, D) - means.reshape(-1, D)[index]) ** 2).view(N, T, D).sum((0, 2))
+    total = (h - h.mean(0)).pow_(2).sum((0, 2))
+    within = (h.reshape(-1, D) - means.reshape(-1, D)[index]).pow_(2).view(N, T, D).sum((0, 2))
     cells = torch.arange(C)
     design = torch.cat([torch.ones(C, 1, dtype=torch.float64), torch.nn.functional.one_hot(cells // n_b, n_a).double(),
                         torch.nn.functional.one_hot(cells % n_b, n_b).double()], dim=1)  # [C, 1 + A + B]
@@ -161,8 +161,8 @@ def task_linear_by_position(h: torch.Tensor, a: torch.Tensor, x: torch.Tensor, n
     additive = torch.cat([onehot, X], -1)  # [T, N, A + d]
 
     def residual(design: torch.Tensor) -> torch.Tensor:
-        return ((H - design @ torch.linalg.lstsq(design, H, driver="gelsd").solution) ** 2).sum((1, 2))
+        return (H - design @ torch.linalg.lstsq(design, H, driver="gelsd").solution).pow_(2).sum((1, 2))
 
-    total = ((H - H.mean(1, keepdim=True)) ** 2).sum((1, 2))
+    total = (H - H.mean(1, keepdim=True)).pow_(2).sum((1, 2))
     res_full = residual(full)
     return _shares(total, res_full, residual(additive) - res_full)

@@ -155,7 +155,7 @@ def additive_r2(y: torch.Tensor, task_part: torch.Tensor, x: torch.Tensor, windo
     then the map), not jointly; SS_tot about the mean state, as R^2_task."""
     rest = (y.double() - task_part.double()).transpose(0, 1)  # [T, N, D]
     X = x.double().transpose(0, 1)  # [T, N, d]
-    residual = ((rest - X @ torch.linalg.lstsq(X, rest, driver="gelsd").solution) ** 2).sum((1, 2))  # [T]
+    residual = (rest - X @ torch.linalg.lstsq(X, rest, driver="gelsd").solution).pow_(2).sum((1, 2))  # [T]
     y = y.double()
     total = ((y - y.mean(0)) ** 2).sum((0, 2))
     late = y[:, window].reshape(-1, y.shape[-1])
