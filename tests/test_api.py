@@ -63,10 +63,10 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
     run, place, geometry, shares, r2, claims = (namespace[k] for k in ("run", "place", "geometry", "shares", "r2", "claims"))
 
     m1, dual = stored(run, "m1"), stored(run, "dual")
-    selected = one(m1, "place.selected")
-    assert tuple(place) == (selected["layer"], selected["site"])
+    pinned = one(m1, "place.m1")
+    assert tuple(place) == (pinned["layer"], pinned["site"])
     at = {"layer": place.layer, "site": place.site, "batch": "measure", "position": None, "task": None}
-    for name, metric in (("P0", "p0.cell_r2"), ("P1", "p1.additive_share"), ("P2", "p2.r2_task"), ("P3", "p3.tv_last_quarter")):
+    for name, metric in (("P0", "p0.cell_r2"), ("P1", "p1.additive_share"), ("P2", "p2.r2_task"), ("P3", "p3.tv_mean_beta")):
         assert namespace["p"][name] == pytest.approx(one(m1, metric, **at)["value"], rel=1e-12, abs=1e-15), name
         assert claims.loc[f"e3.{name}", "seeds"][0]["value"] == pytest.approx(namespace["p"][name], rel=1e-12), name
     drawn = geometry.steer("dirichlet")  # the stored steering draws its points; the study's chosen point is checked below

@@ -291,8 +291,6 @@ def analyze(
     run_dir: Path = typer.Argument(..., help="A finished run directory, or a Hugging Face model directory (save_pretrained) with --recipe."),
     layer: Optional[List[int]] = typer.Option(None, "--layer", help="Layers to measure (repeatable); all by default."),
     site: Optional[List[str]] = typer.Option(None, "--site", help="Sites to measure (repeatable); default resid_mid and resid_post (those there are)."),
-    primary: Optional[str] = typer.Option(None, help="Fix the site of the claims (resid_mid or resid_post); by default the place "
-                                          "(layer and site) with the highest R^2_task on a selection batch is chosen."),
     sequences: int = typer.Option(512, help="Held-out major-task sequences to analyse."),
     directions: str = typer.Option("task_vectors", help="Steering directions: task_vectors or regression."),
     recipe: Optional[str] = typer.Option(None, help="Hugging Face directory only: the recipe of the task the model learnt (model section ignored)."),
@@ -300,11 +298,11 @@ def analyze(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Hugging Face directory only: dotted override of the recipe, repeatable."),
     out: Optional[Path] = typer.Option(None, help="Hugging Face directory only: where analysis/ and figures/ go (default RUN_DIR/taskgeom)."),
 ) -> None:
-    """M1 geometry of a trained model (PAPER.md sections 4 and 7): P0-P2 per layer and site on a
-    selection batch and on an independent measurement batch; the place with the highest R^2_task on
-    the selection batch is chosen, and P3 and causal steering are measured there on the measurement
-    batch. Writes analysis/m1.json (tidy rows) and figures/m1_*.png."""
-    from taskgeom.analysis.retrieval import analyze as analyze_run, write
+    """M1 geometry of a trained model (PAPER.md sections 4 and 7): P0-P3 per layer and site on a
+    measurement batch; the claims read the study's block at the same relative depth (resid_post),
+    where causal steering is measured too. P0-P2 on a selection batch give the selected-place
+    variant. Writes analysis/m1.json (tidy rows) and figures/m1_*.png."""
+    from taskgeom.analysis.retrieval import analyze as analyze_run, claim_values, write
     from taskgeom.analysis.study import StudyRun
     from taskgeom.report.geometry import FIGURES, plot_retrieval
     from taskgeom.runs import Run
@@ -323,7 +321,7 @@ def analyze(
         run = open_pretrained(run_dir, recipe, profile, set_ or [], out)
     _check_analysis_memory(run.config, sequences)
     run = StudyRun(run)
-    result = analyze_run(run, layers=tuple(layer) if layer else None, sites=tuple(site) if site else None, site=primary,
+    result = analyze_run(run, layers=tuple(layer) if layer else None, sites=tuple(site) if site else None,
                          n_sequences=sequences, directions=directions)
     write(run, result)
     (run.path / "figures").mkdir(parents=True, exist_ok=True)
@@ -332,12 +330,13 @@ def analyze(
     per_layer = table[table["position"].isna() & (table["batch"] == "measure") & table["metric"].str.startswith(("p0", "p1", "p2"))]
     typer.echo("measurement batch:")
     typer.echo(per_layer.pivot_table(index=["layer", "site"], columns="metric", values="value", sort=False).round(4).to_string())
-    best_layer, best_site = result.best
-    runner = "" if result.runner_up is None else f"; runner-up layer {result.runner_up[0]} ({result.runner_up[1]})"
-    typer.echo(f"selected layer {best_layer} ({best_site}) by R^2_task on the selection batch{runner}:")
+    layer_, site_ = result.place
+    typer.echo(f"the claims read layer {layer_} ({site_}), P3 layer {result.p3_place[0]} ({result.p3_place[1]}); "
+               f"the selected-place variant: layer {result.selected[0]} ({result.selected[1]})")
+    for claim, reading in claim_values(result.rows).items():
+        typer.echo(f"  {claim:<24} {reading.value:.4g}")
     steering = [f"steering.{result.steering.measure}_{kind}" for kind in ("unsteered", "steered", "random")]
-    for metric in ("p2.r2_task", "p3.tv_first_quarter", "p3.tv_last_quarter", "p3.tv_first_uncertain", "p3.tv_last_uncertain", *steering,
-                   "steering.ratio"):
+    for metric in (*steering, "steering.ratio"):
         typer.echo(f"  {metric:<24} {result.summary[metric]:.4g}")
     typer.echo(str(run.path / "analysis" / "m1.json"))
 

@@ -139,7 +139,8 @@ class StudyRun:
     def geometries(self, sequences: Sequences, places: Sequence[tuple[int, str]], *, window: float = 0.25,
                    n_random: int = 8) -> Iterator[Geometry]:
         """The geometry at each place, in layer order, from one streamed pass over the major
-        ``sequences``; ``window``: the late fraction of positions; ``n_random``: P2's random subspaces."""
+        ``sequences``; ``window``: the late fraction of positions where P0-P3 are read (the task
+        vectors average the family's ``vector_window``); ``n_random``: P2's random subspaces."""
         if sequences.kind != "major":
             raise AnalysisError(f"a geometry is fitted on major sequences, not {sequences.kind}")
         late = late_window(sequences.inputs.current.shape[1], window)

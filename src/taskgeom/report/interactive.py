@@ -92,7 +92,7 @@ def _m1(table: pd.DataFrame, family: str, loss_claims: tuple[str, ...]) -> list[
     measure = rows[rows["batch"] == "measure"]
     places = measure[measure["metric"].isin(list(M1_LAYER_METRICS)) & measure["position"].isna()]
     per_position = measure[(measure["metric"] == "p2.r2_task") & measure["position"].notna()]
-    p3 = measure[measure["metric"].isin(["p3.tv", "p3.kl"]) & measure["position"].notna() & measure["task"].isna()]  # over all tasks
+    p3 = measure[measure["metric"].isin(["p3.tv_mean_beta", "p3.tv", "p3.kl"]) & measure["position"].notna() & measure["task"].isna()]  # over all tasks
     steering = measure[measure["metric"].str.startswith("steering.") & (measure["metric"] != "steering.ratio")]
     claim = lambda *names: tuple(f"{family}.{n}" for n in names)  # noqa: E731
     label = lambda key: f"{M1_LAYER_METRICS[key[0]]}, {key[1]}"  # noqa: E731
@@ -104,7 +104,7 @@ def _m1(table: pd.DataFrame, family: str, loss_claims: tuple[str, ...]) -> list[
         Evidence(f"{family}-positions", f"{family.upper()}: R^2_task of P2 per position, every layer and site", family, claim(*M1_EVIDENCE["positions"]),
                  figure=lines(per_position, "position", lambda key: f"layer {int(key[0])} {key[1]}", ["layer", "site"],
                                f"{family.upper()}: R^2_task per position", "position", "R^2_task")),
-        Evidence(f"{family}-p3", f"{family.upper()}: median TV and KL between beta_t and the posterior alpha_t per position (P3)",
+        Evidence(f"{family}-p3", f"{family.upper()}: TV between the per-task mean beta_t and mean posterior alpha_t (what P3 reads), and the median per-state TV and KL per position",
                  family, claim(*M1_EVIDENCE["simplex"]),
                  figure=lines(p3, "position", lambda key: key[0], ["metric"], f"{family.upper()}: P3 per position", "position",
                                "divergence")),

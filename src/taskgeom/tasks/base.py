@@ -105,6 +105,12 @@ class TaskFamily(ABC):
     reads_tokens: ClassVar[bool] = True  # False: the model reads vectors (``Batch.tokens`` is float)
     # how figures name the evaluation metrics: (ID-Bayes, OOD-optimal, loss unit, position axis)
     plot_labels = ("ID-Bayes (pool posterior)", "OOD-optimal (continuous prior)", "loss (nats / token)", "context position t")
+    # PAPER.md section 7, the M1 protocol: the late window of the task vectors as fractions [start, stop)
+    # of the analysed positions (the study's own window for its families; else the last quarter), and the
+    # study block (block, of blocks) where the M1 claims read the states, and P3
+    vector_window: ClassVar[tuple[float, float]] = (0.75, 1.0)
+    m1_block: ClassVar[tuple[int, int]] = (3, 6)
+    p3_block: ClassVar[tuple[int, int]] = (3, 6)
 
     # ---- family-specific pieces -------------------------------------------------------------
     @abstractmethod

@@ -37,6 +37,7 @@ class Dice(TokenFamily):
 
     name = "dice"
     Settings = DiceSettings
+    vector_window = (100 / 128, 120 / 128)  # the study's positions 100-119 of 128
 
     def __init__(self, vocab_size: int, alpha: float, majors: Literal["prior", "disjoint"], floor: float):
         self.vocab_size, self.alpha, self.majors, self.floor = vocab_size, alpha, majors, floor

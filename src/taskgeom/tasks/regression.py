@@ -54,6 +54,8 @@ class Regression(TaskFamily):
     name = "regression"
     Settings = RegressionSettings
     reads_tokens = False
+    vector_window = (54 / 64, 1.0)  # the study's last ten examples, 54-63 of 64
+    m1_block, p3_block = (10, 16), (9, 16)  # the study's E2 model has 16 blocks
     plot_labels = ("dMMSE (pool posterior)", "ridge, lambda = noise^2", "mean squared error", "example index i (predicting y_i)")
 
     def __init__(self, d: int, noise: float, layout: Layout):
