@@ -26,7 +26,7 @@ DUAL_MEASURES = {"projection_r2_token@ood": "projection R^2 (token-cond.)", "pro
                  "gain_removed_ablate_S@major": "% major gain, ablate S", "gain_removed_ablate_S@ood": "% OOD gain, ablate S",
                  "gain_removed_ablate_V@major": "% major gain, ablate V", "gain_removed_ablate_V@ood": "% OOD gain, ablate V",
                  "gain_removed_random@major": "% major gain, random", "gain_removed_random@ood": "% OOD gain, random",
-                 "loss@ood": "OOD loss", "loss_first@ood": "OOD loss at t = 1", "d0@": "d0", "v_layer_selected@": "V layer"}
+                 "loss@ood": "OOD loss", "loss_first@ood": "OOD loss at t = 1", "d0@": "d0"}
 
 
 @dataclass
