@@ -76,7 +76,7 @@ def loss_sets(run: StudyRun, n: int) -> dict[str, Sequences]:
 def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps: int = 200) -> list[dict]:
     """All section-5 measurements of a finished run (``n_seq`` sequences per batch, V of ``rank``
     directions found in ``search_steps`` steps); writes ``analysis/dual.json`` and returns its rows."""
-    family, cfg, seed = run.family, run.config, run.seed
+    family, cfg = run.family, run.config
     n_layers = cfg.model.n_layers
     all_sites = run.places()
     selection = run.select_place(run.heldout("major", SELECTION_SEQUENCES, split="select"), all_sites, n_random=0)

@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from taskgeom.report.figures import save  # noqa: E402
@@ -111,8 +112,7 @@ def plot_dissociation(rows: pd.DataFrame, path: Path, title: str) -> None:
             values = np.array([pick["value"].astype(float).mean() for pick in picked])
             shaky = [_any_unreliable(pick["unreliable"]) if "unreliable" in pick else False for pick in picked]
             x = np.arange(len(groups)) + (j - (len(sets) - 1) / 2) * width
-            bars = ax.bar(x, np.clip(values, -20, 150), width, color=f"C{j}",
-                          label=f"{s} (gain {gain[s]:.3g})" if ax is axes[0] else None)
+            bars = ax.bar(x, np.clip(values, -20, 150), width, color=f"C{j}")
             for bar, unreliable, group in zip(bars, shaky, groups):
                 bar.set_hatch("//" if unreliable else "")
                 if group is None:
@@ -125,9 +125,11 @@ def plot_dissociation(rows: pd.DataFrame, path: Path, title: str) -> None:
         ax.set_title(label, fontsize=9)
         ax.grid(alpha=0.3, axis="y")
     axes[0].set_ylabel("in-context gain removed (%)\n(clipped to [-20, 150])")
-    axes[0].legend(frameon=False, fontsize=7)
+    handles = [Patch(color=f"C{j}", label=f"{s} sequences (gain {gain[s]:.3g})") for j, s in enumerate(sets)]
+    handles.append(Patch(facecolor="white", edgecolor="k", hatch="//", label="gain unreliable"))
+    fig.legend(handles=handles, frameon=False, fontsize=8, loc="lower center", ncol=len(handles))
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     save(fig, path)
 
 
