@@ -35,6 +35,7 @@ from taskgeom.analysis.shares import share_of_gain
 from taskgeom.analysis.study import StudyRun
 from taskgeom.analysis.variants import BY_NAME
 from taskgeom.claims import verdict
+from taskgeom.errors import AnalysisError
 from taskgeom.experiments.dual_modes import ablation_claims
 from taskgeom.runs import Run
 
@@ -61,7 +62,7 @@ def ablation_variants(run: StudyRun, variants: tuple[str, ...] = ABLATION_VARIAN
     """The dissociation's claims under the protocol and each of ``variants`` on ``run`` (module docstring)."""
     unknown = [v for v in variants if v not in ABLATION_VARIANTS]
     if unknown:
-        raise ValueError(f"sensitivity measures the ablation variants {list(ABLATION_VARIANTS)}, not {unknown}")
+        raise AnalysisError(f"sensitivity measures the ablation variants {list(ABLATION_VARIANTS)}, not {unknown}")
     geometries = list(run.geometries(run.heldout("major", n_seq, split="geometry"), block_places(run)))
     sets = {name: run.heldout(name, n_seq, split="loss") for name in SETS}
     clean = {name: run.loss(sequences, per_position=True) for name, sequences in sets.items()}
@@ -79,11 +80,9 @@ def ablation_variants(run: StudyRun, variants: tuple[str, ...] = ABLATION_VARIAN
 
     k, recipe, rows = run.config.task.diversity, run.config.name, []
     for name, (variant_rows, where) in measured.items():
-        table = pd.DataFrame(variant_rows).assign(diversity=k, step=None)
-        table["step"] = table["step"].astype(float)
-        clean_rows = [{"metric": metric, "value": value, "layer": None, "set": s, "diversity": k, "step": float("nan")}
-                      for s in SETS for metric, value in (("loss", float(clean[s][1:].mean())), ("loss_first", float(clean[s][0])))]
-        table = pd.concat([table, pd.DataFrame(clean_rows)], ignore_index=True)
+        clean_rows = [row(metric, value, batch="loss", set=s) for s in SETS for metric, value in (("loss", clean[s][1:].mean()),
+                                                                                                  ("loss_first", clean[s][0]))]
+        table = pd.DataFrame([*variant_rows, *clean_rows]).assign(diversity=k, step=float("nan"))
         prefixes = None if name == "protocol" else BY_NAME[name].claims
         for claim in ablation_claims(table, recipe, k, "sensitivity"):
             short = claim.id.split(".", 1)[1]
