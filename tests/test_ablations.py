@@ -161,3 +161,17 @@ def test_the_claims_read_the_block_mean_and_carry_each_block(measured):
 def test_control_statistic_by_hand():
     assert control_statistic([-4.0, 1.0, 2.0, -3.0, 0.5]) == pytest.approx(3.0)  # |.| sorted 0.5, 1, 2, 3, 4
     assert control_statistic([1.0, 2.0]) == pytest.approx(1.75)
+
+
+def test_the_sensitivity_summary_judges_each_claim_over_the_runs():
+    from taskgeom.analysis.sensitivity import summarise
+
+    def line(run, variant, value, status):
+        return {"run": run, "diversity": 8, "claim": "e1.ablate_V_ood", "variant": variant, "value": value, "status": status,
+                "place": "mean over blocks"}
+
+    rows = pd.DataFrame([line("a", "protocol", 60.0, "pass"), line("b", "protocol", 40.0, "fail"), line("c", "protocol", 70.0, "pass"),
+                         line("a", "v-best-block", 80.0, "pass"), line("b", "v-best-block", float("nan"), "n/a")])
+    summary = summarise(rows).set_index("variant")
+    assert summary.loc["protocol", ["median", "min", "max", "verdict", "runs"]].tolist() == [60.0, 40.0, 70.0, "unstable", 3]
+    assert summary.loc["v-best-block", ["median", "verdict", "runs"]].tolist() == [80.0, "pass", 2]  # an n/a run counts neither way
