@@ -75,10 +75,11 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
     steered = namespace["steered"]
     assert steered.a.eq(torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)).all()
     assert torch.isfinite(steered.steered).all() and not torch.equal(steered.steered, steered.unsteered)  # the edit moved the model
+    mid = {"layer": place.layer, "site": "resid_mid"}  # the block of the S ablation the study ablates
     for kind, share in shares.items():
-        row = one(dual, "gain_removed_ablate_S", set=kind)
+        row = one(dual, "gain_removed_ablate_S", set=kind, **mid)
         assert (row["value"], row["gain"], row["unreliable"], row["reason"]) == (share.value, share.gain, share.unreliable, share.reason)
-        assert one(dual, "loss_ablate_S", set=kind)["value"] == pytest.approx(share.ablated, rel=1e-12)
+        assert one(dual, "loss_ablate_S", set=kind, **mid)["value"] == pytest.approx(share.ablated, rel=1e-12)
     assert float(r2) == pytest.approx(one(dual, "projection_r2_token", step=None)["value"], rel=1e-12)
     assert set(namespace["table"]["set"]) >= {"major", "ood"}
 
@@ -98,13 +99,14 @@ def test_projection_r2_in_both_forms_at_every_place_is_the_stored_table(e3):
 
 def test_the_orthogonal_search_gives_the_stored_ablated_losses(e3):
     dual = stored(e3, "dual")
-    major, select = e3.heldout("major", 256, split="geometry"), e3.heldout("ood", 256, split="search-select")
+    major, ood = e3.heldout("major", 256, split="geometry"), e3.heldout("ood", 256, split="loss")
     geometries = list(e3.geometries(major, [(layer, "resid_mid") for layer in range(e3.config.model.n_layers)]))
     for geometry, v in zip(geometries, e3.orthogonal_search([(g, 1) for g in geometries])):
         assert v.shape == (geometry.basis.shape[0], 1) and (v.T.double() @ geometry.avoided.double()).abs().max() < 1e-5
+        assert geometry.avoided.shape[1] == 3 + geometry.token_directions.shape[1]  # E3's V avoids the probe's S and the tokens
         with e3.ablate(v, geometry.place):
-            ablated = e3.loss(select)
-        row = one(dual, "search_loss_ablate_V", layer=geometry.place.layer, site=geometry.place.site)
+            ablated = e3.loss(ood)
+        row = one(dual, "loss_ablate_V", layer=geometry.place.layer, site=geometry.place.site, set="ood")
         assert ablated == pytest.approx(row["value"], rel=1e-12)
 
 
@@ -168,12 +170,18 @@ def test_ablation_losses_equal_a_plain_forward_hook(folder, recipe):
             for handle in handles:
                 handle.remove()
 
-    ablate_s = (geometry.place, lambda h: h - (h - mu) @ basis @ basis.T)
+    probe = geometry.probe.float()
+    ablate_s = (geometry.place, lambda h: h - h @ probe @ probe.T)  # the protocol: h - h P_S, S the probe's
+    centred_s = (geometry.place, lambda h: h - (h - mu) @ basis @ basis.T)  # the variant centred-S
     ablate_v = (place_v, lambda h: h - h @ v.float() @ v.float().T)
     clean = run.loss(sequences, per_position=True)
     torch.testing.assert_close(clean, hooked(), rtol=0, atol=1e-6)
     with geometry.ablate():
         torch.testing.assert_close(run.loss(sequences, per_position=True), hooked(ablate_s), rtol=0, atol=1e-5)
+    with geometry.ablate(variant="centred-S"):
+        torch.testing.assert_close(run.loss(sequences, per_position=True), hooked(centred_s), rtol=0, atol=1e-5)
+    with pytest.raises(AnalysisError, match="does not change the S ablation"):
+        geometry.ablate(variant="v-best-block")
     with run.ablate(v, place_v):  # float64 directions work as they are
         torch.testing.assert_close(run.loss(sequences, per_position=True), hooked(ablate_v), rtol=0, atol=1e-5)
     with geometry.ablate(), run.ablate(v, place_v):

@@ -548,28 +548,36 @@ def ladder(
 
 @app.command()
 def sensitivity(
-    run_dirs: List[Path] = typer.Argument(..., help="Finished run directories (for example a reproduction's runs at the highest k)."),
-    csv: bool = typer.Option(False, "--csv", help="Print every row as CSV instead of the summary."),
-    places: bool = typer.Option(False, "--places", help="Instead: the claims' place (selected on a separate batch [ours]) against "
-                                "every other layer and site, read from the runs' stored m1.json and dual.json: P0-P2 and projection R^2 "
-                                "at the pinned place, and the lowest and highest over all places (median over the runs)."),
+    run_dirs: List[Path] = typer.Argument(..., help="Finished run directories (for example a reproduction's runs at the highest k, "
+                                          "every seed)."),
+    variant: Optional[List[str]] = typer.Option(None, "--variant", help="A variant of PAPER.md section 8 to measure beside the "
+                                                "protocol, repeatable (default: every one sensitivity covers: centred-S, "
+                                                "v-avoids-tokens, v-searched-on-ood, v-best-block)."),
+    csv: bool = typer.Option(False, "--csv", help="Print every run's row as CSV instead of the summary."),
+    places: bool = typer.Option(False, "--places", help="Instead: the place-dependent values at every layer and site, read from the "
+                                "runs' stored m1.json and dual.json: P0-P2 and projection R^2 at the place the claims read, and the "
+                                "lowest and highest over all places (median over the runs)."),
 ) -> None:
-    """How the orthogonal-subspace ablation (the share of OOD and major in-context gain V removes)
-    moves when each choice PAPER.md section 7 adds to the study's protocol is flipped alone: V kept
-    out of the token subspace or not, ablated at the searched layer or at every layer, the gain
-    over every prediction after the first or over the late window. Reports; the claims keep the
-    pinned definition. Prints the median [min, max] over the runs of each choice."""
-    import pandas as pd
-
-    from taskgeom.analysis.sensitivity import orthogonal_choices, place_choices
+    """For each claim it covers (the double dissociation: S and V ablations and the random
+    control, at each run's diversity), its value and verdict under the study's protocol (PAPER.md
+    section 7) and under each applicable variant of section 8, measured on the same runs. A claim's
+    verdict is judged over the runs given (pass on every run, fail on every run, else unstable),
+    its value the median over them. Reports; the claims keep the protocol."""
+    from taskgeom.analysis.sensitivity import ABLATION_VARIANTS, ablation_variants, place_choices, summarise
     from taskgeom.analysis.study import StudyRun
     from taskgeom.runs import Run
 
+    chosen = tuple(variant or ABLATION_VARIANTS)
+    unknown = [v for v in chosen if v not in ABLATION_VARIANTS]
+    if unknown:
+        raise typer.BadParameter(f"sensitivity measures the variants {', '.join(ABLATION_VARIANTS)}; not {', '.join(unknown)}",
+                                 param_hint="--variant")
     rows = []
     for run_dir in run_dirs:
         run = Run.open(run_dir)
+        measured = place_choices(run) if places else ablation_variants(StudyRun(run), chosen)
         rows += [{"run": run.path.name, "recipe": run.config.name, "diversity": run.config.task.diversity, "seed": run.config.train.seed,
-                  **row} for row in (place_choices(run) if places else orthogonal_choices(StudyRun(run)))]
+                  **row} for row in measured]
     table = pd.DataFrame(rows)
     if csv:
         typer.echo(table.to_csv(index=False), nl=False)
@@ -583,6 +591,4 @@ def sensitivity(
                                 "lowest": per_run.min(), "highest": per_run.max()}).groupby(keys, sort=False).median()
         typer.echo(summary.reset_index().round(3).to_string(index=False))
         return
-    summary = (table.groupby(["recipe", "set", "choice"], sort=False)["gain_removed"].agg(["median", "min", "max", "count"])
-               .rename(columns={"count": "runs"}).reset_index())
-    typer.echo(summary.round(3).to_string(index=False))
+    typer.echo(summarise(table).to_string(index=False))

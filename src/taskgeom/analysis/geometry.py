@@ -18,13 +18,15 @@ import torch
 from taskgeom.analysis.edits import Edit, Place
 from taskgeom.analysis.orthogonal import avoid_basis, token_subspace
 from taskgeom.analysis.anova import Layout, Shares
+from taskgeom.analysis.probe import probe_basis
 from taskgeom.analysis.properties import (Fit, Interpolation, MeanAlignment, Shrinkage, additive_r2, alignment, by_position, interpolation,
                                           mean_alignment, pooled, quantiles, shrinkage)
 from taskgeom.analysis.simplex import project_simplex
 from taskgeom.analysis.sequences import Sequences, StudiedRun
 from taskgeom.analysis.steering import Steering, code_from_layout, code_from_regression, dirichlet_points, steer
-from taskgeom.analysis.subspace import projection_r2, task_ablation
+from taskgeom.analysis.subspace import direction_ablation, projection_r2, task_ablation
 from taskgeom.analysis.task_vectors import fraction_window
+from taskgeom.analysis.variants import variant as named_variant
 from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
 from taskgeom.tasks.regression import Regression
@@ -180,9 +182,26 @@ class Geometry:
         return steer(self.run.model, inputs.readout, self.sequences.batch.tokens, inputs.current[:, window], self.place,
                      inputs.model_positions(window), window, self.basis, code, a, gen)
 
-    def ablate(self) -> Edit:
-        """The S ablation h <- h - P_S (h - mu_t) at this place on the analysed positions."""
-        return Edit(self.run, self.place, task_ablation(self.fit.subspace), self.run.analysed_positions)
+    @cached_property
+    def probe(self) -> torch.Tensor:
+        """[D, K] orthonormal basis of the ablations' task subspace S: the row space of the probe
+        ``h ~ pi W_task + onehot(x_t) W_tok + b`` on these major sequences over the late window
+        (``analysis.probe``; float64)."""
+        inputs = self.sequences.inputs
+        return probe_basis(self.states, self.sequences.alpha, inputs.current, inputs.vocab, self.window)
+
+    def ablate(self, variant: str | None = None) -> Edit:
+        """The S ablation at this place on the analysed positions: ``h - h P_S`` with S the probe's
+        (PAPER.md section 7); ``variant="centred-S"``: ``h - P_S (h - mu_t)`` with S the span of the
+        task vectors (section 8)."""
+        chosen = named_variant(variant)
+        if chosen is None:
+            change = direction_ablation(self.probe)
+        elif chosen.name == "centred-S":
+            change = task_ablation(self.fit.subspace)
+        else:
+            raise AnalysisError(f"variant {chosen.name!r} does not change the S ablation; choose 'protocol' or 'centred-S'")
+        return Edit(self.run, self.place, change, self.run.analysed_positions)
 
     def projection_r2(self, sequences: Sequences, form: Form = "token", states: torch.Tensor | None = None) -> torch.Tensor:
         """[N' * W] projection R^2 on S of the late states of other ``sequences`` (OOD ones, as a
@@ -201,10 +220,22 @@ class Geometry:
         return projection_r2(centred - self.fit.layout.effect(late).double().flatten(0, 1), subspace.conditioned_basis(late).flatten(0, 1))
 
     @cached_property
+    def token_directions(self) -> torch.Tensor:
+        """[D, m] the token subspace: the directions holding 90% of the token effects' variance (``orthogonal.token_subspace``)."""
+        return token_subspace(self.token_effects.float(), centre=not isinstance(self.run.family, Regression))
+
+    @cached_property
     def avoided(self) -> torch.Tensor:
-        """[D, m] where the orthogonal search may not go: S and the token subspace (PAPER.md section 7)."""
-        tokens = token_subspace(self.token_effects.float(), centre=not isinstance(self.run.family, Regression))
-        return avoid_basis(self.basis.float(), tokens)
+        """[D, m] where the orthogonal search may not go (PAPER.md section 7): the probe's S, and
+        the token subspace for families that say so (``TaskFamily.v_avoids_tokens``: E3)."""
+        return self.avoid()
+
+    def avoid(self, variant: str | None = None) -> torch.Tensor:
+        """[D, m] the span V avoids under the protocol (``avoided``) or a variant: ``v-avoids-tokens``
+        adds the token subspace for every family (section 8); other variants leave it as it is."""
+        chosen = named_variant(variant)
+        tokens = self.run.family.v_avoids_tokens or (chosen is not None and chosen.name == "v-avoids-tokens")
+        return avoid_basis(self.probe.float(), self.token_directions) if tokens else avoid_basis(self.probe.float())
 
 
 def simplex_point(to, n: int, K: int) -> torch.Tensor:

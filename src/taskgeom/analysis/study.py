@@ -41,6 +41,7 @@ from taskgeom.analysis.sequences import Sequences
 from taskgeom.analysis.states import LayerStreams, stream_layers
 from taskgeom.analysis.subspace import direction_ablation
 from taskgeom.analysis.task_vectors import late_window
+from taskgeom.analysis.variants import variant as named_variant
 from taskgeom.errors import AnalysisError
 from taskgeom.config import RunConfig
 from taskgeom.runs import Run
@@ -48,7 +49,7 @@ from taskgeom.tasks import Batch, TaskFamily, TaskPool
 from taskgeom.tasks.regression import Regression
 
 DEFAULT_SITES = ("resid_mid", "resid_post")
-SEARCH_STREAM = "dual-ood-search"  # the orthogonal search's fresh OOD batch of each step
+SEARCH_STREAMS = {"minor": "dual-minor-search", "ood": "dual-ood-search"}  # the orthogonal search's fresh batch of each step
 
 
 @dataclass(frozen=True)
@@ -186,15 +187,22 @@ class StudyRun:
         """The ablation h <- h - V V^T h of orthonormal directions: [D, r] at ``place`` on the analysed positions."""
         return Edit(self, Place(*place), direction_ablation(directions), self.analysed_positions)
 
-    def _search_loss(self):
+    def search_set(self, variant: str | None = None) -> Kind:
+        """The sequences the orthogonal search ascends on (PAPER.md section 7): minor (pool)
+        sequences, OOD ones when the pool has no minors (k = -1) or under ``v-searched-on-ood``."""
+        chosen = named_variant(variant)
+        return "ood" if not self.pool.n_minor or (chosen is not None and chosen.name == "v-searched-on-ood") else "minor"
+
+    def _search_loss(self, kind: Kind):
         """loss_fn(step, site) of ``orthogonal_searches``: the training loss of batch ``step`` of
-        the search stream (``BATCH_SIZE`` fresh OOD sequences) run from ``site`` on; searches in
-        lockstep share each step's draw and prefix."""
-        family, T, seed = self.family, self.config.task.seq_len, self.seed
+        the search stream of ``kind`` (``BATCH_SIZE`` fresh minor or OOD sequences) run from
+        ``site`` on; searches in lockstep share each step's draw and prefix."""
+        family, T, seed, stream = self.family, self.config.task.seq_len, self.seed, SEARCH_STREAMS[kind]
 
         @functools.lru_cache(maxsize=1)
         def search_batch(step: int) -> tuple[Batch, LayerStreams]:
-            batch = family.sample_ood(BATCH_SIZE, T, seed, step, SEARCH_STREAM)
+            batch = (family.sample_ood(BATCH_SIZE, T, seed, step, stream) if kind == "ood"
+                     else family.sample(self.pool, BATCH_SIZE, T, seed, step, stream, "minor"))
             return batch, LayerStreams(self.model, batch.tokens)
 
         def search_loss(step: int, site) -> torch.Tensor:
@@ -203,14 +211,16 @@ class StudyRun:
 
         return search_loss
 
-    def orthogonal_search(self, searches: Sequence[tuple[Geometry, int]], *, steps: int = 200,
+    def orthogonal_search(self, searches: Sequence[tuple[Geometry, int]], *, steps: int = 200, variant: str | None = None,
                           avoid: Callable[[Geometry], torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """V: [D, r] for each ``(geometry, rank r)``: directions outside ``avoid(geometry)``
-        (default ``Geometry.avoided``: S and the token subspace) whose ablation at the geometry's
-        place raises the loss of fresh OOD sequences most (PAPER.md section 7's protocol); the
-        searches run in lockstep, each giving what it would alone."""
-        avoid = avoid or (lambda geometry: geometry.avoided)
-        results = orthogonal_searches(self.model, self._search_loss(), [(g.place, avoid(g), rank) for g, rank in searches],
+        """V: [D, r] for each ``(geometry, rank r)``: directions outside ``geometry.avoid(variant)``
+        (the protocol: the probe's S, and the token subspace for E3; or ``avoid(geometry)`` when
+        given) whose ablation at the geometry's place raises the loss of fresh minor sequences most
+        (OOD ones at k = -1 or under ``v-searched-on-ood``; PAPER.md section 7); the searches run
+        in lockstep, each giving what it would alone."""
+        avoid = avoid or (lambda geometry: geometry.avoid(variant))
+        results = orthogonal_searches(self.model, self._search_loss(self.search_set(variant)),
+                                      [(g.place, avoid(g), rank) for g, rank in searches],
                                       steps=steps, seed=self.seed, positions=self.analysed_positions)
         return [result.directions for result in results]
 

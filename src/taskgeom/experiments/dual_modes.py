@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from taskgeom.analysis.dual import N_RANDOM_CONTROLS
+from taskgeom.analysis.ablations import N_RANDOM_CONTROLS
 from taskgeom.claims import check, gain_parts, not_applicable
 from taskgeom.experiments.base import Context
 from taskgeom.experiments.schedule import TrainTask
@@ -42,24 +42,33 @@ MAX_SPARED_GAIN_REMOVED = 20.0
 MAX_RANDOM_GAIN_REMOVED = 10.0
 
 
-def _value(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None = None) -> float:
-    """A final-model metric of the run at ``diversity`` among ``rows`` (one seed's), NaN if absent."""
+def _pick(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None = None, summary: bool | None = None) -> pd.DataFrame:
+    """Final-model rows of ``metric`` at ``diversity`` among ``rows`` (one seed's), of ``set_name``
+    when given; ``summary``: only the ablations' summary rows over blocks (``layer`` null, True) or
+    only per-block rows (False)."""
     pick = rows[(rows["metric"] == metric) & (rows["diversity"] == diversity) & rows["step"].isna()]
     if set_name is not None:
         pick = pick[pick["set"] == set_name]
+    if summary is not None:
+        pick = pick[pick["layer"].isna() == summary]
+    return pick
+
+
+def _value(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None = None, summary: bool | None = None) -> float:
+    """A final-model metric of the run at ``diversity`` among ``rows`` (one seed's), NaN if absent."""
+    pick = _pick(rows, metric, diversity, set_name, summary)
     return float(pick["value"].mean()) if len(pick) else float("nan")
 
 
-def _band(rows: pd.DataFrame, metric: str, diversity: int, set_name: str) -> list[float]:
-    """[low, high] of a metric's band (its range over the random controls) in ``rows`` (one seed's); NaNs if absent."""
-    pick = rows[(rows["metric"] == metric) & (rows["diversity"] == diversity) & rows["step"].isna() & (rows["set"] == set_name)]
-    bands = [b for b in pick["band"] if isinstance(b, (list, tuple))]
-    return [min(b[0] for b in bands), max(b[1] for b in bands)] if bands else [float("nan"), float("nan")]
+def _per_block(rows: pd.DataFrame, metric: str, diversity: int, set_name: str, prefix: str = "") -> dict[str, float]:
+    """{``{prefix}block{l}``: value} of a metric's per-block rows (one seed's), in block order."""
+    pick = _pick(rows, metric, diversity, set_name, summary=False).sort_values("layer")
+    return {f"{prefix}block{int(layer)}": float(value) for layer, value in zip(pick["layer"], pick["value"])}
 
 
 def _reason(rows: pd.DataFrame, metric: str, diversity: int, set_name: str) -> str | None:
     """Why a final-model share of gain in ``rows`` (one seed's) is null (its gain is not positive), else None."""
-    pick = rows[(rows["metric"] == metric) & (rows["diversity"] == diversity) & rows["step"].isna() & (rows["set"] == set_name)]
+    pick = _pick(rows, metric, diversity, set_name, summary=True)
     reasons = [r for r in pick["reason"] if isinstance(r, str)] if "reason" in pick else []
     return reasons[0] if reasons else None
 
@@ -98,19 +107,7 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int, profile: str) -
           MAX_R2_HIGH_DIVERSITY, plain)
     claim("projection_r2_drop", f"projection R^2 (token-conditioned) at k = {low} minus at k = {high}", r2_low - r2_high, ">=",
           MIN_R2_DROP, {f"k={low}": r2_low, f"k={high}": r2_high})
-    for ablation, target, spared in (("ablate_S", "major", "ood"), ("ablate_V", "ood", "major")):
-        what = "task subspace S" if ablation == "ablate_S" else "orthogonal directions V"
-        for set_name, op, threshold in ((target, ">=", MIN_TARGETED_GAIN_REMOVED), (spared, "<", MAX_SPARED_GAIN_REMOVED)):
-            parts = gain_parts(_value(rows, "loss", high, set_name), _value(rows, f"loss_{ablation}", high, set_name),
-                               _value(rows, "loss_first", high, set_name))
-            claim(f"{ablation}_{set_name}", f"% of {set_name} in-context gain removed by ablating the {what} (k = {high})",
-                  _value(rows, f"gain_removed_{ablation}", high, set_name), op, threshold, parts,
-                  _reason(rows, f"gain_removed_{ablation}", high, set_name))
-    random = {s: _band(rows, "gain_removed_random", high, s) for s in ("major", "ood")}
-    reasons = [f"{s}: {r}" for s in random if (r := _reason(rows, "gain_removed_random", high, s))]
-    claim("random_control", f"largest |% gain removed| by any of {N_RANDOM_CONTROLS} random same-rank directions, major and OOD "
-          f"(k = {high})", max(abs(v) for band in random.values() for v in band), "<", MAX_RANDOM_GAIN_REMOVED,
-          {f"{s}_{end}": v for s, band in random.items() for end, v in zip(("min", "max"), band)}, "; ".join(reasons) or None)
+    made += ablation_claims(rows, recipe, high, profile)
     if len(rows) and rows["metric"].str.startswith("transition_").any():  # token families only
         final = by_step(rows).sort_values("step").groupby("diversity").last()
         for name, k, op, word in (("transition_memorising", low, "<", "negative: memorising"),
@@ -120,6 +117,42 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int, profile: str) -
             claim(name, f"log(KL_mem / KL_gen) of the final model at k = {k} ({word})",
                   final["log_ratio"].get(k, float("nan")), op, 0.0, parts)
     return made
+
+
+def ablation_claims(rows: pd.DataFrame, recipe: str, high: int, profile: str) -> list:
+    """The double dissociation's claims of ``recipe`` (one seed's rows): the share of the major and
+    OOD gain that ablating S and V removes, and the random control, each read from the summary
+    over blocks (``analysis.ablations``: the block mean) at k = ``high``, with its parts: the
+    summary's losses and gain, each block's share and their mean."""
+    made = []
+    for ablation, target, spared in (("ablate_S", "major", "ood"), ("ablate_V", "ood", "major")):
+        what = "task subspace S" if ablation == "ablate_S" else "orthogonal directions V"
+        for set_name, op, threshold in ((target, ">=", MIN_TARGETED_GAIN_REMOVED), (spared, "<", MAX_SPARED_GAIN_REMOVED)):
+            metric = f"gain_removed_{ablation}"
+            value = _value(rows, metric, high, set_name, summary=True)
+            parts = {**gain_parts(_value(rows, "loss", high, set_name), _value(rows, f"loss_{ablation}", high, set_name, summary=True),
+                                  _value(rows, "loss_first", high, set_name)),
+                     **_per_block(rows, metric, high, set_name), "block_mean": value}
+            description = f"% of {set_name} in-context gain removed by ablating the {what}, mean over blocks (k = {high})"
+            made.append(_claim(f"{recipe}.{ablation}_{set_name}", recipe, description, value, op, threshold, profile, parts,
+                               _reason(rows, metric, high, set_name)))
+    sets = ("major", "ood")
+    stats = {s: _value(rows, "gain_removed_random", high, s, summary=True) for s in sets}
+    parts = {part: v for s in sets for part, v in
+             {f"{s}_block_mean": stats[s], **_per_block(rows, "gain_removed_random", high, s, f"{s}_")}.items()}
+    reasons = [f"{s}: {r}" for s in sets if (r := _reason(rows, "gain_removed_random", high, s))]
+    made.append(_claim(f"{recipe}.random_control", recipe,
+                       f"largest over major and OOD of the mean over blocks of the 75th percentile of |% gain removed| by "
+                       f"{N_RANDOM_CONTROLS} random same-rank directions (k = {high})",
+                       float("nan") if any(v != v for v in stats.values()) else max(stats.values()), "<", MAX_RANDOM_GAIN_REMOVED,
+                       profile, parts, "; ".join(reasons) or None))
+    return made
+
+
+def _claim(claim_id, recipe, description, value, op, threshold, profile, parts=None, reason=None):
+    """A checked claim, or ``n/a`` with ``reason`` (a share of a gain that is not positive)."""
+    return (check(claim_id, recipe, description, value, op, threshold, profile, parts) if reason is None else
+            not_applicable(claim_id, recipe, description, op, threshold, profile, reason, parts))
 
 
 def dual_modes(ctx: Context) -> None:
@@ -140,7 +173,8 @@ def dual_modes(ctx: Context) -> None:
             ctx.claim(seed, *claims(rows[rows["seed"] == seed], recipe, low, high, ctx.profile))
         if len(rows):
             plot_dissociation(rows[rows["diversity"] == high], ctx.figure(f"{recipe}_double_dissociation.png",
-                              f"{recipe.upper()}, k = {high}: share of in-context gain removed by ablating S, V or a random direction",
+                              f"{recipe.upper()}, k = {high}: share of in-context gain removed by ablating S, V or a random direction "
+                              "at each block and their mean",
                               tuple(f"{recipe}.{name}" for name in DUAL_EVIDENCE["dissociation"])),
                               f"{recipe.upper()} double dissociation (k = {high})")
     if len(ok):
@@ -150,7 +184,7 @@ def dual_modes(ctx: Context) -> None:
         curve = rank_curve(ok)
         atomic_write_text(ctx.out / "tables" / "rank_curve.csv", curve.to_csv(index=False))
         plot_rank_curve(curve, ctx.figure("rank_curve.png", "Share of OOD in-context gain removed by ablating orthogonal directions V of "
-                                          "rank r = 1..ceil(d0) at the layer the search chose (tables/rank_curve.csv)",
+                                          "rank r = 1..ceil(d0), mean over blocks (tables/rank_curve.csv: every block)",
                                           _each_recipe(ctx, *DUAL_EVIDENCE["rank"])))
         plot_transition(by_step(ok), ctx.figure("predictor_transition.png",
                         "Predictor transition: log(KL to memorising / KL to generalising Bayes) over diversity and training step",

@@ -26,7 +26,7 @@ DUAL_MEASURES = {"projection_r2_token@ood": "projection R^2 (token-cond.)", "pro
                  "gain_removed_ablate_S@major": "% major gain, ablate S", "gain_removed_ablate_S@ood": "% OOD gain, ablate S",
                  "gain_removed_ablate_V@major": "% major gain, ablate V", "gain_removed_ablate_V@ood": "% OOD gain, ablate V",
                  "gain_removed_random@major": "% major gain, random", "gain_removed_random@ood": "% OOD gain, random",
-                 "loss@ood": "OOD loss", "loss_first@ood": "OOD loss at t = 1", "d0@": "d0", "v_layer_selected@": "V layer"}
+                 "loss@ood": "OOD loss", "loss_first@ood": "OOD loss at t = 1", "d0@": "d0"}
 
 
 @dataclass
@@ -144,11 +144,13 @@ def _dual(table: pd.DataFrame) -> list[Evidence]:
     claim = lambda *names: tuple(f"{r}.{n}" for r in recipes for n in names)  # noqa: E731
     projection = final[final["metric"].isin(["projection_r2_token", "projection_r2"]) & (final["set"] == "ood")]
     high = final.groupby("recipe")["diversity"].transform("max")
+    summary = final["layer"].isna()  # the ablations' mean over blocks, which the claims read
     ablations = final[(final["diversity"] == high) & final["metric"].isin(["gain_removed_ablate_S", "gain_removed_ablate_V",
-                                                                            "gain_removed_random"]) & final["set"].isin(["major", "ood"])]
+                                                                            "gain_removed_random"]) & final["set"].isin(["major", "ood"])
+                      & summary]
     ablations = ablations.assign(what=ablations["recipe"] + " seed " + ablations["seed"].astype(str) + " "
                                  + ablations["metric"].str.replace("gain_removed_", ""), where=ablations["set"])
-    rank = final[final["metric"].str.startswith("gain_removed_ablate_V_rank")]
+    rank = final[final["metric"].str.startswith("gain_removed_ablate_V_rank") & summary]
     rank = rank.assign(rank=rank["metric"].str.replace("gain_removed_ablate_V_rank", "").astype(int))
     steps = rows[rows["step"].notna() & rows["metric"].isin(["projection_r2_token", "transition_log_ratio"])]
     key = final["metric"] + "@" + final["set"].fillna("")

@@ -103,6 +103,8 @@ class TaskFamily(ABC):
     name: ClassVar[str]
     Settings: ClassVar[type[TaskSettings]]
     reads_tokens: ClassVar[bool] = True  # False: the model reads vectors (``Batch.tokens`` is float)
+    # True: the orthogonal search also keeps V out of the token directions (PAPER.md section 7: E3)
+    v_avoids_tokens: ClassVar[bool] = False
     # how figures name the evaluation metrics: (ID-Bayes, OOD-optimal, loss unit, position axis)
     plot_labels = ("ID-Bayes (pool posterior)", "OOD-optimal (continuous prior)", "loss (nats / token)", "context position t")
     # PAPER.md section 7, the M1 protocol: the late window of the task vectors as fractions [start, stop)

@@ -21,6 +21,7 @@ class Markov(TokenFamily):
     name = "markov"
     Settings = MarkovSettings
     vector_window = (170 / 192, 190 / 192)  # the study's positions 170-189 of 192
+    v_avoids_tokens = True  # the study's V for E3 avoids the token directions too (PAPER.md section 7)
 
     def __init__(self, vocab_size: int, alpha: float):
         self.vocab_size, self.alpha = vocab_size, alpha
