@@ -4,10 +4,9 @@ y = w.x + eps with eps ~ N(0, noise^2).
 The model reads vectors. Layout ``"pair"`` (the study's figures; the default) spends two positions
 on example i, x_i and y_i, and the prediction of y_i is read at x_i; layout ``"separator"`` (also in
 the study's code) spends three, x_i, a separator and y_i, and reads the prediction at the separator.
-Every position is a vector of width
-``d + 2``: ``[x, y, flag]``, i.e. x positions ``[x_i, 0, 0]``, separators ``[0, 0, 1]`` and y
-positions ``[0, y_i, -1]`` **[ours]**. The flag tells a y position from an x position even when y is
-near zero.
+Every position is a vector of width ``d + 2``: ``[x, y, flag]``, i.e. x positions ``[x_i, 0, 0]``,
+separators ``[0, 0, 1]`` and y positions ``[0, y_i, -1]`` **[ours]**. The flag tells a y position
+from an x position even when y is near zero.
 
 Bayes quantities are indexed by example: entry ``i`` of a posterior or prediction is the one in
 force when y_i is predicted, i.e. given examples ``0..i-1`` (and x_i, which carries no evidence
