@@ -15,12 +15,15 @@ from taskgeom.errors import AnalysisError
 @dataclass(frozen=True)
 class Variant:
     """One earlier convention: its ``name``, the ``claims`` (id prefixes) it can move, what it
-    ``changes`` from section 7 and ``why`` it existed."""
+    ``changes`` from section 7 and ``why`` it existed. A variant of the data has ``overrides``: the
+    ``--set`` values that train its runs from the recipe (the same in every profile); one of the
+    measurement has none."""
 
     name: str
     claims: tuple[str, ...]
     changes: str
     why: str
+    overrides: tuple[str, ...] = ()
 
 
 VARIANTS = (
@@ -51,10 +54,10 @@ VARIANTS = (
             "one place per claim, as for M1"),
     Variant("e1-v6", ("e1",),
             "E1 at V = 6 faces with near-disjoint majors (the earlier default recipe)",
-            "a smaller vocabulary trained faster at quick sizes"),
+            "a smaller vocabulary trained faster at quick sizes", ("task.vocab_size=6", "task.majors=disjoint")),
     Variant("separator", ("e2",),
             "E2's x, separator, y layout, the prediction of y read at the separator",
-            "the separator layout of the study's code, our earlier default"),
+            "the separator layout of the study's code, our earlier default", ("task.layout=separator",)),
 )
 
 BY_NAME = {v.name: v for v in VARIANTS}
