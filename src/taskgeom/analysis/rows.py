@@ -22,7 +22,8 @@ from taskgeom.analysis.shares import Share
 from taskgeom.runs import Run
 
 # 4: m1.json and dual.json share one layout; shares carry their gain (null when not positive).
-ROW_VERSION = 4
+# 5: dual.json's projection_r2 is the study's Fig. 4 statistic (per-task means, fixed place).
+ROW_VERSION = 5
 FIELDS = ("metric", "value", "band", "layer", "site", "batch", "set", "step", "position", "task", "gain", "unreliable", "reason",
           "version")
 

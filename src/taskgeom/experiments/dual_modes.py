@@ -79,7 +79,8 @@ def _jobs(ctx: Context) -> list[Job]:
 def runs(ctx: Context) -> list[TrainTask]:
     """The sweep's runs, for the schedule, each with the thread count the sweep gives it, and their
     dual-mode analysis (done there, the sweep then reads it)."""
-    return [TrainTask(config, job.root, job.device, job.tracker, config.train.threads or ctx.executor.threads, analyse=True)
+    return [TrainTask(config, job.root, job.device, job.tracker, config.train.threads or ctx.executor.threads, analyse=True,
+                      profile=job.profile)
             for job in _jobs(ctx) for config in [job.config()]]
 
 
