@@ -31,7 +31,6 @@ import torch
 from taskgeom.analysis.edits import Place
 from taskgeom.analysis.properties import quantiles
 from taskgeom.analysis.states import stream_layers
-from taskgeom.analysis.subspace import projection_r2
 from taskgeom.errors import AnalysisError
 from taskgeom.tasks import Batch, TaskFamily
 from taskgeom.tasks.markov import Markov
@@ -76,9 +75,14 @@ class ProjectionR2:
 
 
 def task_groups(batch: Batch) -> tuple[torch.Tensor, int]:
-    """([N] long task index of each sequence, G): sequences sharing their params are one task."""
-    _, groups = torch.unique(batch.params.reshape(batch.params.shape[0], -1), dim=0, return_inverse=True)
-    return groups, int(groups.max()) + 1
+    """([N] long task index of each sequence, G): sequences sharing their params are one task, the
+    tasks numbered in the order they first appear."""
+    _, inverse = torch.unique(batch.params.reshape(batch.params.shape[0], -1), dim=0, return_inverse=True)
+    n = len(inverse)
+    first = torch.full((int(inverse.max()) + 1,), n).scatter_reduce(0, inverse, torch.arange(n), "amin")
+    rank = torch.empty_like(first)
+    rank[torch.argsort(first)] = torch.arange(len(first))
+    return rank[inverse], len(first)
 
 
 def block(family: TaskFamily, n_positions: int) -> slice:
@@ -95,7 +99,7 @@ def place(family: TaskFamily, n_layers: int) -> Place:
 
 def fig4_r2(ood: torch.Tensor, major: torch.Tensor, positions: slice) -> torch.Tensor:
     """[J] projection R^2 of the OOD task means ood: [J, P, D] on the major task means major: [K, P, D]
-    (module docstring), averaged over ``positions``; a position where a centred mean is constant
+    (module docstring, in float64), averaged over ``positions``; a position where a centred mean is constant
     over coordinates (E2's reference before any example: the ridge weights are 0) has no R^2 and is
     left out of the average."""
     ood, major = ood.double(), major.double()
@@ -104,7 +108,9 @@ def fig4_r2(ood: torch.Tensor, major: torch.Tensor, positions: slice) -> torch.T
     centred = (major - mu)[:, positions].mean(1)  # [K, D], summing to zero
     _, _, vh = torch.linalg.svd(centred, full_matrices=False)
     basis = vh[: major.shape[0] - 1].T  # [D, K-1] their span, of explicit rank K - 1
-    return projection_r2(x.reshape(-1, x.shape[-1]), basis).double().view(x.shape[:2]).nanmean(1)
+    residual = x - x @ basis @ basis.T
+    total = ((x - x.mean(-1, keepdim=True)) ** 2).sum(-1)  # about the mean over coordinates
+    return (1 - (residual**2).sum(-1) / total).clamp(0, 1).nanmean(1)
 
 
 def group_means(chunks: Iterator[tuple[slice, dict]], groups: torch.Tensor, n_groups: int) -> dict:
