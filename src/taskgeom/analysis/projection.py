@@ -124,12 +124,13 @@ def group_means(chunks: Iterator[tuple[slice, dict]], groups: torch.Tensor, n_gr
         for key, x in values.items():
             if key not in total:
                 total[key] = torch.zeros(n_groups, *x.shape[1:], dtype=torch.float64)
-            total[key].index_add_(0, index, x.double())
+            total[key].index_add_(0, index, x.to("cpu", torch.float64))
     return {key: value / counts[:, None, None] for key, value in total.items()}
 
 
-def _chunks(n: int, chunk: int = CHUNK) -> Iterator[slice]:
-    return (slice(start, min(start + chunk, n)) for start in range(0, n, chunk))
+def _chunks(n: int) -> Iterator[slice]:
+    """The rows of ``n`` sequences, ``CHUNK`` at a time."""
+    return (slice(start, min(start + CHUNK, n)) for start in range(0, n, CHUNK))
 
 
 def mean_states(run: "StudyRun", sequences: "Sequences", places: Sequence[Place]) -> dict[Place, torch.Tensor]:
