@@ -3,9 +3,11 @@ geometry there (``analysis.geometry``) and the edits made there (``analysis.edit
 are their methods, the options keywords.
 
 - ``StudyRun`` (``tg.open_run(path)``): the model, family, pool and config of a finished run;
-  ``heldout`` sequences of a named ``Split``; ``cache`` states at places; ``geometry`` there;
-  ``select_place``; ``loss`` (under any edit whose ``with`` block is open); ``ablate`` directions;
-  ``orthogonal_search``; ``snapshots`` (the run at each kept training step).
+  ``heldout`` sequences of a named ``Split`` (``heldout_tasks``: whole tasks); ``cache`` states at
+  places; ``geometry`` there; ``select_place``; ``loss`` (under any edit whose ``with`` block is
+  open); ``ablate`` directions; ``orthogonal_search``; ``projection_r2`` as the study's Fig. 4
+  measures it and its ``projection_reference`` (``analysis.projection``); ``snapshots`` (the run
+  at each kept training step).
 - ``Sequences``: one held-out batch with what the analysis reads of it (``inputs``, the exact
   posterior ``alpha``, the Bayes ``references`` of its losses).
 - ``Place``: ``(layer, site)``, a named tuple that every hook accepts.
