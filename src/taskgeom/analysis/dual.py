@@ -196,7 +196,8 @@ def projection_rows(run: StudyRun, checkpoints: dict[int, StudyRun], geometries:
         raise AnalysisError(f"projection R^2 is read at {tuple(where)}, which this model does not have")
     fig4, at = {"batch": "projection", "set": "ood"}, {"batch": "geometry", "set": "ood"}
     rows = [row("projection_r2_tasks", n_tasks, place=where, **fig4), row("projection_r2_per_task", per_task, place=where, **fig4)]
-    for site, r2 in projection.measure(run, tasks["ood"], tasks["major"], places).items():
+    table = projection.measure(run, tasks["ood"], tasks["major"], places)
+    for site, r2 in table.items():
         per_sequence = geometries[site].projection_r2(ood, "token", ood_states[site])
         rows += [row("table.projection_r2", r2.mean, r2.quartiles, place=site, **fig4),
                  row("table.projection_r2_per_sequence", per_sequence.mean(), quartiles(per_sequence), place=site, **at)]
@@ -204,7 +205,7 @@ def projection_rows(run: StudyRun, checkpoints: dict[int, StudyRun], geometries:
             rows += [row("projection_r2", r2.mean, r2.quartiles, place=site, **fig4),
                      row("projection_r2_per_sequence", per_sequence.mean(), quartiles(per_sequence), place=site, **at)]
     for step, snapshot in checkpoints.items():
-        r2 = snapshot.projection_r2(tasks["ood"], tasks["major"], where)
+        r2 = table[where] if snapshot is run else snapshot.projection_r2(tasks["ood"], tasks["major"], where)
         rows.append(row("projection_r2", r2.mean, r2.quartiles, place=where, step=step, **fig4))
     why = projection.reference_unavailable(run.family)
     if why is None:

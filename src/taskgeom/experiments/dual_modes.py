@@ -3,9 +3,10 @@ dissociation, the predictor transition and Theorem 2, for the recipes that decla
 at the profile (E1 and E3; E2 at paper), measured where PAPER.md
 section 7 pins them (``analysis.dual``). Projection R^2 claims read the study's Fig. 4 statistic
 (``analysis.projection``), with its place, task counts, interquartile range, linear-code reference
-and the ``per-sequence-r2`` variant in their parts; every share of in-context gain carries its parts (clean, ablated and first losses, the gain in
-nats, and ``unreliable`` when the gain is below ``MIN_RELIABLE_GAIN``), and a claim on a share of
-a gain that is not positive is ``n/a`` with that reason."""
+and the ``per-sequence-r2`` variant in their parts; every share of in-context gain carries its
+parts (clean, ablated and first losses, the gain in nats, and ``unreliable`` when the gain is below
+``MIN_RELIABLE_GAIN``), and a claim on a share of a gain that is not positive is ``n/a`` with that
+reason."""
 
 from __future__ import annotations
 
