@@ -3,9 +3,10 @@
 The public API, ``import taskgeom as tg`` (docs/python-api.md walks through a study):
 
 - ``tg.open_run(path)`` -> ``tg.StudyRun``: a finished run (model, family, pool, config) and its
-  verbs: ``heldout`` sequences of a named ``tg.Split``, ``cache`` states at a ``tg.Place``,
-  ``geometry`` / ``geometries`` / ``select_place``, ``loss``, ``ablate`` directions,
-  ``orthogonal_search``, ``snapshots``.
+  verbs: ``heldout`` sequences of a named ``tg.Split`` (``heldout_tasks``: whole tasks), ``cache``
+  states at a ``tg.Place``, ``geometry`` / ``geometries`` / ``select_place``, ``loss``, ``ablate``
+  directions, ``orthogonal_search``, ``projection_r2`` (the study's Fig. 4, a ``tg.ProjectionR2``)
+  and its ``projection_reference``, ``snapshots``.
 - ``tg.Geometry``: task vectors, basis, token effects, P0-P3, beta at a place; ``steer`` toward a
   point of the simplex, ``ablate`` the task subspace S (a ``tg.Edit``, used as ``with``),
   ``projection_r2``.
@@ -26,11 +27,12 @@ from taskgeom.analysis.shares import MIN_RELIABLE_GAIN, Share, share_of_gain
 from taskgeom.analysis.steering import Steering
 from taskgeom.analysis.edits import Edit, Place
 from taskgeom.analysis.geometry import Alignment, Geometry
+from taskgeom.analysis.projection import ProjectionR2
 from taskgeom.analysis.study import Selection, Sequences, StudyRun, open_run
 from taskgeom.results import Results, results
 
 __all__ = [
-    "open_run", "StudyRun", "Split", "Sequences", "Place", "Selection", "Geometry", "Alignment", "Steering", "Edit",
+    "open_run", "StudyRun", "Split", "Sequences", "Place", "Selection", "Geometry", "Alignment", "Steering", "Edit", "ProjectionR2",
     "share_of_gain", "Share", "MIN_RELIABLE_GAIN", "analyze_m1", "M1Result", "analyze_dual", "results", "Results", "tasks",
     "__version__",
 ]

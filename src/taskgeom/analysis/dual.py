@@ -6,14 +6,19 @@ objects of ``analysis.study``, so each stored number is what they return. Where 
 
 - **The place** of the task subspace: chosen as the M1 analysis chooses it with its default options
   (highest R^2_task of P2 over every layer and site on the M1 selection batch,
-  ``StudyRun.select_place``), so the same run gets the same place in both analyses. The claims'
-  projection R^2 is measured there (on the ``geometry`` split) and also written at every layer
-  and site (``table.*`` rows).
+  ``StudyRun.select_place``), so the same run gets the same place in both analyses (the
+  ``selected-place`` variant's; the task rank is written there).
 - **The task subspace** is the one ``TaskSubspace`` of the M1 geometry (the layout's task effects,
   rank K - 1), fitted on the ``geometry`` split's major sequences at each place that needs one.
-- **Projection R^2** of late OOD states, in two forms: plain (centred by mu_t, regressed on S)
-  and token-conditioned (centred by mu_t + nu(x_t), regressed on theta_{k, x_t}); the claims read
-  the token-conditioned one.
+- **Projection R^2** as the study's Fig. 4 measures it (``analysis.projection``; ``StudyRun.
+  projection_r2``) on the ``projection`` split's whole tasks (``projection_r2_tasks`` OOD tasks of
+  ``projection_r2_per_task`` sequences, every major task with as many), at the protocol's place
+  (``projection.place``): ``projection_r2`` (band: the interquartile range over OOD tasks), of the
+  final model and of each kept snapshot (``step``), beside the linear-code reference
+  ``projection_r2_reference`` (null, with the reason, for a family without ``ood_estimate``).
+  The variant ``per-sequence-r2`` (each late OOD state of the ``geometry`` split, centred by
+  mu_t + nu(x_t), regressed on theta_{k, x_t}) is ``projection_r2_per_sequence`` there. Both are
+  also written at every layer and site (``table.*`` rows).
 - **The ablations** (``analysis.ablations``) act at ``resid_mid`` of every block: S is the
   probe's there (uncentred, rank K; ``Geometry.probe``), V the orthogonal search's (rank 1,
   outside that S, for E3 also outside the token subspace, on fresh minor sequences each step; OOD
@@ -40,24 +45,24 @@ import math
 
 import torch
 
+from taskgeom.analysis import projection
 from taskgeom.analysis.properties import quantiles
 from taskgeom.analysis.ablations import ablation_rows, block_places, find_blocks, rank_rows
 from taskgeom.analysis.probes import linear_probe
 from taskgeom.analysis.rows import row, stored_rows
 from taskgeom.analysis.edits import Place
 from taskgeom.analysis.geometry import Geometry
-from taskgeom.analysis.study import Sequences, StudyRun
+from taskgeom.analysis.study import SELECTION_SEQUENCES, Sequences, StudyRun
 from taskgeom.analysis.subspace import complement_basis
 from taskgeom.analysis.task_vectors import late_window
 from taskgeom.analysis.theory import clr, participation_ratio, theorem2
 from taskgeom.analysis.transition import reference_predictors, transition_statistic
+from taskgeom.errors import AnalysisError
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_json
 from taskgeom.tasks import TokenFamily
 from taskgeom.tasks.regression import Regression
 
-PROJECTION = {"plain": "projection_r2", "token": "projection_r2_token"}
-SELECTION_SEQUENCES = 512  # the M1 analysis' default, so both select the same place
 PRIOR_TASKS = 2048  # OOD tasks whose predictions sample the OOD prediction map (d0)
 
 
@@ -73,9 +78,11 @@ def loss_sets(run: StudyRun, n: int) -> dict[str, Sequences]:
     return {kind: run.heldout(kind, n, split="loss") for kind in kinds}
 
 
-def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps: int = 200) -> list[dict]:
+def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps: int = 200,
+                 projection_sizes: tuple[int, int] = projection.QUICK_SIZES) -> list[dict]:
     """All section-5 measurements of a finished run (``n_seq`` sequences per batch, V of ``rank``
-    directions found in ``search_steps`` steps); writes ``analysis/dual.json`` and returns its rows."""
+    directions found in ``search_steps`` steps, projection R^2 on ``projection_sizes`` = (OOD tasks,
+    sequences per task)); writes ``analysis/dual.json`` and returns its rows."""
     family, cfg = run.family, run.config
     n_layers = cfg.model.n_layers
     all_sites = run.places()
@@ -92,26 +99,11 @@ def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps
     wanted = list(dict.fromkeys([*all_sites, *searched, readout_site]))
     geometries = {g.place: g for g in run.geometries(major, wanted)}
     ood_states = run.cache(ood, wanted)
-    geo_ood = {"batch": "geometry", "set": "ood"}
-    for site in all_sites:  # the full table; the claims read the selected place
-        for form, metric in PROJECTION.items():
-            r2 = geometries[site].projection_r2(ood, form, ood_states[site])
-            rows.append(row(f"table.{metric}", r2.mean(), quartiles(r2), place=site, **geo_ood))
+    checkpoints = {**run.snapshots(), cfg.train.steps: run}  # {step: the run at that step}
+    rows += projection_rows(run, checkpoints, geometries, ood, ood_states, projection_sizes)
 
     geometry = geometries[place]
     rows.append(row("task_rank", geometry.basis.shape[1], place=place, batch="geometry", set="major"))
-    final = {form: geometry.projection_r2(ood, form, ood_states[place]) for form in PROJECTION}
-    checkpoints = {**run.snapshots(), cfg.train.steps: run}  # {step: the run at that step}
-    for form, r2 in final.items():
-        rows.append(row(PROJECTION[form], r2.mean(), quartiles(r2), place=place, **geo_ood))
-    for step, snapshot in checkpoints.items():
-        if snapshot is run:
-            by_form = final
-        else:  # one fit and one capture of the OOD states per snapshot, read in both forms
-            fitted, states = snapshot.geometry(major, place), snapshot.cache(ood, [place])[place]
-            by_form = {form: fitted.projection_r2(ood, form, states) for form in PROJECTION}
-        for form, r2 in by_form.items():
-            rows.append(row(PROJECTION[form], r2.mean(), quartiles(r2), place=place, step=step, **geo_ood))
 
     blocks = find_blocks(run, [geometries[site] for site in searched], rank=rank, steps=search_steps)
     for block in blocks:
@@ -134,6 +126,40 @@ def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps
     if isinstance(family, TokenFamily):
         rows += token_prediction_rows(run, checkpoints, geometries[readout_site], ood, ood_states[readout_site], prior)
     atomic_write_json(run.path / "analysis" / "dual.json", rows)
+    return rows
+
+
+def projection_rows(run: StudyRun, checkpoints: dict[int, StudyRun], geometries: dict[Place, Geometry], ood: Sequences,
+                    ood_states: dict[Place, torch.Tensor], sizes: tuple[int, int]) -> list[dict]:
+    """Projection R^2 (module docstring) at every place of ``run.places()``, where ``geometries``
+    (fitted on the ``geometry`` split) and the OOD states ``ood_states``: [N, P, D] of ``ood`` are,
+    and across the ``checkpoints`` {step: run} at the protocol's place; ``sizes``: (OOD tasks,
+    sequences per task)."""
+    n_tasks, per_task = sizes
+    tasks = {"ood": run.heldout_tasks("ood", per_task, n_tasks=n_tasks), "major": run.heldout_tasks("major", per_task)}
+    where = projection.place(run.family, run.config.model.n_layers)
+    places = run.places()
+    if where not in places:
+        raise AnalysisError(f"projection R^2 is read at {tuple(where)}, which this model does not have")
+    fig4, at = {"batch": "projection", "set": "ood"}, {"batch": "geometry", "set": "ood"}
+    rows = [row("projection_r2_tasks", n_tasks, place=where, **fig4), row("projection_r2_per_task", per_task, place=where, **fig4)]
+    table = projection.measure(run, tasks["ood"], tasks["major"], places)
+    for site, r2 in table.items():
+        per_sequence = geometries[site].projection_r2(ood, "token", ood_states[site])
+        rows += [row("table.projection_r2", r2.mean, r2.quartiles, place=site, **fig4),
+                 row("table.projection_r2_per_sequence", per_sequence.mean(), quartiles(per_sequence), place=site, **at)]
+        if site == where:
+            rows += [row("projection_r2", r2.mean, r2.quartiles, place=site, **fig4),
+                     row("projection_r2_per_sequence", per_sequence.mean(), quartiles(per_sequence), place=site, **at)]
+    for step, snapshot in checkpoints.items():
+        r2 = table[where] if snapshot is run else snapshot.projection_r2(tasks["ood"], tasks["major"], where)
+        rows.append(row("projection_r2", r2.mean, r2.quartiles, place=where, step=step, **fig4))
+    why = projection.reference_unavailable(run.family)
+    if why is None:
+        reference = run.projection_reference(tasks["ood"], tasks["major"])
+        rows.append(row("projection_r2_reference", reference.mean, reference.quartiles, **fig4))
+    else:
+        rows.append({**row("projection_r2_reference", None, **fig4), "reason": why})
     return rows
 
 

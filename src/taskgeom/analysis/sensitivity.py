@@ -21,7 +21,7 @@ runs of several seeds with ``claims.verdict``.
 
 ``place_choices`` reads, from a run's stored analyses, the values the place-dependent claims would
 have at every other (layer, site): P0-P2 on the M1 measurement batch (``m1.json``) and projection
-R^2 of OOD states in both forms (``dual.json``).
+R^2, the protocol's and the ``per-sequence-r2`` variant (``dual.json``).
 """
 
 from __future__ import annotations
@@ -106,13 +106,14 @@ def summarise(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(lines)
 
 
-PLACE_METRICS = {"m1": ("p0.cell_r2", "p1.additive_share", "p2.r2_task"), "dual": ("projection_r2_token", "projection_r2")}
+PLACE_METRICS = {"m1": ("p0.cell_r2", "p1.additive_share", "p2.r2_task"), "dual": ("projection_r2", "projection_r2_per_sequence")}
 
 
 def place_choices(run: Run) -> list[dict]:
     """``{analysis, metric, layer, site, value, pinned}`` for every (layer, site) a stored analysis
-    of ``run`` measured (``m1.json``: the measurement batch's late window; ``dual.json``: the final
-    model's OOD states); ``pinned``: the place the claims read. A file of an earlier row version
+    of ``run`` measured (``m1.json``: the measurement batch's late window; ``dual.json``: projection
+    R^2 of the final model, the protocol's and the ``per-sequence-r2`` variant); ``pinned``: the
+    place the claims read. A file of an earlier row version
     is left out (measure it again)."""
     rows = []
     for analysis, metrics in PLACE_METRICS.items():
@@ -120,10 +121,10 @@ def place_choices(run: Run) -> list[dict]:
         if stored is None:
             continue
         if analysis == "m1":
-            chosen = next(r for r in stored if r["metric"] == "place.selected")
+            chosen = next(r for r in stored if r["metric"] == "place.m1")  # where the M1 claims read
             values = [r for r in stored if r["batch"] == "measure" and r["position"] is None and r["metric"] in metrics]
         else:
-            chosen = next(r for r in stored if r["metric"] == "place_selected")
+            chosen = next(r for r in stored if r["metric"] == "projection_r2" and r["step"] is None)  # the protocol's place
             values = [{**r, "metric": r["metric"].removeprefix("table.")} for r in stored
                       if r["metric"].removeprefix("table.") in metrics and r["metric"].startswith("table.")]
         rows += [{"analysis": analysis, "metric": r["metric"], "layer": r["layer"], "site": r["site"], "value": r["value"],

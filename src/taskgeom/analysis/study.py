@@ -3,9 +3,11 @@
 there (``analysis.edits``); the verbs are their methods, the options keywords.
 
 - ``StudyRun`` (``tg.open_run(path)``): the model, family, pool and config of a finished run;
-  ``heldout`` sequences of a named ``Split``; ``cache`` states at places; ``geometry`` there;
-  ``select_place``; ``loss`` (under any edit whose ``with`` block is open); ``ablate`` directions;
-  ``orthogonal_search``; ``snapshots`` (the run at each kept training step).
+  ``heldout`` sequences of a named ``Split`` (``heldout_tasks``: whole tasks); ``cache`` states at
+  places; ``geometry`` there; ``select_place``; ``loss`` (under any edit whose ``with`` block is
+  open); ``ablate`` directions; ``orthogonal_search``; ``projection_r2`` as the study's Fig. 4
+  measures it and its ``projection_reference`` (``analysis.projection``); ``snapshots`` (the run
+  at each kept training step).
 - ``Sequences``: one held-out batch with what the analysis reads of it (``inputs``, the exact
   posterior ``alpha``, the Bayes ``references`` of its losses).
 - ``Place``: ``(layer, site)``, a named tuple that every hook accepts.
@@ -23,6 +25,7 @@ width, ``K`` major tasks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import weakref
@@ -35,8 +38,10 @@ import torch
 
 from taskgeom.analysis.edits import Edit, Place
 from taskgeom.analysis.geometry import Geometry
-from taskgeom.analysis.heldout import Kind, Split, sample, unsupported
+from taskgeom.analysis import projection
+from taskgeom.analysis.heldout import Kind, Split, sample, sample_tasks, unsupported
 from taskgeom.analysis.orthogonal import BATCH_SIZE, orthogonal_searches
+from taskgeom.analysis.projection import ProjectionR2
 from taskgeom.analysis.sequences import Sequences
 from taskgeom.analysis.states import LayerStreams, stream_layers
 from taskgeom.analysis.subspace import direction_ablation
@@ -50,6 +55,7 @@ from taskgeom.tasks.regression import Regression
 
 DEFAULT_SITES = ("resid_mid", "resid_post")
 SEARCH_STREAMS = {"minor": "dual-minor-search", "ood": "dual-ood-search"}  # the orthogonal search's fresh batch of each step
+SELECTION_SEQUENCES = 512  # the M1 analysis' selection batch: the selected-place variant chooses where it does
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,41 @@ class StudyRun:
         (``heldout.Split``); the same arguments give the same sequences."""
         split = Split.of(split)
         return Sequences(self, kind, split, sample(self.family, self.pool, kind, n, split, self.config.task.seq_len, self.seed))
+
+    def heldout_tasks(self, kind: Kind, per_task: int, *, n_tasks: int | None = None, split: Split | str = "projection") -> Sequences:
+        """Whole held-out tasks of ``split``, ``per_task`` sequences each (``heldout.sample_tasks``):
+        ``n_tasks`` fresh OOD tasks, or every major task; the same arguments give the same sequences."""
+        batch = sample_tasks(self.family, self.pool, kind, per_task, split, self.config.task.seq_len, self.seed, n_tasks)
+        return Sequences(self, kind, Split.of(split), batch)
+
+    def projection_r2(self, ood: Sequences, major: Sequences, place: tuple[int, str] | None = None, *,
+                      variant: str | None = None) -> ProjectionR2:
+        """Projection R^2 of the OOD tasks of ``ood`` on the major tasks of ``major`` as the study's
+        Fig. 4 measures it (``analysis.projection``; whole tasks from ``heldout_tasks``) at ``place``
+        (default: the protocol's, ``projection.place``); or under a ``variant`` of PAPER.md section 8:
+        ``per-sequence-r2`` (each OOD state of the late window, centred by mu_t + nu(x_t) and
+        regressed on theta_(k, x_t), with the geometry fitted on ``major`` at the place),
+        ``site-mid`` (the protocol at resid_mid of the same block) or ``selected-place`` (the
+        protocol at the place of best R^2_task on the ``select`` split)."""
+        chosen = named_variant(variant)
+        name = "protocol" if chosen is None else chosen.name
+        at = projection.place(self.family, self.config.model.n_layers) if place is None else Place(*place)
+        if name == "site-mid":
+            at = Place(at.layer, "resid_mid")
+        elif name == "selected-place":
+            at = self.select_place(self.heldout("major", SELECTION_SEQUENCES, split="select"), n_random=0).best
+        elif name == "per-sequence-r2":
+            values = self.geometry(major, at, n_random=0).projection_r2(ood, "token")
+            return ProjectionR2(values, *projection.task_sizes(ood.batch), at, name)
+        elif name != "protocol":
+            raise AnalysisError(f"the variant {name!r} does not change projection R^2; choose per-sequence-r2, site-mid or selected-place")
+        return dataclasses.replace(projection.measure(self, ood, major, [at])[at], variant=name)
+
+    def projection_reference(self, ood: Sequences, major: Sequences) -> ProjectionR2:
+        """The linear-code reference beside projection R^2: the same statistic on the OOD-optimal
+        learner's estimate of the task (``TaskFamily.ood_estimate``) of the same sequences;
+        AnalysisError naming why for a family without one."""
+        return projection.reference(self.family, ood.batch, major.batch)
 
     def cache(self, sequences: Sequences, places: Sequence[tuple[int, str]]) -> dict[Place, torch.Tensor]:
         """{place: [N, P, D] float32} the states at the analysed positions, from one streamed pass

@@ -1,10 +1,12 @@
 """The dual modes across task diversity (PAPER.md section 5): projection R^2, the double
 dissociation, the predictor transition and Theorem 2, for the recipes that declare ``dual_modes``
 at the profile (E1 and E3; E2 at paper), measured where PAPER.md
-section 7 pins them (``analysis.dual``). Projection R^2 claims read the token-conditioned form;
-every share of in-context gain carries its parts (clean, ablated and first losses, the gain in
-nats, and ``unreliable`` when the gain is below ``MIN_RELIABLE_GAIN``), and a claim on a share of
-a gain that is not positive is ``n/a`` with that reason."""
+section 7 pins them (``analysis.dual``). Projection R^2 claims read the study's Fig. 4 statistic
+(``analysis.projection``), with its place, task counts, interquartile range, linear-code reference
+and the ``per-sequence-r2`` variant in their parts; every share of in-context gain carries its
+parts (clean, ablated and first losses, the gain in nats, and ``unreliable`` when the gain is below
+``MIN_RELIABLE_GAIN``), and a claim on a share of a gain that is not positive is ``n/a`` with that
+reason."""
 
 from __future__ import annotations
 
@@ -73,6 +75,34 @@ def _reason(rows: pd.DataFrame, metric: str, diversity: int, set_name: str) -> s
     return reasons[0] if reasons else None
 
 
+def projection_parts(rows: pd.DataFrame, diversity: int) -> dict:
+    """The parts of projection R^2 at ``diversity`` in ``rows`` (one seed's): its value, the place it
+    was read (block and site), the OOD task count and sequences per task, the interquartile range
+    over OOD tasks, the linear-code reference (or why there is none) and the ``per-sequence-r2``
+    variant's value."""
+    def final(metric: str) -> pd.DataFrame:
+        return rows[(rows["metric"] == metric) & (rows["diversity"] == diversity) & rows["step"].isna() & (rows["set"] == "ood")]
+
+    def band(row: pd.Series) -> tuple[float, float]:
+        return tuple(row["band"]) if isinstance(row["band"], (list, tuple)) else (float("nan"),) * 2
+
+    pick = final("projection_r2")
+    if pick.empty:
+        return {}
+    measured = pick.iloc[0]
+    low, high = band(measured)
+    parts = {"value": measured["value"], "block": int(measured["layer"]), "site": measured["site"],
+             "ood_tasks": int(_value(rows, "projection_r2_tasks", diversity, "ood")),
+             "sequences_per_task": int(_value(rows, "projection_r2_per_task", diversity, "ood")), "iqr_low": low, "iqr_high": high,
+             "per_sequence_r2": _value(rows, "projection_r2_per_sequence", diversity, "ood")}
+    reason = _reason(rows, "projection_r2_reference", diversity, "ood")
+    if reason or final("projection_r2_reference").empty:
+        return {**parts, "reference_unavailable": reason or "not measured"}
+    reference = final("projection_r2_reference").iloc[0]
+    ref_low, ref_high = band(reference)
+    return {**parts, "reference": reference["value"], "reference_iqr_low": ref_low, "reference_iqr_high": ref_high}
+
+
 def _each_recipe(ctx: Context, *claims: str) -> tuple[str, ...]:
     """The ids of ``claims`` for every recipe of the profile's grid (``e1.ablate_V_ood``, ...)."""
     return tuple(f"{recipe}.{claim}" for recipe in grid(ctx)[1] for claim in claims)
@@ -88,7 +118,8 @@ def _jobs(ctx: Context) -> list[Job]:
 def runs(ctx: Context) -> list[TrainTask]:
     """The sweep's runs, for the schedule, each with the thread count the sweep gives it, and their
     dual-mode analysis (done there, the sweep then reads it)."""
-    return [TrainTask(config, job.root, job.device, job.tracker, config.train.threads or ctx.executor.threads, analyse=True)
+    return [TrainTask(config, job.root, job.device, job.tracker, config.train.threads or ctx.executor.threads, analyse=True,
+                      profile=job.profile)
             for job in _jobs(ctx) for config in [job.config()]]
 
 
@@ -101,12 +132,12 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int, profile: str) -
         made.append(check(f"{recipe}.{name}", recipe, description, value, op, threshold, profile, parts) if reason is None else
                     not_applicable(f"{recipe}.{name}", recipe, description, op, threshold, profile, reason, parts))
 
-    r2_high, r2_low = _value(rows, "projection_r2_token", high, "ood"), _value(rows, "projection_r2_token", low, "ood")
-    plain = {"plain_form": _value(rows, "projection_r2", high, "ood")}
-    claim("projection_r2_high_diversity", f"projection R^2 (token-conditioned) of OOD states onto S at k = {high}", r2_high, "<",
-          MAX_R2_HIGH_DIVERSITY, plain)
-    claim("projection_r2_drop", f"projection R^2 (token-conditioned) at k = {low} minus at k = {high}", r2_low - r2_high, ">=",
-          MIN_R2_DROP, {f"k={low}": r2_low, f"k={high}": r2_high})
+    r2_high, r2_low = _value(rows, "projection_r2", high, "ood"), _value(rows, "projection_r2", low, "ood")
+    what = "projection R^2 of OOD task means onto the major task means (the study's Fig. 4)"
+    claim("projection_r2_high_diversity", f"{what} at k = {high}", r2_high, "<", MAX_R2_HIGH_DIVERSITY, projection_parts(rows, high))
+    claim("projection_r2_drop", f"{what} at k = {low} minus at k = {high}", r2_low - r2_high, ">=", MIN_R2_DROP,
+          {**{f"k={low}.{name}": v for name, v in projection_parts(rows, low).items()},
+           **{f"k={high}.{name}": v for name, v in projection_parts(rows, high).items()}})
     made += ablation_claims(rows, recipe, high, profile)
     if len(rows) and rows["metric"].str.startswith("transition_").any():  # token families only
         final = by_step(rows).sort_values("step").groupby("diversity").last()
@@ -178,8 +209,9 @@ def dual_modes(ctx: Context) -> None:
                               tuple(f"{recipe}.{name}" for name in DUAL_EVIDENCE["dissociation"])),
                               f"{recipe.upper()} double dissociation (k = {high})")
     if len(ok):
-        plot_projection_r2(ok, ctx.figure("projection_r2.png", "Projection R^2 of OOD states onto the task subspace across diversity: "
-                                          "token-conditioned (solid, IQR band; the claims) and plain (dashed)",
+        plot_projection_r2(ok, ctx.figure("projection_r2.png", "Projection R^2 of OOD task means onto the major task means (the study's "
+                                          "Fig. 4 statistic) across diversity: the claims' value (solid, IQR band over OOD tasks), the "
+                                          "linear-code reference (dashed) and the per-sequence-r2 variant (dotted)",
                                           _each_recipe(ctx, *DUAL_EVIDENCE["projection"])))
         curve = rank_curve(ok)
         atomic_write_text(ctx.out / "tables" / "rank_curve.csv", curve.to_csv(index=False))
@@ -189,8 +221,9 @@ def dual_modes(ctx: Context) -> None:
         plot_transition(by_step(ok), ctx.figure("predictor_transition.png",
                         "Predictor transition: log(KL to memorising / KL to generalising Bayes) over diversity and training step",
                         _each_recipe(ctx, *DUAL_EVIDENCE["transition"])))
-        plot_projection_r2_steps(by_step(ok), ctx.figure("projection_r2_steps.png",
-                                 "Projection R^2 of OOD states onto the task subspace across training, one line per diversity k",
+        plot_projection_r2_steps(ok, ctx.figure("projection_r2_steps.png",
+                                 "The study's Fig. 4: projection R^2 of OOD task means across training, one line per diversity k "
+                                 "(IQR band over OOD tasks), the linear-code reference dashed",
                                  _each_recipe(ctx, *DUAL_EVIDENCE["projection"])))
         plot_theorem2(ok, ctx.figure("theorem2.png", "Theorem 2: distance of OOD states from S beside (c - delta)/L (last layer)"))
 

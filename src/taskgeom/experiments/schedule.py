@@ -38,7 +38,7 @@ from taskgeom.timing import Clock, Profile
 class TrainTask:
     """One run to train: its config, run root, device, tracker and the torch thread count it trains
     with (its config's ``train.threads`` when set); ``analyse``: then measure its dual modes
-    (``analysis.dual``) with that thread count."""
+    (``analysis.dual``) with that thread count, at the sizes of its ``profile``."""
 
     config: RunConfig
     root: str
@@ -46,6 +46,7 @@ class TrainTask:
     tracker: str
     threads: int
     analyse: bool = False
+    profile: str = "quick"
 
     @property
     def name(self) -> str:
@@ -90,6 +91,7 @@ def _with_threads(threads: int, work) -> tuple[float, float]:
 def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float]]:
     """Do one unit in this process; returns the (wall, CPU) seconds of its ``train`` and ``analyse``.
     (``_pool_threads``: what ``execute`` passes every task; a unit sets its own thread counts.)"""
+    from taskgeom.analysis import projection
     from taskgeom.analysis.dual import analyze_dual, load_dual
     from taskgeom.analysis.study import StudyRun
     from taskgeom.train import train
@@ -99,7 +101,8 @@ def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float
         seconds["train"] = _with_threads(unit.train_threads, lambda: train(Run.create(task.config, task.root), device=task.device,
                                                                                tracker=task.tracker))
     if unit.analysis_threads:
-        seconds["analyse"] = _with_threads(unit.analysis_threads, lambda: load_dual(run := Run.open(task.path)) or analyze_dual(StudyRun(run)))
+        seconds["analyse"] = _with_threads(unit.analysis_threads, lambda: load_dual(run := Run.open(task.path))
+                                        or analyze_dual(StudyRun(run), projection_sizes=projection.sizes(task.profile)))
     return seconds
 
 

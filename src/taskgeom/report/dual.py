@@ -41,17 +41,19 @@ def _finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str, legend_si
 
 
 def plot_projection_r2(rows: pd.DataFrame, path: Path) -> None:
-    """Projection R^2 of OOD states onto the task subspace against diversity k, one colour per
-    recipe: token-conditioned (solid, what the claims read) and plain (dashed)."""
+    """Projection R^2 (the study's Fig. 4 statistic) of the final models against diversity k, one
+    colour per recipe: the mean over seeds (solid, band: the interquartile range over OOD tasks,
+    averaged over seeds), the linear-code reference (dashed) and the ``per-sequence-r2`` variant (dotted)."""
     fig, ax = plt.subplots(figsize=(5.6, 3.8))
     for i, (recipe, group) in enumerate(rows.groupby("recipe")):
-        for metric, style, form in (("projection_r2_token", "o-", "token-conditioned"), ("projection_r2", "s--", "plain")):
+        for metric, style, what in (("projection_r2", "o-", "Fig. 4 (claims)"), ("projection_r2_reference", "s--", "linear-code reference"),
+                                    ("projection_r2_per_sequence", ":", "per-sequence-r2 variant")):
             table = _per_k(group, metric)
-            ax.plot(table["diversity"], table["value"], style, color=f"C{i}", label=f"{recipe.upper()} {form}")
-            if metric == "projection_r2_token":
+            ax.plot(table["diversity"], table["value"], style, color=f"C{i}", label=f"{recipe.upper()} {what}")
+            if metric == "projection_r2":
                 ax.fill_between(table["diversity"], table["low"], table["high"], color=f"C{i}", alpha=0.2)
     ax.set_ylim(0, 1)
-    _finish(fig, ax, path, "task diversity k (2^k minor tasks; -1: majors only)", "projection R$^2$ of OOD states on S",
+    _finish(fig, ax, path, "task diversity k (2^k minor tasks; -1: majors only)", "projection R$^2$ of OOD task means",
             "OOD states leave the task subspace as diversity grows")
 
 
@@ -154,20 +156,32 @@ def plot_transition(transition: pd.DataFrame, path: Path) -> None:
     save(fig, path)
 
 
-def plot_projection_r2_steps(steps: pd.DataFrame, path: Path) -> None:
-    """Projection R^2 against training step (log scale), one panel per recipe, one line per k."""
+def plot_projection_r2_steps(rows: pd.DataFrame, path: Path) -> None:
+    """The study's Fig. 4: projection R^2 against training step (log scale), one panel per recipe,
+    one line per diversity k (the mean over seeds) with its interquartile band over OOD tasks
+    (averaged over seeds), and the linear-code reference of each k as a dashed line; from the
+    sweep's rows (``projection_r2`` with a ``step``, ``projection_r2_reference``)."""
+    steps = rows[(rows["metric"] == "projection_r2") & rows["step"].notna()]
     recipes = sorted(steps["recipe"].unique())
+    if not recipes:
+        return
     fig, axes = plt.subplots(1, len(recipes), figsize=(4.6 * len(recipes), 3.4), squeeze=False, sharey=True)
     for ax, recipe in zip(axes[0], recipes):
-        for k, group in steps[steps["recipe"] == recipe].groupby("diversity"):
-            mean = group.groupby("step")["projection_r2"].mean()
-            ax.plot(mean.index, mean.values, "o-", ms=3, label=f"k = {k}")
+        mine = rows[rows["recipe"] == recipe]
+        for i, (k, group) in enumerate(steps[steps["recipe"] == recipe].groupby("diversity")):
+            band = group["band"].map(lambda b: b if isinstance(b, (list, tuple)) else [np.nan, np.nan])
+            by_step = group.assign(low=band.map(lambda b: b[0]), high=band.map(lambda b: b[1])).groupby("step")[["value", "low", "high"]].mean()
+            ax.fill_between(by_step.index, by_step["low"], by_step["high"], color=f"C{i}", alpha=0.2, linewidth=0)
+            ax.plot(by_step.index, by_step["value"], "o-", ms=3, color=f"C{i}", label=f"k = {k}")
+            reference = _per_k(mine[mine["diversity"] == k], "projection_r2_reference")["value"]
+            if len(reference) and np.isfinite(reference.iloc[0]):
+                ax.axhline(reference.iloc[0], color=f"C{i}", ls="--", lw=1)
         ax.set_xscale("log")
         ax.set_xlabel("training step")
-        ax.set_title(recipe.upper())
+        ax.set_title(f"{recipe.upper()} (dashed: linear-code reference)")
         ax.grid(alpha=0.3)
         ax.legend(frameon=False, fontsize=8)
-    axes[0, 0].set_ylabel("projection R$^2$ of OOD states on S")
+    axes[0, 0].set_ylabel("projection R$^2$ of OOD task means")
     axes[0, 0].set_ylim(0, 1)
     fig.tight_layout()
     save(fig, path)

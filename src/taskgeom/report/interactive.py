@@ -22,7 +22,8 @@ COLORS = qualitative.Plotly  # '#rrggbb' strings
 _LAYOUT = {"template": "plotly_white", "height": 380, "margin": {"l": 60, "r": 20, "t": 50, "b": 50}}
 M1_LAYER_METRICS = {"p0.cell_r2": "P0 cell-means R^2", "p1.additive_share": "P1 additive share", "p2.r2_task": "P2 R^2_task",
                     "p2.r2_random": "P2 random subspace"}
-DUAL_MEASURES = {"projection_r2_token@ood": "projection R^2 (token-cond.)", "projection_r2@ood": "projection R^2 (plain)",
+DUAL_MEASURES = {"projection_r2@ood": "projection R^2 (Fig. 4)", "projection_r2_reference@ood": "projection R^2, linear-code ref.",
+                 "projection_r2_per_sequence@ood": "projection R^2 (per-sequence-r2)",
                  "gain_removed_ablate_S@major": "% major gain, ablate S", "gain_removed_ablate_S@ood": "% OOD gain, ablate S",
                  "gain_removed_ablate_V@major": "% major gain, ablate V", "gain_removed_ablate_V@ood": "% OOD gain, ablate V",
                  "gain_removed_random@major": "% major gain, random", "gain_removed_random@ood": "% OOD gain, random",
@@ -142,7 +143,7 @@ def _dual(table: pd.DataFrame) -> list[Evidence]:
     final = rows[rows["step"].isna()]
     recipes = sorted(rows["recipe"].unique())
     claim = lambda *names: tuple(f"{r}.{n}" for r in recipes for n in names)  # noqa: E731
-    projection = final[final["metric"].isin(["projection_r2_token", "projection_r2"]) & (final["set"] == "ood")]
+    projection = final[final["metric"].isin(["projection_r2", "projection_r2_reference"]) & (final["set"] == "ood")]
     high = final.groupby("recipe")["diversity"].transform("max")
     summary = final["layer"].isna()  # the ablations' mean over blocks, which the claims read
     ablations = final[(final["diversity"] == high) & final["metric"].isin(["gain_removed_ablate_S", "gain_removed_ablate_V",
@@ -152,7 +153,7 @@ def _dual(table: pd.DataFrame) -> list[Evidence]:
                                  + ablations["metric"].str.replace("gain_removed_", ""), where=ablations["set"])
     rank = final[final["metric"].str.startswith("gain_removed_ablate_V_rank") & summary]
     rank = rank.assign(rank=rank["metric"].str.replace("gain_removed_ablate_V_rank", "").astype(int))
-    steps = rows[rows["step"].notna() & rows["metric"].isin(["projection_r2_token", "transition_log_ratio"])]
+    steps = rows[rows["step"].notna() & rows["metric"].isin(["projection_r2", "transition_log_ratio"])]
     key = final["metric"] + "@" + final["set"].fillna("")
     measures = (final.assign(measure=key)[key.isin(list(DUAL_MEASURES))]
                 .pivot_table(index=["recipe", "diversity", "seed"], columns="measure", values="value").reset_index()
@@ -164,7 +165,7 @@ def _dual(table: pd.DataFrame) -> list[Evidence]:
                  claim(*DUAL_EVIDENCE["projection"]),
                  figure=lines(projection, "diversity", lambda k: f"{k[0]} {k[1].replace('projection_r2', 'R^2')}",
                                ["recipe", "metric"], "Projection R^2 (OOD) against diversity k (median; band: range over seeds)",
-                               "diversity k", "projection R^2", dash=lambda k: "solid" if k[1].endswith("token") else "dash")),
+                               "diversity k", "projection R^2", dash=lambda k: "dash" if k[1].endswith("reference") else "solid")),
         Evidence("dual-ablations", "Double dissociation: % of in-context gain removed at the highest diversity", "dual",
                  claim(*DUAL_EVIDENCE["dissociation"]),
                  figure=_bars(ablations, "where", "what", "% of in-context gain removed (highest diversity)", "% gain removed")),

@@ -80,3 +80,7 @@ class Dice(TokenFamily):
     def predict_ood(self, tokens: torch.Tensor) -> torch.Tensor:
         counts = F.one_hot(tokens, self.vocab_size).double().cumsum(dim=1) + self.alpha
         return counts / counts.sum(-1, keepdim=True)
+
+    def ood_estimate(self, batch) -> torch.Tensor:
+        """[B, T, V] the posterior-mean face probabilities after tokens[:, :t+1] (add-alpha counts)."""
+        return self.predict_ood(batch.tokens)

@@ -184,6 +184,10 @@ class Regression(TaskFamily):
         eye = torch.eye(self.d, dtype=torch.float64)
         return torch.linalg.solve(gram + self.noise**2 * eye, rhs)
 
+    def ood_estimate(self, batch: Batch) -> torch.Tensor:
+        """[B, n, d] the ridge weights in force when y_i is predicted (``ridge_weights``)."""
+        return self.ridge_weights(batch.x, batch.y)
+
     def context_statistic(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The prediction positions, with the ridge prediction x_i . w_ridge (examples < i)."""
         return self.prediction_positions(batch.x.shape[1]), self.predict_ood(batch)[..., None]
