@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from taskgeom.experiments.base import Context, planned_runs
+from taskgeom.experiments import Context, planned_runs
 from taskgeom.experiments.schedule import plan_table
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from taskgeom.config import RunConfig, build_config
+from taskgeom.kernels import use_portable_kernels
 
+# The kernels the CLI would choose, before any test computes: in-process runs and the pool workers
+# and Ray tasks the tests start then train the same bits.
+use_portable_kernels()
 torch.set_num_threads(1)
 
 

@@ -60,22 +60,34 @@ def test_analyze_writes_tidy_rows_and_figures(trained):
         for metric in ("p0.within_share", "p0.cell_r2", "p1.additive_share", "p2.r2_task", "p2.r2_random"):
             rows = per_layer[per_layer["metric"] == metric]
             assert sorted(zip(rows["layer"], rows["site"])) == [(0, "resid_mid"), (0, "resid_post"), (1, "resid_mid"), (1, "resid_post")]
-    per_position = table[(table["metric"] == "p2.r2_task") & table["position"].notna()]
-    assert len(per_position) == 4 * 24 and set(per_position["batch"]) == {"measure"}
+    for metric in ("p2.r2_task", "p0.cell_r2", "p1.additive_share"):
+        per_position = table[(table["metric"] == metric) & table["position"].notna()]
+        assert len(per_position) == 4 * 24 and set(per_position["batch"]) == {"measure"}
     # P0 and P1 recomputed from states captured on the same batches, by a plain loop over cells and
-    # ordinary least squares on the observations
+    # ordinary least squares on the observations: pooled over the late window (the pooled-anova
+    # variant) and at each position (the protocol), whose median over the late window the rows hold
     model = trained.load_model()
     places = [(layer, site) for layer in range(2) for site in ("resid_mid", "resid_post")]
+    late = late_window(24)
     for batch in ("select", "measure"):
         inputs = StudyRun(trained).heldout("major", 48, split=batch).inputs
         with torch.no_grad(), capture(model, places) as states:
             model(inputs.batch.tokens)
         rows = table[table["position"].isna() & (table["batch"] == batch)].set_index(["metric", "layer", "site"])["value"]
+        curves = table[table["position"].notna() & (table["batch"] == batch)].set_index(["metric", "layer", "site", "position"])["value"]
         for place in places:
-            within, additive = p0_p1_by_hand(states[place], inputs.batch.task, inputs.batch.tokens, late_window(24))
-            assert rows[("p0.within_share", *place)] == pytest.approx(within, rel=1e-6, abs=1e-9), (batch, place)
-            assert rows[("p0.cell_r2", *place)] == pytest.approx(1 - within, rel=1e-6, abs=1e-9), (batch, place)
-            assert rows[("p1.additive_share", *place)] == pytest.approx(additive, rel=1e-6, abs=1e-9), (batch, place)
+            within, additive = p0_p1_by_hand(states[place], inputs.batch.task, inputs.batch.tokens, late)
+            assert rows[("p0.within_share_pooled", *place)] == pytest.approx(within, rel=1e-6, abs=1e-9), (batch, place)
+            assert rows[("p0.cell_r2_pooled", *place)] == pytest.approx(1 - within, rel=1e-6, abs=1e-9), (batch, place)
+            assert rows[("p1.additive_share_pooled", *place)] == pytest.approx(additive, rel=1e-6, abs=1e-9), (batch, place)
+            by_position = np.array([p0_p1_by_hand(states[place], inputs.batch.task, inputs.batch.tokens, slice(t, t + 1)) for t in range(24)])
+            if batch == "measure":
+                for t in range(24):
+                    assert curves[("p0.cell_r2", *place, t)] == pytest.approx(1 - by_position[t, 0], rel=1e-6, abs=1e-9), (place, t)
+                    assert curves[("p1.additive_share", *place, t)] == pytest.approx(by_position[t, 1], rel=1e-6, abs=1e-9), (place, t)
+            assert rows[("p0.cell_r2", *place)] == pytest.approx(np.median(1 - by_position[late, 0]), rel=1e-6, abs=1e-9), (batch, place)
+            assert rows[("p1.additive_share", *place)] == pytest.approx(np.median(by_position[late, 1]), rel=1e-6, abs=1e-9), (batch, place)
+            assert rows[("p1.additive_share_last", *place)] == pytest.approx(by_position[-1, 1], rel=1e-6, abs=1e-9), (batch, place)
     tv = table[(table["metric"] == "p3.tv") & table["position"].notna() & table["task"].isna()]
     assert sorted(tv["position"].astype(int)) == list(range(24))
     per_task = table[(table["metric"] == "p3.tv") & table["task"].notna()]
@@ -96,7 +108,8 @@ def test_unfinished_run_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (("--layer", "5"), "layers [5] do not exist; the model has layers 0..1"),
     (("--site", "resid_side"), "unknown sites ['resid_side']"),
-    (("--primary", "attn_out"), "primary site 'attn_out' must be among"),
+    (("--layer", "0"), "the M1 claims read (layer, site) [(1, 'resid_post')]"),
+    (("--site", "resid_mid"), "the M1 claims read (layer, site) [(1, 'resid_post')]"),
 ])
 def test_bad_requests_exit_2_before_any_work(trained, tmp_path, args, message):
     """A bad request changes nothing an earlier analysis wrote: m1.json and the figures keep their bytes."""
@@ -118,28 +131,28 @@ def test_missing_run_directory_exits_2(tmp_path):
     assert "not a taskgeom run directory" in result.output
 
 
-def test_the_place_is_selected_on_one_batch_and_the_claims_measured_on_another(trained):
-    from taskgeom.analysis.retrieval import analyze
+def test_the_claims_read_the_studys_block_and_each_variant_reads_its_own(trained):
+    from taskgeom.analysis.retrieval import analyze, claim_values
     from taskgeom.analysis.study import StudyRun
     from taskgeom.analysis.steering import KINDS
+    from taskgeom.errors import AnalysisError
     from taskgeom.experiments.m1 import MAX_STEERING_SHARE, MIN_CELL_R2, claims as m1_claims
 
     result = analyze(StudyRun(trained), n_sequences=48, n_random=2)
     claims = {c.id: c for c in m1_claims(result, "quick")}
     assert list(claims) == ["e1.P0", "e1.P1", "e1.P2", "e1.P2.vs_random", "e1.P3", "e1.P3.shrinks", "e1.steering"]
+    assert result.place == result.p3_place == (1, "resid_post")  # study block 3 of 6 in 2 blocks: ceil(4 * 2 / 6) - 1
+    assert all((c.parts["layer"], c.parts["site"]) == (1, "resid_post") for c in claims.values())
     table = pd.DataFrame(result.rows)
     per_place = table[table["position"].isna() & table["task"].isna()]
-    selection = per_place[(per_place["batch"] == "select") & (per_place["metric"] == "p2.r2_task")].set_index(["layer", "site"])["value"]
-    ranked = selection.sort_values(ascending=False).index.tolist()
-    assert result.best == ranked[0] and result.runner_up == ranked[1]
-    chosen = per_place[per_place["metric"] == "place.selected"]
-    assert (int(chosen["layer"].iloc[0]), chosen["site"].iloc[0]) == result.best
-    layer, site = result.best
-    best = per_place[(per_place["batch"] == "measure") & (per_place["layer"] == layer) & (per_place["site"] == site)].set_index("metric")["value"]
-    assert best["p2.r2_task"] != selection[result.best]  # measured on other sequences
-    assert claims["e1.P0"].value == best["p0.cell_r2"]
-    assert claims["e1.P2"].value == best["p2.r2_task"]
-    assert claims["e1.P2.vs_random"].value == pytest.approx(best["p2.r2_task"] - best["p2.r2_random"])
+    measured = per_place[per_place["batch"] == "measure"].set_index(["metric", "layer", "site"])["value"]
+    at = measured.xs((1, "resid_post"), level=("layer", "site"))
+    curve = table[(table["metric"] == "p0.cell_r2") & (table["layer"] == 1) & (table["site"] == "resid_post") & (table["position"] >= 18)]
+    assert claims["e1.P0"].value == at["p0.cell_r2"] == pytest.approx(curve["value"].median())
+    assert claims["e1.P1"].value == at["p1.additive_share"] and claims["e1.P1"].parts["last_position"] == at["p1.additive_share_last"]
+    assert claims["e1.P2"].value == at["p2.r2_task"]
+    assert claims["e1.P2.vs_random"].value == pytest.approx(at["p2.r2_task"] - at["p2.r2_random"])
+    assert claims["e1.P3"].value == at["p3.tv_mean_beta"] and claims["e1.P3"].parts["tv_per_state_last_quarter"] == at["p3.tv_last_quarter"]
     assert claims["e1.P0"].threshold == MIN_CELL_R2 and claims["e1.steering"].threshold == MAX_STEERING_SHARE
     # steering at the study's place (block 3 of 6 at the depth of 2 blocks: block 1, resid_post), whatever was selected
     steering = per_place[(per_place["layer"] == 1) & (per_place["site"] == "resid_post") & per_place["metric"].str.startswith("steering.")]
@@ -151,8 +164,19 @@ def test_the_place_is_selected_on_one_batch_and_the_claims_measured_on_another(t
     assert claims["e1.steering"].value == pytest.approx(max(3 * parts["steered"] / parts["unsteered"], parts["steered"] / parts["mode"]))
     assert parts["steered"] == steering["steering.kl_steered"] and (parts["layer"], parts["site"]) == (1, "resid_post")
 
-    fixed = analyze(StudyRun(trained), n_sequences=48, n_random=2, site="resid_post")
-    assert fixed.best[1] == "resid_post" and fixed.runner_up[1] == "resid_post"
+    # the selected-place variant: the place of best R^2_task on the selection batch, measured apart
+    selection = per_place[(per_place["batch"] == "select") & (per_place["metric"] == "p2.r2_task")].set_index(["layer", "site"])["value"]
+    ranked = selection.sort_values(ascending=False).index.tolist()
+    assert result.selected == ranked[0] and result.runner_up == ranked[1]
+    for variant, place, p0 in (("selected-place", result.selected, "p0.cell_r2"), ("site-mid", (1, "resid_mid"), "p0.cell_r2"),
+                               ("pooled-anova", (1, "resid_post"), "p0.cell_r2_pooled"), ("v-best-block", (1, "resid_post"), "p0.cell_r2")):
+        values = claim_values(result.rows, variant)
+        assert values["P0"].value == measured[(p0, *place)], variant
+        assert (values["P3"].parts["layer"], values["P3"].parts["site"]) == tuple(place), variant
+        assert values["P3"].value == measured[("p3.tv_mean_beta", *place)], variant
+    assert claim_values(result.rows, "pooled-anova")["P1"].value == measured[("p1.additive_share_pooled", 1, "resid_post")]
+    with pytest.raises(AnalysisError, match="unknown variant 'sideways'"):
+        claim_values(result.rows, "sideways")
 
 
 def test_analyze_e2_regression_run(tmp_path):
@@ -187,6 +211,9 @@ def test_analyze_e2_regression_run(tmp_path):
     parts = claims["e2.steering"].parts
     assert claims["e2.steering"].value == pytest.approx(max(2 * parts["steered"] / parts["unsteered"], parts["steered"] / parts["mode"]))
     assert "linear map of x_t" in claims["e2.P0"].description
+    at = pd.DataFrame(analysed.rows).query("batch == 'measure' and position.isna() and task.isna()", engine="python")
+    at = at[(at["layer"] == 0) & (at["site"] == "resid_post")].set_index("metric")["value"]  # block 10 (and 9) of 16 in 1 block: 0
+    assert claims["e2.P2"].value == at["p2.r2_additive"] and claims["e2.P2"].parts["r2_task"] == at["p2.r2_task"]
 
 
 def test_unsupported_family_is_a_clear_error():

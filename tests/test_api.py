@@ -65,10 +65,10 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
     run, place, geometry, shares, r2, claims = (namespace[k] for k in ("run", "place", "geometry", "shares", "r2", "claims"))
 
     m1, dual = stored(run, "m1"), stored(run, "dual")
-    selected = one(m1, "place.selected")
-    assert tuple(place) == (selected["layer"], selected["site"])
+    pinned = one(m1, "place.m1")
+    assert tuple(place) == (pinned["layer"], pinned["site"])
     at = {"layer": place.layer, "site": place.site, "batch": "measure", "position": None, "task": None}
-    for name, metric in (("P0", "p0.cell_r2"), ("P1", "p1.additive_share"), ("P2", "p2.r2_task"), ("P3", "p3.tv_last_quarter")):
+    for name, metric in (("P0", "p0.cell_r2"), ("P1", "p1.additive_share"), ("P2", "p2.r2_task"), ("P3", "p3.tv_mean_beta")):
         assert namespace["p"][name] == pytest.approx(one(m1, metric, **at)["value"], rel=1e-12, abs=1e-15), name
         assert claims.loc[f"e3.{name}", "seeds"][0]["value"] == pytest.approx(namespace["p"][name], rel=1e-12), name
     steering_at = steering_place(run.family, run.config.model.n_layers)  # the stored steering: the study's place, its own draws
@@ -81,36 +81,45 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
     steered = namespace["steered"]
     assert steered.a.eq(torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)).all()
     assert torch.isfinite(steered.steered).all() and not torch.equal(steered.steered, steered.unsteered)  # the edit moved the model
+    mid = {"layer": place.layer, "site": "resid_mid"}  # the block of the S ablation the study ablates
     for kind, share in shares.items():
-        row = one(dual, "gain_removed_ablate_S", set=kind)
+        row = one(dual, "gain_removed_ablate_S", set=kind, **mid)
         assert (row["value"], row["gain"], row["unreliable"], row["reason"]) == (share.value, share.gain, share.unreliable, share.reason)
-        assert one(dual, "loss_ablate_S", set=kind)["value"] == pytest.approx(share.ablated, rel=1e-12)
-    assert float(r2) == pytest.approx(one(dual, "projection_r2_token", step=None)["value"], rel=1e-12)
+        assert one(dual, "loss_ablate_S", set=kind, **mid)["value"] == pytest.approx(share.ablated, rel=1e-12)
+    assert r2 == pytest.approx(one(dual, "projection_r2", step=None)["value"], rel=1e-12)
     assert set(namespace["table"]["set"]) >= {"major", "ood"}
 
 
-def test_projection_r2_in_both_forms_at_every_place_is_the_stored_table(e3):
+def test_projection_r2_and_its_variant_at_every_place_and_the_reference_are_the_stored_table(e3, folder):
     dual = stored(e3, "dual")
-    major, ood = e3.heldout("major", 256, split="geometry"), e3.heldout("ood", 256, split="geometry")
-    for geometry in e3.geometries(major, e3.places()):
-        for form, metric in (("token", "table.projection_r2_token"), ("plain", "table.projection_r2")):
-            row = one(dual, metric, layer=geometry.place.layer, site=geometry.place.site)
-            r2 = geometry.projection_r2(ood, form=form)
-            assert float(r2.mean()) == pytest.approx(row["value"], rel=1e-12)
-            assert torch.quantile(r2.double(), 0.25).item() == pytest.approx(row["band"][0], rel=1e-12)
-    with pytest.raises(AnalysisError, match="unknown form 'tokens'; choose token or plain"):
-        geometry.projection_r2(ood, form="tokens")
+    ood, major = e3.heldout_tasks("ood", 32, n_tasks=32), e3.heldout_tasks("major", 32)
+    geometry_ood = e3.heldout("ood", 256, split="geometry")
+    for place in e3.places():
+        row = one(dual, "table.projection_r2", layer=place.layer, site=place.site)
+        r2 = e3.projection_r2(ood, major, place)
+        assert (r2.mean, r2.quartiles) == (pytest.approx(row["value"], rel=1e-12), pytest.approx(row["band"], rel=1e-12))
+        variant = e3.projection_r2(geometry_ood, e3.heldout("major", 256, split="geometry"), place, variant="per-sequence-r2")
+        assert variant.mean == pytest.approx(one(dual, "table.projection_r2_per_sequence", layer=place.layer, site=place.site)["value"],
+                                             rel=1e-6)
+    reference = e3.projection_reference(ood, major)
+    assert reference.mean == pytest.approx(one(dual, "projection_r2_reference")["value"], rel=1e-12)
+    claims = tg.results(folder).claims.set_index("id")
+    parts = claims.loc["e3.projection_r2_drop", "seeds"][0]["parts"]
+    assert parts["k=-1.reference"] == pytest.approx(reference.mean, rel=1e-12) and parts["k=-1.ood_tasks"] == 32
+    with pytest.raises(AnalysisError, match="unknown variant 'per-sequence'"):
+        e3.projection_r2(ood, major, variant="per-sequence")
 
 
 def test_the_orthogonal_search_gives_the_stored_ablated_losses(e3):
     dual = stored(e3, "dual")
-    major, select = e3.heldout("major", 256, split="geometry"), e3.heldout("ood", 256, split="search-select")
+    major, ood = e3.heldout("major", 256, split="geometry"), e3.heldout("ood", 256, split="loss")
     geometries = list(e3.geometries(major, [(layer, "resid_mid") for layer in range(e3.config.model.n_layers)]))
     for geometry, v in zip(geometries, e3.orthogonal_search([(g, 1) for g in geometries])):
         assert v.shape == (geometry.basis.shape[0], 1) and (v.T.double() @ geometry.avoided.double()).abs().max() < 1e-5
+        assert geometry.avoided.shape[1] == 3 + geometry.token_directions.shape[1]  # E3's V avoids the probe's S and the tokens
         with e3.ablate(v, geometry.place):
-            ablated = e3.loss(select)
-        row = one(dual, "search_loss_ablate_V", layer=geometry.place.layer, site=geometry.place.site)
+            ablated = e3.loss(ood)
+        row = one(dual, "loss_ablate_V", layer=geometry.place.layer, site=geometry.place.site, set="ood")
         assert ablated == pytest.approx(row["value"], rel=1e-12)
 
 
@@ -175,12 +184,18 @@ def test_ablation_losses_equal_a_plain_forward_hook(folder, recipe):
             for handle in handles:
                 handle.remove()
 
-    ablate_s = (geometry.place, lambda h: h - (h - mu) @ basis @ basis.T)
+    probe = geometry.probe.float()
+    ablate_s = (geometry.place, lambda h: h - h @ probe @ probe.T)  # the protocol: h - h P_S, S the probe's
+    centred_s = (geometry.place, lambda h: h - (h - mu) @ basis @ basis.T)  # the variant centred-S
     ablate_v = (place_v, lambda h: h - h @ v.float() @ v.float().T)
     clean = run.loss(sequences, per_position=True)
     torch.testing.assert_close(clean, hooked(), rtol=0, atol=1e-6)
     with geometry.ablate():
         torch.testing.assert_close(run.loss(sequences, per_position=True), hooked(ablate_s), rtol=0, atol=1e-5)
+    with geometry.ablate(variant="centred-S"):
+        torch.testing.assert_close(run.loss(sequences, per_position=True), hooked(centred_s), rtol=0, atol=1e-5)
+    with pytest.raises(AnalysisError, match="does not change the S ablation"):
+        geometry.ablate(variant="v-best-block")
     with run.ablate(v, place_v):  # float64 directions work as they are
         torch.testing.assert_close(run.loss(sequences, per_position=True), hooked(ablate_v), rtol=0, atol=1e-5)
     with geometry.ablate(), run.ablate(v, place_v):
@@ -207,7 +222,7 @@ def test_cache_holds_the_states_the_hooks_capture(e3):
 
 def test_a_split_or_a_set_that_does_not_exist_is_a_clear_error(e3):
     with pytest.raises(AnalysisError, match=r"unknown split 'mesure'; choose one of \['select', 'measure', 'geometry', 'loss', "
-                                            r"'search-select', 'prior'\]"):
+                                            r"'search-select', 'prior', 'projection'\]"):
         e3.heldout("major", 8, split="mesure")
     with pytest.raises(AnalysisError, match=r"split 'select' has no ood sequences; it has \['major'\]"):
         e3.heldout("ood", 8, split="select")
@@ -260,15 +275,13 @@ def test_an_m1_file_of_an_earlier_row_version_is_not_read(folder, tmp_path):
 
 def test_the_run_at_each_kept_training_step_gives_the_stored_projection_across_training(e3):
     dual = stored(e3, "dual")
-    chosen = one(dual, "place_selected")
-    place = tg.Place(chosen["layer"], chosen["site"])
-    major, ood = e3.heldout("major", 256, split="geometry"), e3.heldout("ood", 256, split="geometry")
+    ood, major = e3.heldout_tasks("ood", 32, n_tasks=32), e3.heldout_tasks("major", 32)
     snapshots = e3.snapshots()
     assert list(snapshots) == sorted(snapshots) and len(snapshots) >= 1
     for step, snapshot in snapshots.items():
         assert snapshot.model is not e3.model and snapshot.path == e3.path
-        r2 = snapshot.geometry(major, place).projection_r2(ood, form="plain")
-        assert float(r2.mean()) == pytest.approx(one(dual, "projection_r2", step=step)["value"], rel=1e-12), step
+        r2 = snapshot.projection_r2(ood, major)
+        assert r2.mean == pytest.approx(one(dual, "projection_r2", step=step)["value"], rel=1e-12), step
 
 
 @pytest.mark.parametrize("n_layers, expected", [

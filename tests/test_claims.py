@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 import taskgeom.experiments
 from taskgeom.claims import MIN_RELIABLE_GAIN, Claim, check, counts, exit_code, gain_parts, not_applicable, over_seeds, summary, verdict
 from taskgeom.cli import app
-from taskgeom.experiments.base import reproduce
+from taskgeom.experiments import reproduce
 
 
 def passing() -> Claim:

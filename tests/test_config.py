@@ -80,15 +80,19 @@ def test_recipe_errors(tmp_path):
 
 
 # A value away from the default for every later setting (add one here with each new setting).
-LATER_VALUES = {("train", "precision"): "bf16", ("model", "arch"): "gpt2"}
+LATER_VALUES = {("train", "precision"): "bf16", ("model", "arch"): "gpt2", ("model", "activation"): "silu", ("model", "final_norm"): "false",
+                ("train", "schedule"): "cosine", ("train", "lr_floor"): "1.0e-5", ("task", "major_seed"): "7"}
+# The quick recipes as they were in taskgeom 0.1.0, from today's (issue 26 moved them to the study's settings).
+FIRST_RELEASE = {"e1": ["task.vocab_size=6", "task.majors=disjoint", "model.activation=gelu", "model.final_norm=true"],
+                 "e3": ["model.activation=gelu", "model.final_norm=true"]}
 
 
 def test_later_settings_keep_old_run_names_at_their_default():
     """Run directories of the first release keep their names: these digests were printed by
     taskgeom 0.1.0 (before LATER_SETTINGS existed) for the quick recipes (as they were then: the
     torch thread count left to torch)."""
-    assert load_recipe("e1", "quick", ["train.threads=0"]).digest() == "df8bc40532"
-    assert load_recipe("e3", "quick", ["train.threads=0"]).digest() == "12a7a71f28"
+    assert load_recipe("e1", "quick", ["train.threads=0", *FIRST_RELEASE["e1"]]).digest() == "df8bc40532"
+    assert load_recipe("e3", "quick", ["train.threads=0", *FIRST_RELEASE["e3"]]).digest() == "12a7a71f28"
     assert set(LATER_VALUES) == set(LATER_SETTINGS)
     for (section, key), value in LATER_VALUES.items():
         assert build_config(BASE, [f"{section}.{key}={value}"]).digest() != build_config(BASE).digest()
@@ -106,6 +110,15 @@ def test_later_settings_keep_old_run_names_at_their_default():
     (["train.weight_decay=true"], r"^config field 'train.weight_decay': Input should be a number, not a boolean \(got True\)$"),
     (["task.vocab_size=2", "task.n_major=5"], r"^task.majors disjoint gives each major task faces of its own: task.n_major \(5\) must not "
                                               r"exceed task.vocab_size \(2\); raise task.vocab_size or set task.majors=prior$"),
+    (["train.grad_clip=0"], r"^train.grad_clip must be a positive gradient norm, or null for no clipping \(got 0\)$"),
+    (["train.grad_clip=-1.5"], r"^train.grad_clip must be a positive gradient norm, or null for no clipping \(got -1.5\)$"),
+    (["train.lr_floor=1.0e-3"], r"^train.lr_floor \(0.001\) must be below the peak train.lr \(0.0004\)$"),
+    (["train.lr_floor=-1.0e-5"], r"^config field 'train.lr_floor': Input should be greater than or equal to 0"),
+    (["train.schedule=step"], r"^config field 'train.schedule': Input should be 'triangular' or 'cosine' \(got 'step'\)$"),
+    (["model.activation=relu"], r"^config field 'model.activation': Input should be 'gelu' or 'silu' \(got 'relu'\)$"),
+    (["model.final_norm=1"], r"^config field 'model.final_norm': Input should be a valid boolean \(got 1\)$"),
+    (["task.majors=uniform"], r"^config field 'task.majors': Input should be 'dirichlet', 'prior' or 'disjoint' \(got 'uniform'\)$"),
+    (["task.major_seed=1.5"], r"^config field 'task.major_seed': Input should be a valid integer \(got 1.5\)$"),
     (["train.steps=[1"], r"^override 'train.steps=\[1': the value is not valid YAML \(.* at line 1, column 3\)$"),
     (["train.steps=!!int 3"], r"^override 'train.steps=!!int 3': YAML tags \(!...\) are not allowed in a value"),
     (["name=!!python/name:os.system"], r"YAML tags"),
@@ -113,6 +126,20 @@ def test_later_settings_keep_old_run_names_at_their_default():
 def test_strict_values_are_refused_with_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         build_config(BASE, overrides)
+
+
+def test_hugging_face_models_keep_their_own_mlp_and_final_norm():
+    """A recipe's activation and final_norm are our model's: with model.arch gpt2 or llama they are
+    reset, so ``--set model.arch=gpt2`` works on every recipe and names one model once."""
+    plain = build_config(BASE, ["model.arch=gpt2"])
+    ours = build_config(BASE, ["model.activation=silu", "model.final_norm=false", "model.arch=gpt2"])
+    assert (ours.model.activation, ours.model.final_norm) == ("gelu", True) and ours.digest() == plain.digest()
+    assert load_recipe("e1", "quick", ["model.arch=llama"]).model.final_norm is True
+
+
+def test_no_clipping_and_the_schedule_are_settings():
+    cfg = build_config(BASE, ["train.grad_clip=null", "train.schedule=cosine", "train.lr_floor=2.0e-5", "train.lr=2.0e-4"]).train
+    assert (cfg.grad_clip, cfg.schedule, cfg.lr_floor, cfg.lr) == (None, "cosine", 2e-5, 2e-4)
 
 
 def test_plain_values_still_read_as_before():

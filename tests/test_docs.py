@@ -1,5 +1,8 @@
-"""The API reference builds from the docstrings with warnings as errors (``python -W error -m pdoc
---docformat markdown -o DIR taskgeom``, docs/python-api.md), and it documents every public name."""
+"""The documentation site (mkdocs, mkdocs-material, mkdocstrings; ``mkdocs.yml``) builds with
+``mkdocs build --strict`` and reads right in headless Chromium: the API reference renders
+``StudyRun`` and every public name, the CLI reference every option of ``reproduce``, the Protocol
+page its section on projection R^2, and no internal link of the built site is broken. The README
+stays short, and every link in it resolves."""
 
 from __future__ import annotations
 
@@ -7,32 +10,149 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+import typer
+from markdown.extensions.toc import slugify
+from test_report_browser import browser  # noqa: F401  (the report test's Chromium fixture ...)
+from test_report_browser import pytestmark as needs_browser  # ... and its skip: no Chromium, unless TASKGEOM_REQUIRE_BROWSER=1
 
 import taskgeom as tg
+from taskgeom.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGES = ("index", "getting-started", "concepts", "protocol", "cli", "python-api", "api", "adding-a-family", "hmm-example",
+         "scaling-out", "results", "quick-seeds-0-5", "scale-ladder", "benchmarks")
+README_LIMIT = 160
 
 
-def test_the_api_reference_builds_without_warnings_and_documents_every_public_name(tmp_path):
-    built = subprocess.run([sys.executable, "-W", "error", "-m", "pdoc", "--docformat", "markdown", "-o", str(tmp_path), "taskgeom"],
-                           capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0 and not built.stderr.strip(), built.stderr
-    page = (tmp_path / "taskgeom.html").read_text(encoding="utf-8")
-    documented = set(re.findall(r'id="([A-Za-z_][\w.]*)"', page))
-    public = [name for name in tg.__all__ if name not in ("__version__", "tasks", "results")]
-    assert set(public) <= documented, set(public) - documented
-    assert 'id="results"' in (tmp_path / "taskgeom" / "results.html").read_text(encoding="utf-8")  # the function, on its module's page
-    for name in public:  # each with its own docstring, not only a signature
-        obj = getattr(tg, name)
-        doc = (obj.__doc__ or "").strip()
-        assert isinstance(obj, float) or (doc and not re.fullmatch(rf"{name}\(.*\)", doc, re.S)), name  # not the generated signature
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site as ``mkdocs build --strict`` writes it (a warning fails the build)."""
+    out = tmp_path_factory.mktemp("site")
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert not re.search(r"^(WARNING|ERROR)", built.stderr, re.M), built.stderr
+    return out
+
+
+def reproduce_options() -> list[str]:
+    """Every option name of ``taskgeom reproduce``, read from the Typer app itself."""
+    group = typer.main.get_command(app)
+    command = group.get_command(group.context_class(group, info_name="taskgeom"), "reproduce")
+    return [name for param in command.params for name in param.opts if name.startswith("--")]
+
+
+def test_the_site_builds_strict_with_every_page(site):
+    assert [page for page in PAGES if not (site / f"{page}.html").is_file()] == []
+    assert (site / "ladder" / "ladder_e1.png").is_file() and (site / "search" / "search_index.json").is_file()
+
+
+def test_the_api_reference_documents_every_public_name(site):
+    page = (site / "api.html").read_text(encoding="utf-8")
+    documented = set(re.findall(r'id="(taskgeom[\w.]*)"', page))
+    public = [name for name in tg.__all__ if name not in ("__version__", "tasks", "results", "MIN_RELIABLE_GAIN")]
+    assert {f"taskgeom.{name}" for name in public} - documented == set()
+    assert {"taskgeom.results.results", "taskgeom.analysis.shares.MIN_RELIABLE_GAIN", "taskgeom.tasks", "taskgeom.tasks.make"} <= documented
     for verb in ("StudyRun.heldout", "StudyRun.cache", "StudyRun.geometry", "StudyRun.loss", "StudyRun.ablate",
                  "StudyRun.orthogonal_search", "Geometry.steer", "Geometry.ablate", "Geometry.projection_r2", "Geometry.p3"):
-        assert verb in documented, verb
-    assert (tmp_path / "taskgeom" / "tasks.html").is_file()
+        assert f"taskgeom.{verb}" in documented, verb
+    for name in public + ["results", "MIN_RELIABLE_GAIN"]:  # each with its own docstring, not only a signature
+        obj = getattr(tg, name)
+        doc = (obj.__doc__ or "").strip()
+        assert isinstance(obj, float) or (doc and not re.fullmatch(rf"{name}\(.*\)", doc, re.S)), name
 
 
-def test_the_python_page_is_linked_from_the_readme_and_names_the_build_command():
-    page = (ROOT / "docs" / "python-api.md").read_text(encoding="utf-8")
-    assert "docs/python-api.md" in (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "python -W error -m pdoc --docformat markdown -o" in page
+@needs_browser
+def test_the_site_reads_in_chromium_with_no_broken_internal_link(site, browser):  # noqa: F811
+    from selenium.webdriver.common.by import By
+
+    browser.get((site / "api.html").as_uri())
+    study_run = browser.find_element(By.ID, "taskgeom.StudyRun")
+    assert study_run.is_displayed() and "StudyRun" in study_run.text
+    assert "heldout" in browser.find_element(By.ID, "taskgeom.StudyRun.heldout").text
+
+    browser.get((site / "cli.html").as_uri())
+    section = browser.execute_script("""var h = document.getElementById('reproduce'), text = h.textContent;
+        for (var e = h.nextElementSibling; e && e.tagName !== 'H3' && e.tagName !== 'H2'; e = e.nextElementSibling) text += '\\n' + e.textContent;
+        return text;""")
+    options = reproduce_options()
+    assert len(options) >= 10 and [name for name in options if name not in section] == []
+
+    browser.get((site / "protocol.html").as_uri())
+    headings = browser.execute_script("return Array.from(document.querySelectorAll('article h2')).map(function (h) { return [h.id, h.textContent]; })")
+    (r2,) = [id_ for id_, text in headings if re.match(r"Projection R\^2", text)]
+    following = browser.execute_script("var e = document.getElementById(arguments[0]).nextElementSibling; return e ? e.textContent : ''", r2)
+    assert "OOD" in following
+
+    ids, hrefs = {}, {}  # page: its element ids; page: the href of every link on it, as the browser resolves it
+    for page in sorted(set(site.rglob("*.html")) - {site / "404.html"}):  # 404.html links from the server's root, for a web server
+        browser.get(page.as_uri())
+        ids[page], hrefs[page] = browser.execute_script("""return [Array.from(document.querySelectorAll('[id]')).map(function (e) { return e.id; }),
+            Array.from(document.querySelectorAll('a[href]')).map(function (a) { return a.href; })];""")
+    broken = []
+    for page, links in hrefs.items():
+        for href in links:
+            url = urlsplit(href)
+            target = Path(unquote(url.path))
+            if url.scheme == "file" and not (target.is_file() and site in target.parents and (not url.fragment or unquote(url.fragment) in ids.get(target, ()))):
+                broken.append((page.name, href))
+    assert len(ids) >= len(PAGES) and broken == [], broken
+
+
+def markdown_links(text: str) -> list[str]:
+    """The targets of every Markdown link and image of a page (not inside code blocks)."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", prose)
+
+
+def headings(path: Path) -> set[str]:
+    """The anchors mkdocs (Python-Markdown's toc) gives the headings of a Markdown page."""
+    prose = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.S | re.M)
+    return {slugify(h, "-") for h in re.findall(r"^#{1,6} (.+?)\s*$", prose, flags=re.M)}
+
+
+def test_the_readme_is_short_and_every_link_in_it_resolves():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= README_LIMIT
+    links = markdown_links(readme)
+    assert len(links) >= 10
+    for link in links:
+        if re.match(r"[a-z]+:", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = (ROOT / path).resolve()
+        assert target.is_file() and ROOT in target.parents, link
+        if anchor:
+            assert anchor in headings(target), link
+
+
+def test_the_readme_runs_the_tests_with_the_docs_extra_and_holds_the_sites_table():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    line = re.search(r"^Run the tests.*?^```bash\n(.*?)\n", readme, flags=re.S | re.M).group(1)  # what .ci/run extracts
+    assert "python -m pytest" in line and '".[test,docs]"' in line and "&& taskgeom reproduce" in readme
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r'^docs = \[.*"mkdocs-material.*"mkdocstrings\[python\]', pyproject, flags=re.M) and "pdoc" not in pyproject
+
+    table = re.search(r"^\| claim \| threshold \| E1 \|.*?\n\n", readme, flags=re.S | re.M).group(0)
+    assert table in (ROOT / "docs" / "index.md").read_text(encoding="utf-8")  # the README holds what the site holds
+    results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    line = "Profile `quick`, seeds 0, 1, 2, taskgeom 0.1.0 (commit f2dc61a)"
+    assert line in readme
+    full = results[results.index(line):].split("\n\n")[2]  # the generated table, pasted as printed
+    rows = {cells[0].strip("`"): (cells[1], cells[6]) for cells in
+            ([c.strip() for c in row.strip("|").split("|")] for row in full.splitlines()[2:])}
+    checked = 0
+    for row in table.strip().splitlines()[2:]:
+        name, _, *verdicts = [c.strip() for c in row.strip("|").split("|")]
+        for experiment, cell in zip(("e1", "e2", "e3", "e4"), verdicts):
+            claim = f"{experiment}.{name.strip('`')}"
+            if cell == "-":
+                assert claim not in rows, claim
+                continue
+            median, verdict = rows.pop(claim)
+            assert cell == (verdict if median == "-" else f"{verdict} {median}"), claim
+            checked += 1
+    assert checked == 46 and rows == {}

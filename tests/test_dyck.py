@@ -115,8 +115,9 @@ def test_planted_and_depth_match_loops():
                     assert depth[b, t] == sum(1 - 2 * s for s in seen)
 
 
-def test_id_posterior_and_predictive_match_brute_force():
-    fam = tasks.make("dyck", n_pairs=3)
+@pytest.mark.parametrize("n_noise", [6, 7])  # 6: the study's vocabulary of 8 (PAPER.md section 2)
+def test_id_posterior_and_predictive_match_brute_force(n_noise):
+    fam = tasks.make("dyck", n_pairs=3, n_noise=n_noise)
     words = dyck_words(3)  # 5 words: the pool holds all of them, so every sequence is consistent
     pool = TaskPool(torch.tensor(words), torch.tensor([0.4, 0.1, 0.2, 0.05, 0.25], dtype=torch.float64), 2)
     batch = fam.sample(pool, 8, 14, seed=5)
@@ -165,8 +166,9 @@ def test_posterior_of_inconsistent_contexts_keeps_the_last_defined_one():
     assert frozen > 0
 
 
-def test_ood_predictive_matches_enumeration_of_consistent_words():
-    fam = tasks.make("dyck", n_pairs=4)
+@pytest.mark.parametrize("n_noise", [6, 7])
+def test_ood_predictive_matches_enumeration_of_consistent_words(n_noise):
+    fam = tasks.make("dyck", n_pairs=4, n_noise=n_noise)
     words = dyck_words(4)
     uniform = [1 / len(words)] * len(words)
     batch = fam.sample_ood(6, 48, seed=9)
@@ -178,8 +180,9 @@ def test_ood_predictive_matches_enumeration_of_consistent_words():
     torch.testing.assert_close(pred.sum(-1), torch.ones(pred.shape[:2], dtype=torch.float64))
 
 
-def test_ood_marginal_matches_enumeration():
-    fam = tasks.make("dyck", n_pairs=3)
+@pytest.mark.parametrize("n_noise", [6, 7])
+def test_ood_marginal_matches_enumeration(n_noise):
+    fam = tasks.make("dyck", n_pairs=3, n_noise=n_noise)
     words = dyck_words(3)
     batch = fam.sample_ood(4, 20, seed=11)
     got = fam.log_marginal_ood(batch.tokens)
@@ -272,13 +275,12 @@ def test_e4_recipe_builds_the_family(tmp_path):
     from taskgeom.recipes import load_recipe
     from taskgeom.runs import Run
 
-    for profile, seq_len in (("quick", None), ("paper", 169)):
+    for profile, seq_len in (("quick", 96), ("paper", 192)):  # the study's vocabulary of 8 in every profile (PAPER.md section 2)
         config = load_recipe("e4", profile)
-        assert config.task.family == "dyck" and config.task.n_pairs == 10 and config.task.n_noise == 7
-        if seq_len:
-            assert config.task.seq_len == seq_len
+        assert config.task.family == "dyck" and config.task.n_pairs == 10 and config.task.n_noise == 6
+        assert config.task.seq_len == seq_len
     run = Run(tmp_path, load_recipe("e4", "quick", ["task.diversity=3"]))
-    assert run.family.vocab_size == 9 and run.pool.size == 3 + 8
+    assert run.family.vocab_size == 8 and run.pool.size == 3 + 8
 
 
 def test_within_shares_are_zero_for_token_cells_of_the_embedding_and_one_for_a_single_cell():

@@ -1,6 +1,7 @@
-"""The examples a researcher copies run as written: every Python block of README.md (in order, in
-one namespace, beside a tiny reproduction's ``results/`` and an exported Hugging Face model), and
-``examples/quickstart.ipynb`` top to bottom in a Jupyter kernel."""
+"""The examples a researcher copies run as written: every Python block of README.md and of the site's
+pages that show runnable code (in order, in one namespace, beside a tiny reproduction's ``results/``
+and an exported Hugging Face model), and ``examples/quickstart.ipynb`` top to bottom in a Jupyter
+kernel. (The twenty-line study of docs/python-api.md runs in tests/test_api.py.)"""
 
 from __future__ import annotations
 
@@ -20,11 +21,16 @@ TINY_GPT2 = ["model.arch=gpt2", "train.steps=20", "train.batch_size=8", "train.e
              "train.snapshots=0", "model.n_layers=1", "model.d_model=16", "model.d_mlp=32"]
 
 
-def readme_blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(encoding="utf-8"), flags=re.S | re.M)
+PAGES = ("README.md", "docs/getting-started.md", "docs/scaling-out.md")
 
 
-def test_every_python_block_of_the_readme_runs_as_written(tiny_reproduction, tmp_path, monkeypatch):
+def python_blocks() -> list[tuple[str, str]]:
+    """(page, code) of every Python block of PAGES, in order."""
+    return [(page, block) for page in PAGES
+            for block in re.findall(r"^```python\n(.*?)^```", (ROOT / page).read_text(encoding="utf-8"), flags=re.S | re.M)]
+
+
+def test_every_python_block_of_the_readme_and_the_site_runs_as_written(tiny_reproduction, tmp_path, monkeypatch):
     shutil.copytree(tiny_reproduction, tmp_path / "results")
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
@@ -33,11 +39,11 @@ def test_every_python_block_of_the_readme_runs_as_written(tiny_reproduction, tmp
     exported = runner.invoke(app, ["export-hf", trained.output.strip().splitlines()[-1], "hf/e1-gpt2"])
     assert exported.exit_code == 0, exported.output
 
-    blocks = readme_blocks()
-    assert len(blocks) == 4
+    blocks = python_blocks()
+    assert [page for page, _ in blocks] == ["README.md", "docs/getting-started.md", "docs/getting-started.md", "docs/scaling-out.md"]
     namespace: dict = {}
-    for number, block in enumerate(blocks, 1):
-        exec(compile(block, f"README.md python block {number}", "exec"), namespace)
+    for number, (page, block) in enumerate(blocks, 1):
+        exec(compile(block, f"{page} python block {number}", "exec"), namespace)
     # what the blocks say they compute
     assert namespace["logpost"].exp().sum(-1).sub(1).abs().max() < 1e-9
     assert namespace["h"].shape == (64, 64, 16)

@@ -152,3 +152,113 @@ def test_shrinkage_compares_quarters_of_the_uncertain_positions_or_is_not_applic
 
     alpha[:, uncertain[4:]] = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
     assert shrinkage(tv, alpha).reason is not None  # 4 < MIN_UNCERTAIN_POSITIONS
+
+
+# ---------------------------------------------------------------- the study's protocol: P0/P1 per position, P3 on mean beta
+
+
+def test_p0_p1_per_position_equal_a_plain_loop_over_positions():
+    """Per position, SS_within / SS_total over the (task, token) cells by a loop and the additive
+    fit by numpy least squares on the observations; mu_t drifts over positions, which the
+    per-position fit does not count as within-cell variance (the pooled one does)."""
+    import numpy as np
+
+    from taskgeom.analysis.anova import two_way, two_way_by_position
+
+    gen = torch.Generator().manual_seed(11)
+    N, T_ = 60, 5
+    task = torch.arange(N) % K
+    tokens = torch.randint(0, V, (N, T_), generator=gen)
+    theta, nu = torch.randn(K, D, generator=gen, dtype=torch.float64), torch.randn(V, D, generator=gen, dtype=torch.float64)
+    interaction = torch.randn(K, V, D, generator=gen, dtype=torch.float64)
+    drift = 3 * torch.randn(T_, D, generator=gen, dtype=torch.float64)
+    h = (drift + theta[task][:, None] + nu[tokens] + 0.5 * interaction[task[:, None], tokens]
+         + 0.3 * torch.randn(N, T_, D, generator=gen, dtype=torch.float64))
+    shares = two_way_by_position(h, task, tokens, K, V)
+    k = task.numpy()
+    for t in range(T_):
+        x, a = h[:, t].numpy(), tokens[:, t].numpy()
+        total = ((x - x.mean(0)) ** 2).sum()
+        within = 0.0
+        for cell in set(zip(k.tolist(), a.tolist())):
+            members = x[(k == cell[0]) & (a == cell[1])]
+            within += ((members - members.mean(0)) ** 2).sum()
+        design = np.concatenate([np.ones((N, 1)), np.eye(K)[k], np.eye(V)[a]], axis=1)
+        residual = x - design @ np.linalg.lstsq(design, x, rcond=None)[0]
+        lost = (residual**2).sum() - within
+        assert 0.01 < within / total < 0.99 and lost > 0.01 * total
+        assert float(shares.within_share[t]) == pytest.approx(within / total, rel=1e-9), t
+        assert float(shares.cell_r2[t]) == pytest.approx(1 - within / total, rel=1e-9), t
+        assert float(shares.additive_share[t]) == pytest.approx(1 - lost / (total - within), rel=1e-9), t
+    pooled = two_way(h.reshape(-1, D), task[:, None].expand(-1, T_).reshape(-1), tokens.reshape(-1), K, V)
+    assert pooled.within_share > float(shares.within_share.max())  # the drift of mu_t counted as within-cell variance
+
+
+def test_planted_geometry_holds_at_every_position_though_mu_drifts():
+    from taskgeom.analysis.anova import two_way_by_position
+
+    h, tokens, task, _, _, window = planted()
+    shares = two_way_by_position(h, task, tokens, K, V)
+    late = slice(window.start, None)
+    torch.testing.assert_close(shares.within_share[late], torch.zeros(T - window.start, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(shares.additive_share[late], torch.ones(T - window.start, dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+def _project_by_bisection(v):
+    """The Euclidean projection of v (numpy [K]) onto the simplex: the threshold tau with
+    sum max(v - tau, 0) = 1, found by bisection (independent of the sort-based solver)."""
+    import numpy as np
+
+    low, high = v.min() - 1, v.max()
+    for _ in range(200):
+        tau = (low + high) / 2
+        low, high = (tau, high) if np.maximum(v - tau, 0).sum() > 1 else (low, tau)
+    return np.maximum(v - (low + high) / 2, 0)
+
+
+def test_p3_reads_the_mean_beta_of_each_task_against_its_mean_posterior():
+    """Planted paths: raw sum-to-one coefficients (beta plus zero-sum noise, some negative) and a
+    posterior alpha; by hand, each task's mean raw beta projected onto the simplex, its mean
+    alpha, their TV per position, the mean over the tasks and the last quarter of positions."""
+    import numpy as np
+
+    from taskgeom.analysis.geometry import Alignment
+    from taskgeom.analysis.properties import project_simplex, shrinkage
+    from taskgeom.analysis.task_vectors import late_window
+
+    gen = torch.Generator().manual_seed(4)
+    _, _, beta, task, _ = planted_paths(gen, 6, K, D, T)
+    noise = 0.4 * torch.randn(beta.shape, generator=gen, dtype=torch.float64)
+    raw = beta + noise - noise.mean(-1, keepdim=True)
+    assert (raw < 0).any()
+    gamma = torch._standard_gamma(torch.ones(beta.shape, dtype=torch.float64), gen)
+    alpha = 0.7 * beta + 0.3 * gamma / gamma.sum(-1, keepdim=True)
+    window = late_window(T)
+    p3 = Alignment.of(project_simplex(raw).float(), raw, alpha, task, window)
+
+    r, al, k = raw.numpy(), alpha.numpy(), task.numpy()
+    tv = np.zeros((K, T))
+    for m in range(K):
+        for t in range(T):
+            mean_beta = _project_by_bisection(r[k == m, t].mean(0))
+            tv[m, t] = 0.5 * np.abs(mean_beta - al[k == m, t].mean(0)).sum()
+    np.testing.assert_allclose(p3.mean.tv.numpy(), tv, atol=1e-9)
+    assert p3.tv_mean_beta == pytest.approx(tv[:, window].mean(), abs=1e-9)
+    assert p3.tv_mean_beta < float(p3.tv[:, window].mean())  # averaging first removes the per-state noise
+    expected = shrinkage(torch.tensor(tv), p3.mean.alpha)  # P3.shrinks on the mean curves
+    assert (p3.shrinkage.positions, p3.shrinkage.tv_first, p3.shrinkage.tv_last) == (expected.positions, pytest.approx(expected.tv_first),
+                                                                                     pytest.approx(expected.tv_last))
+
+
+@pytest.mark.parametrize("fractions, length, expected", [
+    ((100 / 128, 120 / 128), 128, (100, 120)), ((54 / 64, 1.0), 64, (54, 64)), ((170 / 192, 190 / 192), 192, (170, 190)),
+    ((100 / 128, 120 / 128), 64, (50, 60)), ((0.75, 1.0), 16, (12, 16)), ((0.99, 1.0), 8, (7, 8))])
+def test_task_vector_windows_are_the_studys_fractions_of_the_context(fractions, length, expected):
+    from taskgeom.analysis.task_vectors import fraction_window
+    from taskgeom.tasks import Dice, Markov, Regression
+
+    assert (Dice.vector_window, Regression.vector_window, Markov.vector_window) == ((100 / 128, 120 / 128), (54 / 64, 1.0), (170 / 192, 190 / 192))
+    window = fraction_window(length, fractions)
+    assert (window.start, window.stop) == expected
+    with pytest.raises(ValueError, match="fractions"):
+        fraction_window(length, (0.5, 0.5))

@@ -111,3 +111,60 @@ def test_e2_inputs_read_the_separators_with_the_posterior_before_y():
     marker = torch.arange(15.0)[None, :, None].expand(6, 15, 1)
     assert inputs.select(marker)[0, :, 0].tolist() == [1.0, 4.0, 7.0, 10.0, 13.0]
     assert inputs.model_positions(slice(3, 5)).tolist() == [10, 13]
+
+
+def test_ancova_per_position_equals_numpy_least_squares_at_each_position():
+    """E2's P0/P1 per position: the full model (per-task intercept and slope on x_t) and the
+    additive one (task intercepts and one map of x_t) fitted by numpy at each position alone."""
+    import numpy as np
+
+    from taskgeom.analysis.anova import task_linear_by_position
+
+    gen = torch.Generator().manual_seed(9)
+    N, T_ = 45, 4
+    task = torch.arange(N) % K
+    x = torch.randn(N, T_, DX, generator=gen, dtype=torch.float64)
+    slopes = torch.randn(K, DX, D, generator=gen, dtype=torch.float64)
+    drift = 3 * torch.randn(T_, D, generator=gen, dtype=torch.float64)
+    h = drift + torch.einsum("ntd,nde->nte", x, slopes[task]) + 0.5 * torch.randn(N, T_, D, generator=gen, dtype=torch.float64)
+    shares = task_linear_by_position(h, task, x, K)
+    onehot = np.eye(K)[task.numpy()]
+    for t in range(T_):
+        y, xt = h[:, t].numpy(), x[:, t].numpy()
+        full = np.concatenate([onehot[:, [m]] * np.concatenate([np.ones((N, 1)), xt], 1) for m in range(K)], 1)
+        additive = np.concatenate([onehot, xt], 1)
+        res = {name: ((y - design @ np.linalg.lstsq(design, y, rcond=None)[0]) ** 2).sum()
+               for name, design in (("full", full), ("additive", additive))}
+        total = ((y - y.mean(0)) ** 2).sum()
+        assert 0.01 < res["full"] / total < 0.99
+        assert float(shares.within_share[t]) == pytest.approx(res["full"] / total, rel=1e-9), t
+        assert float(shares.additive_share[t]) == pytest.approx(1 - (res["additive"] - res["full"]) / (total - res["full"]), rel=1e-9), t
+
+
+def test_r2_additive_equals_numpy_least_squares_and_is_one_on_planted_states():
+    """r2_additive: what beta @ theta leaves is regressed on x_t at each position (numpy lstsq);
+    1 - SS_res / SS_tot of h - mu_t, per position and over the window."""
+    import numpy as np
+
+    from taskgeom.analysis.properties import additive_r2
+
+    h, x, task, beta, theta, A, window = planted()
+    gen = torch.Generator().manual_seed(2)
+    maps = torch.randn(T, DX, D, generator=gen, dtype=torch.float64)  # a different map of x_t at each position
+    y = beta @ theta + torch.einsum("ntd,tde->nte", x, maps)
+    r2, by_position = additive_r2(y, beta @ theta, x, window)
+    assert r2 == pytest.approx(1.0, abs=1e-10) and torch.allclose(by_position, torch.ones(T, dtype=torch.float64), atol=1e-10)
+
+    noisy = y + 0.7 * torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    task_part = (beta + 0.1 * torch.randn(beta.shape, generator=gen, dtype=torch.float64)) @ theta
+    r2, by_position = additive_r2(noisy, task_part, x, window)
+    Y, P, X = noisy.numpy(), task_part.numpy(), x.numpy()
+    residual = np.zeros(T)
+    for t in range(T):
+        rest = Y[:, t] - P[:, t]
+        residual[t] = ((rest - X[:, t] @ np.linalg.lstsq(X[:, t], rest, rcond=None)[0]) ** 2).sum()
+        assert float(by_position[t]) == pytest.approx(1 - residual[t] / ((Y[:, t] - Y[:, t].mean(0)) ** 2).sum(), rel=1e-9), t
+    late = Y[:, window].reshape(-1, D)
+    expected = 1 - residual[window].sum() / ((late - late.mean(0)) ** 2).sum()
+    assert 0.05 < expected < 0.99
+    assert r2 == pytest.approx(expected, rel=1e-9)

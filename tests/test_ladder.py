@@ -91,27 +91,41 @@ def test_the_ladder_refuses_a_folder_that_is_not_a_reproduction(tmp_path):
     assert result.exit_code == 2 and "reproduction.json not found" in result.output, result.output
 
 
-def test_the_pinned_choice_is_the_dual_analysis_and_each_flip_is_measured(tiny_reproduction):
-    from taskgeom.analysis.sensitivity import CHOICES, orthogonal_choices
+def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the_same_run(tiny_reproduction):
+    """The protocol's values are the stored claims' (one code path); each variant lists the claims
+    it can move; with one block, reading V at the best block is reading the block mean."""
+    from taskgeom.analysis.sensitivity import ABLATION_VARIANTS, ablation_variants
     from taskgeom.analysis.study import StudyRun
-    from taskgeom.runs import Run
-
     from taskgeom.experiments.base import Context
+    from taskgeom.runs import Run
 
     high = int(pd.read_csv(tiny_reproduction / "tables" / "sweep.csv")["diversity"].max())
     config = Context(tiny_reproduction, overrides=TINY_REPRODUCTION).config("e1", (f"task.diversity={high}",), 0)
-    run = Run.open(tiny_reproduction / "runs" / f"{config.name}-{config.digest()}")
-    rows = pd.DataFrame(orthogonal_choices(StudyRun(run)))
-    assert list(rows["choice"].unique()) == list(CHOICES) and set(rows["set"]) == {"major", "ood"}
-    dual = json.loads((run.path / "analysis" / "dual.json").read_text())  # (pandas' JSON reader rounds the last digit)
-    for set_name in ("major", "ood"):
-        stored = next(r for r in dual if r["metric"] == "gain_removed_ablate_V" and r["set"] == set_name)
-        pinned = rows[(rows["choice"] == "pinned") & (rows["set"] == set_name)].iloc[0]
-        assert pinned["gain"] == stored["gain"] and pinned["layer"] == stored["layer"]  # the same measurement, on one code path
-        assert pinned["gain_removed"] == stored["value"] or (pd.isna(pinned["gain_removed"]) and stored["value"] is None)
-    measured = rows["gain_removed"].notna()
-    assert (measured == (rows["gain"] > 0)).all() and rows.loc[~measured, "reason"].fillna("").astype(str).str.contains("not positive").all()
-    assert rows[rows["choice"] == "V ablated at every layer"]["layer"].isna().all()
+    assert config.model.n_layers == 1
+    run_dir = tiny_reproduction / "runs" / f"{config.name}-{config.digest()}"
+    rows = pd.DataFrame(ablation_variants(StudyRun(Run.open(run_dir))))
+    claims = {c["id"]: next(s for s in c["seeds"] if s["seed"] == 0) for c in _claims(tiny_reproduction)}
+    protocol = rows[rows["variant"] == "protocol"].set_index("claim")
+    assert sorted(protocol.index) == sorted(f"e1.{c}" for c in ("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major",
+                                                                 "random_control"))
+    for claim, measured in protocol.iterrows():
+        assert measured["status"] == claims[claim]["status"], claim
+        assert measured["value"] == pytest.approx(claims[claim]["value"], rel=1e-9, nan_ok=True), claim
+    listed = {name: sorted(c.split(".")[1] for c in rows[rows["variant"] == name]["claim"]) for name in ABLATION_VARIANTS}
+    assert listed == {"centred-S": ["ablate_S_major", "ablate_S_ood"],
+                      "v-avoids-tokens": ["ablate_V_major", "ablate_V_ood", "random_control"],
+                      "v-searched-on-ood": ["ablate_V_major", "ablate_V_ood"],
+                      "v-best-block": ["ablate_V_major", "ablate_V_ood", "random_control"]}
+    best = rows[rows["variant"] == "v-best-block"].set_index("claim")
+    for claim in best.index:
+        assert best.loc[claim, "value"] == pytest.approx(protocol.loc[claim, "value"], rel=1e-12, nan_ok=True)
+    assert set(best["place"]) == {"block 0"} and set(protocol["place"]) == {"mean over blocks"}
+
+    result = CliRunner().invoke(app, ["sensitivity", str(run_dir), "--variant", "centred-S"])
+    assert result.exit_code == 0, result.output
+    assert {"protocol", "centred-S"} <= set(result.output.split()) and "v-best-block" not in result.output
+    result = CliRunner().invoke(app, ["sensitivity", str(run_dir), "--variant", "centred-s"])
+    assert result.exit_code == 2 and "centred-S" in result.output
 
 
 def test_the_pinned_place_holds_the_claims_values_and_every_place_is_listed(tiny_reproduction):
@@ -122,7 +136,7 @@ def test_the_pinned_place_holds_the_claims_values_and_every_place_is_listed(tiny
     claims = {c["id"]: {r["seed"]: r["value"] for r in c["seeds"]} for c in _claims(tiny_reproduction)}
     high = int(pd.read_csv(tiny_reproduction / "tables" / "sweep.csv")["diversity"].max())
     ctx = Context(tiny_reproduction, overrides=TINY_REPRODUCTION)
-    for k, metric, claim in ((-1, "p2.r2_task", "e1.P2"), (high, "projection_r2_token", "e1.projection_r2_high_diversity")):
+    for k, metric, claim in ((-1, "p2.r2_task", "e1.P2"), (high, "projection_r2", "e1.projection_r2_high_diversity")):
         config = ctx.config("e1", (f"task.diversity={k}",), 0)
         rows = pd.DataFrame(place_choices(Run.open(tiny_reproduction / "runs" / f"{config.name}-{config.digest()}")))
         mine = rows[rows["metric"] == metric]

@@ -12,10 +12,39 @@ from taskgeom.hooks import capture, intervene
 from taskgeom.model import SITES, Transformer
 
 
-@pytest.fixture(params=["rotary", "learned"])
+# (positions, MLP activation, final norm): the last is the study's E1/E3/E4 model (PAPER.md section 3)
+@pytest.fixture(params=[("rotary", "gelu", True), ("learned", "gelu", True), ("rotary", "silu", False)])
 def model(request):
     torch.manual_seed(0)
-    return Transformer(ModelConfig(n_layers=3, d_model=32, n_heads=4, d_mlp=64, max_len=24, positions=request.param), vocab_size=7).eval()
+    positions, activation, final_norm = request.param
+    cfg = ModelConfig(n_layers=3, d_model=32, n_heads=4, d_mlp=64, max_len=24, positions=positions, activation=activation, final_norm=final_norm)
+    return Transformer(cfg, vocab_size=7).eval()
+
+
+def test_the_mlp_activation_and_the_final_norm_are_settings():
+    """SiLU in the MLP; without a final norm the unembedding reads the residual stream, and the
+    model's parameters are the ones config.parameter_count counts."""
+    from taskgeom.config import build_config, parameter_count
+
+    for activation, final_norm in (("silu", False), ("gelu", True)):
+        config = build_config({"name": "m", "task": {"family": "dice", "seq_len": 8},
+                               "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 8,
+                                         "activation": activation, "final_norm": final_norm}})
+        torch.manual_seed(0)
+        model = Transformer(config.model, vocab_size=6)
+        assert sum(p.numel() for p in model.parameters()) == parameter_count(config)
+        h = torch.randn(3, 5, 16)
+        x = torch.randn(4, 16)
+        mlp = model.blocks[0].mlp
+        hidden = mlp[0](x)
+        expected = hidden * torch.sigmoid(hidden) if activation == "silu" else 0.5 * hidden * (1 + torch.erf(hidden / 2**0.5))
+        torch.testing.assert_close(mlp(x), mlp[2](expected))
+        if final_norm:
+            normed = (h - h.mean(-1, keepdim=True)) / (h.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
+            torch.testing.assert_close(model.readout(h), normed @ model.unembed.weight.T)  # LayerNorm's fresh weight 1, bias 0
+        else:
+            assert not any(name.startswith("ln_final") for name, _ in model.named_parameters())
+            torch.testing.assert_close(model.readout(h), h @ model.unembed.weight.T)
 
 
 def test_residual_identities_hold_at_every_layer(model):

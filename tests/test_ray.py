@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from conftest import tiny_config
 from taskgeom.cli import app
 from taskgeom.errors import TaskgeomError
+from taskgeom.devices import default_workers
 from taskgeom.experiments.executors import Executor, execute
 from taskgeom.experiments.sweep import Job, run_sweep
 
@@ -100,6 +101,20 @@ def test_a_crashed_ray_task_is_one_failure(ray_instance, ray):
     results = dict(execute(crash_on_one, [0, 1, 2], Executor("ray", cpus_per_run=1)))
     assert results[0] == 0 and results[2] == 20
     assert isinstance(results[1], ray.exceptions.RayError)
+
+
+def test_ray_tasks_start_with_the_kernels_this_process_chose(ray_instance, ray, monkeypatch):
+    from taskgeom import kernels
+
+    chosen = dict(kernels.PINS) | {kernels.CHOICE_VARIABLE: "pinned"}
+    for name, value in chosen.items():
+        monkeypatch.setenv(name, value)
+
+    def kernel_variables(item: int, threads: int) -> dict:
+        return {name: os.environ.get(name) for name in chosen}
+
+    ((_, seen),) = execute(kernel_variables, [0], Executor("ray", cpus_per_run=1))
+    assert seen == chosen
 
 
 def test_a_dead_job_becomes_a_failed_row(tmp_path, monkeypatch, ray):
@@ -189,7 +204,7 @@ def test_bad_executor_and_training_options_exit_2(tmp_path, options, message):
 
 
 @pytest.mark.parametrize("options, executor, device, tracker", [
-    ([], Executor(), "auto", "none"),
+    ([], Executor("local", default_workers()), "auto", "none"),
     (["--workers", "3", "--cpus-per-run", "2", "--device", "cpu", "--tracker", "tensorboard"], Executor("local", 3, None, 2, 0.0), "cpu",
      "tensorboard"),
     pytest.param(["--executor", "ray", "--workers", "1", "--cpus-per-run", "1", "--device", "cpu"], Executor("ray", 1, None, 1, 0.0), "cpu",

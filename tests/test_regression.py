@@ -51,13 +51,13 @@ def test_layout_places_x_separator_and_y(layout, stride, pred_offset):
 def test_samples_follow_the_model_and_the_seed():
     family = _family(d=4, noise=0.5)
     pool = family.sample_pool(3, 4)
-    a = family.sample(pool, 2000, 3 * 8, seed=3, step=7)
-    b = family.sample(pool, 2000, 3 * 8, seed=3, step=7)
+    a = family.sample(pool, 2000, family.stride * 8, seed=3, step=7)
+    b = family.sample(pool, 2000, family.stride * 8, seed=3, step=7)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.task, b.task)
     torch.testing.assert_close(a.params, pool.params[a.task])
     noise = a.y - torch.einsum("bnd,bd->bn", a.x, a.params)
     assert abs(noise.std().item() - 0.5) < 0.01 and abs(a.x.std().item() - 1.0) < 0.01
-    ood = family.sample_ood(3000, 3, seed=0)
+    ood = family.sample_ood(3000, family.stride, seed=0)
     assert (ood.task == -1).all() and abs(ood.params.std().item() - 1.0) < 0.03
 
 
@@ -90,7 +90,7 @@ def test_mix_prediction_with_one_hot_weights_is_the_task_prediction():
 
 def test_ridge_matches_numpy_solve_for_every_prefix():
     family = _family(d=3, noise=0.6)
-    batch = family.sample_ood(4, 3 * 7, seed=2)
+    batch = family.sample_ood(4, family.stride * 7, seed=2)
     got = family.ridge_weights(batch.x, batch.y).numpy()
     pred = family.predict_ood(batch).numpy()
     x, y = batch.x.numpy(), batch.y.numpy()
@@ -118,7 +118,7 @@ def test_dmmse_approaches_ridge_as_a_prior_pool_grows():
 
 # ---- model, config, training --------------------------------------------------------------------
 def test_vector_model_keeps_hook_identities_and_its_loss_is_the_mse():
-    family = _family(d=3)
+    family = _family(d=3, layout="separator")
     model = Transformer(ModelConfig(n_layers=2, d_model=16, n_heads=2, d_mlp=32, max_len=24), **family.model_io())
     batch = family.sample(family.sample_pool(3, 0), 5, 24, seed=0)
     sites = [(layer, s) for layer in range(2) for s in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")]
@@ -145,9 +145,9 @@ def test_config_rejects_impossible_sizes_naming_the_field(field, value):
 
 
 def test_config_rejects_sequences_longer_than_the_model_positions():
-    assert build_config(_raw(n_examples=16)).task.seq_len == 48
+    assert build_config(_raw(n_examples=16, layout="separator")).task.seq_len == 48
     with pytest.raises(ConfigError, match=r"task.n_examples \(17\) needs 51 positions.*model.max_len \(48\)"):
-        build_config(_raw(n_examples=17))
+        build_config(_raw(n_examples=17, layout="separator"))
     assert build_config(_raw(n_examples=24, layout="pair")).task.seq_len == 48
     with pytest.raises(ConfigError, match="task.n_examples"):
         build_config(_raw(n_examples=25, layout="pair"))
@@ -166,7 +166,7 @@ def test_a_short_run_trains_and_evaluates_against_dmmse_and_ridge(tmp_path):
     assert metrics == {"loss", "bayes_id_loss", "bayes_ood_loss", "sq_gap_bayes_model", "excess"}
     assert {r["position"] for r in rows} == set(range(4))
     # position 0: no examples yet, so ridge predicts 0 and its squared error is the mean y^2
-    ood = run.family.sample_ood(16, 12, config.train.seed, 0, "eval-ood")
+    ood = run.family.sample_ood(16, config.task.seq_len, config.train.seed, 0, "eval-ood")
     first = next(r["value"] for r in rows if r["set"] == "ood" and r["metric"] == "bayes_ood_loss" and r["position"] == 0)
     assert first == pytest.approx(float((ood.y[:, 0] ** 2).mean()), rel=1e-12)
 
@@ -186,3 +186,44 @@ def test_late_means_average_the_last_half_of_the_examples():
     means = late_means(pd.DataFrame(rows), 6)
     assert means.loc["major", "loss"] == pytest.approx((30 + 40 + 50) / 3)
     assert means.loc["ood", "loss"] == pytest.approx((31 + 41 + 51) / 3)
+
+
+# ---- E2 at the study's settings (PAPER.md section 2): pair layout, majors from a fixed task seed -----
+def test_e2_majors_are_the_same_at_every_diversity_and_with_major_seed_in_every_run(tmp_path):
+    from taskgeom.recipes import load_recipe
+
+    def majors(seed: int, k: int, *more: str) -> torch.Tensor:
+        return Run(tmp_path, load_recipe("e2", "paper", [f"train.seed={seed}", f"task.diversity={k}", *more])).pool.params[:3]
+
+    first = majors(0, -1)
+    assert first.shape == (3, 6)
+    for seed, k in ((1, -1), (2, 3), (0, 10)):
+        assert torch.equal(majors(seed, k), first), (seed, k)
+    # without a major seed: drawn from the run's pool seed, still the same at every diversity of one seed
+    per_run = majors(0, -1, "task.major_seed=null")
+    assert torch.equal(majors(0, 6, "task.major_seed=null"), per_run) and not torch.equal(majors(1, -1, "task.major_seed=null"), per_run)
+    minors = [Run(tmp_path, load_recipe("e2", "paper", [f"train.seed={s}", "task.diversity=2"])).pool.params[3:] for s in (0, 1)]
+    assert not torch.equal(*minors)
+
+
+def test_pair_layout_bayes_at_the_x_tokens_matches_numpy():
+    """In the pair layout the prediction of y_i is read at x_i's token, which holds x_i and no y_i;
+    the pool posterior, dMMSE and ridge in force there use examples 0..i-1 (numpy, by loops)."""
+    family = _family(d=3, noise=0.5, layout="pair")
+    pool = family.sample_pool(3, 2, 0.1, seed=4)
+    batch = family.sample(pool, 5, 2 * 9, seed=6)
+    at = family.prediction_positions(9)
+    assert at.tolist() == list(range(0, 18, 2))
+    torch.testing.assert_close(batch.tokens[:, at, :3], batch.x.float())
+    assert (batch.tokens[:, at, 3:] == 0).all()  # neither y_i nor the y flag at x_i's token
+    post, dmmse, ridge = family.log_posterior(batch, pool).exp().numpy(), family.predict_id(batch, pool).numpy(), family.predict_ood(batch).numpy()
+    x, y, w, prior = batch.x.numpy(), batch.y.numpy(), pool.params.numpy(), pool.weights.numpy()
+    for b in range(5):
+        for i in range(9):
+            loglik = np.array([-((y[b, :i] - x[b, :i] @ w[k]) ** 2).sum() / (2 * 0.25) for k in range(pool.size)])
+            p = prior * np.exp(loglik - loglik.max())
+            p /= p.sum()
+            np.testing.assert_allclose(post[b, i], p, rtol=1e-9, atol=1e-12)
+            assert dmmse[b, i] == pytest.approx(float(p @ w @ x[b, i]), rel=1e-9, abs=1e-12)
+            X, Y = x[b, :i], y[b, :i]
+            assert ridge[b, i] == pytest.approx(float(np.linalg.solve(X.T @ X + 0.25 * np.eye(3), X.T @ Y) @ x[b, i]), rel=1e-9, abs=1e-12)

@@ -253,6 +253,8 @@ def test_compare_names_the_run_whose_bits_differ_and_the_claims_whose_verdict_di
     assert same.exit_code == 0, same.output
     runs = json.loads((a / "reproduction.json").read_text())["runs"]
     assert f"runs in both: {len(runs)} ({len(runs)} bitwise equal, 0 differ)" in same.output and "claims that differ: 0" in same.output
+    n_claims = len(_claims_file(a))
+    assert f"claims in both: {n_claims} ({n_claims} with the same verdict and every seed's value exactly equal)" in same.output
     # b: one run trained to other bits (as on another CPU), one claim judged otherwise
     changed = runs[0]
     manifest = json.loads((b / "reproduction.json").read_text())
@@ -268,6 +270,7 @@ def test_compare_names_the_run_whose_bits_differ_and_the_claims_whose_verdict_di
     assert result.exit_code == 1, result.output
     assert f"({len(runs) - 1} bitwise equal, 1 differ)" in result.output and f"differs: {changed}" in result.output
     assert re.search(rf"cpu_capability +\S+ +!= {re.escape(planted)}", result.output)
+    assert f"({n_claims - 1} with the same verdict and every seed's value exactly equal)" in result.output
     assert "claims that differ: 1" in result.output and re.search(rf"{re.escape(flipped['id'])} .*-> unstable .*verdict", result.output)
 
 

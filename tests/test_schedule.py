@@ -8,7 +8,7 @@ import json
 import yaml
 
 from conftest import tiny_config
-from taskgeom.experiments.base import Context, reproduce
+from taskgeom.experiments import Context, reproduce
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.schedule import TrainTask, phases, plan
 from taskgeom.experiments.sweep import Job, run_job
@@ -81,7 +81,7 @@ def test_threads_never_outnumber_cores(tmp_path, monkeypatch):
     configs = [load_recipe(recipe, "quick", [f"train.steps={n}"]) for n in (10, 20, 30, 40)]
     tasks = [TrainTask(c, str(tmp_path), "cpu", "none", threads) for c, threads in zip(configs, (1, 2, 1, 2))]
     groups = []
-    monkeypatch.setattr(schedule.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(schedule, "usable_cores", lambda: 2)
     monkeypatch.setattr(schedule, "_run_phase", lambda group, workers: groups.append(([u.task.config.train.steps for u in group], workers)) or [])
     schedule.train_all(tasks, Executor(workers=2), Profile())
     assert groups == [([40, 20], 1), ([30, 10], 2)]  # two-thread runs alone, then single-thread runs two at a time

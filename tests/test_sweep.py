@@ -35,21 +35,21 @@ def test_sweep_isolates_failures_and_resumes(tmp_path):
         assert (finished[f"unreliable@{set_name}"] == ~(gain >= MIN_RELIABLE_GAIN)).all()
         assert finished.loc[gain <= 0, f"reason@{set_name}"].fillna("").astype(str).str.contains("not positive").all()
     steps = pd.read_csv(tmp_path / "by_step.csv")
-    assert set(steps["diversity"]) == {-1, 1} and {"log_ratio", "projection_r2", "projection_r2_token"} <= set(steps.columns)
+    assert set(steps["diversity"]) == {-1, 1} and {"log_ratio", "projection_r2"} <= set(steps.columns)
     one = table[(table["diversity"] == -1) & table["step"].isna()]
-    search = one[one["metric"] == "search_gain_removed"]
     n_layers = tiny_config("dice", steps=30).model.n_layers
-    assert sorted(zip(search["layer"], search["site"])) == [(layer, "resid_mid") for layer in range(n_layers)]  # every layer's
-    chosen = one[one["metric"] == "v_layer_selected"]
-    ablated = one[one["metric"] == "search_loss_ablate_V"]  # V's layer: the highest ablated OOD loss (a share flips with its gain)
-    best = ablated.loc[ablated["value"].idxmax()]
-    assert (chosen["layer"].iloc[0], chosen["site"].iloc[0]) == (best["layer"], best["site"])
-    ablate_v = one[one["metric"] == "gain_removed_ablate_V"]
-    assert set(ablate_v["layer"]) == {best["layer"]}
+    for metric in ("gain_removed_ablate_S", "gain_removed_ablate_V", "gain_removed_random"):  # every block's resid_mid, and their mean
+        rows = one[one["metric"] == metric]
+        assert len(rows) == 2 * (n_layers + 1) and set(rows["site"]) == {"resid_mid"}  # major and OOD (k = -1: no minors)
+        assert sorted(rows["layer"].dropna()) == sorted([*range(n_layers)] * 2)
     d0 = one[one["metric"] == "d0"]["value"].iloc[0]
     ranks = one[one["metric"].str.startswith("gain_removed_ablate_V_rank")]
-    assert len(ranks) == math.ceil(d0)
-    assert {"place_selected", "projection_r2_token", "loss_ablate_S", "loss_ablate_V"} <= set(one["metric"])
+    assert len(ranks[ranks["layer"].isna()]) == len(ranks) / (n_layers + 1) == min(math.ceil(d0), 16 - 3)  # width 16 less S's rank
+    assert {"place_selected", "projection_r2", "projection_r2_reference", "projection_r2_per_sequence", "loss_ablate_S",
+            "loss_ablate_V"} <= set(one["metric"])
+    fig4 = one[one["metric"].isin(["projection_r2", "projection_r2_tasks", "projection_r2_per_task"])].set_index("metric")
+    assert (fig4.loc["projection_r2_tasks", "value"], fig4.loc["projection_r2_per_task", "value"]) == (32, 32)  # the quick profile's
+    assert (fig4.loc["projection_r2", "layer"], fig4.loc["projection_r2", "site"]) == (0, "resid_post")  # block 4 of 6 of one block
 
     done, redo = (sorted(root.glob("tiny-dice-*"))[i] for i in (0, 1))
     run = Run.open(done)

@@ -174,3 +174,48 @@ def test_bayes_posterior_brute_force_over_all_short_sequences(name, V, T):
         assert chain == pytest.approx(mixture, rel=1e-12), seq
         total += mixture
     assert total == pytest.approx(1.0, abs=1e-12)
+
+
+# ---- E1 at the study's settings (PAPER.md section 2): V = 16, Dirichlet(1) majors from a fixed seed -----
+def test_e1_majors_are_the_same_in_every_run_and_the_minors_are_drawn_per_run(tmp_path):
+    """The recipe's majors do not depend on the run seed or the diversity; its minors depend on the seed."""
+    from taskgeom.recipes import load_recipe
+    from taskgeom.runs import Run
+
+    def pool(seed: int, k: int) -> tasks.TaskPool:
+        return Run(tmp_path, load_recipe("e1", "quick", [f"train.seed={seed}", f"task.diversity={k}"])).pool
+
+    first = pool(0, -1).params
+    assert first.shape == (3, 16) and (first > 0).all()
+    torch.testing.assert_close(first.sum(-1), torch.ones(3, dtype=torch.float64))
+    for seed, k in ((1, -1), (2, 0), (0, 4), (5, 10)):
+        assert torch.equal(pool(seed, k).params[:3], first), (seed, k)
+    assert not torch.equal(pool(0, 4).params[3:], pool(1, 4).params[3:])
+    assert not torch.equal(pool(0, 0).params[3:], pool(2, 0).params[3:])
+    other = tasks.make("dice", vocab_size=16, majors="dirichlet", major_seed=7).sample_pool(3, 0).params
+    assert not torch.equal(other, first)
+    prior = tasks.make("dice", vocab_size=16, majors="prior")  # majors="prior" still draws them per run
+    assert not torch.equal(prior.sample_pool(3, 0, seed=0).params, prior.sample_pool(3, 0, seed=1).params)
+
+
+def test_e1_bayes_at_v16_with_dirichlet_majors_matches_a_plain_loop():
+    """Posterior over the pool (majors, then minors) as prior x product of face probabilities, the
+    ID predictive as the posterior mixture and the OOD one as add-one counts, each by a plain loop."""
+    fam = tasks.make("dice", vocab_size=16, alpha=1.0, majors="dirichlet", major_seed=42)
+    pool = fam.sample_pool(3, 8, 0.1, seed=3)
+    batch = fam.sample(pool, 6, 40, seed=1)
+    logpost, pred_id, pred_ood = fam.log_posterior(batch.tokens, pool), fam.predict_id(batch.tokens, pool), fam.predict_ood(batch.tokens)
+    weights, params = pool.weights.tolist(), pool.params.tolist()
+    for b, seq in enumerate(batch.tokens.tolist()):
+        joint = list(map(math.log, weights))
+        counts = [1.0] * 16
+        for t, x in enumerate(seq):
+            joint = [j + math.log(params[k][x]) for k, j in enumerate(joint)]
+            top = max(joint)
+            post = [math.exp(j - top) for j in joint]
+            post = [p / sum(post) for p in post]
+            torch.testing.assert_close(logpost[b, t].exp(), torch.tensor(post, dtype=torch.float64), rtol=1e-10, atol=1e-13)
+            mixture = [sum(post[k] * params[k][v] for k in range(pool.size)) for v in range(16)]
+            torch.testing.assert_close(pred_id[b, t], torch.tensor(mixture, dtype=torch.float64), rtol=1e-10, atol=1e-13)
+            counts[x] += 1
+            torch.testing.assert_close(pred_ood[b, t], torch.tensor([c / sum(counts) for c in counts], dtype=torch.float64))

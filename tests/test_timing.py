@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from taskgeom.experiments.base import Context, reproduce
+from taskgeom.experiments import Context, reproduce
 from taskgeom.timing import Profile
 
 

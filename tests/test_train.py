@@ -41,6 +41,29 @@ def test_learning_rate_is_triangular():
     assert rates == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2])
 
 
+def test_learning_rate_rises_from_its_floor_and_decays_to_it_linearly_or_on_a_cosine():
+    """By hand: floor 0.1, peak 1.1, 10 steps, 5 of warm-up; the cosine's share of the span at
+    (steps - step) / 5 = 0.8, 0.6, ... is (1 - cos(pi * share)) / 2."""
+    rise = [0.3, 0.5, 0.7, 0.9, 1.1]
+    assert [learning_rate(s, 10, 1.1, 0.5, 0.1) for s in range(10)] == pytest.approx(rise + [1.1, 0.9, 0.7, 0.5, 0.3])
+    cosine = [0.1 + (1 - math.cos(math.pi * share)) / 2 for share in (1.0, 0.8, 0.6, 0.4, 0.2)]
+    assert cosine[1:] == pytest.approx([1.0045085, 0.7545085, 0.4454915, 0.1954915])
+    assert [learning_rate(s, 10, 1.1, 0.5, 0.1, "cosine") for s in range(10)] == pytest.approx(rise + cosine)
+    assert [learning_rate(s, 10, 1.0, 0.5, 0.0) for s in range(10)] == [learning_rate(s, 10, 1.0, 0.5) for s in range(10)]
+    with pytest.raises(ValueError, match="unknown schedule 'step'"):
+        learning_rate(0, 10, 1.0, 0.5, 0.0, "step")
+
+
+@pytest.mark.parametrize("recipe,start,end", [("e1", 1e-5, 1e-5), ("e3", 1e-5, 1e-5), ("e4", 2e-5, 2e-5), ("e2", 0.0, 0.0)])
+def test_the_paper_schedules_are_the_study_s(recipe, start, end):
+    """PAPER.md section 3: from the floor to the peak at 15k of 30k steps and back to the floor."""
+    from taskgeom.recipes import load_recipe
+
+    cfg = load_recipe(recipe, "paper").train
+    rate = [learning_rate(s, cfg.steps, cfg.lr, cfg.warmup_frac, cfg.lr_floor, cfg.schedule) for s in (-1, 14999, 30000)]
+    assert cfg.steps == 30000 and rate == pytest.approx([start, cfg.lr, end], abs=1e-12)
+
+
 @pytest.mark.parametrize("family", ["dice", "markov"])
 def test_same_seed_gives_identical_metrics(tmp_path, family):
     config = tiny_config(family)
@@ -402,13 +425,34 @@ def textbook_attention(self, x):
 
 
 def textbook_step(model, opt, family, batch, grad_clip):
-    """The training step as first written, on the CPU."""
+    """The training step as first written, on the CPU (no clipping when grad_clip is None)."""
     loss = family.training_loss(model, batch)
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     opt.step()
     return loss.item()
+
+
+def test_grad_clip_null_trains_unclipped():
+    """grad_clip null (the study's E1/E3): the step equals an unclipped textbook step, and differs
+    from a clipped one (a clip far below the gradient's norm)."""
+    from taskgeom.recipes import load_recipe
+
+    run = Run("unused", load_recipe("e1", "quick", ["train.grad_clip=null"]))
+    cfg = run.config.train
+    batch = run.family.sample(run.pool, cfg.batch_size, run.config.task.seq_len, 0, 0)
+    models = []
+    for step, clip in ((train_module.train_step, None), (textbook_step, None), (textbook_step, 1e-4)):
+        model = run.new_model()
+        opt = train_module.make_optimizer(model, 1e-3, cfg.weight_decay)
+        opt.param_groups[0]["lr"] = opt.param_groups[1]["lr"] = 1e-3
+        (step(model, opt, run.family, batch, torch.device("cpu"), "fp32", clip) if step is train_module.train_step
+         else step(model, opt, run.family, batch, clip))
+        models.append(model.state_dict())
+    assert all(torch.equal(models[0][name], models[1][name]) for name in models[0])
+    assert not all(torch.equal(models[0][name], models[2][name]) for name in models[0])
 
 
 def test_the_step_trains_the_textbook_model_bit_for_bit(monkeypatch):

@@ -52,7 +52,7 @@ def test_p3_rows_are_medians_and_quartiles_over_the_stated_positions_and_sequenc
     N, T, K = beta.shape
     window = late_window(T)
     assert (window.start, window.stop) == (9, 12)
-    p3 = Alignment.of(beta.float(), alpha, window)
+    p3 = Alignment.of(beta.float(), beta, alpha, task, window)
     rows, shrink = alignment_rows((1, "resid_mid"), p3, task), p3.shrinkage
     b, al = beta.float().double().numpy(), alpha.numpy()
     tv = np.array([[0.5 * sum(abs(b[n, t, k] - al[n, t, k]) for k in range(K)) for t in range(T)] for n in range(N)])
@@ -75,12 +75,22 @@ def test_p3_rows_are_medians_and_quartiles_over_the_stated_positions_and_sequenc
             assert row["value"] == pytest.approx(med, rel=1e-9), (metric, part)
             assert row["band"] == pytest.approx([low, high], rel=1e-9), (metric, part)
     assert got[("p3.tv_last_quarter", None, None)]["value"] > got[("p3.tv_first_quarter", None, None)]["value"]
-    # P3.shrinks: 8 uncertain positions (0..7), quarters of 2
+    # the claim: per task, the mean beta (on the simplex already) against the mean posterior
+    k = task.numpy()
+    mean_tv = np.array([[0.5 * np.abs(beta.numpy()[k == m, t].mean(0) - al[k == m, t].mean(0)).sum() for t in range(T)] for m in range(K)])
+    for t in range(T):
+        assert got[("p3.tv_mean_beta", t, None)]["value"] == pytest.approx(mean_tv[:, t].mean(), rel=1e-9)
+        for m in range(K):
+            assert got[("p3.tv_mean_beta", t, m)]["value"] == pytest.approx(mean_tv[m, t], rel=1e-9)
+    assert got[("p3.tv_mean_beta", None, None)]["value"] == pytest.approx(mean_tv[:, 9:12].mean(), rel=1e-9)
+    # P3.shrinks on the mean curves: 8 uncertain positions (0..7), quarters of 2
     assert got[("p3.uncertain_positions", None, None)]["value"] == 8 and shrink.positions == list(range(8))
-    assert got[("p3.tv_first_uncertain", None, None)]["value"] == pytest.approx(tv[:, [0, 1]].mean(), rel=1e-9)
-    assert got[("p3.tv_last_uncertain", None, None)]["value"] == pytest.approx(tv[:, [6, 7]].mean(), rel=1e-9)
+    assert got[("p3.tv_first_uncertain", None, None)]["value"] == pytest.approx(mean_tv[:, [0, 1]].mean(), rel=1e-9)
+    assert got[("p3.tv_last_uncertain", None, None)]["value"] == pytest.approx(mean_tv[:, [6, 7]].mean(), rel=1e-9)
     assert all((r["batch"], r["set"], r["layer"], r["site"]) == ("measure", "major", 1, "resid_mid") for r in rows)
-    assert len(rows) == 2 * (4 * T + 2) + 3
+    assert len(rows) == 1 + (1 + K) * T + 2 * (4 * T + 2) + 3
+    summary = alignment_rows((1, "resid_mid"), p3, task, per_position=False)
+    assert [r for r in rows if r["position"] is None] == summary
 
 
 # ---------------------------------------------------------------- the predictor transition
@@ -291,3 +301,45 @@ def test_reproduce_exit_code_says_what_stopped_it(tmp_path, monkeypatch, error, 
     assert result.exit_code == code, result.output
     assert str(error) in result.output and "Traceback" not in result.output
     # exit codes 0 and 1 from the claims themselves: tests/test_claims.py
+
+
+# ---------------------------------------------------------------- the M1 claims' values under the protocol and each variant
+
+
+def test_claim_values_read_each_claim_at_its_place_under_the_protocol_and_the_variants():
+    """Planted m1.json rows: every metric's value encodes (metric, layer, site), so a value read at
+    the wrong place or from the wrong metric shows. E2-like: P3 reads its own block (9 of 16)."""
+    from taskgeom.analysis.retrieval import claim_values
+    from taskgeom.analysis.rows import row
+
+    metrics = ["p0.cell_r2", "p0.cell_r2_pooled", "p1.additive_share", "p1.additive_share_pooled", "p1.additive_share_last",
+               "p2.r2_task", "p2.r2_random", "p2.r2_additive", "p3.tv_mean_beta", "p3.tv_last_quarter", "p3.tv_first_uncertain",
+               "p3.tv_last_uncertain"]
+    code = lambda metric, layer, site: metrics.index(metric) + layer / 100 + (0.001 if site == "resid_mid" else 0.0)  # noqa: E731
+    rows = [row(metric, code(metric, layer, site), place=(layer, site), batch="measure", set="major")
+            for metric in metrics for layer in range(4) for site in ("resid_mid", "resid_post")]
+    rows += [row("p3.uncertain_positions", 7 if layer == 2 else 3, place=(layer, site), batch="measure", set="major")
+             for layer in range(4) for site in ("resid_mid", "resid_post")]
+    rows += [row("place.m1", 1.0, place=(3, "resid_post"), batch="measure", set="major"),
+             row("place.p3", 1.0, place=(2, "resid_post"), batch="measure", set="major"),
+             row("place.selected", 0.9, place=(1, "resid_mid"), batch="select", set="major"),
+             row("p0.cell_r2", -1.0, place=(3, "resid_post"), batch="select", set="major"),  # the selection batch: never read
+             row("p0.cell_r2", -1.0, place=(3, "resid_post"), batch="measure", set="major", position=5)]  # a curve: never read
+    cases = {None: ((3, "resid_post"), (2, "resid_post"), ""), "selected-place": ((1, "resid_mid"), (1, "resid_mid"), ""),
+             "site-mid": ((3, "resid_mid"), (2, "resid_mid"), ""), "pooled-anova": ((3, "resid_post"), (2, "resid_post"), "_pooled"),
+             "separator": ((3, "resid_post"), (2, "resid_post"), "")}
+    for variant, (place, p3, pooled) in cases.items():
+        values = claim_values(rows, variant)
+        assert values["P0"].value == code(f"p0.cell_r2{pooled}", *place), variant
+        assert values["P1"].value == code(f"p1.additive_share{pooled}", *place), variant
+        assert values["P2"].value == code("p2.r2_additive", *place) and values["P2"].parts["r2_task"] == code("p2.r2_task", *place)
+        assert values["P2.vs_random"].value == pytest.approx(code("p2.r2_task", *place) - code("p2.r2_random", *place))
+        assert values["P3"].value == code("p3.tv_mean_beta", *p3), variant
+        assert all((values[c].parts["layer"], values[c].parts["site"]) == place for c in ("P0", "P1", "P2", "P2.vs_random")), variant
+        assert (values["P3"].parts["layer"], values["P3"].parts["site"]) == p3, variant
+        shrinks = values["P3.shrinks"]
+        if p3[0] == 2:  # 7 uncertain positions: applies
+            assert shrinks.reason is None
+            assert shrinks.value == pytest.approx(code("p3.tv_last_uncertain", *p3) / code("p3.tv_first_uncertain", *p3))
+        else:  # 3 < 5: n/a, with the reason
+            assert math.isnan(shrinks.value) and "at 3 position(s) only" in shrinks.reason

@@ -3,9 +3,10 @@
 The public API, ``import taskgeom as tg`` (docs/python-api.md walks through a study):
 
 - ``tg.open_run(path)`` -> ``tg.StudyRun``: a finished run (model, family, pool, config) and its
-  verbs: ``heldout`` sequences of a named ``tg.Split``, ``cache`` states at a ``tg.Place``,
-  ``geometry`` / ``geometries`` / ``select_place``, ``loss``, ``ablate`` directions,
-  ``orthogonal_search``, ``snapshots``.
+  verbs: ``heldout`` sequences of a named ``tg.Split`` (``heldout_tasks``: whole tasks), ``cache``
+  states at a ``tg.Place``, ``geometry`` / ``geometries`` / ``select_place``, ``loss``, ``ablate``
+  directions, ``orthogonal_search``, ``projection_r2`` (the study's Fig. 4, a ``tg.ProjectionR2``)
+  and its ``projection_reference``, ``snapshots``.
 - ``tg.Geometry``: task vectors, basis, token effects, P0-P3, beta at a place; ``steer`` toward a
   point of the simplex, ``ablate`` the task subspace S (a ``tg.Edit``, used as ``with``),
   ``projection_r2``.
@@ -17,21 +18,21 @@ The public API, ``import taskgeom as tg`` (docs/python-api.md walks through a st
 - ``tg.tasks``: the latent-task families (``tasks.make``).
 """
 
-__version__ = "0.1.0"
-
-from taskgeom import tasks  # noqa: E402  (first: the modules below import it)
-from taskgeom.analysis.dual import analyze_dual  # noqa: E402
-from taskgeom.analysis.heldout import Split  # noqa: E402
-from taskgeom.analysis.retrieval import Result as M1Result, analyze as analyze_m1  # noqa: E402
-from taskgeom.analysis.shares import MIN_RELIABLE_GAIN, Share, share_of_gain  # noqa: E402
-from taskgeom.analysis.steering import Steering  # noqa: E402
-from taskgeom.analysis.edits import Edit, Place  # noqa: E402
-from taskgeom.analysis.geometry import Alignment, Geometry  # noqa: E402
-from taskgeom.analysis.study import Selection, Sequences, StudyRun, open_run  # noqa: E402
-from taskgeom.results import Results, results  # noqa: E402
+from taskgeom.version import __version__
+from taskgeom import tasks  # first: the modules below import it
+from taskgeom.analysis.dual import analyze_dual
+from taskgeom.analysis.heldout import Split
+from taskgeom.analysis.retrieval import Result as M1Result, analyze as analyze_m1
+from taskgeom.analysis.shares import MIN_RELIABLE_GAIN, Share, share_of_gain
+from taskgeom.analysis.steering import Steering
+from taskgeom.analysis.edits import Edit, Place
+from taskgeom.analysis.geometry import Alignment, Geometry
+from taskgeom.analysis.projection import ProjectionR2
+from taskgeom.analysis.study import Selection, Sequences, StudyRun, open_run
+from taskgeom.results import Results, results
 
 __all__ = [
-    "open_run", "StudyRun", "Split", "Sequences", "Place", "Selection", "Geometry", "Alignment", "Steering", "Edit",
+    "open_run", "StudyRun", "Split", "Sequences", "Place", "Selection", "Geometry", "Alignment", "Steering", "Edit", "ProjectionR2",
     "share_of_gain", "Share", "MIN_RELIABLE_GAIN", "analyze_m1", "M1Result", "analyze_dual", "results", "Results", "tasks",
     "__version__",
 ]

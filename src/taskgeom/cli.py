@@ -89,8 +89,15 @@ app = typer.Typer(
 def main(
     ctx: typer.Context,
     debug: bool = typer.Option(False, "--debug", help=f"Print the traceback of an error too (or set {_DEBUG_ENV}=1)."),
+    native_kernels: bool = typer.Option(
+        False, "--native-kernels", help="Let torch pick its CPU kernels by this CPU. By default ATen, MKL and oneDNN are pinned "
+        "to AVX2 (unless you set ATEN_CPU_CAPABILITY, MKL_CBWR or ONEDNN_MAX_CPU_ISA yourself), so every x86-64 CPU with AVX2 "
+        "trains the published bits; reproduction.json records the choice."),
 ) -> None:
+    from taskgeom.kernels import use_portable_kernels
+
     ctx.meta["taskgeom.debug"] = debug
+    use_portable_kernels(native_kernels)
 
 
 DEVICE_OPTION = typer.Option("auto", help="Where to train: auto (CUDA if available, else CPU), cpu, cuda or cuda:N.")
@@ -145,7 +152,7 @@ def train(
         from taskgeom.hf import require_transformers
 
         require_transformers()  # before the run directory is made
-    from taskgeom.devices import check_training_fits
+    from taskgeom.fits import check_training_fits
 
     check_training_fits(settings, device)
     if run_dir is None:
@@ -211,11 +218,21 @@ def _int_list(text: str, option: str) -> list[int]:
     return values
 
 
+def _executor(kind: str, workers: int | None, address: str | None, cpus_per_run: int | None, gpus_per_run: float):
+    """The executor of the options below, ``--workers`` defaulting to ``devices.default_workers``."""
+    from taskgeom.devices import default_workers
+    from taskgeom.experiments.executors import Executor
+
+    return Executor(kind, default_workers(cpus_per_run) if workers is None else workers, address, cpus_per_run, gpus_per_run)
+
+
 # The executor options, shared by `sweep` and `reproduce` (whose sweeps they run).
 _EXECUTOR = typer.Option("local", "--executor", help="Where runs execute: local (a process pool on this machine) or ray "
                          "(one Ray task per run; needs `pip install taskgeom\\[ray]`).")
-_WORKERS = typer.Option(2, help="local: parallel worker processes (1: run in this process); ray without --address: "
-                        "runs at once on the local Ray instance, which gets workers x cpus-per-run CPUs.")
+_WORKERS = typer.Option(None, show_default="usable cores / cpus-per-run", help="local: parallel worker processes (1: run in this "
+                        "process); by default every core this process may use (its CPU affinity and any cgroup quota) divided by the "
+                        "threads per run, and no more at once than memory allows for the runs' estimates. ray without --address: runs "
+                        "at once on the local Ray instance, which gets workers x cpus-per-run CPUs.")
 _ADDRESS = typer.Option(None, help="ray: join the running Ray cluster at HOST:PORT instead of starting a local instance. "
                         "Its nodes write the run directories into the output folder by absolute path, so that folder "
                         "(and a recipe given as a file) must be on a filesystem every node mounts at the same path.")
@@ -233,7 +250,7 @@ def sweep(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override applied to every run, repeatable."),
     out: Path = typer.Option(Path("runs"), help="Folder for the run directories and the tables sweep.csv, by_step.csv."),
     executor: str = _EXECUTOR,
-    workers: int = _WORKERS,
+    workers: Optional[int] = _WORKERS,
     address: Optional[str] = _ADDRESS,
     cpus_per_run: Optional[int] = _CPUS_PER_RUN,
     gpus_per_run: float = _GPUS_PER_RUN,
@@ -244,15 +261,14 @@ def sweep(
     predictor transition and Theorem 2. Finished runs are skipped; failures are reported, not fatal.
     Runs execute on a local process pool or on Ray (--executor ray: a local Ray instance, or a
     cluster with --address, whose nodes must share the output folder)."""
-    from taskgeom.experiments.executors import Executor
     from taskgeom.experiments.sweep import Job, run_sweep, summary
 
-    where = Executor(executor, workers, address, cpus_per_run, gpus_per_run)
+    where = _executor(executor, workers, address, cpus_per_run, gpus_per_run)
     _check_training(device, tracker, where.kind == "local")
     ks, seed_list = _int_list(diversity, "--diversity"), _int_list(seeds, "--seeds")
     _folder(out, "--out")
     jobs = [Job(config, k, s, profile, str(out), tuple(set_ or []), device, tracker) for k in ks for s in seed_list]
-    from taskgeom.devices import check_training_fits
+    from taskgeom.fits import check_training_fits
 
     from taskgeom.analysis.task_vectors import check_major_tasks
 
@@ -275,19 +291,17 @@ def analyze(
     run_dir: Path = typer.Argument(..., help="A finished run directory, or a Hugging Face model directory (save_pretrained) with --recipe."),
     layer: Optional[List[int]] = typer.Option(None, "--layer", help="Layers to measure (repeatable); all by default."),
     site: Optional[List[str]] = typer.Option(None, "--site", help="Sites to measure (repeatable); default resid_mid and resid_post (those there are)."),
-    primary: Optional[str] = typer.Option(None, help="Fix the site of the claims (resid_mid or resid_post); by default the place "
-                                          "(layer and site) with the highest R^2_task on a selection batch is chosen."),
     sequences: int = typer.Option(512, help="Held-out major-task sequences to analyse."),
     recipe: Optional[str] = typer.Option(None, help="Hugging Face directory only: the recipe of the task the model learnt (model section ignored)."),
     profile: str = typer.Option("quick", help="Hugging Face directory only: the recipe's profile."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Hugging Face directory only: dotted override of the recipe, repeatable."),
     out: Optional[Path] = typer.Option(None, help="Hugging Face directory only: where analysis/ and figures/ go (default RUN_DIR/taskgeom)."),
 ) -> None:
-    """M1 geometry of a trained model (PAPER.md sections 4 and 7): P0-P2 per layer and site on a
-    selection batch and on an independent measurement batch; the place with the highest R^2_task on
-    the selection batch is chosen, and P3 and causal steering are measured there on the measurement
-    batch. Writes analysis/m1.json (tidy rows) and figures/m1_*.png."""
-    from taskgeom.analysis.retrieval import analyze as analyze_run, write
+    """M1 geometry of a trained model (PAPER.md sections 4 and 7): P0-P3 per layer and site on a
+    measurement batch; the claims read the study's block at the same relative depth (resid_post),
+    where causal steering is measured too, one position per forward pass. P0-P2 on a selection batch
+    give the selected-place variant. Writes analysis/m1.json (tidy rows) and figures/m1_*.png."""
+    from taskgeom.analysis.retrieval import analyze as analyze_run, claim_values, write
     from taskgeom.analysis.steering import KINDS
     from taskgeom.analysis.study import StudyRun
     from taskgeom.report.geometry import FIGURES, plot_retrieval
@@ -300,13 +314,12 @@ def analyze(
             raise TaskgeomError(f"{run_dir} is a taskgeom run directory, which has its own config: analyse it without --recipe, --set and --out")
         run = Run.open(run_dir)
     else:
-        from taskgeom.hf import open_pretrained
+        from taskgeom.pretrained import open_pretrained
 
         run = open_pretrained(run_dir, recipe, profile, set_ or [], out)
     _check_analysis_memory(run.config, sequences)
     run = StudyRun(run)
-    result = analyze_run(run, layers=tuple(layer) if layer else None, sites=tuple(site) if site else None, site=primary,
-                         n_sequences=sequences)
+    result = analyze_run(run, layers=tuple(layer) if layer else None, sites=tuple(site) if site else None, n_sequences=sequences)
     write(run, result)
     (run.path / "figures").mkdir(parents=True, exist_ok=True)
     plot_retrieval(result, {name: run.path / "figures" / f"m1_{name}.png" for name in FIGURES})
@@ -314,11 +327,11 @@ def analyze(
     per_layer = table[table["position"].isna() & (table["batch"] == "measure") & table["metric"].str.startswith(("p0", "p1", "p2"))]
     typer.echo("measurement batch:")
     typer.echo(per_layer.pivot_table(index=["layer", "site"], columns="metric", values="value", sort=False).round(4).to_string())
-    best_layer, best_site = result.best
-    runner = "" if result.runner_up is None else f"; runner-up layer {result.runner_up[0]} ({result.runner_up[1]})"
-    typer.echo(f"selected layer {best_layer} ({best_site}) by R^2_task on the selection batch{runner}:")
-    for metric in ("p2.r2_task", "p3.tv_first_quarter", "p3.tv_last_quarter", "p3.tv_first_uncertain", "p3.tv_last_uncertain"):
-        typer.echo(f"  {metric:<24} {result.summary[metric]:.4g}")
+    layer_, site_ = result.place
+    typer.echo(f"the claims read layer {layer_} ({site_}), P3 layer {result.p3_place[0]} ({result.p3_place[1]}); "
+               f"the selected-place variant: layer {result.selected[0]} ({result.selected[1]})")
+    for claim, reading in claim_values(result.rows).items():
+        typer.echo(f"  {claim:<24} {reading.value:.4g}")
     steering = result.steering
     typer.echo(f"steering at layer {steering.place.layer} ({steering.place.site}), positions {steering.positions[0]}-{steering.positions[-1]}, "
                f"mean {steering.label} over {steering.n_points} target points:")
@@ -346,7 +359,7 @@ def export_hf(
 ) -> None:
     """Write a run's model as a Hugging Face model directory that AutoModelForCausalLM.from_pretrained
     loads (and `taskgeom analyze OUT --recipe ...` analyses); prints OUT."""
-    from taskgeom.hf import save_pretrained
+    from taskgeom.pretrained import save_pretrained
     from taskgeom.runs import Run
 
     _folder(out, "OUT")
@@ -375,7 +388,7 @@ def reproduce(
                               "FLOPs; --csv for a table) and exit: nothing is trained or written."),
     csv: bool = typer.Option(False, "--csv", help="With --plan: the run list as CSV."),
     executor: str = _EXECUTOR,
-    workers: int = _WORKERS,
+    workers: Optional[int] = _WORKERS,
     address: Optional[str] = _ADDRESS,
     cpus_per_run: Optional[int] = _CPUS_PER_RUN,
     gpus_per_run: float = _GPUS_PER_RUN,
@@ -389,11 +402,10 @@ def reproduce(
     nothing). The diversity
     sweeps run on the executor chosen by the executor options (as in `taskgeom sweep`); the other
     experiments' runs train in this process, on --device."""
-    from taskgeom.experiments.executors import Executor
     from taskgeom.experiments import declared, reproduce as run_all
     from taskgeom.claims import exit_code, summary
 
-    where = Executor(executor, workers, address, cpus_per_run, gpus_per_run)
+    where = _executor(executor, workers, address, cpus_per_run, gpus_per_run)
     _check_training(device, tracker)  # its single runs train in this process
     _folder(out, "--out")
     studies, experiments = _studies(recipe or [], recipes, only or [], profile)
@@ -403,15 +415,23 @@ def reproduce(
     if any(setting.split("=", 1)[0].strip() == "train.seed" for setting in set_ or []):
         raise TaskgeomError("--set train.seed: reproduce trains every setting on each seed of --seeds; say --seeds instead")
     if plan:
-        from taskgeom.experiments.base import Context, planned_runs
+        from taskgeom.experiments import Context, planned_runs
         from taskgeom.experiments.schedule import plan_table
 
         ctx = Context(out, profile, tuple(seed_list), where, device, tracker, tuple(set_ or []), studies, diversities and tuple(diversities))
         table = plan_table(planned_runs(ctx, chosen))
         typer.echo(table.to_csv(index=False) if csv else table.to_string(index=False))
         if not csv:
+            from taskgeom.devices import usable_cores
+            from taskgeom.report.manifest import cpu_model
+            from taskgeom.timing import estimate_wall, matmul_rate
+
+            rate, workers = matmul_rate(), min(where.workers, usable_cores())
             typer.echo(f"{len(table)} runs, {table['steps'].sum():,} steps, {table['tokens'].sum():.3g} tokens, "
                        f"{table['flops'].sum():.3g} training FLOPs (6 x parameters x tokens)")
+            typer.echo(f"estimated wall time here: {estimate_wall(list(table['flops']), rate, workers) / 60:.0f} min on {workers} "
+                       f"worker(s) ({cpu_model()}, {usable_cores()} usable cores, matrix-multiply probe {rate / 1e9:.0f} GFLOP/s a "
+                       f"thread); an estimate from one measured reproduction, within about a third")
         return
     where.check()  # Ray importable and its address answering, before any training
     ctx = run_all(out, profile, chosen, where, device, tracker, tuple(set_ or []), tuple(seed_list), studies, diversities)
@@ -527,28 +547,36 @@ def ladder(
 
 @app.command()
 def sensitivity(
-    run_dirs: List[Path] = typer.Argument(..., help="Finished run directories (for example a reproduction's runs at the highest k)."),
-    csv: bool = typer.Option(False, "--csv", help="Print every row as CSV instead of the summary."),
-    places: bool = typer.Option(False, "--places", help="Instead: the claims' place (selected on a separate batch [ours]) against "
-                                "every other layer and site, read from the runs' stored m1.json and dual.json: P0-P2 and projection R^2 "
-                                "at the pinned place, and the lowest and highest over all places (median over the runs)."),
+    run_dirs: List[Path] = typer.Argument(..., help="Finished run directories (for example a reproduction's runs at the highest k, "
+                                          "every seed)."),
+    variant: Optional[List[str]] = typer.Option(None, "--variant", help="A variant of PAPER.md section 8 to measure beside the "
+                                                "protocol, repeatable (default: every one sensitivity covers: centred-S, "
+                                                "v-avoids-tokens, v-searched-on-ood, v-best-block)."),
+    csv: bool = typer.Option(False, "--csv", help="Print every run's row as CSV instead of the summary."),
+    places: bool = typer.Option(False, "--places", help="Instead: the place-dependent values at every layer and site, read from the "
+                                "runs' stored m1.json and dual.json: P0-P2 and projection R^2 at the place the claims read, and the "
+                                "lowest and highest over all places (median over the runs)."),
 ) -> None:
-    """How the orthogonal-subspace ablation (the share of OOD and major in-context gain V removes)
-    moves when each choice PAPER.md section 7 adds to the study's protocol is flipped alone: V kept
-    out of the token subspace or not, ablated at the searched layer or at every layer, the gain
-    over every prediction after the first or over the late window. Reports; the claims keep the
-    pinned definition. Prints the median [min, max] over the runs of each choice."""
-    import pandas as pd
-
-    from taskgeom.analysis.sensitivity import orthogonal_choices, place_choices
+    """For each claim it covers (the double dissociation: S and V ablations and the random
+    control, at each run's diversity), its value and verdict under the study's protocol (PAPER.md
+    section 7) and under each applicable variant of section 8, measured on the same runs. A claim's
+    verdict is judged over the runs given (pass on every run, fail on every run, else unstable),
+    its value the median over them. Reports; the claims keep the protocol."""
+    from taskgeom.analysis.sensitivity import ABLATION_VARIANTS, ablation_variants, place_choices, summarise
     from taskgeom.analysis.study import StudyRun
     from taskgeom.runs import Run
 
+    chosen = tuple(variant or ABLATION_VARIANTS)
+    unknown = [v for v in chosen if v not in ABLATION_VARIANTS]
+    if unknown:
+        raise typer.BadParameter(f"sensitivity measures the variants {', '.join(ABLATION_VARIANTS)}; not {', '.join(unknown)}",
+                                 param_hint="--variant")
     rows = []
     for run_dir in run_dirs:
         run = Run.open(run_dir)
+        measured = place_choices(run) if places else ablation_variants(StudyRun(run), chosen)
         rows += [{"run": run.path.name, "recipe": run.config.name, "diversity": run.config.task.diversity, "seed": run.config.train.seed,
-                  **row} for row in (place_choices(run) if places else orthogonal_choices(StudyRun(run)))]
+                  **row} for row in measured]
     table = pd.DataFrame(rows)
     if csv:
         typer.echo(table.to_csv(index=False), nl=False)
@@ -562,6 +590,4 @@ def sensitivity(
                                 "lowest": per_run.min(), "highest": per_run.max()}).groupby(keys, sort=False).median()
         typer.echo(summary.reset_index().round(3).to_string(index=False))
         return
-    summary = (table.groupby(["recipe", "set", "choice"], sort=False)["gain_removed"].agg(["median", "min", "max", "count"])
-               .rename(columns={"count": "runs"}).reset_index())
-    typer.echo(summary.round(3).to_string(index=False))
+    typer.echo(summarise(table).to_string(index=False))

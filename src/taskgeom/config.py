@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BeforeValidator, Field, SerializeAsAny, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, SerializeAsAny, Strict, ValidationError, field_validator, model_validator
 
 from taskgeom.errors import EnvironmentRefused, TaskgeomError
 from taskgeom.settings import Int, PositiveFloat, PositiveInt, Real, StrictModel, TaskSettings
@@ -64,18 +64,22 @@ class ModelConfig(StrictModel):
     positions: Literal["rotary", "learned"] = Field("rotary", description="fixed by arch for gpt2 (learned) and llama (rotary)")
     max_len: PositiveInt = 256
     arch: Literal["taskgeom", "gpt2", "llama"] = Field("taskgeom", description="gpt2, llama: a Hugging Face model (taskgeom.hf)")
+    activation: Literal["gelu", "silu"] = Field("gelu", description="the MLP's nonlinearity (arch taskgeom; gpt2 and llama keep their own)")
+    final_norm: Annotated[bool, Strict()] = Field(True, description="a LayerNorm before the unembedding (false: none; arch taskgeom)")
 
     @model_validator(mode="before")
     @classmethod
-    def _arch_fixes_positions(cls, data: Any) -> Any:
+    def _hf_arch_fixes_its_parts(cls, data: Any) -> Any:
         """A Hugging Face architecture has its own positions: filled in, and a contrary setting refused
-        (so one model never gets two run names)."""
+        (so one model never gets two run names). It also has its own MLP and final norm: ``activation``
+        and ``final_norm``, settings of our model that a recipe gives for it, are reset to their
+        defaults (so ``--set model.arch=gpt2`` on any recipe builds the same model under one name)."""
         fixed = ARCH_POSITIONS.get(data.get("arch")) if isinstance(data, dict) else None
         if fixed is None:
             return data
         if data.get("positions", fixed) != fixed:
             raise ValueError(f"model.arch {data['arch']} has {fixed} positions; leave model.positions out (got {data['positions']!r})")
-        return {**data, "positions": fixed}
+        return {key: value for key, value in data.items() if key not in ("activation", "final_norm")} | {"positions": fixed}
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
@@ -92,7 +96,9 @@ class TrainConfig(StrictModel):
     lr: PositiveFloat = 4e-4
     weight_decay: Real = Field(4e-4, ge=0.0)
     warmup_frac: Real = Field(0.5, ge=0.0, le=1.0, description="share of steps in linear warm-up")
-    grad_clip: PositiveFloat = 1.0
+    schedule: Literal["triangular", "cosine"] = Field("triangular", description="the decay after warm-up: linear or cosine, to lr_floor")
+    lr_floor: Real = Field(0.0, ge=0.0, description="the learning rate the warm-up starts from and the decay ends at")
+    grad_clip: PositiveFloat | None = Field(1.0, description="the gradient norm clipped to; null: no clipping")
     seed: Int = 0
     eval_every: PositiveInt = 250
     eval_batch: PositiveInt = 256
@@ -101,9 +107,24 @@ class TrainConfig(StrictModel):
     snapshots: Int = Field(0, ge=0, description="weights kept at this many log-spaced steps (snapshots/)")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: forward passes under bfloat16 autocast")
 
+    @field_validator("grad_clip", mode="before")
+    @classmethod
+    def _clip_positive_or_null(cls, value: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+            raise ValueError(f"train.grad_clip must be a positive gradient norm, or null for no clipping (got {value!r})")
+        return value
 
-# (section, field) of settings added after the first release; see RunConfig.digest.
-LATER_SETTINGS: tuple[tuple[str, str], ...] = (("train", "precision"), ("model", "arch"))
+    @model_validator(mode="after")
+    def _floor_below_peak(self) -> "TrainConfig":
+        if self.lr_floor >= self.lr:
+            raise ValueError(f"train.lr_floor ({self.lr_floor:g}) must be below the peak train.lr ({self.lr:g})")
+        return self
+
+
+# (section, field) of settings added after the first release; see RunConfig.digest. A task field
+# counts for the families that have it (task.major_seed: dice and regression).
+LATER_SETTINGS: tuple[tuple[str, str], ...] = (("train", "precision"), ("model", "arch"), ("model", "activation"), ("model", "final_norm"),
+                                               ("train", "schedule"), ("train", "lr_floor"), ("task", "major_seed"))
 
 
 class RunConfig(StrictModel):
@@ -135,7 +156,8 @@ class RunConfig(StrictModel):
         directories made before them keep their names."""
         data = self.model_dump(mode="json")
         for section, key in LATER_SETTINGS:
-            if getattr(getattr(self, section), key) == type(getattr(self, section)).model_fields[key].default:
+            fields = type(getattr(self, section)).model_fields
+            if key in fields and getattr(getattr(self, section), key) == fields[key].default:
                 del data[section][key]
         text = json.dumps(data, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:10]
@@ -264,7 +286,8 @@ def _parameter_count(config: RunConfig, family) -> int:
     per_layer = 4 * m.d_model * m.d_model + mlp_mats * m.d_model * m.d_mlp + m.d_mlp + 5 * m.d_model
     positions = m.max_len * m.d_model if m.positions == "learned" else 0
     embed = n_in * m.d_model + (0 if family.reads_tokens else m.d_model)  # a Linear (with bias) for vectors
-    return embed + positions + m.n_layers * per_layer + 2 * m.d_model + m.d_model * n_out
+    final_norm = 2 * m.d_model if m.final_norm else 0
+    return embed + positions + m.n_layers * per_layer + final_norm + m.d_model * n_out
 
 
 def _pool_size(task: TaskConfig) -> int:

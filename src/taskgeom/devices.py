@@ -88,6 +88,39 @@ def available_memory(device: torch.device) -> int | None:
         return None
 
 
+def usable_cores(cgroup: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may use: its CPU affinity (else ``os.cpu_count``), bounded by a cgroup
+    CPU quota when one is set (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    quota = _cgroup_quota(cgroup)
+    return max(1, min(cores, int(quota)) if quota else cores)
+
+
+def _cgroup_quota(root: str) -> float | None:
+    """CPUs allowed by the cgroup CPU quota at ``root`` (None: no quota or none readable)."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as handle:
+            quota, period = handle.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as q, open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as p:
+            quota, period = int(q.read()), int(p.read())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def default_workers(threads_per_run: int | None = None) -> int:
+    """``--workers`` when not given: the usable cores divided by the threads per run (1 unless
+    ``--cpus-per-run`` says otherwise); the schedule caps it further by memory."""
+    return max(1, usable_cores() // (threads_per_run or 1))
+
+
 def describe(device: torch.device) -> str:
     """``this machine (cpu)`` or ``cuda:0 (NVIDIA H200)``: where memory is checked, in words."""
     if device.type == "cuda":
@@ -95,14 +128,3 @@ def describe(device: torch.device) -> str:
         return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
     return "this machine (cpu)"
 
-
-def check_training_fits(config, device: str) -> None:
-    """Refuse ``config`` (a RunConfig) when training it on ``device`` (resolved here, as the run will
-    be) cannot fit in the memory available there (EnvironmentRefused, exit 3); call it before the
-    run directory is made."""
-    from taskgeom.config import check_training_memory
-
-    where = resolve_device(device)
-    cpu = torch.device("cpu")
-    host = (available_memory(cpu), describe(cpu)) if where.type == "cuda" else None
-    check_training_memory(config, available_memory(where), describe(where), host)

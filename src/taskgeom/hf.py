@@ -8,27 +8,23 @@ use it like our ``Transformer``: ``forward(tokens [B, T]) -> logits [B, T, V]``,
 ``resid_post = resid_mid + mlp_out``. ``resid_mid`` lives inside one call of an HF decoder layer, so
 it is formed in the hook on the layer's attention and edited through that module's output.
 
-``build`` makes the HF model of a run with ``model.arch`` gpt2 or llama (no download),
-``save_pretrained`` writes a run's model as a directory ``from_pretrained`` loads, and
-``open_pretrained`` turns such a directory plus a recipe into a finished run for the analysis.
-``transformers`` is imported only when a model is built or loaded (``pip install taskgeom[hf]``).
+``build`` makes the HF model of a run with ``model.arch`` gpt2 or llama (no download) and
+``model_config`` describes a supported HF config as a ``ModelConfig``; ``taskgeom.pretrained``
+writes and reads such models as Hugging Face model directories. ``transformers`` is imported only
+when a model is built or loaded (``pip install taskgeom[hf]``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
-from taskgeom.config import ConfigError, ModelConfig, RunConfig
-from taskgeom.errors import RunDirError, TaskgeomError
+from taskgeom.config import ConfigError, ModelConfig
+from taskgeom.errors import TaskgeomError
 from taskgeom.model import HookPoint, ResidualModel
-from taskgeom.recipes import load_recipe
-from taskgeom.runs import Run
-from taskgeom.tasks.registry import family_class
 
 SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")  # as taskgeom.model.SITES
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")  # those that take an additive [1, 1, T, T] mask
@@ -208,69 +204,3 @@ def model_config(config) -> ModelConfig:
     return ModelConfig(n_layers=config.num_hidden_layers, d_model=config.hidden_size, n_heads=config.num_attention_heads,
                        d_mlp=parts.d_mlp(config), positions="rotary" if parts.rotary else "learned",
                        max_len=config.max_position_embeddings, arch=config.model_type)
-
-
-def save_pretrained(source: Run | HFCausalLM, out: Path | str) -> Path:
-    """Write the HF model of a finished run (model.arch gpt2 or llama), or of an adapter, to ``out``
-    (config.json, model.safetensors) for ``AutoModelForCausalLM.from_pretrained``; returns ``out``.
-    ``out`` must be new or empty, so nothing already written (a run directory, say) is replaced."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise TaskgeomError(f"{out} already exists and is not an empty folder; choose a new folder for the Hugging Face model")
-    model = source.load_model() if isinstance(source, Run) else source
-    if not isinstance(model, HFCausalLM):
-        raise TaskgeomError(f"only models of model.arch {list(SUPPORTED)} are Hugging Face models; this one is taskgeom's own "
-                            "(train with --set model.arch=gpt2 to get one)")
-    model.hf.save_pretrained(str(out))
-    return out
-
-
-# ---- analysing a directory written by save_pretrained ------------------------------------------
-class PretrainedRun(Run):
-    """A Hugging Face model directory (``source``) seen as a finished run: task and seeds from a
-    recipe, the model section from the directory's config.json; analysis output under ``path``."""
-
-    def __init__(self, source: Path, config: RunConfig, path: Path):
-        super().__init__(path, config)
-        self.source = Path(source)
-
-    @property
-    def finished(self) -> bool:
-        return True
-
-    def load_model(self) -> HFCausalLM:
-        """The adapter over ``AutoModelForCausalLM.from_pretrained(source)`` in float32, its logits cut to the task's tokens."""
-        try:
-            model = require_transformers().AutoModelForCausalLM.from_pretrained(str(self.source)).float()
-        except OSError as err:  # no or unreadable weights beside config.json
-            raise RunDirError(f"{self.source}: the Hugging Face model cannot be loaded ({err})") from None
-        return HFCausalLM(model, n_out=self.family.vocab_size).eval()
-
-
-def open_pretrained(source: Path | str, recipe: str | None, profile: str = "quick", overrides: list[str] = (),
-                    out: Path | str | None = None) -> PretrainedRun:
-    """The HF model directory ``source`` with the task of ``recipe`` (profile, dotted overrides; its
-    model section is replaced by the directory's); analysis output goes to ``out`` (default
-    ``source/taskgeom``). TaskgeomError when the directory, its architecture or its sizes do not fit."""
-    source = Path(source)
-    if (source / "run.json").is_file():
-        raise RunDirError(f"{source} is a taskgeom run directory: analyse it without --recipe")
-    if not (source / "config.json").is_file():
-        raise RunDirError(f"{source} is neither a taskgeom run directory nor a Hugging Face model directory (no config.json)")
-    if recipe is None:
-        raise TaskgeomError(f"{source} is a Hugging Face model directory: name the recipe of the task it was trained on with --recipe")
-    transformers = require_transformers()
-    try:
-        hf = transformers.AutoConfig.from_pretrained(str(source))
-    except (OSError, ValueError) as err:
-        raise RunDirError(f"{source}/config.json cannot be read by transformers ({err})") from None
-    model = model_config(hf)
-    config = load_recipe(recipe, profile, list(overrides))
-    if not family_class(config.task.family).reads_tokens:
-        raise ConfigError(f"a Hugging Face causal LM reads tokens, but the recipe's family {config.task.family!r} feeds vectors")
-    if config.task.seq_len > model.max_len:
-        raise ConfigError(f"the task's sequences have {config.task.seq_len} positions; the model at {source} has {model.max_len}")
-    run = PretrainedRun(source, config.model_copy(update={"model": model}), Path(out) if out is not None else source / "taskgeom")
-    if run.family.vocab_size > hf.vocab_size:
-        raise ConfigError(f"the task has {run.family.vocab_size} tokens; the model at {source} has a vocabulary of {hf.vocab_size}")
-    return run

@@ -1,4 +1,6 @@
 """A small decoder-only transformer (pre-norm, rotary or learned positions) with named hook sites.
+The MLP's nonlinearity (GELU or SiLU) and the final LayerNorm (or none: the unembedding reads the
+residual stream) are settings of ``ModelConfig``.
 
 Every block exposes five residual-stream sites as identity modules, so ``hooks.py`` can read or
 rewrite them: ``resid_pre``, ``attn_out``, ``resid_mid = resid_pre + attn_out``, ``mlp_out`` and
@@ -17,6 +19,7 @@ from taskgeom.config import ModelConfig
 from taskgeom.errors import AnalysisError
 
 SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+ACTIVATIONS = {"gelu": nn.GELU, "silu": nn.SiLU}
 
 
 class HookPoint(nn.Identity):
@@ -71,7 +74,7 @@ class Block(nn.Module):
         self.ln_attn = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.ln_mlp = nn.LayerNorm(cfg.d_model)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_mlp), nn.GELU(), nn.Linear(cfg.d_mlp, cfg.d_model))
+        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_mlp), ACTIVATIONS[cfg.activation](), nn.Linear(cfg.d_mlp, cfg.d_model))
         for site in SITES:
             setattr(self, site, HookPoint())
 
@@ -138,7 +141,7 @@ class Transformer(ResidualModel):
         self.embed = nn.Embedding(vocab_size, cfg.d_model) if d_in is None else nn.Linear(d_in, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.max_len, cfg.d_model) if cfg.positions == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_final = nn.LayerNorm(cfg.d_model)
+        self.ln_final = nn.LayerNorm(cfg.d_model) if cfg.final_norm else nn.Identity()  # Identity: no parameters
         self.unembed = nn.Linear(cfg.d_model, n_out or vocab_size, bias=False)
         self.apply(self._init)
         for block in self.blocks:  # GPT-2 style scaling of the residual writes
@@ -164,6 +167,6 @@ class Transformer(ResidualModel):
         return x
 
     def readout(self, h: torch.Tensor) -> torch.Tensor:
-        """Final residual state [..., D] -> logits [..., n_out] (final norm + unembedding)."""
+        """Final residual state [..., D] -> logits [..., n_out] (final norm, when the model has one, + unembedding)."""
         return self.unembed(self.ln_final(h))
 

@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 import yaml
 
-from taskgeom import __version__, tasks
+from taskgeom import hf, tasks
 from taskgeom.config import ConfigError, RunConfig, build_config
 from taskgeom.errors import CheckpointError, RunDirError
 from taskgeom.model import Transformer
 from taskgeom.rng import fold_seed
 from taskgeom.storage import atomic_write_json, atomic_write_text, exclusive_lock, load_module_state, load_tensors, meta_int
+from taskgeom.version import __version__
 
 RUN_FORMAT = 1
 LOCK_NAME = ".lock"
@@ -102,8 +103,6 @@ class Run:
         behind ``hf.HFCausalLM``); its weights depend on the seed alone."""
         torch.manual_seed(fold_seed(self.config.train.seed, 0, "init"))
         if self.config.model.arch != "taskgeom":
-            from taskgeom import hf
-
             return hf.build(self.config.model, **self.family.model_io())
         return Transformer(self.config.model, **self.family.model_io())
 
@@ -111,8 +110,6 @@ class Run:
     def sites(self) -> tuple[str, ...]:
         """The hook sites of this run's model (``new_model().sites``), known without building it."""
         if self.config.model.arch != "taskgeom":
-            from taskgeom import hf
-
             return hf.SITES
         return Transformer.sites
 

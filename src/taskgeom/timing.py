@@ -78,3 +78,39 @@ class Profile:
         "stages": [{experiment, stage, wall_s, cpu_s, where}]}."""
         total = {key: round(sum(e[key] for e in self.experiments.values()), 1) for key in ("wall_s", "cpu_s")}
         return {"experiments": self.experiments, "total": total, "stages": [asdict(s) for s in self.stages]}
+
+
+# ---- what a plan will take on this machine ---------------------------------------------------------
+
+# [measured] CPU seconds of a whole reproduction (training, evaluation, analyses) per second its
+# training FLOPs (6 x parameters x tokens) would take at one thread's float32 matrix-multiply rate:
+# the quick three-seed reproduction at f2dc61a took 2,879 CPU-s for 1.36e14 FLOPs on a 2-core AMD
+# EPYC (AVX512) whose probe gave about 113 GFLOP/s a thread (README): 2.39. On a 2-core AVX2-only
+# EPYC (54 GFLOP/s a thread) the same reproduction took 85 min at 159% of two cores: 3.2. An
+# estimate, then, within about a third.
+CPU_SECONDS_PER_FLOP_SECOND = 2.39
+
+
+def matmul_rate(seconds: float = 0.5, n: int = 512) -> float:
+    """FLOP/s of torch's float32 ``n x n`` matrix multiply on one thread, timed for about ``seconds``
+    (the probe every estimate of ``estimate_wall`` is scaled by)."""
+    import torch
+
+    from taskgeom.devices import torch_threads
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    with torch_threads(1):
+        a @ b  # warm up
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            a @ b
+            count += 1
+    return 2 * n ** 3 * count / elapsed
+
+
+def estimate_wall(flops: list[float], rate: float, workers: int) -> float:
+    """Wall seconds that runs of ``flops`` training FLOPs each take on ``workers`` one-thread
+    workers of a machine whose probe gives ``rate`` FLOP/s (``CPU_SECONDS_PER_FLOP_SECOND`` for the
+    analyses and overheads): their CPU seconds over the workers, and no less than the longest run."""
+    cpu = [CPU_SECONDS_PER_FLOP_SECOND * f / rate for f in flops]
+    return max(sum(cpu) / max(1, workers), max(cpu, default=0.0))

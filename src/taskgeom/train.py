@@ -1,4 +1,4 @@
-"""The training loop: AdamW, triangular schedule, clipping, fresh batches each step, periodic
+"""The training loop: AdamW, a triangular or cosine schedule, optional clipping, fresh batches each step, periodic
 evaluation against the Bayes predictors, atomic checkpoints and exact resume.
 
 Every batch is a pure function of (seed, step), and the checkpoint holds model, optimiser and the
@@ -37,13 +37,19 @@ from taskgeom.trackers import Tracker, check_tracker, open_tracker
 ProgressFn = Callable[[int, int, float], None]
 
 
-def learning_rate(step: int, steps: int, peak: float, warmup_frac: float) -> float:
-    """Triangular schedule: linear warm-up to ``peak`` over ``warmup_frac`` of the steps, then
-    linear decay to zero at ``steps``."""
+def learning_rate(step: int, steps: int, peak: float, warmup_frac: float, floor: float = 0.0, kind: str = "triangular") -> float:
+    """The rate of ``step`` (0-based): linear warm-up from ``floor`` to ``peak`` over ``warmup_frac``
+    of the steps, then a decay to ``floor`` at ``steps``, linear (``triangular``) or half a cosine
+    (``cosine``)."""
+    if kind not in ("triangular", "cosine"):
+        raise ValueError(f"unknown schedule {kind!r}; choose triangular or cosine")
     warmup = max(1, round(warmup_frac * steps))
     if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * max(0.0, (steps - step) / max(1, steps - warmup))
+        return floor + (peak - floor) * (step + 1) / warmup
+    left = max(0.0, (steps - step) / max(1, steps - warmup))  # 1 at the peak, 0 at the end
+    if kind == "cosine":
+        left = 0.5 * (1.0 - math.cos(math.pi * left))
+    return floor + (peak - floor) * left
 
 
 def snapshot_steps(steps: int, count: int, first: int = 10) -> list[int]:
@@ -78,14 +84,16 @@ def _load_optimizer(opt: torch.optim.AdamW, tensors: dict[str, torch.Tensor]) ->
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, family: TaskFamily, batch: Batch, where: torch.device,
-               precision: str, grad_clip: float) -> float:
-    """One optimiser step on a CPU-made batch, copied to ``where``; returns the training loss."""
+               precision: str, grad_clip: float | None) -> float:
+    """One optimiser step on a CPU-made batch, copied to ``where`` (gradients clipped to norm
+    ``grad_clip``, or not at all for None); returns the training loss."""
     batch = batch.to(where)
     with autocast(where, precision):
         loss = family.training_loss(model, batch)
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     opt.step()
     return loss.item()
 
@@ -179,7 +187,7 @@ def _steps(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, where: 
     record: dict = {}
     keep = set(snapshot_steps(cfg.steps, cfg.snapshots))
     for step in range(start, cfg.steps):
-        lr = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_frac)
+        lr = learning_rate(step, cfg.steps, cfg.lr, cfg.warmup_frac, cfg.lr_floor, cfg.schedule)
         for group in opt.param_groups:
             group["lr"] = lr
         batch = family.sample(pool, cfg.batch_size, run.config.task.seq_len, cfg.seed, step, "train")

@@ -1,5 +1,10 @@
 """Two-way layout of states over cells (factor a, factor b): PAPER.md's P0 and P1.
 
+Pooled (``two_way``, ``task_linear``): one fit over all the states given (the ``pooled-anova``
+variant over the late window; the task vectors over their window). Per position
+(``two_way_by_position``, ``task_linear_by_position``; PAPER.md section 7): the same fit at each
+position separately, vectorised over positions, so that the drift of mu_t is not within-cell variance.
+
 P0 (stability): within-cell share of variance SS_within / SS_total, with the cell-means R^2 as its
 complement. P1 (decoupling): share of the between-cell variance the additive model
 ``h ~ c + effect_a + effect_b`` explains, 1 - SS_interaction / SS_between. The additive fit is a
@@ -104,3 +109,60 @@ def task_linear(h: torch.Tensor, a: torch.Tensor, x: torch.Tensor, n_a: int) -> 
     share = res_full / total if total > 0 else 0.0
     kept = 1 - (res_add - res_full) / explained if explained > 0 else 1.0
     return TaskLinear(share, 1 - share, kept, raw - intercept, coef[n_a:], intercept)
+
+
+@dataclass(frozen=True)
+class Shares:
+    """P0 and P1 at each position: within_share, additive_share: [T] float64 (as ``Layout``'s)."""
+
+    within_share: torch.Tensor
+    additive_share: torch.Tensor
+
+    @property
+    def cell_r2(self) -> torch.Tensor:
+        """[T] 1 - within_share."""
+        return 1 - self.within_share
+
+
+def _shares(total: torch.Tensor, within: torch.Tensor, lost: torch.Tensor) -> Shares:
+    """Shares from [T] SS_total, SS_within and the SS the additive model loses (interaction)."""
+    between = total - within
+    return Shares(torch.where(total > 0, within / total.clamp_min(1e-300), 0.0),
+                  torch.where(between > 0, 1 - lost / between.clamp_min(1e-300), 1.0))
+
+
+def two_way_by_position(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, n_a: int, n_b: int) -> Shares:
+    """``two_way`` at each position: h: [N, T, D]; a: [N] (the task); b: [N, T] (the current token)."""
+    h = h.double()
+    N, T, D = h.shape
+    C = n_a * n_b
+    index = (torch.arange(T) * C + a[:, None] * n_b + b).reshape(-1)  # [N*T], cell of each state within its position
+    counts = torch.bincount(index, minlength=T * C).double().view(T, C)
+    sums = torch.zeros(T * C, D, dtype=torch.float64).index_add_(0, index, h.reshape(-1, D)).view(T, C, D)
+    means = sums / counts.clamp_min(1)[..., None]  # [T, C, D]
+    total = (h - h.mean(0)).pow_(2).sum((0, 2))
+    within = (h.reshape(-1, D) - means.reshape(-1, D)[index]).pow_(2).view(N, T, D).sum((0, 2))
+    cells = torch.arange(C)
+    design = torch.cat([torch.ones(C, 1, dtype=torch.float64), torch.nn.functional.one_hot(cells // n_b, n_a).double(),
+                        torch.nn.functional.one_hot(cells % n_b, n_b).double()], dim=1)  # [C, 1 + A + B]
+    weight = counts.sqrt()[..., None]  # [T, C, 1]: empty cells weigh nothing
+    coef = torch.linalg.lstsq(design * weight, means * weight, driver="gelsd").solution  # [T, 1 + A + B, D]
+    lost = (counts[..., None] * (means - design @ coef) ** 2).sum((1, 2))
+    return _shares(total, within, lost)
+
+
+def task_linear_by_position(h: torch.Tensor, a: torch.Tensor, x: torch.Tensor, n_a: int) -> Shares:
+    """``task_linear`` (E2's ANCOVA) at each position: h: [N, T, D]; a: [N]; x: [N, T, d]."""
+    H, X = h.double().transpose(0, 1), x.double().transpose(0, 1)  # [T, N, D], [T, N, d]
+    T, N, d = X.shape
+    onehot = torch.nn.functional.one_hot(a, n_a).double().expand(T, N, n_a)
+    with_one = torch.cat([torch.ones(T, N, 1, dtype=torch.float64), X], -1)  # [T, N, 1 + d]
+    full = (onehot[..., None] * with_one[:, :, None]).reshape(T, N, n_a * (1 + d))
+    additive = torch.cat([onehot, X], -1)  # [T, N, A + d]
+
+    def residual(design: torch.Tensor) -> torch.Tensor:
+        return (H - design @ torch.linalg.lstsq(design, H, driver="gelsd").solution).pow_(2).sum((1, 2))
+
+    total = (H - H.mean(1, keepdim=True)).pow_(2).sum((1, 2))
+    res_full = residual(full)
+    return _shares(total, res_full, residual(additive) - res_full)

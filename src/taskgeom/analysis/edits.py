@@ -5,15 +5,12 @@ sees it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import intervene
-
-if TYPE_CHECKING:
-    from taskgeom.analysis.study import StudyRun
 
 
 class Place(NamedTuple):
@@ -32,12 +29,21 @@ class Place(NamedTuple):
         return cls(-(-(block + 1) * n_layers // of) - 1, site)  # integer ceil
 
 
+class Edited(Protocol):
+    """What an edit is in force on (a ``study.StudyRun``): its model and the edits in force there."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    _edits: list[Edit]
+
+
 class Edit:
     """A change ``change: [B, P', D] -> [B, P', D]`` of the states at ``place`` on ``positions``
     (None: all), in force on the run's model while its ``with`` block runs (removed on exit, even
     on error)."""
 
-    def __init__(self, run: "StudyRun", place: Place, change: Callable[[torch.Tensor], torch.Tensor],
+    def __init__(self, run: Edited, place: Place, change: Callable[[torch.Tensor], torch.Tensor],
                  positions: slice | torch.Tensor | None):
         self.run, self.place, self.change, self.positions = run, Place(*place), change, positions
         self._hook = None

@@ -11,41 +11,56 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import Literal, Sequence
 
 import torch
 
 from taskgeom.analysis.edits import Edit, Place
 from taskgeom.analysis.orthogonal import avoid_basis, token_subspace
-from taskgeom.analysis.properties import Fit, Interpolation, Shrinkage, alignment, interpolation, quantiles, shrinkage
+from taskgeom.analysis.anova import Layout, Shares
+from taskgeom.analysis.probe import probe_basis
+from taskgeom.analysis.properties import (Fit, Interpolation, MeanAlignment, Shrinkage, additive_r2, alignment, by_position, interpolation,
+                                          mean_alignment, pooled, quantiles, shrinkage)
+from taskgeom.analysis.simplex import project_simplex
+from taskgeom.analysis.sequences import Sequences, StudiedRun
 from taskgeom.analysis.steering import (STUDY_POSITIONS, Steering, SteeringForm, check_form, clip_positions, dirichlet_points, position_task_vectors,
                                         steer, study_form, subspace_edit, task_edit)
-from taskgeom.analysis.subspace import projection_r2, task_ablation
+from taskgeom.analysis.subspace import direction_ablation, projection_r2, task_ablation
+from taskgeom.analysis.task_vectors import fraction_window
+from taskgeom.analysis.variants import variant as named_variant
 from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
 from taskgeom.tasks.regression import Regression
-
-if TYPE_CHECKING:
-    from taskgeom.analysis.study import Sequences, StudyRun
 
 Form = Literal["token", "plain"]
 
 
 @dataclass(frozen=True)
 class Alignment:
-    """P3 at a place: tv, kl: [N, P] distances between beta_t and the posterior alpha_t (total
-    variation, KL(alpha || beta)); shrinkage: P3.shrinks' parts; window: the late positions."""
+    """P3 at a place: tv, kl: [N, P] per-state distances between beta_t and the posterior alpha_t
+    (total variation, KL(alpha || beta)), written as rows; mean: the claim's per-task mean curves
+    (PAPER.md section 7); shrinkage: P3.shrinks' parts, on the mean curves; window: the late
+    positions (the last quarter)."""
 
     tv: torch.Tensor
     kl: torch.Tensor
+    mean: MeanAlignment
     shrinkage: Shrinkage
     window: slice
 
     @classmethod
-    def of(cls, beta: torch.Tensor, alpha: torch.Tensor, window: slice) -> "Alignment":
-        """P3 of fitted coefficients beta and the posterior alpha: [N, P, K]."""
+    def of(cls, beta: torch.Tensor, raw: torch.Tensor, alpha: torch.Tensor, task: torch.Tensor, window: slice) -> "Alignment":
+        """P3 of fitted coefficients beta (projected) and raw (before the projection) and the
+        posterior alpha: [N, P, K], for sequences of task: [N]."""
         tv, kl = alignment(beta, alpha)
-        return cls(tv, kl, shrinkage(tv, alpha), window)
+        mean = mean_alignment(raw, alpha, task, alpha.shape[-1])
+        return cls(tv, kl, mean, shrinkage(mean.tv, mean.alpha), window)
+
+    @property
+    def tv_mean_beta(self) -> float:
+        """What the P3 claim reads: the TV of the task-mean curves, averaged over the tasks and the
+        last quarter of positions."""
+        return float(self.mean.tv[:, self.window].mean())
 
     def quarter(self, metric: Literal["tv", "kl"], part: Literal["first", "last"]) -> tuple[float, float, float]:
         """(median, lower, upper quartile) of ``metric`` over every state of the first or last quarter of positions."""
@@ -55,19 +70,22 @@ class Alignment:
 
     @property
     def tv_last_quarter(self) -> float:
-        """The median TV over the last quarter of positions: what the P3 claim reads."""
+        """The median per-state TV over the last quarter of positions (a row; the claim reads ``tv_mean_beta``)."""
         return self.quarter("tv", "last")[0]
 
 
 class Geometry:
     """The M1 geometry at ``place`` fitted on the major ``sequences`` (states: [N, P, D] there):
-    the two-way layout over (task, current token) of the late window (E2: task and a linear map of
-    x_t) and the task subspace S of its centred task effects."""
+    the two-way layout over (task, current token) pooled over the task vectors' window
+    ``vectors`` (the family's ``vector_window``; E2: task and a linear map of x_t) and the task
+    subspace S of its centred task effects; ``window`` is the late window (the last quarter)
+    where the claims read P0-P3."""
 
-    def __init__(self, run: "StudyRun", place: Place, sequences: Sequences, states: torch.Tensor, window: slice, n_random: int):
+    def __init__(self, run: StudiedRun, place: Place, sequences: Sequences, states: torch.Tensor, window: slice, n_random: int):
         self.run, self.place, self.sequences, self.states, self.window, self.n_random = run, place, sequences, states, window, n_random
         inputs = sequences.inputs
-        self.fit: Fit = inputs.fit(states, sequences.batch.task, inputs.current, sequences.alpha.shape[-1], window)
+        self.vectors = fraction_window(states.shape[1], run.family.vector_window)
+        self.fit: Fit = inputs.fit(states, sequences.batch.task, inputs.current, sequences.alpha.shape[-1], self.vectors)
 
     @property
     def task_vectors(self) -> torch.Tensor:
@@ -89,21 +107,49 @@ class Geometry:
         """[P, D] the mean state per position over the major tasks (float64)."""
         return self.fit.subspace.mu
 
+    @cached_property
+    def shares(self) -> Shares:
+        """P0 and P1 at each position: [P] each (the layout fitted at each position separately)."""
+        inputs = self.sequences.inputs
+        return by_position(self.states, self.sequences.batch.task, inputs.current, self.sequences.alpha.shape[-1], inputs.vocab)
+
     @property
     def p0(self) -> float:
-        """P0, stability: the cell-means R^2 of the late window (``fit.layout.within_share`` its complement)."""
-        return self.fit.layout.cell_r2
+        """P0, stability: the median over the late window of the per-position cell-means R^2."""
+        return float(quantiles(self.shares.cell_r2[self.window])[0])
 
     @property
     def p1(self) -> float:
-        """P1, decoupling: the additive share of the between-cell variance."""
-        return self.fit.layout.additive_share
+        """P1, decoupling: the median over the late window of the per-position additive share."""
+        return float(quantiles(self.shares.additive_share[self.window])[0])
+
+    @property
+    def p1_last(self) -> float:
+        """P1 at the last position (the study's table)."""
+        return float(self.shares.additive_share[-1])
+
+    @cached_property
+    def pooled(self) -> Layout:
+        """The ``pooled-anova`` variant: the layout pooled over the late window's states (no position term)."""
+        inputs = self.sequences.inputs
+        return pooled(self.states, self.sequences.batch.task, inputs.current, self.sequences.alpha.shape[-1], inputs.vocab, self.window)
 
     @cached_property
     def p2(self) -> Interpolation:
         """P2, interpolation: beta and R^2_task (beside ``n_random`` random subspaces, seeded by the run's seed)."""
         residual = self.fit.residual(self.states, self.sequences.inputs.current)
         return interpolation(residual, self.task_vectors, self.window, self.n_random, self.run.seed)
+
+    @cached_property
+    def r2_additive(self) -> tuple[float, torch.Tensor] | None:
+        """E2's P2 (continuous x_t): (over the late window, [P] per position) the share of the
+        variance of h - mu_t that the task simplex plus a per-position linear map of x_t explain;
+        None for token families."""
+        inputs = self.sequences.inputs
+        if inputs.vocab is not None:
+            return None
+        centred = self.states.double() - self.mu[: self.states.shape[1]]
+        return additive_r2(centred, project_simplex(self.p2.raw) @ self.task_vectors, inputs.current, self.window)
 
     @property
     def beta(self) -> torch.Tensor:
@@ -112,8 +158,8 @@ class Geometry:
 
     @cached_property
     def p3(self) -> Alignment:
-        """P3, alignment of beta_t with the exact posterior alpha_t."""
-        return Alignment.of(self.beta, self.sequences.alpha, self.window)
+        """P3, alignment of beta_t with the exact posterior alpha_t (per state, and per task mean)."""
+        return Alignment.of(self.beta, self.p2.raw, self.sequences.alpha, self.sequences.batch.task, self.window)
 
     def steer(self, to: torch.Tensor | Sequence[float] | Literal["dirichlet"] = "dirichlet", *, points: int = 1,
               positions: Sequence[int] | None = None, form: SteeringForm | None = None) -> Steering:
@@ -146,9 +192,26 @@ class Geometry:
         return steer(self.run.model, inputs.readout, self.sequences.batch.tokens, self.place, sequence, a, edits, inputs.positions, gen,
                      form, N)
 
-    def ablate(self) -> Edit:
-        """The S ablation h <- h - P_S (h - mu_t) at this place on the analysed positions."""
-        return Edit(self.run, self.place, task_ablation(self.fit.subspace), self.run.analysed_positions)
+    @cached_property
+    def probe(self) -> torch.Tensor:
+        """[D, K] orthonormal basis of the ablations' task subspace S: the row space of the probe
+        ``h ~ pi W_task + onehot(x_t) W_tok + b`` on these major sequences over the late window
+        (``analysis.probe``; float64)."""
+        inputs = self.sequences.inputs
+        return probe_basis(self.states, self.sequences.alpha, inputs.current, inputs.vocab, self.window)
+
+    def ablate(self, variant: str | None = None) -> Edit:
+        """The S ablation at this place on the analysed positions: ``h - h P_S`` with S the probe's
+        (PAPER.md section 7); ``variant="centred-S"``: ``h - P_S (h - mu_t)`` with S the span of the
+        task vectors (section 8)."""
+        chosen = named_variant(variant)
+        if chosen is None:
+            change = direction_ablation(self.probe)
+        elif chosen.name == "centred-S":
+            change = task_ablation(self.fit.subspace)
+        else:
+            raise AnalysisError(f"variant {chosen.name!r} does not change the S ablation; choose 'protocol' or 'centred-S'")
+        return Edit(self.run, self.place, change, self.run.analysed_positions)
 
     def projection_r2(self, sequences: Sequences, form: Form = "token", states: torch.Tensor | None = None) -> torch.Tensor:
         """[N' * W] projection R^2 on S of the late states of other ``sequences`` (OOD ones, as a
@@ -167,10 +230,22 @@ class Geometry:
         return projection_r2(centred - self.fit.layout.effect(late).double().flatten(0, 1), subspace.conditioned_basis(late).flatten(0, 1))
 
     @cached_property
+    def token_directions(self) -> torch.Tensor:
+        """[D, m] the token subspace: the directions holding 90% of the token effects' variance (``orthogonal.token_subspace``)."""
+        return token_subspace(self.token_effects.float(), centre=not isinstance(self.run.family, Regression))
+
+    @cached_property
     def avoided(self) -> torch.Tensor:
-        """[D, m] where the orthogonal search may not go: S and the token subspace (PAPER.md section 7)."""
-        tokens = token_subspace(self.token_effects.float(), centre=not isinstance(self.run.family, Regression))
-        return avoid_basis(self.basis.float(), tokens)
+        """[D, m] where the orthogonal search may not go (PAPER.md section 7): the probe's S, and
+        the token subspace for families that say so (``TaskFamily.v_avoids_tokens``: E3)."""
+        return self.avoid()
+
+    def avoid(self, variant: str | None = None) -> torch.Tensor:
+        """[D, m] the span V avoids under the protocol (``avoided``) or a variant: ``v-avoids-tokens``
+        adds the token subspace for every family (section 8); other variants leave it as it is."""
+        chosen = named_variant(variant)
+        tokens = self.run.family.v_avoids_tokens or (chosen is not None and chosen.name == "v-avoids-tokens")
+        return avoid_basis(self.probe.float(), self.token_directions) if tokens else avoid_basis(self.probe.float())
 
 
 def simplex_point(to, n: int, K: int) -> torch.Tensor:

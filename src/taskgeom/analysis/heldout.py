@@ -16,6 +16,9 @@ split                     sets (stream)            used for
 ``search-select``         ood (dual-ood-search-    choosing the layer of V
                           select)
 ``prior``                 ood (dual-prior)         the OOD prediction map that d0 is estimated from
+``projection``            major, ood (dual-        projection R^2 as the study's Fig. 4 measures it:
+                          projection, -ood)        whole tasks, ``per_task`` sequences each
+                                                   (``sample_tasks``)
 ========================  ======================  =================================================
 
 E2's major sequences of ``select``, ``measure`` and ``geometry`` are paired: all K tasks share the
@@ -33,6 +36,7 @@ import torch
 from taskgeom.analysis.properties import Fit, stability, stability_linear
 from taskgeom.analysis.steering import PredictionReadout, Readout, TokenReadout
 from taskgeom.errors import AnalysisError
+from taskgeom.rng import generator
 from taskgeom.tasks import FAMILIES, Batch, TaskFamily, TaskPool, TokenFamily
 from taskgeom.tasks.regression import Regression
 
@@ -49,6 +53,7 @@ class Split(str, Enum):
     LOSS = "loss"
     SEARCH_SELECT = "search-select"
     PRIOR = "prior"
+    PROJECTION = "projection"
 
     @classmethod
     def of(cls, split: "Split | str") -> "Split":
@@ -64,6 +69,7 @@ STREAMS: dict[tuple[Split, str], str] = {
     (Split.GEOMETRY, "major"): "dual-geometry", (Split.GEOMETRY, "ood"): "dual-geometry-ood",
     (Split.LOSS, "major"): "dual", (Split.LOSS, "minor"): "dual", (Split.LOSS, "ood"): "dual-ood",
     (Split.SEARCH_SELECT, "ood"): "dual-ood-search-select", (Split.PRIOR, "ood"): "dual-prior",
+    (Split.PROJECTION, "major"): "dual-projection", (Split.PROJECTION, "ood"): "dual-projection-ood",
 }
 PAIRED = (Split.SELECT, Split.MEASURE, Split.GEOMETRY)  # E2's major sequences of these are paired over tasks
 
@@ -97,6 +103,29 @@ def sample(family: TaskFamily, pool: TaskPool, kind: str, n: int, split: "Split 
             raise AnalysisError(f"{n} sequences do not cover all {majors.size} major tasks; ask for more")
         return batch
     return family.sample(pool, n, seq_len, seed, 0, name, kind)
+
+
+def sample_tasks(family: TaskFamily, pool: TaskPool, kind: str, per_task: int, split: "Split | str", seq_len: int, seed: int,
+                 n_tasks: int | None = None) -> Batch:
+    """Whole tasks of ``split``, ``per_task`` held-out sequences each, rows ``j * per_task .. (j + 1)
+    * per_task - 1`` of task j: ``n_tasks`` fresh OOD tasks, or every major task (``n_tasks`` None or
+    K; E2's paired: the K tasks share their x sequences). A pure function of the arguments."""
+    name = stream(split, kind)
+    if per_task < 1:
+        raise AnalysisError(f"the number of sequences per task must be at least 1, got {per_task}")
+    if kind == "ood":
+        if n_tasks is None or n_tasks < 1:
+            raise AnalysisError(f"OOD tasks need a count n_tasks of at least 1, got {n_tasks}")
+        return family.sample_ood_tasks(n_tasks, per_task, seq_len, seed, 0, name)
+    if kind != "major":
+        raise AnalysisError(f"whole tasks are drawn for the major or ood sets, not {kind}")
+    majors = pool.subset("major")
+    if n_tasks not in (None, majors.size):
+        raise AnalysisError(f"the major set has {majors.size} tasks, not {n_tasks}")
+    if isinstance(family, Regression):
+        return family.sample_paired(majors, majors.size * per_task, seq_len, seed, 0, name)
+    task = torch.arange(majors.size).repeat_interleave(per_task)
+    return family.make_batch(majors.params[task], task, seq_len, generator(seed, 0, f"{name}/tasks"))
 
 
 _SUPPORTED = (TokenFamily, Regression)

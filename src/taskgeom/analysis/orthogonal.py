@@ -6,9 +6,10 @@ Shapes: ``D`` width, ``V`` tokens, ``m`` avoided directions, ``n = D - m`` free 
 
 The protocol (the study's; our own choices marked **[ours]**):
 
-- **Avoided span.** V is kept orthogonal to the task subspace S and to the token subspace
-  (``token_subspace``: the directions holding 90% of the variance of the token effects ``nu``);
-  ``avoid_basis`` joins them into one orthonormal basis.
+- **Avoided span.** V is kept orthogonal to the span the caller gives: the probe's task subspace
+  S (``analysis.probe``), and for families that say so (``TaskFamily.v_avoids_tokens``: E3) also
+  the token subspace (``token_subspace``: the directions holding 90% of the variance of the token
+  effects ``nu``); ``avoid_basis`` joins them into one orthonormal basis.
 - **Parametrisation.** ``V = C Q(A)``: C [D, n] an orthonormal basis of the complement of the
   avoided span, Q(A) the QR factor of a free matrix A [n, r]. **[ours]** Q is taken with a positive
   diagonal of R (Gram-Schmidt), so Q(A) is continuous in A: LAPACK's sign convention flips a column
@@ -22,17 +23,15 @@ The protocol (the study's; our own choices marked **[ours]**):
   of A clipped to norm 1.0. The caller sizes the batch: ``BATCH_SIZE`` (32) sequences is the
   protocol's. Model parameters are frozen during the search and their ``requires_grad`` flags
   restored afterwards, even on error; the model's train/eval mode is left as the caller set it.
-- **Kept direction.** The exponential moving average (decay 0.995) of the evaluated iterates
-  Q(A_t), bias-corrected like Adam's moments (``m_t / (1 - 0.995^t)``), re-orthonormalised by QR at
-  the end and mapped through C, so it is orthonormal and inside the complement. **[ours]** The
-  average is taken in the complement's coordinates, so orthogonality to the avoided span is exact
-  up to the precision of C (float64). (For a direction the bias correction is only a scale, which
-  the final QR removes; with decay 0.995 the average is close to a uniform mean of the iterates
-  run, so the random start weighs about 1/t after t steps.)
-- **Early stopping.** **[ours]** The loss is smoothed by the same bias-corrected EMA (decay
-  ``ema``); the search stops once that smoothed loss has not exceeded its best value for
-  ``patience`` (30) consecutive steps. With decay 0.995 the smoothed loss is nearly a running mean,
-  so it stops only when the raw losses stay at or below that mean: a plateau or a decline.
+- **Kept direction.** The exponential moving average (decay ``average``, 0.995) of the evaluated
+  iterates Q(A_t), bias-corrected like Adam's moments (``m_t / (1 - 0.995^t)``), **taken at the step
+  of the best smoothed loss**, re-orthonormalised by QR and mapped through C, so it is orthonormal
+  and inside the complement. **[ours]** The average is taken in the complement's coordinates, so
+  orthogonality to the avoided span is exact up to the precision of C (float64). (For a direction
+  the bias correction is only a scale, which the final QR removes.)
+- **Early stopping.** The loss is smoothed by an exponential moving average with weight
+  ``smoothing`` (0.1) on the newest loss, started at the first loss; the search stops once that
+  smoothed loss has not exceeded its best value for ``patience`` (30) consecutive steps.
 """
 
 from __future__ import annotations
@@ -93,11 +92,13 @@ def avoid_basis(*bases: torch.Tensor, rtol: float = RANK_RTOL) -> torch.Tensor:
 @dataclass(frozen=True)
 class SearchResult:
     """directions: [D, rank] orthonormal, orthogonal to the avoided span; losses: the loss at each
-    step run; steps: the number of steps run (fewer than asked when early stopping fired)."""
+    step run; steps: the number of steps run (fewer than asked when early stopping fired);
+    best_step: the step of the best smoothed loss, whose average of the iterates was kept."""
 
     directions: torch.Tensor
     losses: list[float]
     steps: int
+    best_step: int
 
 
 def initial_coordinates(n: int, rank: int, seed: int) -> torch.Tensor:
@@ -130,10 +131,11 @@ class _Ascent:
         self.c_work = self.complement.to(work)
         self.opt = torch.optim.Adam([self.coords], lr=lr)
         self.mean_q = torch.zeros(n, rank, dtype=torch.float64, device=avoid.device)  # EMA of Q(A_t), uncorrected
-        self.mean_loss, self.best, self.stale, self.losses, self.stopped = 0.0, -float("inf"), 0, [], False
+        self.kept, self.best_step = self.mean_q, 0  # the bias-corrected average at the step of the best smoothed loss
+        self.smoothed, self.best, self.stale, self.losses, self.stopped = None, -float("inf"), 0, [], False
 
     def step(self, model: nn.Module, loss_fn: Callable[[int, Site], torch.Tensor], step: int, positions: slice | torch.Tensor | None,
-             clip: float, ema: float, patience: int) -> None:
+             clip: float, average: float, smoothing: float, patience: int) -> None:
         """Evaluate the loss of batch ``step`` under the ablation of the current iterate, take one
         Adam step of ascent and update the averages; ``stopped`` once early stopping fires."""
         q = _orthonormal(self.coords)
@@ -146,19 +148,19 @@ class _Ascent:
 
         value = float(loss.detach())
         self.losses.append(value)
-        self.mean_q = ema * self.mean_q + (1 - ema) * q.detach().double()
-        self.mean_loss = ema * self.mean_loss + (1 - ema) * value
-        smoothed = self.mean_loss / (1 - ema ** (step + 1))
-        if smoothed > self.best:
-            self.best, self.stale = smoothed, 0
+        self.mean_q = average * self.mean_q + (1 - average) * q.detach().double()
+        self.smoothed = value if self.smoothed is None else smoothing * value + (1 - smoothing) * self.smoothed
+        if self.smoothed > self.best:
+            self.best, self.stale = self.smoothed, 0
+            self.kept, self.best_step = self.mean_q / (1 - average ** len(self.losses)), step
         else:
             self.stale += 1
             self.stopped = self.stale >= patience
 
-    def result(self, ema: float) -> SearchResult:
-        """The kept direction: the bias-corrected average of the iterates, re-orthonormalised, in the width's coordinates."""
-        kept = self.complement @ _orthonormal(self.mean_q / (1 - ema ** len(self.losses)))
-        return SearchResult(kept.to(self.dtype), self.losses, len(self.losses))
+    def result(self) -> SearchResult:
+        """The kept direction: the average of the iterates at the best smoothed loss, re-orthonormalised, in the width's coordinates."""
+        kept = self.complement @ _orthonormal(self.kept)
+        return SearchResult(kept.to(self.dtype), self.losses, len(self.losses), self.best_step)
 
 
 def orthogonal_searches(
@@ -168,7 +170,8 @@ def orthogonal_searches(
     steps: int = 200,
     lr: float = 0.01,
     clip: float = 1.0,
-    ema: float = 0.995,
+    average: float = 0.995,
+    smoothing: float = 0.1,
     patience: int = 30,
     seed: int = 0,
     positions: slice | torch.Tensor | None = None,
@@ -186,8 +189,9 @@ def orthogonal_searches(
     the one it would have alone. The ablated directions are cast to ``avoid``'s dtype and device,
     which should be those of the states at ``site``.
     """
-    if steps < 1 or patience < 1 or not 0 < ema < 1:
-        raise AnalysisError(f"need steps >= 1, patience >= 1 and 0 < ema < 1; got steps={steps}, patience={patience}, ema={ema}")
+    if steps < 1 or patience < 1 or not 0 < average < 1 or not 0 < smoothing <= 1:
+        raise AnalysisError(f"need steps >= 1, patience >= 1, 0 < average < 1 and 0 < smoothing <= 1; got steps={steps}, "
+                            f"patience={patience}, average={average}, smoothing={smoothing}")
     ascents = [_Ascent(site, avoid, rank, seed, lr) for site, avoid, rank in searches]
     flags = [(p, p.requires_grad) for p in model.parameters()]
     try:
@@ -198,8 +202,8 @@ def orthogonal_searches(
             if not running:
                 break
             for ascent in running:
-                ascent.step(model, loss_fn, step, positions, clip, ema, patience)
+                ascent.step(model, loss_fn, step, positions, clip, average, smoothing, patience)
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
-    return [ascent.result(ema) for ascent in ascents]
+    return [ascent.result() for ascent in ascents]

@@ -2,15 +2,22 @@
 
 Shapes: ``N`` sequences, ``T`` positions, ``D`` width, ``K`` major tasks, ``V`` tokens.
 
-- P0/P1 (``stability``): the two-way layout of late-window states over cells (task, current token);
-  for E2 (``stability_linear``) the token effect is a linear map of the current example's x_t: P0
-  fits a per-task intercept and linear map of x_t, P1 the additive ``c + theta_task + A x_t``.
+- P0/P1 (``by_position``, PAPER.md section 7): the two-way layout over cells (task, current token)
+  fitted at each position separately; for E2 the token effect is a linear map of the current
+  example's x_t (an ANCOVA): P0 fits a per-task intercept and linear map of x_t, P1 the additive
+  ``c + theta_task + A x_t``. ``pooled`` is the same layout pooled over a window (the
+  ``pooled-anova`` variant); ``stability`` / ``stability_linear`` pool it over the task vectors'
+  window to give the task vectors and nu.
 - P2 (``interpolation``): ``y_t = h_t - mu_t - nu(x_t)`` (``nu(x) = A x`` for E2) fitted as ``sum_k beta_k theta_k`` with the
   sum-to-one fit projected onto the simplex; R^2_task over the states given (the caller passes the
   late window for the claim, single positions for the per-position curve), beside the same fit on
   randomly rotated vertices (a random subspace of the same dimension and the same geometry).
-- P3 (``alignment``): per-state distances between beta_t and the exact posterior alpha_t;
-  ``shrinkage`` compares them early and late among the positions where the posterior is uncertain.
+  E2's claim reads ``additive_r2``: the share of the variance of ``h_t - mu_t`` that the task simplex
+  (P2's beta) plus a per-position linear map of x_t explain.
+- P3 (``alignment``): per-state distances between beta_t and the exact posterior alpha_t (a written
+  row); ``mean_alignment``, what the claim reads: per task and position, the mean beta over the
+  task's sequences against the mean posterior; ``shrinkage`` compares distances early and late among
+  the positions where the posterior is uncertain.
 
 **[ours]** The vertices ``theta_k`` of P2 are the task effects of the two-way layout, centred over
 the tasks, rather than the raw late-window task means: the raw means also carry each task's typical
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from taskgeom.analysis.anova import Layout, task_linear, two_way
+from taskgeom.analysis.anova import Layout, Shares, task_linear, task_linear_by_position, two_way, two_way_by_position
 from taskgeom.analysis.simplex import project_simplex, residual_r2, simplex_lstsq, sum_to_one_fit
 from taskgeom.analysis.task_vectors import TaskSubspace, position_means, task_subspace, token_conditioned
 
@@ -70,6 +77,23 @@ def stability_linear(h: torch.Tensor, task: torch.Tensor, x: torch.Tensor, n_tas
     return Fit(layout, task_subspace(layout.effect_a, position_means(h, task, n_tasks), window))
 
 
+def pooled(h: torch.Tensor, task: torch.Tensor, current: torch.Tensor, n_tasks: int, vocab: int | None, window: slice) -> Layout:
+    """The layout of h: [N, T, D] pooled over the states of ``window`` (the ``pooled-anova``
+    variant): cells (task, token) for current: [N, T] tokens of ``vocab``, E2's ANCOVA for
+    current: [N, T, d] x_t (vocab None)."""
+    late, cells = _late(h, task, window)
+    if vocab is None:
+        return task_linear(late, cells, current[:, window].reshape(-1, current.shape[-1]), n_tasks)
+    return two_way(late, cells, current[:, window].reshape(-1), n_tasks, vocab)
+
+
+def by_position(h: torch.Tensor, task: torch.Tensor, current: torch.Tensor, n_tasks: int, vocab: int | None) -> Shares:
+    """P0 and P1 of h: [N, T, D] at each position (PAPER.md section 7; arguments as ``pooled``)."""
+    if vocab is None:
+        return task_linear_by_position(h, task, current, n_tasks)
+    return two_way_by_position(h, task, current, n_tasks, vocab)
+
+
 def _late(h: torch.Tensor, task: torch.Tensor, window: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """Late-window states [N * W, D] and their task labels [N * W]."""
     late = h[:, window]
@@ -78,11 +102,13 @@ def _late(h: torch.Tensor, task: torch.Tensor, window: slice) -> tuple[torch.Ten
 
 @dataclass(frozen=True)
 class Interpolation:
-    """beta: [N, T, K] projected sum-to-one fit at every position; r2_task: its R^2 over the window;
+    """beta: [N, T, K] projected sum-to-one fit at every position; raw: [N, T, K] float64 the fit
+    before the projection; r2_task: its R^2 over the window;
     r2_exact: R^2 of the exact simplex least squares there; r2_random: [n_random] R^2 of the same
     fit on rotated vertices there; r2_by_position: [T] R^2_task of the states at each position."""
 
     beta: torch.Tensor
+    raw: torch.Tensor
     r2_task: float
     r2_exact: float
     r2_random: torch.Tensor
@@ -106,7 +132,8 @@ def interpolation(y: torch.Tensor, theta: torch.Tensor, window: slice, n_random:
     the states of ``window`` (and per position)."""
     theta = theta.double()
     y = y.double()
-    beta = fit_beta(y, theta)  # [N, T, K]
+    raw = sum_to_one_fit(y.reshape(-1, y.shape[-1]), theta).reshape(*y.shape[:-1], theta.shape[0])
+    beta = project_simplex(raw)  # [N, T, K]
     fitted = beta @ theta
     late, late_fit = y[:, window].reshape(-1, y.shape[-1]), fitted[:, window].reshape(-1, y.shape[-1])
     exact = simplex_lstsq(late, theta)
@@ -117,7 +144,24 @@ def interpolation(y: torch.Tensor, theta: torch.Tensor, window: slice, n_random:
         random.append(residual_r2(late, fit_beta(late, rotated) @ rotated))
     residual, total = ((y - fitted) ** 2).sum((0, 2)), ((y - y.mean(0)) ** 2).sum((0, 2))  # [T] each
     by_position = torch.where(total > 0, 1 - residual / total, torch.nan)
-    return Interpolation(beta.float(), residual_r2(late, late_fit), residual_r2(late, exact @ theta), torch.tensor(random), by_position)
+    return Interpolation(beta.float(), raw, residual_r2(late, late_fit), residual_r2(late, exact @ theta), torch.tensor(random), by_position)
+
+
+def additive_r2(y: torch.Tensor, task_part: torch.Tensor, x: torch.Tensor, window: slice) -> tuple[float, torch.Tensor]:
+    """E2's P2 (the study's r2_additive): (over ``window``, [T] at each position) the share of the
+    variance of y: [N, T, D] (``h - mu_t``) explained by task_part: [N, T, D] (``beta @ theta``,
+    P2's simplex fit) plus a per-position linear map of x: [N, T, d] fitted by least squares to
+    what the task part leaves. **[ours]** The two parts are fitted in turn (beta as P2 fits it,
+    then the map), not jointly; SS_tot about the mean state, as R^2_task."""
+    rest = (y.double() - task_part.double()).transpose(0, 1)  # [T, N, D]
+    X = x.double().transpose(0, 1)  # [T, N, d]
+    residual = (rest - X @ torch.linalg.lstsq(X, rest, driver="gelsd").solution).pow_(2).sum((1, 2))  # [T]
+    y = y.double()
+    total = ((y - y.mean(0)) ** 2).sum((0, 2))
+    late = y[:, window].reshape(-1, y.shape[-1])
+    late_total = ((late - late.mean(0)) ** 2).sum()
+    r2 = float(1 - residual[window].sum() / late_total) if late_total > 0 else float("nan")
+    return r2, torch.where(total > 0, 1 - residual / total, torch.nan)
 
 
 def alignment(beta: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +176,34 @@ def alignment(beta: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, to
     smooth = (beta + KL_FLOOR / K) / (1 + KL_FLOOR)
     kl = torch.special.xlogy(alpha, alpha).sum(-1) - (alpha * smooth.log()).sum(-1)
     return tv, kl
+
+
+@dataclass(frozen=True)
+class MeanAlignment:
+    """P3 as the claim reads it (PAPER.md section 7): beta, alpha: [M, T, K] per major task m and
+    position, the mean sum-to-one fit over the task's sequences projected onto the simplex, and
+    the mean exact posterior; tv: [M, T] their total variation."""
+
+    beta: torch.Tensor
+    alpha: torch.Tensor
+    tv: torch.Tensor
+
+
+def mean_alignment(raw: torch.Tensor, alpha: torch.Tensor, task: torch.Tensor, n_tasks: int) -> MeanAlignment:
+    """``MeanAlignment`` of raw: [N, T, K] (``Interpolation.raw``), alpha: [N, T, K] for sequences of
+    task: [N] (each of 0..n_tasks-1 present). **[ours]** The mean is taken before the projection,
+    as the study averages trajectories and then projects: the projected fit of the task's mean
+    residual state, since the sum-to-one fit is affine."""
+    onehot = torch.nn.functional.one_hot(task, n_tasks).double()  # [N, M]
+    counts = onehot.sum(0)
+    if (counts == 0).any():
+        raise ValueError(f"no sequences of tasks {torch.nonzero(counts == 0).flatten().tolist()}: cannot average their beta")
+
+    def mean(values: torch.Tensor) -> torch.Tensor:  # [M, T, K]
+        return torch.einsum("nm,ntk->mtk", onehot, values.double()) / counts[:, None, None]
+
+    beta, target = project_simplex(mean(raw)), mean(alpha)
+    return MeanAlignment(beta, target, 0.5 * (beta - target).abs().sum(-1))
 
 
 UNCERTAIN_BELOW = 0.99  # a position is uncertain while the median largest posterior weight is below this
@@ -149,15 +221,23 @@ class Shrinkage:
     reason: str | None = None
 
 
+def too_few_uncertain(count: int) -> str | None:
+    """Why P3.shrinks does not apply with ``count`` uncertain positions (None when it does)."""
+    if count >= MIN_UNCERTAIN_POSITIONS:
+        return None
+    return (f"the posterior is uncertain (median max alpha_t < {UNCERTAIN_BELOW}) at {count} position(s) only, "
+            f"fewer than {MIN_UNCERTAIN_POSITIONS}")
+
+
 def shrinkage(tv: torch.Tensor, alpha: torch.Tensor) -> Shrinkage:
     """Compare the TV [N, T] early and late among the positions at which the posterior alpha:
-    [N, T, K] is still uncertain (median over sequences of max_k alpha_t below UNCERTAIN_BELOW).
+    [N, T, K] is still uncertain (median over the N rows of max_k alpha_t below UNCERTAIN_BELOW).
     **[ours]** The median makes "uncertain" a property of the position, so both quarters average
-    the same sequences."""
+    the same rows. The claim passes P3's mean curves (``MeanAlignment``: one row per task, the
+    mean posterior's largest weight deciding), so it asks whether the task-mean beta
+    approaches the task-mean posterior while that posterior is still moving."""
     uncertain = torch.nonzero(alpha.double().amax(-1).median(0).values < UNCERTAIN_BELOW).flatten().tolist()
-    if len(uncertain) < MIN_UNCERTAIN_POSITIONS:
-        reason = (f"the posterior is uncertain (median max alpha_t < {UNCERTAIN_BELOW}) at {len(uncertain)} position(s) only, "
-                  f"fewer than {MIN_UNCERTAIN_POSITIONS}")
+    if (reason := too_few_uncertain(len(uncertain))) is not None:
         return Shrinkage(uncertain, float("nan"), float("nan"), reason)
     quarter = max(1, round(len(uncertain) / 4))
     first, last = uncertain[:quarter], uncertain[-quarter:]

@@ -22,7 +22,10 @@ from taskgeom.analysis.shares import Share
 from taskgeom.runs import Run
 
 # 4: m1.json and dual.json share one layout; shares carry their gain (null when not positive).
-ROW_VERSION = 4
+# 5: m1.json's P0/P1 per position (medians over the late window), P3 on mean beta, the claims' place rows.
+#    and the ablations per block at resid_mid with their mean over blocks (layer null), S from the probe.
+#    and dual.json's projection_r2 is the study's Fig. 4 statistic (per-task means, fixed place).
+ROW_VERSION = 5
 FIELDS = ("metric", "value", "band", "layer", "site", "batch", "set", "step", "position", "task", "gain", "unreliable", "reason",
           "version")
 

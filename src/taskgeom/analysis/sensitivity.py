@@ -1,85 +1,119 @@
-"""How the orthogonal-subspace ablation moves when each choice PAPER.md section 7 adds to the
-study's protocol is flipped, one at a time, on the same run (``taskgeom sensitivity``). It reports,
-it does not replace: the claims keep the pinned definition (``analysis.dual``).
+"""How the claims move under the earlier conventions of PAPER.md section 8, each measured on the
+same run (``taskgeom sensitivity``). It reports, it does not decide: the claims keep the study's
+protocol (section 7).
 
-The choices, each flipped alone from the pinned measurement:
+``ablation_variants(run)`` covers the double dissociation (``ablate_S_major``, ``ablate_S_ood``,
+``ablate_V_ood``, ``ablate_V_major``, ``random_control``) at the run's own diversity: one row per
+(claim, convention) with the claim's value and status (``experiments.dual_modes.ablation_claims``,
+the very rule of the claims) under the protocol and under each variant of ``ABLATION_VARIANTS`` that
+can move it (``Variant.claims``):
 
-- ``pinned``: V avoids S and the token subspace, is ablated at the layer the search chose, and the
-  share of in-context gain averages every prediction after the first (the value ``dual.json`` holds);
-- ``V may enter the token subspace``: V avoids S only (its search, and the choice of its layer,
-  run again);
-- ``V ablated at every layer``: each layer's V (the pinned searches) ablated at once, each at its
-  own layer's ``resid_mid``;
-- ``gain over the late window``: the pinned V, its share averaged over the last quarter of the
-  predictions instead (L_0 is still the first prediction's clean loss).
+- ``centred-S``: S ablated as ``h - P_S (h - mu_t)`` on the task vectors' span, at the place the
+  M1 analysis selects (``StudyRun.select_place`` on the ``select`` split), one place;
+- ``v-avoids-tokens``, ``v-searched-on-ood``: V searched again at every block under that choice,
+  with its random controls, summarised by the block mean;
+- ``v-best-block``: the protocol's V and controls read at the one block whose V raises the OOD loss
+  most on the ``search-select`` split, instead of the mean over blocks.
 
-Each row: ``{choice, set, gain_removed, gain, clean, ablated, unreliable, reason, layer}`` on the
-``loss`` split (major, OOD; ``shares.Share``: gain_removed is None, with the reason, when the gain
-is not positive); losses are the family's own, per prediction; ``layer`` is None for every layer.
+Each row: ``{claim, variant, value, status, comparison, threshold, reason, place}``; ``place`` names
+where the value was read ("mean over blocks", or a block or place). A caller judges a claim over
+runs of several seeds with ``claims.verdict``.
 
-The place of the claims (selected on a separate batch, then measured apart: **[ours]**) is the
-other choice: ``place_choices`` reads, from a run's stored analyses, the values the claims would
+``place_choices`` reads, from a run's stored analyses, the values the place-dependent claims would
 have at every other (layer, site): P0-P2 on the M1 measurement batch (``m1.json``) and projection
-R^2 of OOD states in both forms (``dual.json``).
+R^2, the protocol's and the ``per-sequence-r2`` variant (``dual.json``).
 """
 
 from __future__ import annotations
 
-import contextlib
+import pandas as pd
 
-from taskgeom.analysis.orthogonal import avoid_basis
-from taskgeom.analysis.dual import search_places, v_layer
-from taskgeom.analysis.rows import stored_rows
+from taskgeom.analysis.ablations import Block, ablation_rows, block_places, find_blocks, v_block
+from taskgeom.analysis.dual import SELECTION_SEQUENCES
+from taskgeom.analysis.rows import row, stored_rows
 from taskgeom.analysis.shares import share_of_gain
 from taskgeom.analysis.study import StudyRun
-from taskgeom.analysis.task_vectors import late_window
+from taskgeom.analysis.variants import BY_NAME
+from taskgeom.claims import verdict
+from taskgeom.errors import AnalysisError
+from taskgeom.experiments.dual_modes import ablation_claims
 from taskgeom.runs import Run
 
-CHOICES = ("pinned", "V may enter the token subspace", "V ablated at every layer", "gain over the late window")
+ABLATION_VARIANTS = ("centred-S", "v-avoids-tokens", "v-searched-on-ood", "v-best-block")
+SETS = ("major", "ood")  # the sets the dissociation's claims read
 
 
-def orthogonal_choices(run: StudyRun, n_seq: int = 256, search_steps: int = 200) -> list[dict]:
-    """The rows of every choice of ``CHOICES`` for ``run`` (module docstring)."""
-    places = search_places(run)
-    geometries = list(run.geometries(run.heldout("major", n_seq, split="geometry"), places))
-    avoid = {"pinned": lambda g: g.avoided, "V may enter the token subspace": lambda g: avoid_basis(g.basis.float())}
-    kinds = tuple(avoid)
-    found = {kind: dict(zip(places, run.orthogonal_search([(g, 1) for g in geometries], steps=search_steps, avoid=avoid[kind])))
-             for kind in kinds}
-    chosen = {kind: v_layer(run, found[kind], n_seq)[0] for kind in kinds}
-
+def _centred_s_rows(run: StudyRun, n_seq: int, sets: dict, clean: dict) -> tuple[list[dict], str]:
+    """The S rows of ``centred-S`` as summary rows (``layer`` null), and the selected place in words."""
+    place = run.select_place(run.heldout("major", SELECTION_SEQUENCES, split="select"), n_random=0).best
+    geometry = run.geometry(run.heldout("major", n_seq, split="geometry"), place)
     rows = []
-    for name in ("major", "ood"):
-        sequences = run.heldout(name, n_seq, split="loss")
-        clean = run.loss(sequences, per_position=True)
-        at_layer = {}
-        for kind in kinds:
-            with run.ablate(found[kind][chosen[kind]], chosen[kind]):
-                at_layer[kind] = run.loss(sequences, per_position=True)
-        with contextlib.ExitStack() as stack:
-            for place, directions in found["pinned"].items():
-                stack.enter_context(run.ablate(directions, place))
-            every_layer = run.loss(sequences, per_position=True)
-        after_first, late = slice(1, None), late_window(len(clean))
-        measured = {**{kind: (at_layer[kind], after_first, chosen[kind]) for kind in kinds},
-                    "V ablated at every layer": (every_layer, after_first, None),
-                    "gain over the late window": (at_layer["pinned"], late, chosen["pinned"])}
-        for choice in CHOICES:
-            ablated, window, place = measured[choice]
-            share = share_of_gain(ablated, clean, window)
-            rows.append({"choice": choice, "set": name, "gain_removed": share.value, "gain": share.gain, "clean": share.clean,
-                         "ablated": share.ablated, "unreliable": share.unreliable, "reason": share.reason,
-                         "layer": None if place is None else place.layer})
+    for name, sequences in sets.items():
+        with geometry.ablate(variant="centred-S"):
+            ablated = run.loss(sequences, per_position=True)
+        share = share_of_gain(ablated, clean[name])
+        where = {"place": (None, place.site), "batch": "loss", "set": name}
+        rows += [row("loss_ablate_S", ablated[1:].mean(), **where), row("gain_removed_ablate_S", share.value, share=share, **where)]
+    return rows, f"layer {place.layer} {place.site} (selected)"
+
+
+def ablation_variants(run: StudyRun, variants: tuple[str, ...] = ABLATION_VARIANTS, *, n_seq: int = 256,
+                      search_steps: int = 200) -> list[dict]:
+    """The dissociation's claims under the protocol and each of ``variants`` on ``run`` (module docstring)."""
+    unknown = [v for v in variants if v not in ABLATION_VARIANTS]
+    if unknown:
+        raise AnalysisError(f"sensitivity measures the ablation variants {list(ABLATION_VARIANTS)}, not {unknown}")
+    geometries = list(run.geometries(run.heldout("major", n_seq, split="geometry"), block_places(run)))
+    sets = {name: run.heldout(name, n_seq, split="loss") for name in SETS}
+    clean = {name: run.loss(sequences, per_position=True) for name, sequences in sets.items()}
+    blocks: list[Block] = find_blocks(run, geometries, steps=search_steps)
+    mean = "mean over blocks"
+    measured = {"protocol": (ablation_rows(run, blocks, sets, clean), mean)}
+    for name in variants:
+        if name == "centred-S":
+            measured[name] = _centred_s_rows(run, n_seq, sets, clean)
+        elif name == "v-best-block":
+            best = v_block(run, blocks, n_seq)
+            measured[name] = (ablation_rows(run, blocks, sets, clean, v_block=best), f"block {blocks[best].place.layer}")
+        else:
+            measured[name] = (ablation_rows(run, find_blocks(run, geometries, steps=search_steps, variant=name), sets, clean), mean)
+
+    k, recipe, rows = run.config.task.diversity, run.config.name, []
+    for name, (variant_rows, where) in measured.items():
+        clean_rows = [row(metric, value, batch="loss", set=s) for s in SETS for metric, value in (("loss", clean[s][1:].mean()),
+                                                                                                  ("loss_first", clean[s][0]))]
+        table = pd.DataFrame([*variant_rows, *clean_rows]).assign(diversity=k, step=float("nan"))
+        prefixes = None if name == "protocol" else BY_NAME[name].claims
+        for claim in ablation_claims(table, recipe, k, "sensitivity"):
+            short = claim.id.split(".", 1)[1]
+            if prefixes is None or short.startswith(prefixes):
+                rows.append({"claim": claim.id, "variant": name, "value": claim.value, "status": claim.status,
+                             "comparison": claim.comparison, "threshold": claim.threshold, "reason": claim.reason, "place": where})
     return rows
 
 
-PLACE_METRICS = {"m1": ("p0.cell_r2", "p1.additive_share", "p2.r2_task"), "dual": ("projection_r2_token", "projection_r2")}
+def summarise(rows: pd.DataFrame) -> pd.DataFrame:
+    """One line per (claim, diversity, variant) of ``ablation_variants``' rows over several runs
+    (``run`` a column; seeds, as a rule): the median and range of the value over the runs where
+    the claim applies, the verdict over them (``claims.verdict``: pass on every run, fail on every
+    run, else unstable), the number of runs and where the value was read."""
+    lines = []
+    for (claim, k, name), group in rows.groupby(["claim", "diversity", "variant"], sort=False):
+        values = group.loc[group["status"] != "n/a", "value"].dropna()
+        spread = [round(float(f(values)), 3) if len(values) else None for f in (pd.Series.median, pd.Series.min, pd.Series.max)]
+        lines.append({"claim": claim, "k": k, "variant": name, "median": spread[0], "min": spread[1], "max": spread[2],
+                      "verdict": verdict(group["status"]), "runs": len(group), "place": group["place"].iloc[0]})
+    return pd.DataFrame(lines)
+
+
+PLACE_METRICS = {"m1": ("p0.cell_r2", "p1.additive_share", "p2.r2_task"), "dual": ("projection_r2", "projection_r2_per_sequence")}
 
 
 def place_choices(run: Run) -> list[dict]:
     """``{analysis, metric, layer, site, value, pinned}`` for every (layer, site) a stored analysis
-    of ``run`` measured (``m1.json``: the measurement batch's late window; ``dual.json``: the final
-    model's OOD states); ``pinned``: the place the claims read. A file of an earlier row version
+    of ``run`` measured (``m1.json``: the measurement batch's late window; ``dual.json``: projection
+    R^2 of the final model, the protocol's and the ``per-sequence-r2`` variant); ``pinned``: the
+    place the claims read. A file of an earlier row version
     is left out (measure it again)."""
     rows = []
     for analysis, metrics in PLACE_METRICS.items():
@@ -87,10 +121,10 @@ def place_choices(run: Run) -> list[dict]:
         if stored is None:
             continue
         if analysis == "m1":
-            chosen = next(r for r in stored if r["metric"] == "place.selected")
+            chosen = next(r for r in stored if r["metric"] == "place.m1")  # where the M1 claims read
             values = [r for r in stored if r["batch"] == "measure" and r["position"] is None and r["metric"] in metrics]
         else:
-            chosen = next(r for r in stored if r["metric"] == "place_selected")
+            chosen = next(r for r in stored if r["metric"] == "projection_r2" and r["step"] is None)  # the protocol's place
             values = [{**r, "metric": r["metric"].removeprefix("table.")} for r in stored
                       if r["metric"].removeprefix("table.") in metrics and r["metric"].startswith("table.")]
         rows += [{"analysis": analysis, "metric": r["metric"], "layer": r["layer"], "site": r["site"], "value": r["value"],

@@ -61,9 +61,9 @@ def study_form(family: TaskFamily) -> SteeringForm:
 
 
 def steering_place(family: TaskFamily, n_layers: int) -> Place:
-    """Where steering reads and writes (PAPER.md section 7, the M1 place): the study's block 3 of
-    6 (E2: 10 of 16) at the same relative depth, ``resid_post``."""
-    return Place.at_depth(10, 16, n_layers) if isinstance(family, Regression) else Place.at_depth(3, 6, n_layers)
+    """Where steering reads and writes (PAPER.md section 7): the M1 claims' place, the family's
+    ``m1_block`` (E1, E3 block 3 of 6; E2 10 of 16) at the same relative depth, ``resid_post``."""
+    return Place.at_depth(*family.m1_block, n_layers)
 
 
 def clip_positions(span: Sequence[int], n_positions: int) -> tuple[int, ...]:

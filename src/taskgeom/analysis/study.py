@@ -1,11 +1,13 @@
-"""The researcher's objects (``import taskgeom as tg``): a run, its held-out sequences, a place, the
-geometry there (``analysis.geometry``) and the edits made there (``analysis.edits``); the verbs
-are their methods, the options keywords.
+"""The researcher's objects (``import taskgeom as tg``): a run, its held-out sequences
+(``analysis.sequences``), a place, the geometry there (``analysis.geometry``) and the edits made
+there (``analysis.edits``); the verbs are their methods, the options keywords.
 
 - ``StudyRun`` (``tg.open_run(path)``): the model, family, pool and config of a finished run;
-  ``heldout`` sequences of a named ``Split``; ``cache`` states at places; ``geometry`` there;
-  ``select_place``; ``loss`` (under any edit whose ``with`` block is open); ``ablate`` directions;
-  ``orthogonal_search``; ``snapshots`` (the run at each kept training step).
+  ``heldout`` sequences of a named ``Split`` (``heldout_tasks``: whole tasks); ``cache`` states at
+  places; ``geometry`` there; ``select_place``; ``loss`` (under any edit whose ``with`` block is
+  open); ``ablate`` directions; ``orthogonal_search``; ``projection_r2`` as the study's Fig. 4
+  measures it and its ``projection_reference`` (``analysis.projection``); ``snapshots`` (the run
+  at each kept training step).
 - ``Sequences``: one held-out batch with what the analysis reads of it (``inputs``, the exact
   posterior ``alpha``, the Bayes ``references`` of its losses).
 - ``Place``: ``(layer, site)``, a named tuple that every hook accepts.
@@ -23,6 +25,7 @@ width, ``K`` major tasks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import weakref
@@ -35,11 +38,15 @@ import torch
 
 from taskgeom.analysis.edits import Edit, Place
 from taskgeom.analysis.geometry import Geometry
-from taskgeom.analysis.heldout import Inputs, Kind, Split, family_inputs, sample, unsupported
+from taskgeom.analysis import projection
+from taskgeom.analysis.heldout import Kind, Split, sample, sample_tasks, unsupported
 from taskgeom.analysis.orthogonal import BATCH_SIZE, orthogonal_searches
+from taskgeom.analysis.projection import ProjectionR2
+from taskgeom.analysis.sequences import Sequences
 from taskgeom.analysis.states import LayerStreams, stream_layers
 from taskgeom.analysis.subspace import direction_ablation
 from taskgeom.analysis.task_vectors import late_window
+from taskgeom.analysis.variants import variant as named_variant
 from taskgeom.errors import AnalysisError
 from taskgeom.config import RunConfig
 from taskgeom.runs import Run
@@ -47,34 +54,8 @@ from taskgeom.tasks import Batch, TaskFamily, TaskPool
 from taskgeom.tasks.regression import Regression
 
 DEFAULT_SITES = ("resid_mid", "resid_post")
-SEARCH_STREAM = "dual-ood-search"  # the orthogonal search's fresh OOD batch of each step
-
-
-class Sequences:
-    """Held-out sequences of one run: ``batch`` (``kind`` sequences of ``split``), with what the
-    analysis reads of them, computed when first asked for."""
-
-    def __init__(self, run: "StudyRun", kind: Kind, split: Split, batch: Batch):
-        self.kind, self.split, self.batch = kind, split, batch
-        self._family, self._pool = run.family, run.pool
-
-    def __len__(self) -> int:
-        return self.batch.tokens.shape[0]
-
-    @cached_property
-    def inputs(self) -> Inputs:
-        """The family's inputs (analysed positions, current tokens or x_t, posterior over the majors)."""
-        return family_inputs(self._family, self.batch, self._pool.subset("major"))
-
-    @property
-    def alpha(self) -> torch.Tensor:
-        """[N, P, K] the exact posterior over the major tasks after each analysed position."""
-        return self.inputs.alpha
-
-    @cached_property
-    def references(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (ID-Bayes, OOD-optimal) predictions the losses are scored beside (float64)."""
-        return self._family.reference_predictions(self.batch, self._pool)
+SEARCH_STREAMS = {"minor": "dual-minor-search", "ood": "dual-ood-search"}  # the orthogonal search's fresh batch of each step
+SELECTION_SEQUENCES = 512  # the M1 analysis' selection batch: the selected-place variant chooses where it does
 
 
 @dataclass(frozen=True)
@@ -156,6 +137,41 @@ class StudyRun:
         split = Split.of(split)
         return Sequences(self, kind, split, sample(self.family, self.pool, kind, n, split, self.config.task.seq_len, self.seed))
 
+    def heldout_tasks(self, kind: Kind, per_task: int, *, n_tasks: int | None = None, split: Split | str = "projection") -> Sequences:
+        """Whole held-out tasks of ``split``, ``per_task`` sequences each (``heldout.sample_tasks``):
+        ``n_tasks`` fresh OOD tasks, or every major task; the same arguments give the same sequences."""
+        batch = sample_tasks(self.family, self.pool, kind, per_task, split, self.config.task.seq_len, self.seed, n_tasks)
+        return Sequences(self, kind, Split.of(split), batch)
+
+    def projection_r2(self, ood: Sequences, major: Sequences, place: tuple[int, str] | None = None, *,
+                      variant: str | None = None) -> ProjectionR2:
+        """Projection R^2 of the OOD tasks of ``ood`` on the major tasks of ``major`` as the study's
+        Fig. 4 measures it (``analysis.projection``; whole tasks from ``heldout_tasks``) at ``place``
+        (default: the protocol's, ``projection.place``); or under a ``variant`` of PAPER.md section 8:
+        ``per-sequence-r2`` (each OOD state of the late window, centred by mu_t + nu(x_t) and
+        regressed on theta_(k, x_t), with the geometry fitted on ``major`` at the place),
+        ``site-mid`` (the protocol at resid_mid of the same block) or ``selected-place`` (the
+        protocol at the place of best R^2_task on the ``select`` split)."""
+        chosen = named_variant(variant)
+        name = "protocol" if chosen is None else chosen.name
+        at = projection.place(self.family, self.config.model.n_layers) if place is None else Place(*place)
+        if name == "site-mid":
+            at = Place(at.layer, "resid_mid")
+        elif name == "selected-place":
+            at = self.select_place(self.heldout("major", SELECTION_SEQUENCES, split="select"), n_random=0).best
+        elif name == "per-sequence-r2":
+            values = self.geometry(major, at, n_random=0).projection_r2(ood, "token")
+            return ProjectionR2(values, *projection.task_sizes(ood.batch), at, name)
+        elif name != "protocol":
+            raise AnalysisError(f"the variant {name!r} does not change projection R^2; choose per-sequence-r2, site-mid or selected-place")
+        return dataclasses.replace(projection.measure(self, ood, major, [at])[at], variant=name)
+
+    def projection_reference(self, ood: Sequences, major: Sequences) -> ProjectionR2:
+        """The linear-code reference beside projection R^2: the same statistic on the OOD-optimal
+        learner's estimate of the task (``TaskFamily.ood_estimate``) of the same sequences;
+        AnalysisError naming why for a family without one."""
+        return projection.reference(self.family, ood.batch, major.batch)
+
     def cache(self, sequences: Sequences, places: Sequence[tuple[int, str]]) -> dict[Place, torch.Tensor]:
         """{place: [N, P, D] float32} the states at the analysed positions, from one streamed pass
         (with the edits in force)."""
@@ -165,7 +181,8 @@ class StudyRun:
     def geometries(self, sequences: Sequences, places: Sequence[tuple[int, str]], *, window: float = 0.25,
                    n_random: int = 8) -> Iterator[Geometry]:
         """The geometry at each place, in layer order, from one streamed pass over the major
-        ``sequences``; ``window``: the late fraction of positions; ``n_random``: P2's random subspaces."""
+        ``sequences``; ``window``: the late fraction of positions where P0-P3 are read (the task
+        vectors average the family's ``vector_window``); ``n_random``: P2's random subspaces."""
         if sequences.kind != "major":
             raise AnalysisError(f"a geometry is fitted on major sequences, not {sequences.kind}")
         late = late_window(sequences.inputs.current.shape[1], window)
@@ -211,15 +228,22 @@ class StudyRun:
         """The ablation h <- h - V V^T h of orthonormal directions: [D, r] at ``place`` on the analysed positions."""
         return Edit(self, Place(*place), direction_ablation(directions), self.analysed_positions)
 
-    def _search_loss(self):
+    def search_set(self, variant: str | None = None) -> Kind:
+        """The sequences the orthogonal search ascends on (PAPER.md section 7): minor (pool)
+        sequences, OOD ones when the pool has no minors (k = -1) or under ``v-searched-on-ood``."""
+        chosen = named_variant(variant)
+        return "ood" if not self.pool.n_minor or (chosen is not None and chosen.name == "v-searched-on-ood") else "minor"
+
+    def _search_loss(self, kind: Kind):
         """loss_fn(step, site) of ``orthogonal_searches``: the training loss of batch ``step`` of
-        the search stream (``BATCH_SIZE`` fresh OOD sequences) run from ``site`` on; searches in
-        lockstep share each step's draw and prefix."""
-        family, T, seed = self.family, self.config.task.seq_len, self.seed
+        the search stream of ``kind`` (``BATCH_SIZE`` fresh minor or OOD sequences) run from
+        ``site`` on; searches in lockstep share each step's draw and prefix."""
+        family, T, seed, stream = self.family, self.config.task.seq_len, self.seed, SEARCH_STREAMS[kind]
 
         @functools.lru_cache(maxsize=1)
         def search_batch(step: int) -> tuple[Batch, LayerStreams]:
-            batch = family.sample_ood(BATCH_SIZE, T, seed, step, SEARCH_STREAM)
+            batch = (family.sample_ood(BATCH_SIZE, T, seed, step, stream) if kind == "ood"
+                     else family.sample(self.pool, BATCH_SIZE, T, seed, step, stream, "minor"))
             return batch, LayerStreams(self.model, batch.tokens)
 
         def search_loss(step: int, site) -> torch.Tensor:
@@ -228,14 +252,16 @@ class StudyRun:
 
         return search_loss
 
-    def orthogonal_search(self, searches: Sequence[tuple[Geometry, int]], *, steps: int = 200,
+    def orthogonal_search(self, searches: Sequence[tuple[Geometry, int]], *, steps: int = 200, variant: str | None = None,
                           avoid: Callable[[Geometry], torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """V: [D, r] for each ``(geometry, rank r)``: directions outside ``avoid(geometry)``
-        (default ``Geometry.avoided``: S and the token subspace) whose ablation at the geometry's
-        place raises the loss of fresh OOD sequences most (PAPER.md section 7's protocol); the
-        searches run in lockstep, each giving what it would alone."""
-        avoid = avoid or (lambda geometry: geometry.avoided)
-        results = orthogonal_searches(self.model, self._search_loss(), [(g.place, avoid(g), rank) for g, rank in searches],
+        """V: [D, r] for each ``(geometry, rank r)``: directions outside ``geometry.avoid(variant)``
+        (the protocol: the probe's S, and the token subspace for E3; or ``avoid(geometry)`` when
+        given) whose ablation at the geometry's place raises the loss of fresh minor sequences most
+        (OOD ones at k = -1 or under ``v-searched-on-ood``; PAPER.md section 7); the searches run
+        in lockstep, each giving what it would alone."""
+        avoid = avoid or (lambda geometry: geometry.avoid(variant))
+        results = orthogonal_searches(self.model, self._search_loss(self.search_set(variant)),
+                                      [(g.place, avoid(g), rank) for g, rank in searches],
                                       steps=steps, seed=self.seed, positions=self.analysed_positions)
         return [result.directions for result in results]
 
@@ -247,10 +273,10 @@ class StudyRun:
 def open_run(path: Path | str, recipe: str | None = None, profile: str = "quick", overrides: Sequence[str] = (),
              out: Path | str | None = None) -> StudyRun:
     """A finished run directory for study; with ``recipe``, a Hugging Face model directory read as
-    a model of that recipe's task (``hf.open_pretrained``: profile, dotted overrides, ``out`` for
+    a model of that recipe's task (``pretrained.open_pretrained``: profile, dotted overrides, ``out`` for
     what the analyses write)."""
     if recipe is None:
         return StudyRun(Run.open(path))
-    from taskgeom.hf import open_pretrained
+    from taskgeom.pretrained import open_pretrained
 
     return StudyRun(open_pretrained(path, recipe, profile, list(overrides), out))

@@ -112,3 +112,14 @@ def token_conditioned(h: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor,
 def late_window(seq_len: int, fraction: float = 0.25) -> slice:
     """The last ``fraction`` of positions (at least one)."""
     return slice(seq_len - max(1, round(fraction * seq_len)), seq_len)
+
+
+def fraction_window(length: int, fractions: tuple[float, float]) -> slice:
+    """The positions [round(start * length), round(stop * length)) of ``length`` (at least one) for
+    fractions (start, stop) of the context (a family's ``vector_window``: E1's 100-119 of 128 at
+    length 128, the same share of any other length); ValueError unless 0 <= start < stop <= 1."""
+    start, stop = fractions
+    if not 0 <= start < stop <= 1:
+        raise ValueError(f"a window is fractions 0 <= start < stop <= 1 of the context, got {fractions}")
+    first = min(round(start * length), length - 1)
+    return slice(first, max(first + 1, round(stop * length)))

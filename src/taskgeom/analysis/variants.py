@@ -15,12 +15,15 @@ from taskgeom.errors import AnalysisError
 @dataclass(frozen=True)
 class Variant:
     """One earlier convention: its ``name``, the ``claims`` (id prefixes) it can move, what it
-    ``changes`` from section 7 and ``why`` it existed."""
+    ``changes`` from section 7 and ``why`` it existed. A variant of the data has ``overrides``: the
+    ``--set`` values that train its runs from the recipe (the same in every profile); one of the
+    measurement has none."""
 
     name: str
     claims: tuple[str, ...]
     changes: str
     why: str
+    overrides: tuple[str, ...] = ()
 
 
 VARIANTS = (
@@ -40,21 +43,21 @@ VARIANTS = (
     Variant("centred-S", ("ablate_S",),
             "S ablation h - P_S (h - mu_t) on the rank K-1 span of the task vectors, at the selected place",
             "the task subspace of section 4 rather than a probe's row space"),
-    Variant("v-avoids-tokens", ("ablate_V",),
+    Variant("v-avoids-tokens", ("ablate_V", "random_control"),
             "E1 and E2's V also kept out of the token subspace",
             "kept V from removing what the current token carries"),
     Variant("v-searched-on-ood", ("ablate_V",),
             "V searched on OOD sequences instead of minor (pool) sequences",
             "searched where the claim is read"),
-    Variant("v-best-block", ("ablate_V",),
+    Variant("v-best-block", ("ablate_V", "random_control"),
             "V read at the block where it removes the most OOD gain on a separate batch, not the mean over blocks",
             "one place per claim, as for M1"),
     Variant("e1-v6", ("e1",),
             "E1 at V = 6 faces with near-disjoint majors (the earlier default recipe)",
-            "a smaller vocabulary trained faster at quick sizes"),
+            "a smaller vocabulary trained faster at quick sizes", ("task.vocab_size=6", "task.majors=disjoint")),
     Variant("separator", ("e2",),
             "E2's x, separator, y layout, the prediction of y read at the separator",
-            "the separator layout of the study's code, our earlier default"),
+            "the separator layout of the study's code, our earlier default", ("task.layout=separator",)),
 )
 
 BY_NAME = {v.name: v for v in VARIANTS}

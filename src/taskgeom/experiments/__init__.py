@@ -1,15 +1,26 @@
 """The experiments behind ``taskgeom reproduce``: the generic ones (``EXPERIMENTS``, in order), run on
 every recipe whose ``study`` section declares them, then each recipe's own (``run: module:function``);
-each adds claims and figures."""
+each adds claims and figures. ``reproduce`` trains the runs they need (``planned_runs``), runs them
+on one ``base.Context`` and writes what they produced."""
 
 from __future__ import annotations
 
-from taskgeom.experiments.base import Context, Experiment, Extra, reproduce
+import importlib
+from pathlib import Path
+
+from taskgeom.analysis.task_vectors import check_major_tasks
+from taskgeom.claims import over_seeds
+from taskgeom.experiments.base import Context, Experiment, Extra, shipped_studies
 from taskgeom.experiments.bayes_optimum import bayes_optimum
 from taskgeom.experiments.dual_modes import dual_modes
+from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.m1 import m1
+from taskgeom.experiments.schedule import TrainTask, train_all
 from taskgeom.config import ConfigError
+from taskgeom.progress import console
 from taskgeom.recipes import Study, experiment_function
+from taskgeom.report.manifest import MANIFEST, manifest
+from taskgeom.storage import atomic_write_json
 
 EXPERIMENTS = {"bayes_optimum": bayes_optimum, "m1": m1, "dual_modes": dual_modes}
 
@@ -36,4 +47,70 @@ def declared(studies: tuple[Study, ...], profile: str) -> dict[str, Experiment]:
     return chosen
 
 
-__all__ = ["Context", "EXPERIMENTS", "declared", "reproduce"]
+def _declared(ctx: Context) -> dict[str, Experiment]:
+    """The experiments ``ctx``'s studies declare at its profile (``declared``)."""
+    return declared(ctx.studies, ctx.profile)
+
+
+def planned_runs(ctx: Context, experiments: dict[str, Experiment] | None = None) -> list[TrainTask]:
+    """Every run the experiments (by default those ``ctx``'s studies declare) declare for ``ctx``
+    (``runs``), in order; a run two experiments need appears once for each."""
+    experiments = _declared(ctx) if experiments is None else experiments
+    return [task for experiment in experiments.values() for task in getattr(experiment, "runs", lambda _: [])(ctx)]
+
+
+def reproduce(out: Path, profile: str, experiments: dict[str, Experiment] | None = None, executor: Executor = Executor(),
+              device: str = "auto", tracker: str = "none", overrides: tuple[str, ...] = (), seeds: tuple[int, ...] = (0,),
+              studies: tuple[Study, ...] | None = None, diversities: tuple[int, ...] | None = None) -> Context:
+    """Train every run the experiments declare (``runs``) for every seed of ``seeds`` on
+    ``executor``'s local pool first (``schedule``), then run each experiment (their sweeps on
+    ``executor``; training on ``device``, also logged to ``tracker``; every recipe with
+    ``overrides`` applied first; the recipes of ``studies``, by default the shipped ones; the sweeps
+    over ``diversities`` when given), judge each claim over the seeds, then write ``claims.json``,
+    ``timings.json``, ``reproduction.json``, the tables and ``report.html``. ``experiments``: by
+    default those the studies declare at ``profile`` (``declared``)."""
+    from taskgeom.report.html import write_report
+
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must be distinct and at least one, got {list(seeds)}")
+    ctx = Context(Path(out), profile, tuple(seeds), executor, device, tracker, tuple(overrides),
+                  shipped_studies() if studies is None else tuple(studies), None if diversities is None else tuple(diversities))
+    experiments = _declared(ctx) if experiments is None else experiments
+    tasks = planned_runs(ctx, experiments)
+    for task in tasks:  # every experiment measures in the task subspace: refuse before anything is written
+        check_major_tasks(task.config.task.n_major, f"reproduce ({task.config.name}, k = {task.config.task.diversity})")
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    ctx.used |= {task.name: None for task in tasks}
+    if tasks and executor.kind == "local" and executor.workers > 1:  # one schedule: every run trained first, together
+        console.log("[bold]training[/bold] every run the experiments need")
+        ctx.experiment = "schedule"
+        with ctx.timings.experiment("schedule"):
+            train_all(tasks, executor, ctx.timings)
+    for name, experiment in experiments.items():
+        console.log(f"experiment [bold]{name}[/bold]")
+        ctx.experiment = name
+        first = len(ctx.measured)
+        with ctx.timings.experiment(name):
+            experiment(ctx)
+        ctx.made_by |= {claim.id: name for _, claim in ctx.measured[first:]}
+    ctx.claims = over_seeds(ctx.measured)
+    atomic_write_json(ctx.out / "claims.json", [c.as_dict() for c in ctx.claims])
+    atomic_write_json(ctx.out / "timings.json", ctx.timings.as_dict())
+    figures = [{"path": f.path, "pdf": str(Path(f.path).with_suffix(".pdf")), "caption": f.caption, "experiment": f.experiment,
+                "claims": list(f.claims)} for f in ctx.figures]
+    sections = {study.name: study.section for study in ctx.studies}
+    atomic_write_json(ctx.out / MANIFEST, manifest(profile, ctx.overrides, device, executor.kind, list(experiments), list(ctx.used),
+                                                     ctx.made_by, figures, ctx.seeds, ctx.runs_root, sections, ctx.diversities,
+                                                     _evidence_modules(experiments)))
+    write_report(ctx.out)
+    return ctx
+
+
+def _evidence_modules(experiments: dict[str, Experiment]) -> list[str]:
+    """The modules of the studies' own experiments that give the report interactive evidence
+    (an ``evidence(table)`` function), in order."""
+    modules = dict.fromkeys(extra.function.__module__ for extra in experiments.values() if isinstance(extra, Extra))
+    return [name for name in modules if hasattr(importlib.import_module(name), "evidence")]
+
+
+__all__ = ["Context", "EXPERIMENTS", "declared", "planned_runs", "reproduce"]

@@ -1,16 +1,18 @@
 """The dual modes across task diversity (PAPER.md section 5): projection R^2, the double
 dissociation, the predictor transition and Theorem 2, for the recipes that declare ``dual_modes``
 at the profile (E1 and E3; E2 at paper), measured where PAPER.md
-section 7 pins them (``analysis.dual``). Projection R^2 claims read the token-conditioned form;
-every share of in-context gain carries its parts (clean, ablated and first losses, the gain in
-nats, and ``unreliable`` when the gain is below ``MIN_RELIABLE_GAIN``), and a claim on a share of
-a gain that is not positive is ``n/a`` with that reason."""
+section 7 pins them (``analysis.dual``). Projection R^2 claims read the study's Fig. 4 statistic
+(``analysis.projection``), with its place, task counts, interquartile range, linear-code reference
+and the ``per-sequence-r2`` variant in their parts; every share of in-context gain carries its
+parts (clean, ablated and first losses, the gain in nats, and ``unreliable`` when the gain is below
+``MIN_RELIABLE_GAIN``), and a claim on a share of a gain that is not positive is ``n/a`` with that
+reason."""
 
 from __future__ import annotations
 
 import pandas as pd
 
-from taskgeom.analysis.dual import N_RANDOM_CONTROLS
+from taskgeom.analysis.ablations import N_RANDOM_CONTROLS
 from taskgeom.claims import check, gain_parts, not_applicable
 from taskgeom.experiments.base import Context
 from taskgeom.experiments.schedule import TrainTask
@@ -42,26 +44,63 @@ MAX_SPARED_GAIN_REMOVED = 20.0
 MAX_RANDOM_GAIN_REMOVED = 10.0
 
 
-def _value(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None = None) -> float:
-    """A final-model metric of the run at ``diversity`` among ``rows`` (one seed's), NaN if absent."""
+def _pick(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None = None, summary: bool | None = None) -> pd.DataFrame:
+    """Final-model rows of ``metric`` at ``diversity`` among ``rows`` (one seed's), of ``set_name``
+    when given; ``summary``: only the ablations' summary rows over blocks (``layer`` null, True) or
+    only per-block rows (False)."""
     pick = rows[(rows["metric"] == metric) & (rows["diversity"] == diversity) & rows["step"].isna()]
     if set_name is not None:
         pick = pick[pick["set"] == set_name]
+    if summary is not None:
+        pick = pick[pick["layer"].isna() == summary]
+    return pick
+
+
+def _value(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None = None, summary: bool | None = None) -> float:
+    """A final-model metric of the run at ``diversity`` among ``rows`` (one seed's), NaN if absent."""
+    pick = _pick(rows, metric, diversity, set_name, summary)
     return float(pick["value"].mean()) if len(pick) else float("nan")
 
 
-def _band(rows: pd.DataFrame, metric: str, diversity: int, set_name: str) -> list[float]:
-    """[low, high] of a metric's band (its range over the random controls) in ``rows`` (one seed's); NaNs if absent."""
-    pick = rows[(rows["metric"] == metric) & (rows["diversity"] == diversity) & rows["step"].isna() & (rows["set"] == set_name)]
-    bands = [b for b in pick["band"] if isinstance(b, (list, tuple))]
-    return [min(b[0] for b in bands), max(b[1] for b in bands)] if bands else [float("nan"), float("nan")]
+def _per_block(rows: pd.DataFrame, metric: str, diversity: int, set_name: str, prefix: str = "") -> dict[str, float]:
+    """{``{prefix}block{l}``: value} of a metric's per-block rows (one seed's), in block order."""
+    pick = _pick(rows, metric, diversity, set_name, summary=False).sort_values("layer")
+    return {f"{prefix}block{int(layer)}": float(value) for layer, value in zip(pick["layer"], pick["value"])}
 
 
 def _reason(rows: pd.DataFrame, metric: str, diversity: int, set_name: str) -> str | None:
     """Why a final-model share of gain in ``rows`` (one seed's) is null (its gain is not positive), else None."""
-    pick = rows[(rows["metric"] == metric) & (rows["diversity"] == diversity) & rows["step"].isna() & (rows["set"] == set_name)]
+    pick = _pick(rows, metric, diversity, set_name, summary=True)
     reasons = [r for r in pick["reason"] if isinstance(r, str)] if "reason" in pick else []
     return reasons[0] if reasons else None
+
+
+def projection_parts(rows: pd.DataFrame, diversity: int) -> dict:
+    """The parts of projection R^2 at ``diversity`` in ``rows`` (one seed's): its value, the place it
+    was read (block and site), the OOD task count and sequences per task, the interquartile range
+    over OOD tasks, the linear-code reference (or why there is none) and the ``per-sequence-r2``
+    variant's value."""
+    def final(metric: str) -> pd.DataFrame:
+        return rows[(rows["metric"] == metric) & (rows["diversity"] == diversity) & rows["step"].isna() & (rows["set"] == "ood")]
+
+    def band(row: pd.Series) -> tuple[float, float]:
+        return tuple(row["band"]) if isinstance(row["band"], (list, tuple)) else (float("nan"),) * 2
+
+    pick = final("projection_r2")
+    if pick.empty:
+        return {}
+    measured = pick.iloc[0]
+    low, high = band(measured)
+    parts = {"value": measured["value"], "block": int(measured["layer"]), "site": measured["site"],
+             "ood_tasks": int(_value(rows, "projection_r2_tasks", diversity, "ood")),
+             "sequences_per_task": int(_value(rows, "projection_r2_per_task", diversity, "ood")), "iqr_low": low, "iqr_high": high,
+             "per_sequence_r2": _value(rows, "projection_r2_per_sequence", diversity, "ood")}
+    reason = _reason(rows, "projection_r2_reference", diversity, "ood")
+    if reason or final("projection_r2_reference").empty:
+        return {**parts, "reference_unavailable": reason or "not measured"}
+    reference = final("projection_r2_reference").iloc[0]
+    ref_low, ref_high = band(reference)
+    return {**parts, "reference": reference["value"], "reference_iqr_low": ref_low, "reference_iqr_high": ref_high}
 
 
 def _each_recipe(ctx: Context, *claims: str) -> tuple[str, ...]:
@@ -79,7 +118,8 @@ def _jobs(ctx: Context) -> list[Job]:
 def runs(ctx: Context) -> list[TrainTask]:
     """The sweep's runs, for the schedule, each with the thread count the sweep gives it, and their
     dual-mode analysis (done there, the sweep then reads it)."""
-    return [TrainTask(config, job.root, job.device, job.tracker, config.train.threads or ctx.executor.threads, analyse=True)
+    return [TrainTask(config, job.root, job.device, job.tracker, config.train.threads or ctx.executor.threads, analyse=True,
+                      profile=job.profile)
             for job in _jobs(ctx) for config in [job.config()]]
 
 
@@ -92,25 +132,13 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int, profile: str) -
         made.append(check(f"{recipe}.{name}", recipe, description, value, op, threshold, profile, parts) if reason is None else
                     not_applicable(f"{recipe}.{name}", recipe, description, op, threshold, profile, reason, parts))
 
-    r2_high, r2_low = _value(rows, "projection_r2_token", high, "ood"), _value(rows, "projection_r2_token", low, "ood")
-    plain = {"plain_form": _value(rows, "projection_r2", high, "ood")}
-    claim("projection_r2_high_diversity", f"projection R^2 (token-conditioned) of OOD states onto S at k = {high}", r2_high, "<",
-          MAX_R2_HIGH_DIVERSITY, plain)
-    claim("projection_r2_drop", f"projection R^2 (token-conditioned) at k = {low} minus at k = {high}", r2_low - r2_high, ">=",
-          MIN_R2_DROP, {f"k={low}": r2_low, f"k={high}": r2_high})
-    for ablation, target, spared in (("ablate_S", "major", "ood"), ("ablate_V", "ood", "major")):
-        what = "task subspace S" if ablation == "ablate_S" else "orthogonal directions V"
-        for set_name, op, threshold in ((target, ">=", MIN_TARGETED_GAIN_REMOVED), (spared, "<", MAX_SPARED_GAIN_REMOVED)):
-            parts = gain_parts(_value(rows, "loss", high, set_name), _value(rows, f"loss_{ablation}", high, set_name),
-                               _value(rows, "loss_first", high, set_name))
-            claim(f"{ablation}_{set_name}", f"% of {set_name} in-context gain removed by ablating the {what} (k = {high})",
-                  _value(rows, f"gain_removed_{ablation}", high, set_name), op, threshold, parts,
-                  _reason(rows, f"gain_removed_{ablation}", high, set_name))
-    random = {s: _band(rows, "gain_removed_random", high, s) for s in ("major", "ood")}
-    reasons = [f"{s}: {r}" for s in random if (r := _reason(rows, "gain_removed_random", high, s))]
-    claim("random_control", f"largest |% gain removed| by any of {N_RANDOM_CONTROLS} random same-rank directions, major and OOD "
-          f"(k = {high})", max(abs(v) for band in random.values() for v in band), "<", MAX_RANDOM_GAIN_REMOVED,
-          {f"{s}_{end}": v for s, band in random.items() for end, v in zip(("min", "max"), band)}, "; ".join(reasons) or None)
+    r2_high, r2_low = _value(rows, "projection_r2", high, "ood"), _value(rows, "projection_r2", low, "ood")
+    what = "projection R^2 of OOD task means onto the major task means (the study's Fig. 4)"
+    claim("projection_r2_high_diversity", f"{what} at k = {high}", r2_high, "<", MAX_R2_HIGH_DIVERSITY, projection_parts(rows, high))
+    claim("projection_r2_drop", f"{what} at k = {low} minus at k = {high}", r2_low - r2_high, ">=", MIN_R2_DROP,
+          {**{f"k={low}.{name}": v for name, v in projection_parts(rows, low).items()},
+           **{f"k={high}.{name}": v for name, v in projection_parts(rows, high).items()}})
+    made += ablation_claims(rows, recipe, high, profile)
     if len(rows) and rows["metric"].str.startswith("transition_").any():  # token families only
         final = by_step(rows).sort_values("step").groupby("diversity").last()
         for name, k, op, word in (("transition_memorising", low, "<", "negative: memorising"),
@@ -120,6 +148,42 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int, profile: str) -
             claim(name, f"log(KL_mem / KL_gen) of the final model at k = {k} ({word})",
                   final["log_ratio"].get(k, float("nan")), op, 0.0, parts)
     return made
+
+
+def ablation_claims(rows: pd.DataFrame, recipe: str, high: int, profile: str) -> list:
+    """The double dissociation's claims of ``recipe`` (one seed's rows): the share of the major and
+    OOD gain that ablating S and V removes, and the random control, each read from the summary
+    over blocks (``analysis.ablations``: the block mean) at k = ``high``, with its parts: the
+    summary's losses and gain, each block's share and their mean."""
+    made = []
+    for ablation, target, spared in (("ablate_S", "major", "ood"), ("ablate_V", "ood", "major")):
+        what = "task subspace S" if ablation == "ablate_S" else "orthogonal directions V"
+        for set_name, op, threshold in ((target, ">=", MIN_TARGETED_GAIN_REMOVED), (spared, "<", MAX_SPARED_GAIN_REMOVED)):
+            metric = f"gain_removed_{ablation}"
+            value = _value(rows, metric, high, set_name, summary=True)
+            parts = {**gain_parts(_value(rows, "loss", high, set_name), _value(rows, f"loss_{ablation}", high, set_name, summary=True),
+                                  _value(rows, "loss_first", high, set_name)),
+                     **_per_block(rows, metric, high, set_name), "block_mean": value}
+            description = f"% of {set_name} in-context gain removed by ablating the {what}, mean over blocks (k = {high})"
+            made.append(_claim(f"{recipe}.{ablation}_{set_name}", recipe, description, value, op, threshold, profile, parts,
+                               _reason(rows, metric, high, set_name)))
+    sets = ("major", "ood")
+    stats = {s: _value(rows, "gain_removed_random", high, s, summary=True) for s in sets}
+    parts = {part: v for s in sets for part, v in
+             {f"{s}_block_mean": stats[s], **_per_block(rows, "gain_removed_random", high, s, f"{s}_")}.items()}
+    reasons = [f"{s}: {r}" for s in sets if (r := _reason(rows, "gain_removed_random", high, s))]
+    made.append(_claim(f"{recipe}.random_control", recipe,
+                       f"largest over major and OOD of the mean over blocks of the 75th percentile of |% gain removed| by "
+                       f"{N_RANDOM_CONTROLS} random same-rank directions (k = {high})",
+                       float("nan") if any(v != v for v in stats.values()) else max(stats.values()), "<", MAX_RANDOM_GAIN_REMOVED,
+                       profile, parts, "; ".join(reasons) or None))
+    return made
+
+
+def _claim(claim_id, recipe, description, value, op, threshold, profile, parts=None, reason=None):
+    """A checked claim, or ``n/a`` with ``reason`` (a share of a gain that is not positive)."""
+    return (check(claim_id, recipe, description, value, op, threshold, profile, parts) if reason is None else
+            not_applicable(claim_id, recipe, description, op, threshold, profile, reason, parts))
 
 
 def dual_modes(ctx: Context) -> None:
@@ -140,23 +204,26 @@ def dual_modes(ctx: Context) -> None:
             ctx.claim(seed, *claims(rows[rows["seed"] == seed], recipe, low, high, ctx.profile))
         if len(rows):
             plot_dissociation(rows[rows["diversity"] == high], ctx.figure(f"{recipe}_double_dissociation.png",
-                              f"{recipe.upper()}, k = {high}: share of in-context gain removed by ablating S, V or a random direction",
+                              f"{recipe.upper()}, k = {high}: share of in-context gain removed by ablating S, V or a random direction "
+                              "at each block and their mean",
                               tuple(f"{recipe}.{name}" for name in DUAL_EVIDENCE["dissociation"])),
                               f"{recipe.upper()} double dissociation (k = {high})")
     if len(ok):
-        plot_projection_r2(ok, ctx.figure("projection_r2.png", "Projection R^2 of OOD states onto the task subspace across diversity: "
-                                          "token-conditioned (solid, IQR band; the claims) and plain (dashed)",
+        plot_projection_r2(ok, ctx.figure("projection_r2.png", "Projection R^2 of OOD task means onto the major task means (the study's "
+                                          "Fig. 4 statistic) across diversity: the claims' value (solid, IQR band over OOD tasks), the "
+                                          "linear-code reference (dashed) and the per-sequence-r2 variant (dotted)",
                                           _each_recipe(ctx, *DUAL_EVIDENCE["projection"])))
         curve = rank_curve(ok)
         atomic_write_text(ctx.out / "tables" / "rank_curve.csv", curve.to_csv(index=False))
         plot_rank_curve(curve, ctx.figure("rank_curve.png", "Share of OOD in-context gain removed by ablating orthogonal directions V of "
-                                          "rank r = 1..ceil(d0) at the layer the search chose (tables/rank_curve.csv)",
+                                          "rank r = 1..ceil(d0), mean over blocks (tables/rank_curve.csv: every block)",
                                           _each_recipe(ctx, *DUAL_EVIDENCE["rank"])))
         plot_transition(by_step(ok), ctx.figure("predictor_transition.png",
                         "Predictor transition: log(KL to memorising / KL to generalising Bayes) over diversity and training step",
                         _each_recipe(ctx, *DUAL_EVIDENCE["transition"])))
-        plot_projection_r2_steps(by_step(ok), ctx.figure("projection_r2_steps.png",
-                                 "Projection R^2 of OOD states onto the task subspace across training, one line per diversity k",
+        plot_projection_r2_steps(ok, ctx.figure("projection_r2_steps.png",
+                                 "The study's Fig. 4: projection R^2 of OOD task means across training, one line per diversity k "
+                                 "(IQR band over OOD tasks), the linear-code reference dashed",
                                  _each_recipe(ctx, *DUAL_EVIDENCE["projection"])))
         plot_theorem2(ok, ctx.figure("theorem2.png", "Theorem 2: distance of OOD states from S beside (c - delta)/L (last layer)"))
 

@@ -16,6 +16,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from taskgeom import kernels
 from taskgeom.errors import EnvironmentRefused, TaskgeomError
 
 Task = Callable[[Any, int], Any]  # fn(item, threads) -> result
@@ -121,7 +122,9 @@ def _on_ray(fn: Task, items: list, executor: Executor) -> Finished:
             raise EnvironmentRefused(f"Ray did not start{f' at {executor.address}' if executor.address else ''}: {err}") from None
     try:
         _check_resources([node["Resources"] for node in ray.nodes() if node.get("Alive")], executor)
-        task = ray.remote(num_cpus=executor.threads, num_gpus=executor.gpus_per_run, max_retries=0)(fn)
+        pins = kernels.environment()  # a node's worker starts with the kernels this process chose
+        task = ray.remote(num_cpus=executor.threads, num_gpus=executor.gpus_per_run, max_retries=0,
+                          **({"runtime_env": {"env_vars": pins}} if pins else {}))(fn)
         pending = {task.remote(item, executor.threads): item for item in items}
         while pending:
             (ref,), _ = ray.wait(list(pending), num_returns=1)

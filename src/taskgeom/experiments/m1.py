@@ -1,11 +1,12 @@
 """M1, Bayesian task retrieval (PAPER.md section 4): P0-P3 and causal steering on the k = -1 runs
 of the recipes that declare ``m1`` (E1, E2, E3; the runs ``bayes_optimum`` and E2's own experiment
-read too, whichever comes first trains them). Claims are read at the place (layer, site)
-selected on a separate batch (highest R^2_task), measured on an independent batch (PAPER.md
-section 7); every threshold is fixed here, beside its check, and the same for every family. For E2
-the analysis reads the separators: P0's "cells" are a per-task intercept and linear map of the
-query x_i, and steering compares predictions of y_i by RMSE instead of next-token laws by KL.
-Steering is read at the study's own place (``analysis.steering.steering_place``)."""
+read too, whichever comes first trains them). Claims are read as PAPER.md section 7 pins them: at
+the study's block at the same relative depth, ``resid_post`` (``retrieval.claim_places``; the
+parts name the layer and site each claim read), with the values of ``retrieval.claim_values``;
+every threshold is fixed here, beside its check (section 9), and the same for every family. For
+E2 the analysis reads its prediction positions: P0's "cells" are a per-task intercept and linear
+map of the query x_i (an ANCOVA at each position), P2 reads r2_additive, and steering compares
+predictions of y_i by RMSE instead of next-token laws by KL, one position per forward pass."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import math
 
 import pandas as pd
 
-from taskgeom.analysis.retrieval import Result, analyze, write
+from taskgeom.analysis.retrieval import Result, analyze, claim_values, write
 from taskgeom.analysis.steering import KINDS, Steering
 from taskgeom.analysis.study import StudyRun
 from taskgeom.claims import Claim, check, not_applicable
@@ -21,19 +22,23 @@ from taskgeom.experiments.base import Context
 from taskgeom.report.geometry import FIGURES, plot_retrieval
 from taskgeom.report.manifest import M1_EVIDENCE
 
-# P0, stability: share of late-window variance explained by the (task, current token) cell means.
+# P0, stability: share of the variance at each position explained by the (task, current token) cell
+# means (E2: per-task intercept and slope on x_t), median over the late window (the last quarter).
 MIN_CELL_R2 = 0.9
-# P1, decoupling: share of the between-cell variance that task + token effects explain additively.
+# P1, decoupling: share of the between-cell variance that task + token effects explain additively,
+# at each position, median over the late window.
 MIN_ADDITIVE_SHARE = 0.9
-# P2, interpolation: R^2_task of the sum-to-one fit projected onto the simplex, over the late window ...
+# P2, interpolation: R^2_task of the sum-to-one fit projected onto the simplex, over the late window
+# (E2: r2_additive, the task simplex plus a per-position linear map of x_t) ...
 MIN_R2_TASK = 0.8
-# ... and its margin over the same fit on a random subspace of equal dimension (mean over draws).
+# ... and the margin of R^2_task over the same fit on a random subspace of equal dimension (mean over draws).
 MIN_R2_MARGIN = 0.3
-# P3, alignment: median total variation between beta_t and the posterior alpha_t over the last
-# quarter of positions ...
+# P3, alignment: total variation between the per-task mean beta_t (projected) and the mean posterior
+# alpha_t, mean over the tasks and the last quarter of positions ...
 MAX_TV_LATE = 0.1
-# ... and shrinking: mean TV over the last quarter of the uncertain positions (largest alpha_t below
-# 0.99) divided by that over their first quarter must be below one (n/a with fewer than 5 such).
+# ... and shrinking: on those mean curves, mean TV over the last quarter of the uncertain positions
+# (the mean posterior's largest weight below 0.99, median over tasks) divided by that over their
+# first quarter must be below one (n/a with fewer than 5 such).
 MAX_TV_RATIO = 1.0
 # Steering (PAPER.md section 9): the steered readout (the mean over the steered sequences and target
 # points of KL(model || q_a); E2: of the RMSE to y_a) at most 1 / STEERING_FACTOR of the unsteered one
@@ -44,10 +49,11 @@ MAX_STEERING_SHARE = 1.0
 
 _CAPTIONS = {
     "simplex": "{E}: fitted task coefficients beta_t (solid) and the exact posterior alpha_t (dashed) in the simplex for two "
-               "sequences per major task; right: per-position median TV and KL(alpha || beta) with interquartile bands (P3)",
-    "layers": "{E}: P0 (cell-means R^2), P1 (additive share) and P2 (R^2_task, beside a random subspace of equal dimension) per layer and site; "
-              "with several seeds, the median over seeds and their range",
-    "positions": "{E}: R^2_task of P2 at each position, every layer and site (the selected place bold; shaded: the late window the claim reads)",
+               "sequences per major task; right: TV between the per-task mean beta_t and mean alpha_t (what P3 reads), and the "
+               "per-position median per-state TV and KL(alpha || beta) with interquartile bands",
+    "layers": "{E}: P0 (cell-means R^2), P1 (additive share), medians over the late window of the fits at each position, and P2 "
+              "(R^2_task, beside a random subspace of equal dimension) per layer and site; with several seeds, the median over seeds and their range",
+    "positions": "{E}: R^2_task of P2 at each position, every layer and site (the claims' place bold; shaded: the late window the claim reads)",
     "steering": "{E}: the readout over the target points a ~ Dirichlet(1) of the simplex (KL(model || q_a) of next-token laws; E2: "
                 "RMSE of the prediction of y to y_a), unsteered and steered one position per forward pass, with the means of both, "
                 "the mode task's and a random direction's of the same norm",
@@ -76,37 +82,39 @@ m1.runs = lambda ctx: [task for study in ctx.taking_part("m1") for task in ctx.p
 
 
 def claims(result: Result, profile: str) -> list:
-    """The M1 claims of one analysed run, read at its selected place on the measurement batch."""
-    e, s = result.experiment, result.summary
-    where = "at the place selected by R^2_task on a separate batch; layer and site in the parts"
-    place = {"layer": result.best[0], "site": result.best[1]}
-    if result.runner_up is not None:
-        place |= {"runner_up_layer": result.runner_up[0], "runner_up_site": result.runner_up[1]}
-    if result.effect == "current token":
+    """The M1 claims of one analysed run, read at the study's blocks on the measurement batch."""
+    return [*retrieval_claims(claim_values(result.rows), result.experiment, profile, result.effect), steering_claim(result.steering, result.experiment, profile)]
+
+
+def retrieval_claims(values: dict, e: str, profile: str, effect: str = "current token") -> list:
+    """The claims P0-P3 of recipe ``e`` from ``retrieval.claim_values`` (the protocol's, or a
+    variant's) of one run; ``effect``: the token-effect model in words."""
+    where = "at the study's block at the same relative depth, resid_post (PAPER.md section 7); layer and site in the parts"
+    if effect == "current token":
         p0 = "P0: cell-means R^2 of (task, current token)"
+        p2 = "P2: R^2_task of the simplex fit of h_t - mu_t - nu(x_t) on the task vectors, late window"
     else:
-        p0 = f"P0: R^2 of a per-task intercept and per-task {result.effect}"
-    shrink = result.shrinkage
-    shrink_description = ("P3: mean TV(beta_t, alpha_t) over the last quarter of the positions where the posterior is uncertain "
-                          "(median max alpha_t < 0.99) divided by that over their first quarter")
-    shrink_parts = {"tv_first": shrink.tv_first, "tv_last": shrink.tv_last, "uncertain_positions": len(shrink.positions)}
+        p0 = f"P0: R^2 of a per-task intercept and per-task {effect}"
+        p2 = "P2: r2_additive, the share of the variance of h_t - mu_t explained by the task simplex plus a per-position linear map of x_t, late window"
+    late = "at each position, median over the last quarter of positions"
+    shrink_description = ("P3: on the per-task mean curves, mean TV(mean beta_t, mean alpha_t) over the last quarter of the positions "
+                          "where the mean posterior is uncertain (median over tasks of its largest weight < 0.99) divided by that over their first quarter")
+    shrink = values["P3.shrinks"]
     if shrink.reason is None:
-        shrinks = check(f"{e}.P3.shrinks", e, shrink_description, shrink.tv_last / shrink.tv_first, "<", MAX_TV_RATIO, profile, shrink_parts)
+        shrinks = check(f"{e}.P3.shrinks", e, shrink_description, shrink.value, "<", MAX_TV_RATIO, profile, shrink.parts)
     else:
-        shrinks = not_applicable(f"{e}.P3.shrinks", e, shrink_description, "<", MAX_TV_RATIO, profile, shrink.reason, shrink_parts)
+        shrinks = not_applicable(f"{e}.P3.shrinks", e, shrink_description, "<", MAX_TV_RATIO, profile, shrink.reason, shrink.parts)
     return [
-        check(f"{e}.P0", e, f"{p0} over the late window ({where})", s["p0.cell_r2"], ">=", MIN_CELL_R2, profile, place),
-        check(f"{e}.P1", e, f"P1: additive (task + {result.effect}, no interaction) share of the variance P0's model explains ({where})",
-              s["p1.additive_share"], ">=", MIN_ADDITIVE_SHARE, profile, place),
-        check(f"{e}.P2", e, f"P2: R^2_task of the simplex fit of h_t - mu_t - nu(x_t) on the task vectors, late window ({where})",
-              s["p2.r2_task"], ">=", MIN_R2_TASK, profile, place),
+        check(f"{e}.P0", e, f"{p0}, {late} ({where})", values["P0"].value, ">=", MIN_CELL_R2, profile, values["P0"].parts),
+        check(f"{e}.P1", e, f"P1: additive (task + {effect}, no interaction) share of the variance P0's model explains, {late} ({where})",
+              values["P1"].value, ">=", MIN_ADDITIVE_SHARE, profile, values["P1"].parts),
+        check(f"{e}.P2", e, f"{p2} ({where})", values["P2"].value, ">=", MIN_R2_TASK, profile, values["P2"].parts),
         check(f"{e}.P2.vs_random", e, f"P2: R^2_task minus R^2 of the same fit on a random subspace of equal dimension ({where})",
-              s["p2.r2_task"] - s["p2.r2_random"], ">=", MIN_R2_MARGIN, profile,
-              {"r2_task": s["p2.r2_task"], "r2_random": s["p2.r2_random"], **place}),
-        check(f"{e}.P3", e, f"P3: median TV(beta_t, alpha_t) over the last quarter of positions ({where})",
-              s["p3.tv_last_quarter"], "<=", MAX_TV_LATE, profile, place),
+              values["P2.vs_random"].value, ">=", MIN_R2_MARGIN, profile, values["P2.vs_random"].parts),
+        check(f"{e}.P3", e, "P3: TV between the per-task mean of beta_t (projected onto the simplex) and the mean posterior alpha_t, "
+              f"mean over the tasks and the last quarter of positions ({where}; E2: block 9 of 16)",
+              values["P3"].value, "<=", MAX_TV_LATE, profile, values["P3"].parts),
         shrinks,
-        steering_claim(result.steering, e, profile),
     ]
 
 

@@ -17,17 +17,18 @@ gives it, as in the sweep.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import pandas as pd
+import torch
 
-from taskgeom.config import RunConfig, parameter_count
-from taskgeom.devices import check_training_fits, torch_threads
+from taskgeom.config import RunConfig, parameter_count, training_memory
+from taskgeom.devices import available_memory, resolve_device, torch_threads, usable_cores
 from taskgeom.errors import RunDirError
 from taskgeom.experiments.executors import Executor, execute
+from taskgeom.fits import check_training_fits
 from taskgeom.progress import console, job_bar
 from taskgeom.runs import Run
 from taskgeom.timing import Clock, Profile
@@ -37,7 +38,7 @@ from taskgeom.timing import Clock, Profile
 class TrainTask:
     """One run to train: its config, run root, device, tracker and the torch thread count it trains
     with (its config's ``train.threads`` when set); ``analyse``: then measure its dual modes
-    (``analysis.dual``) with that thread count."""
+    (``analysis.dual``) with that thread count, at the sizes of its ``profile``."""
 
     config: RunConfig
     root: str
@@ -45,6 +46,7 @@ class TrainTask:
     tracker: str
     threads: int
     analyse: bool = False
+    profile: str = "quick"
 
     @property
     def name(self) -> str:
@@ -89,6 +91,7 @@ def _with_threads(threads: int, work) -> tuple[float, float]:
 def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float]]:
     """Do one unit in this process; returns the (wall, CPU) seconds of its ``train`` and ``analyse``.
     (``_pool_threads``: what ``execute`` passes every task; a unit sets its own thread counts.)"""
+    from taskgeom.analysis import projection
     from taskgeom.analysis.dual import analyze_dual, load_dual
     from taskgeom.analysis.study import StudyRun
     from taskgeom.train import train
@@ -98,7 +101,8 @@ def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float
         seconds["train"] = _with_threads(unit.train_threads, lambda: train(Run.create(task.config, task.root), device=task.device,
                                                                                tracker=task.tracker))
     if unit.analysis_threads:
-        seconds["analyse"] = _with_threads(unit.analysis_threads, lambda: load_dual(run := Run.open(task.path)) or analyze_dual(StudyRun(run)))
+        seconds["analyse"] = _with_threads(unit.analysis_threads, lambda: load_dual(run := Run.open(task.path))
+                                        or analyze_dual(StudyRun(run), projection_sizes=projection.sizes(task.profile)))
     return seconds
 
 
@@ -176,6 +180,18 @@ def plan_table(tasks: list[TrainTask]) -> pd.DataFrame:
     return pd.DataFrame(list(rows.values()))
 
 
+def memory_workers(group: list[Unit], available: int | None = None) -> int:
+    """How many of ``group``'s units fit in this machine's free memory at once: its free bytes
+    (``available``, else MemAvailable) over the largest training estimate among the units that train
+    on the CPU (``config.training_memory``, a lower bound); ``len(group)`` when nothing bounds it."""
+    needs = [sum(training_memory(unit.task.config).values()) for unit in group
+             if unit.train_threads and resolve_device(unit.task.device).type == "cpu"]
+    available = available_memory(torch.device("cpu")) if available is None else available
+    if not needs or not available:
+        return len(group)
+    return max(1, available // max(needs))
+
+
 def train_all(tasks: list[TrainTask], executor: Executor, timings: Profile) -> None:
     """Train (and analyse, where asked) every run of ``tasks`` with work left on ``executor``'s
     local pool, phase by phase: units using t threads share the machine's cores, ``cores // t`` at
@@ -186,11 +202,11 @@ def train_all(tasks: list[TrainTask], executor: Executor, timings: Profile) -> N
     for unit in units:  # refuse before any run directory is made
         if unit.train_threads:
             check_training_fits(unit.task.config, unit.task.device)
-    cores, failed = os.cpu_count() or 1, set()
+    cores, failed = usable_cores(), set()
     with job_bar("train", len(units)) as advance:
         for threads, group in phases(units):
             group = [unit for unit in group if unit.task.name not in failed]  # no analysis of a run whose training failed
-            workers = max(1, min(executor.workers, cores // threads, len(group)))
+            workers = max(1, min(executor.workers, cores // threads, len(group), memory_workers(group)))
             for unit, result in _run_phase(group, workers):
                 name = unit.task.name
                 if isinstance(result, BaseException):

@@ -16,9 +16,9 @@ import pandas as pd
 import torch
 
 from taskgeom.config import RunConfig
-from taskgeom.devices import check_training_fits
 from taskgeom.errors import RunLockedError, TaskgeomError
 from taskgeom.experiments.executors import Executor, execute
+from taskgeom.fits import check_training_fits
 from taskgeom.progress import console, job_bar
 from taskgeom.recipes import load_recipe
 from taskgeom.runs import Run
@@ -69,6 +69,7 @@ class Job:
 def run_job(job: Job, threads: int = 0) -> list[dict]:
     """Train (or resume) and analyse one run; returns its tidy dual-mode rows, or one row with
     status ``failed`` and the error."""
+    from taskgeom.analysis import projection
     from taskgeom.analysis.dual import analyze_dual, load_dual
     from taskgeom.analysis.study import StudyRun
     from taskgeom.train import train
@@ -83,7 +84,7 @@ def run_job(job: Job, threads: int = 0) -> list[dict]:
         clock = Clock()
         train(run, device=job.device, tracker=job.tracker)
         trained = clock.lap()
-        rows = load_dual(run) or analyze_dual(StudyRun(run))
+        rows = load_dual(run) or analyze_dual(StudyRun(run), projection_sizes=projection.sizes(job.profile))
         analysed = clock.lap()
         seconds = {"train_wall_s": trained[0], "train_cpu_s": trained[1], "analysis_wall_s": analysed[0], "analysis_cpu_s": analysed[1]}
         return [{"run": str(run.path), "status": "ok", **row, **seconds} for row in rows]

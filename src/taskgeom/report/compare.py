@@ -9,7 +9,7 @@ from pathlib import Path
 from taskgeom.report.manifest import read_json, read_manifest
 from taskgeom.report.markdown import number
 
-MACHINE_KEYS = ("cpu", "cpu_capability", "torch", "mkl", "onednn", "cores", "torch_threads", "kernel_environment")
+MACHINE_KEYS = ("cpu", "cpu_capability", "torch", "mkl", "onednn", "cores", "torch_threads", "kernels", "kernel_environment")
 
 
 def _claims(out: Path) -> dict[str, dict]:
@@ -41,6 +41,14 @@ def claim_differences(a: dict[str, dict], b: dict[str, dict]) -> list[dict]:
     return rows
 
 
+def identical_claims(a: dict[str, dict], b: dict[str, dict]) -> list[str]:
+    """The claims of both whose verdict and every seed's value are exactly equal (the same bits)."""
+    def values(claim: dict) -> list:
+        return [(row.get("seed"), row.get("value")) for row in claim.get("seeds") or []]
+
+    return [i for i in a if i in b and a[i]["status"] == b[i]["status"] and values(a[i]) == values(b[i])]
+
+
 def model_differences(a: dict, b: dict) -> tuple[list[str], list[str]]:
     """(runs of both whose model.safetensors are bitwise equal, runs of both that differ), by the
     manifests' sha256."""
@@ -61,8 +69,11 @@ def compare_results(a: Path, b: Path) -> tuple[str, bool]:
     only = len(set(manifest_a.get("models") or {}) ^ set(manifest_b.get("models") or {}))
     lines += ["", f"runs in both: {len(equal) + len(differ)} ({len(equal)} bitwise equal, {len(differ)} differ); in one only: {only}"]
     lines += [f"  differs: {name}" for name in differ]
-    rows = claim_differences(_claims(a), _claims(b))
-    lines += ["", f"claims that differ: {len(rows)}"]
+    claims_a, claims_b = _claims(a), _claims(b)
+    rows = claim_differences(claims_a, claims_b)
+    shared = len([i for i in claims_a if i in claims_b])
+    lines += ["", f"claims in both: {shared} ({len(identical_claims(claims_a, claims_b))} with the same verdict and every seed's value "
+              f"exactly equal)", f"claims that differ: {len(rows)}"]
     for r in rows:
         lines.append(f"  {r['id']:<34} {r['status_a']:>8} -> {r['status_b']:<8} median {number(r['median_a'])} -> "
                      f"{number(r['median_b'])} (spread {number(r['spread'])}; {r['why']})")

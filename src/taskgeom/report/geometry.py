@@ -24,8 +24,10 @@ def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: tor
                               title: str = "", per_task: int = 2) -> None:
     """Left (K = 3 only): alpha_t (dashed) and beta_t (solid) over t for the ``per_task`` sequences of
     each task whose posterior is least certain (mean entropy over the first quarter), drawn in the
-    2-simplex. Right: P3's per-position median TV and KL(alpha || beta) with
-    interquartile bands. alpha, beta: [N, T, K]; task: [N]; table: rows of ``retrieval.analyze``."""
+    2-simplex. Right: what P3 reads, the TV between the per-task mean beta_t and mean alpha_t
+    (mean over the tasks), beside the per-position median per-state TV and KL(alpha || beta) with
+    interquartile bands. alpha, beta: [N, T, K]; task: [N]; table: rows of ``retrieval.analyze``
+    at P3's place."""
     K = alpha.shape[-1]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
     ax = axes[0]
@@ -54,6 +56,8 @@ def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: tor
         low, high = (np.maximum(np.array(b), floor) for b in zip(*rows["band"]))
         ax.plot(rows["position"], np.maximum(rows["value"], floor), color=color, label=f"{label} (median)")
         ax.fill_between(rows["position"], low, high, color=color, alpha=0.2, lw=0)
+    mean = table[(table["metric"] == "p3.tv_mean_beta") & table["position"].notna() & table["task"].isna()].sort_values("position")
+    ax.plot(mean["position"], np.maximum(mean["value"], floor), color="k", lw=1.6, label="TV of the task-mean curves (P3)")
     ax.set_yscale("log")
     ax.set_xlabel("context position t")
     ax.set_ylabel(f"distance between beta_t and alpha_t (floor {floor:g})")
@@ -159,7 +163,7 @@ def plot_steering(steering: Steering, path: Path, title: str = "") -> None:
 
 
 def plot_r2_by_position(table: pd.DataFrame, place: tuple[int, str], window_start: int, path: Path, title: str = "") -> None:
-    """P2's R^2_task of the states at each position, one line per site and layer (the selected
+    """P2's R^2_task of the states at each position, one line per site and layer (the claims'
     place bold); the shaded span is the late window the claim averages."""
     rows = table[(table["metric"] == "p2.r2_task") & table["position"].notna() & (table["batch"] == "measure")]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -167,11 +171,11 @@ def plot_r2_by_position(table: pd.DataFrame, place: tuple[int, str], window_star
         group = group.sort_values("position")
         chosen = (int(layer), site) == tuple(place)
         ax.plot(group["position"], group["value"], "-" if site == "resid_mid" else "--", lw=2.2 if chosen else 1, alpha=1 if chosen else 0.6,
-                label=f"layer {int(layer)} {site}{' (selected)' if chosen else ''}")
+                label=f"layer {int(layer)} {site}{' (the claims)' if chosen else ''}")
     if len(rows):
         ax.axvspan(window_start - 0.5, rows["position"].max() + 0.5, color="0.9", zorder=0, label="late window")
     ax.set_ylim(-0.05, 1.05)
-    ax.set_xlabel("analysed position (E2: example index, read at its separator)")
+    ax.set_xlabel("analysed position (E2: example index, read where y_i is predicted)")
     ax.set_ylabel("R^2_task at that position")
     ax.set_title(title or "P2 per position")
     ax.grid(alpha=0.3)
@@ -187,13 +191,14 @@ def plot_retrieval(result, paths: dict[str, Path], seeds: pd.DataFrame | None = 
     """The M1 figures of a ``retrieval.Result``; paths: {name in FIGURES: PNG path}. ``seeds``: the
     rows of every seed's result (with a ``seed`` column), for the per-layer figure's median and band."""
     table = pd.DataFrame(result.rows)
-    layer, site = result.best
+    layer, site = result.place
+    p3_layer, p3_site = result.p3_place
     name = result.experiment.upper()
-    plot_simplex_trajectories(result.alpha, result.beta, result.task, table[(table["layer"] == layer) & (table["site"] == site)],
-                              paths["simplex"], f"{name}: fitted task coefficients vs the exact posterior (layer {layer}, {site})")
+    plot_simplex_trajectories(result.alpha, result.beta, result.task, table[(table["layer"] == p3_layer) & (table["site"] == p3_site)],
+                              paths["simplex"], f"{name}: fitted task coefficients vs the exact posterior (layer {p3_layer}, {p3_site})")
     several = seeds is not None and seeds["seed"].nunique() > 1
     plot_properties_by_layer(seeds if several else table, paths["layers"], f"{name}: P0-P2 per layer (measurement batch"
                              + (f"; median and range over seeds {', '.join(map(str, sorted(seeds['seed'].unique())))})" if several else ")"))
-    plot_r2_by_position(table, result.best, result.window.start, paths["positions"], f"{name}: P2 R^2_task per position")
+    plot_r2_by_position(table, result.place, result.window.start, paths["positions"], f"{name}: P2 R^2_task per position")
     place = result.steering.place
     plot_steering(result.steering, paths["steering"], f"{name}: steering at layer {place.layer}, {place.site}")

@@ -22,11 +22,12 @@ COLORS = qualitative.Plotly  # '#rrggbb' strings
 _LAYOUT = {"template": "plotly_white", "height": 380, "margin": {"l": 60, "r": 20, "t": 50, "b": 50}}
 M1_LAYER_METRICS = {"p0.cell_r2": "P0 cell-means R^2", "p1.additive_share": "P1 additive share", "p2.r2_task": "P2 R^2_task",
                     "p2.r2_random": "P2 random subspace"}
-DUAL_MEASURES = {"projection_r2_token@ood": "projection R^2 (token-cond.)", "projection_r2@ood": "projection R^2 (plain)",
+DUAL_MEASURES = {"projection_r2@ood": "projection R^2 (Fig. 4)", "projection_r2_reference@ood": "projection R^2, linear-code ref.",
+                 "projection_r2_per_sequence@ood": "projection R^2 (per-sequence-r2)",
                  "gain_removed_ablate_S@major": "% major gain, ablate S", "gain_removed_ablate_S@ood": "% OOD gain, ablate S",
                  "gain_removed_ablate_V@major": "% major gain, ablate V", "gain_removed_ablate_V@ood": "% OOD gain, ablate V",
                  "gain_removed_random@major": "% major gain, random", "gain_removed_random@ood": "% OOD gain, random",
-                 "loss@ood": "OOD loss", "loss_first@ood": "OOD loss at t = 1", "d0@": "d0", "v_layer_selected@": "V layer"}
+                 "loss@ood": "OOD loss", "loss_first@ood": "OOD loss at t = 1", "d0@": "d0"}
 
 
 @dataclass
@@ -92,7 +93,7 @@ def _m1(table: pd.DataFrame, family: str, loss_claims: tuple[str, ...]) -> list[
     measure = rows[rows["batch"] == "measure"]
     places = measure[measure["metric"].isin(list(M1_LAYER_METRICS)) & measure["position"].isna()]
     per_position = measure[(measure["metric"] == "p2.r2_task") & measure["position"].notna()]
-    p3 = measure[measure["metric"].isin(["p3.tv", "p3.kl"]) & measure["position"].notna() & measure["task"].isna()]  # over all tasks
+    p3 = measure[measure["metric"].isin(["p3.tv_mean_beta", "p3.tv", "p3.kl"]) & measure["position"].notna() & measure["task"].isna()]  # over all tasks
     steering = measure[measure["metric"].str.fullmatch(r"steering\.(kl|rmse)_(unsteered|steered|mode|random)")]
     claim = lambda *names: tuple(f"{family}.{n}" for n in names)  # noqa: E731
     label = lambda key: f"{M1_LAYER_METRICS[key[0]]}, {key[1]}"  # noqa: E731
@@ -104,7 +105,7 @@ def _m1(table: pd.DataFrame, family: str, loss_claims: tuple[str, ...]) -> list[
         Evidence(f"{family}-positions", f"{family.upper()}: R^2_task of P2 per position, every layer and site", family, claim(*M1_EVIDENCE["positions"]),
                  figure=lines(per_position, "position", lambda key: f"layer {int(key[0])} {key[1]}", ["layer", "site"],
                                f"{family.upper()}: R^2_task per position", "position", "R^2_task")),
-        Evidence(f"{family}-p3", f"{family.upper()}: median TV and KL between beta_t and the posterior alpha_t per position (P3)",
+        Evidence(f"{family}-p3", f"{family.upper()}: TV between the per-task mean beta_t and mean posterior alpha_t (what P3 reads), and the median per-state TV and KL per position",
                  family, claim(*M1_EVIDENCE["simplex"]),
                  figure=lines(p3, "position", lambda key: key[0], ["metric"], f"{family.upper()}: P3 per position", "position",
                                "divergence")),
@@ -142,15 +143,17 @@ def _dual(table: pd.DataFrame) -> list[Evidence]:
     final = rows[rows["step"].isna()]
     recipes = sorted(rows["recipe"].unique())
     claim = lambda *names: tuple(f"{r}.{n}" for r in recipes for n in names)  # noqa: E731
-    projection = final[final["metric"].isin(["projection_r2_token", "projection_r2"]) & (final["set"] == "ood")]
+    projection = final[final["metric"].isin(["projection_r2", "projection_r2_reference"]) & (final["set"] == "ood")]
     high = final.groupby("recipe")["diversity"].transform("max")
+    summary = final["layer"].isna()  # the ablations' mean over blocks, which the claims read
     ablations = final[(final["diversity"] == high) & final["metric"].isin(["gain_removed_ablate_S", "gain_removed_ablate_V",
-                                                                            "gain_removed_random"]) & final["set"].isin(["major", "ood"])]
+                                                                            "gain_removed_random"]) & final["set"].isin(["major", "ood"])
+                      & summary]
     ablations = ablations.assign(what=ablations["recipe"] + " seed " + ablations["seed"].astype(str) + " "
                                  + ablations["metric"].str.replace("gain_removed_", ""), where=ablations["set"])
-    rank = final[final["metric"].str.startswith("gain_removed_ablate_V_rank")]
+    rank = final[final["metric"].str.startswith("gain_removed_ablate_V_rank") & summary]
     rank = rank.assign(rank=rank["metric"].str.replace("gain_removed_ablate_V_rank", "").astype(int))
-    steps = rows[rows["step"].notna() & rows["metric"].isin(["projection_r2_token", "transition_log_ratio"])]
+    steps = rows[rows["step"].notna() & rows["metric"].isin(["projection_r2", "transition_log_ratio"])]
     key = final["metric"] + "@" + final["set"].fillna("")
     measures = (final.assign(measure=key)[key.isin(list(DUAL_MEASURES))]
                 .pivot_table(index=["recipe", "diversity", "seed"], columns="measure", values="value").reset_index()
@@ -162,7 +165,7 @@ def _dual(table: pd.DataFrame) -> list[Evidence]:
                  claim(*DUAL_EVIDENCE["projection"]),
                  figure=lines(projection, "diversity", lambda k: f"{k[0]} {k[1].replace('projection_r2', 'R^2')}",
                                ["recipe", "metric"], "Projection R^2 (OOD) against diversity k (median; band: range over seeds)",
-                               "diversity k", "projection R^2", dash=lambda k: "solid" if k[1].endswith("token") else "dash")),
+                               "diversity k", "projection R^2", dash=lambda k: "dash" if k[1].endswith("reference") else "solid")),
         Evidence("dual-ablations", "Double dissociation: % of in-context gain removed at the highest diversity", "dual",
                  claim(*DUAL_EVIDENCE["dissociation"]),
                  figure=_bars(ablations, "where", "what", "% of in-context gain removed (highest diversity)", "% gain removed")),

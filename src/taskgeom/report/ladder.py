@@ -51,13 +51,15 @@ def ladder_rows(named: dict[str, Path]) -> pd.DataFrame:
 
 
 def rank_curves(named: dict[str, Path]) -> pd.DataFrame:
-    """The OOD gain removed by V of each rank at the highest diversity of each rung: median, min and
-    max over the seeds, per (rung, recipe, rank); from each folder's tables/rank_curve.csv."""
+    """The OOD gain removed by V of each rank (mean over blocks) at the highest diversity of each
+    rung: median, min and max over the seeds, per (rung, recipe, rank); from each folder's
+    tables/rank_curve.csv."""
     frames = []
     for rung, folder in named.items():
         path = folder / "tables" / "rank_curve.csv"
         if path.is_file():
             curve = pd.read_csv(path)
+            curve = curve[curve["layer"].isna()]  # the mean over blocks
             high = curve[curve["diversity"] == curve.groupby("recipe")["diversity"].transform("max")]
             frames.append(high.groupby(["recipe", "diversity", "rank"])["value"].agg(["median", "min", "max"]).reset_index()
                           .assign(rung=rung))

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from taskgeom import __version__
+from taskgeom import kernels
+from taskgeom.version import __version__
 from taskgeom.errors import TaskgeomError
 
 MANIFEST = "reproduction.json"
@@ -70,6 +71,7 @@ def machine() -> dict:
             "onednn": _library_version(r"MKL-DNN v([^ ]+)", config),
             "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
             "kernel_environment": {name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ},
+            "kernels": kernels.current()["mode"],
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 

@@ -103,8 +103,16 @@ class TaskFamily(ABC):
     name: ClassVar[str]
     Settings: ClassVar[type[TaskSettings]]
     reads_tokens: ClassVar[bool] = True  # False: the model reads vectors (``Batch.tokens`` is float)
+    # True: the orthogonal search also keeps V out of the token directions (PAPER.md section 7: E3)
+    v_avoids_tokens: ClassVar[bool] = False
     # how figures name the evaluation metrics: (ID-Bayes, OOD-optimal, loss unit, position axis)
     plot_labels = ("ID-Bayes (pool posterior)", "OOD-optimal (continuous prior)", "loss (nats / token)", "context position t")
+    # PAPER.md section 7, the M1 protocol: the late window of the task vectors as fractions [start, stop)
+    # of the analysed positions (the study's own window for its families; else the last quarter), and the
+    # study block (block, of blocks) where the M1 claims read the states, and P3
+    vector_window: ClassVar[tuple[float, float]] = (0.75, 1.0)
+    m1_block: ClassVar[tuple[int, int]] = (3, 6)
+    p3_block: ClassVar[tuple[int, int]] = (3, 6)
 
     # ---- family-specific pieces -------------------------------------------------------------
     @abstractmethod
@@ -136,6 +144,14 @@ class TaskFamily(ABC):
     def context_statistic(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions [P] long, target [B, P, m]): the statistic the OOD-optimal learner computes
         from the context at those model positions (what probes of the OOD subspace read)."""
+
+    def ood_estimate(self, batch: Batch) -> torch.Tensor:
+        """[B, P, m] the OOD-optimal learner's own estimate of the task at the P analysed positions
+        (E1: the posterior-mean face probabilities; E3: the posterior-mean transition matrix,
+        flattened; E2: the ridge weights): what the linear-code reference of projection R^2 reads
+        (PAPER.md section 7). A family without one raises NotImplementedError; the reference is
+        then not available and says so."""
+        raise NotImplementedError(f"the {self.name!r} family does not define ood_estimate (the OOD-optimal learner's estimate of the task)")
 
     def major_params(self, n_major: int, gen: torch.Generator) -> torch.Tensor:
         """[n_major, ...] major tasks; by default draws from the prior."""
@@ -196,6 +212,15 @@ class TaskFamily(ABC):
         gen = generator(seed, step, stream)
         params = self.sample_params(batch_size, gen)
         return self.make_batch(params, torch.full((batch_size,), -1, dtype=torch.long), seq_len, gen)
+
+
+    def sample_ood_tasks(self, n_tasks: int, per_task: int, seq_len: int, seed: int = 0, step: int = 0, stream: str = "ood-tasks") -> Batch:
+        """``n_tasks`` fresh tasks from the prior with ``per_task`` sequences each (task = -1): rows
+        ``j * per_task .. (j + 1) * per_task - 1`` share task j's params."""
+        _check_sizes(n_tasks * per_task, seq_len)
+        gen = generator(seed, step, stream)
+        params = self.sample_params(n_tasks, gen).repeat_interleave(per_task, dim=0)
+        return self.make_batch(params, torch.full((n_tasks * per_task,), -1, dtype=torch.long), seq_len, gen)
 
 
 class TokenFamily(TaskFamily):

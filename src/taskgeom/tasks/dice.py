@@ -9,15 +9,19 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
+from taskgeom.rng import generator
 from taskgeom.settings import Int, PositiveFloat, Real, TokenTaskSettings
 from taskgeom.tasks.base import TokenFamily
+
+Majors = Literal["dirichlet", "prior", "disjoint"]
 
 
 class DiceSettings(TokenTaskSettings):
     vocab_size: Int = Field(6, ge=2)
     alpha: PositiveFloat = 1.0
-    majors: Literal["prior", "disjoint"] = "disjoint"
-    floor: Real = Field(0.02, ge=0.0)
+    majors: Majors = "disjoint"
+    floor: Real = Field(0.02, ge=0.0, description="majors disjoint: the weight of a major's other faces before normalising")
+    major_seed: Int = Field(42, description="majors dirichlet: the seed of the majors, the same in every run")
 
     @model_validator(mode="after")
     def _disjoint_majors_have_faces(self) -> "DiceSettings":
@@ -30,22 +34,31 @@ class DiceSettings(TokenTaskSettings):
 class Dice(TokenFamily):
     """E1. params: [K, V] face probabilities.
 
-    ``majors="disjoint"`` builds the study's near-disjoint majors: the faces are split into
-    ``n_major`` groups, each major is uniform on its own group with ``floor`` on every other face
-    (then normalised). ``majors="prior"`` draws the majors from the prior like the minors.
+    How the majors are made (the minors and OOD tasks always come from the prior, drawn per run):
+
+    - ``"dirichlet"`` (the study's figures, ``major_pool_type="dirichlet"``): prior draws from the
+      fixed ``major_seed``, so every run, seed and diversity has the same majors;
+    - ``"prior"``: prior draws from the run's own pool seed;
+    - ``"disjoint"`` (near-disjoint, in the study's code but none of its figures): the faces are split
+      into ``n_major`` groups, each major is uniform on its own group with ``floor`` on every other
+      face (then normalised).
     """
 
     name = "dice"
     Settings = DiceSettings
+    vector_window = (100 / 128, 120 / 128)  # the study's positions 100-119 of 128
 
-    def __init__(self, vocab_size: int, alpha: float, majors: Literal["prior", "disjoint"], floor: float):
-        self.vocab_size, self.alpha, self.majors, self.floor = vocab_size, alpha, majors, floor
+    def __init__(self, vocab_size: int, alpha: float, majors: Majors, floor: float, major_seed: int = 42):
+        self.vocab_size, self.alpha, self.majors, self.floor, self.major_seed = vocab_size, alpha, majors, floor, major_seed
 
     def sample_params(self, n: int, gen: torch.Generator) -> torch.Tensor:
         gamma = torch._standard_gamma(torch.full((n, self.vocab_size), self.alpha, dtype=torch.float64), gen)
         return gamma / gamma.sum(-1, keepdim=True)
 
     def major_params(self, n_major: int, gen: torch.Generator) -> torch.Tensor:
+        """[n_major, V]; ``gen`` (the run's pool generator) is drawn from by ``majors="prior"`` only."""
+        if self.majors == "dirichlet":
+            return self.sample_params(n_major, generator(self.major_seed, 0, "majors"))
         if self.majors == "prior":
             return self.sample_params(n_major, gen)
         if n_major > self.vocab_size:
@@ -67,3 +80,7 @@ class Dice(TokenFamily):
     def predict_ood(self, tokens: torch.Tensor) -> torch.Tensor:
         counts = F.one_hot(tokens, self.vocab_size).double().cumsum(dim=1) + self.alpha
         return counts / counts.sum(-1, keepdim=True)
+
+    def ood_estimate(self, batch) -> torch.Tensor:
+        """[B, T, V] the posterior-mean face probabilities after tokens[:, :t+1] (add-alpha counts)."""
+        return self.predict_ood(batch.tokens)

@@ -20,6 +20,8 @@ class Markov(TokenFamily):
 
     name = "markov"
     Settings = MarkovSettings
+    vector_window = (170 / 192, 190 / 192)  # the study's positions 170-189 of 192
+    v_avoids_tokens = True  # the study's V for E3 avoids the token directions too (PAPER.md section 7)
 
     def __init__(self, vocab_size: int, alpha: float):
         self.vocab_size, self.alpha = vocab_size, alpha
@@ -53,9 +55,18 @@ class Markov(TokenFamily):
         mixed = (weights @ params.double().reshape(-1, V * V)).view(*tokens.shape, V, V)  # [B, T, V, V]
         return mixed.gather(2, tokens[..., None, None].expand(*tokens.shape, 1, V)).squeeze(2)
 
-    def predict_ood(self, tokens: torch.Tensor) -> torch.Tensor:
+    def posterior_transitions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, T, V, V] the posterior-mean transition matrix after tokens[:, :t+1]: add-alpha counts
+        of the transitions so far, each row normalised."""
         V = self.vocab_size
         pairs = F.one_hot(tokens[:, :-1] * V + tokens[:, 1:], V * V).double()  # [B, T-1, V*V]
-        counts = torch.cat([torch.zeros_like(pairs[:, :1]), pairs], dim=1).cumsum(dim=1).view(*tokens.shape, V, V)
-        rows = counts.gather(2, tokens[..., None, None].expand(*tokens.shape, 1, V)).squeeze(2) + self.alpha
-        return rows / rows.sum(-1, keepdim=True)
+        counts = torch.cat([torch.zeros_like(pairs[:, :1]), pairs], dim=1).cumsum(dim=1).view(*tokens.shape, V, V) + self.alpha
+        return counts / counts.sum(-1, keepdim=True)
+
+    def predict_ood(self, tokens: torch.Tensor) -> torch.Tensor:
+        V = self.vocab_size
+        return self.posterior_transitions(tokens).gather(2, tokens[..., None, None].expand(*tokens.shape, 1, V)).squeeze(2)
+
+    def ood_estimate(self, batch) -> torch.Tensor:
+        """[B, T, V * V] the posterior-mean transition matrix (``posterior_transitions``), flattened row by row."""
+        return self.posterior_transitions(batch.tokens).flatten(-2)

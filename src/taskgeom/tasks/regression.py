@@ -1,12 +1,12 @@
 """E2, in-context linear regression: a task is w ~ N(0, I_d); examples x ~ N(0, I_d) and
 y = w.x + eps with eps ~ N(0, noise^2).
 
-The model reads vectors. Layout ``"separator"`` (the study's) spends three positions on example i,
-x_i, a separator and y_i, and the prediction of y_i is read at the separator; layout ``"pair"``
-spends two, x_i and y_i, and reads the prediction at x_i. Every position is a vector of width
-``d + 2``: ``[x, y, flag]``, i.e. x positions ``[x_i, 0, 0]``, separators ``[0, 0, 1]`` and y
-positions ``[0, y_i, -1]`` **[ours]**. The flag tells a y position from an x position even when y is
-near zero.
+The model reads vectors. Layout ``"pair"`` (the study's figures; the default) spends two positions
+on example i, x_i and y_i, and the prediction of y_i is read at x_i; layout ``"separator"`` (also in
+the study's code) spends three, x_i, a separator and y_i, and reads the prediction at the separator.
+Every position is a vector of width ``d + 2``: ``[x, y, flag]``, i.e. x positions ``[x_i, 0, 0]``,
+separators ``[0, 0, 1]`` and y positions ``[0, y_i, -1]`` **[ours]**. The flag tells a y position
+from an x position even when y is near zero.
 
 Bayes quantities are indexed by example: entry ``i`` of a posterior or prediction is the one in
 force when y_i is predicted, i.e. given examples ``0..i-1`` (and x_i, which carries no evidence
@@ -22,7 +22,7 @@ import torch
 from pydantic import Field
 
 from taskgeom.rng import generator
-from taskgeom.settings import PositiveFloat, PositiveInt, TaskSettings
+from taskgeom.settings import Int, PositiveFloat, PositiveInt, TaskSettings
 from taskgeom.tasks.base import Batch, TaskFamily, TaskPool
 
 Layout = Literal["separator", "pair"]
@@ -30,15 +30,18 @@ _STRIDE = {"separator": 3, "pair": 2}
 
 
 class RegressionSettings(TaskSettings):
-    """E2's model sequence holds ``n_examples`` examples of 3 positions (``layout: separator``) or 2
-    (``layout: pair``), and ``seq_len`` is that number of positions."""
+    """E2's model sequence holds ``n_examples`` examples of 2 positions (``layout: pair``) or 3
+    (``layout: separator``), and ``seq_len`` is that number of positions. ``major_seed``: the majors
+    are prior draws from this seed, the same in every run (the study's fixed task seed); None: from
+    the run's own pool seed (the same at every diversity of one seed)."""
 
     pool_fields: ClassVar[frozenset[str]] = TaskSettings.pool_fields | {"n_examples"}
 
     d: PositiveInt = 4
     n_examples: PositiveInt = 16
     noise: PositiveFloat = Field(0.5, description="noise standard deviation")
-    layout: Layout = "separator"
+    layout: Layout = "pair"
+    major_seed: Int | None = None
 
     @property
     def seq_len(self) -> int:
@@ -54,10 +57,12 @@ class Regression(TaskFamily):
     name = "regression"
     Settings = RegressionSettings
     reads_tokens = False
+    vector_window = (54 / 64, 1.0)  # the study's last ten examples, 54-63 of 64
+    m1_block, p3_block = (10, 16), (9, 16)  # the study's E2 model has 16 blocks
     plot_labels = ("dMMSE (pool posterior)", "ridge, lambda = noise^2", "mean squared error", "example index i (predicting y_i)")
 
-    def __init__(self, d: int, noise: float, layout: Layout):
-        self.d, self.noise, self.layout = d, float(noise), layout
+    def __init__(self, d: int, noise: float, layout: Layout, major_seed: int | None = None):
+        self.d, self.noise, self.layout, self.major_seed = d, float(noise), layout, major_seed
 
     # ---- layout -----------------------------------------------------------------------------
     @property
@@ -89,6 +94,10 @@ class Regression(TaskFamily):
     # ---- sampling ---------------------------------------------------------------------------
     def sample_params(self, n: int, gen: torch.Generator) -> torch.Tensor:
         return torch.randn(n, self.d, generator=gen, dtype=torch.float64)
+
+    def major_params(self, n_major: int, gen: torch.Generator) -> torch.Tensor:
+        """[n_major, d] prior draws: from ``major_seed`` when it is set, else from ``gen`` (the run's pool generator)."""
+        return self.sample_params(n_major, gen if self.major_seed is None else generator(self.major_seed, 0, "majors"))
 
     def make_batch(self, params: torch.Tensor, task: torch.Tensor, seq_len: int, gen: torch.Generator) -> Batch:
         x = torch.randn(params.shape[0], self.n_examples(seq_len), self.d, generator=gen, dtype=torch.float64)
@@ -174,6 +183,10 @@ class Regression(TaskFamily):
         rhs = torch.cat([torch.zeros_like(xty[:, :1]), xty[:, :-1]], dim=1)
         eye = torch.eye(self.d, dtype=torch.float64)
         return torch.linalg.solve(gram + self.noise**2 * eye, rhs)
+
+    def ood_estimate(self, batch: Batch) -> torch.Tensor:
+        """[B, n, d] the ridge weights in force when y_i is predicted (``ridge_weights``)."""
+        return self.ridge_weights(batch.x, batch.y)
 
     def context_statistic(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The prediction positions, with the ridge prediction x_i . w_ridge (examples < i)."""

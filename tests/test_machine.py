@@ -1,0 +1,126 @@
+"""The whole machine, the same bits: portable kernels (taskgeom.kernels), the default worker count, the memory cap of the schedule and the wall-time estimate of a plan."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from taskgeom import kernels
+from taskgeom.cli import app
+from taskgeom.devices import default_workers, usable_cores
+
+AVX2_FLAGS = {"sse2", "avx", "avx2", "fma"}
+
+
+def test_an_x86_cpu_with_avx2_pins_aten_mkl_and_onednn():
+    choice = kernels.choose(environ={}, machine="x86_64", flags=AVX2_FLAGS | {"avx512f"})
+    assert choice.mode == "pinned" and choice.variables == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+@pytest.mark.parametrize("machine, flags, why", [("aarch64", {"asimd"}, "not x86-64"), ("arm64", set(), "not x86-64"),
+                                                 ("x86_64", {"sse2", "avx"}, "no AVX2")])
+def test_a_cpu_that_cannot_hold_the_pins_runs_natively_and_says_why(machine, flags, why):
+    choice = kernels.choose(environ={}, machine=machine, flags=flags)
+    assert choice.mode == "native" and choice.variables == {} and why in choice.reason and "bits will differ" in choice.reason
+
+
+def test_a_variable_the_user_set_is_kept_and_no_other_is_added():
+    choice = kernels.choose(environ={"ATEN_CPU_CAPABILITY": "default"}, machine="x86_64", flags=AVX2_FLAGS)
+    assert choice.mode == "user" and choice.variables == {"ATEN_CPU_CAPABILITY": "default"}
+    assert kernels.choose(native=True, environ={"MKL_CBWR": "COMPATIBLE"}, machine="x86_64", flags=AVX2_FLAGS).mode == "user"
+
+
+def test_pins_set_by_an_earlier_choice_are_not_mistaken_for_the_users():
+    ours = dict(kernels.PINS) | {kernels.CHOICE_VARIABLE: "pinned"}
+    assert kernels.choose(environ=ours, machine="x86_64", flags=AVX2_FLAGS).mode == "pinned"
+    assert kernels.choose(native=True, environ=ours, machine="x86_64", flags=AVX2_FLAGS).mode == "native"
+
+
+@pytest.fixture
+def environ(monkeypatch):
+    """A copy of the environment without kernel variables, restored after the test."""
+    copy = {k: v for k, v in os.environ.items() if k not in (*kernels.PINS, kernels.CHOICE_VARIABLE)}
+    monkeypatch.setattr(os, "environ", copy)
+    return copy
+
+
+def _run(*args):
+    return CliRunner().invoke(app, [*args, "reproduce", "--plan", "--only", "e4", "--seeds", "0"])
+
+
+def test_the_cli_pins_the_kernels_by_default_and_honours_native_kernels_and_the_users_variable(environ):
+    if kernels.choose(environ={}).mode != "pinned":
+        pytest.skip("this CPU cannot hold the pins")
+    assert _run().exit_code == 0
+    assert {k: environ.get(k) for k in kernels.PINS} == kernels.PINS and environ[kernels.CHOICE_VARIABLE] == "pinned"
+    assert _run("--native-kernels").exit_code == 0
+    assert not any(k in environ for k in kernels.PINS) and environ[kernels.CHOICE_VARIABLE] == "native"
+    environ.clear()
+    environ["ATEN_CPU_CAPABILITY"] = "default"
+    assert _run().exit_code == 0
+    assert environ["ATEN_CPU_CAPABILITY"] == "default" and "MKL_CBWR" not in environ and environ[kernels.CHOICE_VARIABLE] == "user"
+
+
+def test_the_manifest_records_the_kernel_choice(environ):
+    from taskgeom.report.manifest import machine
+
+    kernels.use_portable_kernels(native=True)
+    assert machine()["kernels"] == "native"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
+def test_workers_default_to_the_cores_of_a_restricted_affinity_mask():
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(before)})
+        assert usable_cores() == 1 and default_workers() == 1
+    finally:
+        os.sched_setaffinity(0, before)
+    assert usable_cores() <= len(before) and default_workers(threads_per_run=len(before)) == max(1, usable_cores() // len(before))
+
+
+def test_a_cgroup_quota_bounds_the_usable_cores(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # one and a half CPUs
+    assert usable_cores(str(tmp_path)) == 1
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cores(str(tmp_path)) == usable_cores("/nonexistent")
+
+
+def test_the_schedule_runs_no_more_at_once_than_memory_allows(tmp_path):
+    from conftest import tiny_config
+    from taskgeom.config import training_memory
+    from taskgeom.experiments.schedule import TrainTask, Unit, memory_workers
+
+    config = tiny_config()
+    units = [Unit(TrainTask(config, str(tmp_path), "cpu", "none", 1), 1, 0) for _ in range(4)]
+    need = sum(training_memory(config).values())
+    assert memory_workers(units, available=int(2.5 * need)) == 2
+    assert memory_workers(units, available=need // 2) == 1
+    assert memory_workers(units, available=100 * need) == 100  # the schedule takes the least of this, the cores and the group
+
+
+def test_the_estimate_spreads_cpu_seconds_over_the_workers_but_never_below_the_longest_run():
+    from taskgeom.timing import CPU_SECONDS_PER_FLOP_SECOND as c, estimate_wall
+
+    rate = 1e10
+    assert estimate_wall([4e10, 2e10, 2e10], rate, workers=2) == pytest.approx(c * 8 / 2)
+    assert estimate_wall([4e10, 2e10, 2e10], rate, workers=8) == pytest.approx(c * 4)  # the longest run
+    assert estimate_wall([], rate, workers=2) == 0
+
+
+def test_the_probe_times_a_matrix_multiply_against_its_flop_count(monkeypatch):
+    """One call of n x n @ n x n is 2 n^3 FLOPs: with a clock that advances 1 s per reading, a 3.5 s probe
+    multiplies 3 times (after the readings 1, 2, 3) and stops at the reading 4."""
+    from taskgeom import timing
+
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(ticks)))
+    assert timing.matmul_rate(seconds=3.5, n=8) == pytest.approx(3 * 2 * 8 ** 3 / 4)
+
+
+def test_the_plan_prints_its_wall_time_on_this_machine_with_the_probe(environ):
+    result = _run()
+    assert result.exit_code == 0, result.output
+    assert "estimated wall time here:" in result.output and "GFLOP/s a thread" in result.output and "usable cores" in result.output
