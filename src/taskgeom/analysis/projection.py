@@ -24,20 +24,18 @@ estimate's size, ``J`` OOD tasks, ``K`` major tasks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from taskgeom.analysis.edits import Place
 from taskgeom.analysis.properties import quantiles
+from taskgeom.analysis.sequences import Sequences, StudiedRun
 from taskgeom.analysis.states import stream_layers
 from taskgeom.errors import AnalysisError
 from taskgeom.tasks import Batch, TaskFamily
 from taskgeom.tasks.markov import Markov
 from taskgeom.tasks.regression import Regression
-
-if TYPE_CHECKING:
-    from taskgeom.analysis.study import Sequences, StudyRun
 
 CHUNK = 512  # sequences per forward pass or estimate while the task means are summed
 SIZES = {"paper": (128, 128)}  # (OOD tasks, sequences per task) per profile: the study's
@@ -133,7 +131,7 @@ def _chunks(n: int) -> Iterator[slice]:
     return (slice(start, min(start + CHUNK, n)) for start in range(0, n, CHUNK))
 
 
-def mean_states(run: "StudyRun", sequences: "Sequences", places: Sequence[Place]) -> dict[Place, torch.Tensor]:
+def mean_states(run: StudiedRun, sequences: Sequences, places: Sequence[Place]) -> dict[Place, torch.Tensor]:
     """{place: [G, P, D]} the task means of the states at the analysed positions, a chunk of
     sequences at a time (with the run's edits in force)."""
     tokens, positions = sequences.batch.tokens, run.analysed_positions
@@ -145,7 +143,7 @@ def mean_states(run: "StudyRun", sequences: "Sequences", places: Sequence[Place]
     return group_means(((rows, states(rows)) for rows in _chunks(len(tokens))), *task_groups(sequences.batch))
 
 
-def measure(run: "StudyRun", ood: "Sequences", major: "Sequences", places: Sequence[Place]) -> dict[Place, ProjectionR2]:
+def measure(run: StudiedRun, ood: Sequences, major: Sequences, places: Sequence[Place]) -> dict[Place, ProjectionR2]:
     """{place: the protocol's projection R^2} of the OOD tasks of ``ood`` on the major tasks of ``major``."""
     if ood.kind != "ood" or major.kind != "major":
         raise AnalysisError(f"projection R^2 reads OOD tasks against the major tasks, not {ood.kind} against {major.kind}")
