@@ -124,3 +124,33 @@ def test_the_plan_prints_its_wall_time_on_this_machine_with_the_probe(environ):
     result = _run()
     assert result.exit_code == 0, result.output
     assert "estimated wall time here:" in result.output and "GFLOP/s a thread" in result.output and "usable cores" in result.output
+
+
+# The weights of 20 steps of the quick E1 recipe under the portable kernels (ATen, MKL and oneDNN at
+# AVX2), as published: torch 2.13.0, measured on a 2-core AMD EPYC (AVX2) at the commit that added this
+# test. A change of the recipe, the model, the sampler, the trainer, or of torch's kernels changes it:
+# then the published manifests (docs/results) no longer match what a user trains, and must be measured
+# again with the new value written here.
+PUBLISHED_TINY_E1 = "b56deee82890b67ff404befe70fa43dc21c36574aa332946517d47abde497de6"
+
+
+def test_a_short_quick_e1_training_gives_the_published_bits(tmp_path):
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    from taskgeom.recipes import load_recipe
+    from taskgeom.runs import Run
+    from taskgeom.train import train
+
+    if os.environ.get(kernels.CHOICE_VARIABLE) != "pinned":
+        pytest.skip("the published bits need the portable kernels, which this CPU cannot hold")
+    config = load_recipe("e1", "quick", ["train.steps=20", "train.eval_every=20", "train.checkpoint_every=20", "train.snapshots=0",
+                                         "train.eval_batch=16"])
+    run = Run.create(config, tmp_path)
+    train(run, device="cpu")
+    tensors, digest = load_file(run.model_path), hashlib.sha256()
+    for name in sorted(tensors):  # the tensors' bytes, not the file's (whose header may order them otherwise)
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().numpy().tobytes())
+    assert digest.hexdigest() == PUBLISHED_TINY_E1
