@@ -5,6 +5,7 @@ folder's per-seed values."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -110,7 +111,8 @@ def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the
                                                                  "random_control"))
     for claim, measured in protocol.iterrows():
         assert measured["status"] == claims[claim]["status"], claim
-        assert measured["value"] == pytest.approx(claims[claim]["value"], rel=1e-9, nan_ok=True), claim
+        stored = claims[claim]["value"]  # null in claims.json where the claim does not apply
+        assert (math.isnan(measured["value"]) if stored is None else measured["value"] == pytest.approx(stored, rel=1e-9)), claim
     listed = {name: sorted(c.split(".")[1] for c in rows[rows["variant"] == name]["claim"]) for name in ABLATION_VARIANTS}
     assert listed == {"centred-S": ["ablate_S_major", "ablate_S_ood"],
                       "v-avoids-tokens": ["ablate_V_major", "ablate_V_ood", "random_control"],
@@ -126,6 +128,37 @@ def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the
     assert {"protocol", "centred-S"} <= set(result.output.split()) and "v-best-block" not in result.output
     result = CliRunner().invoke(app, ["sensitivity", str(run_dir), "--variant", "centred-s"])
     assert result.exit_code == 2 and "centred-S" in result.output
+
+
+def test_sensitivity_reads_the_m1_and_projection_variants_from_the_stored_analyses(tiny_reproduction):
+    """Under the protocol the stored rows give the claims' own values and verdicts; each variant
+    lists the claims it can move, read where it says."""
+    from taskgeom.analysis.sensitivity import stored_variants
+    from taskgeom.experiments.base import Context
+    from taskgeom.runs import Run
+
+    claims = {c["id"]: next(s for s in c["seeds"] if s["seed"] == 0) for c in _claims(tiny_reproduction)}
+    ctx = Context(tiny_reproduction, overrides=TINY_REPRODUCTION)
+    high = int(pd.read_csv(tiny_reproduction / "tables" / "sweep.csv")["diversity"].max())
+    run_dirs = {k: tiny_reproduction / "runs" / f"{c.name}-{c.digest()}" for k in (-1, high)
+                for c in [ctx.config("e1", (f"task.diversity={k}",), 0)]}
+    rows = pd.DataFrame(stored_variants(Run.open(run_dirs[-1])))
+    protocol = rows[(rows["variant"] == "protocol") & rows["claim"].str.startswith("e1.P")].set_index("claim")
+    assert sorted(protocol.index) == sorted(f"e1.{c}" for c in ("P0", "P1", "P2", "P2.vs_random", "P3", "P3.shrinks"))
+    for claim, measured in protocol.iterrows():
+        assert measured["status"] == claims[claim]["status"], claim
+        stored = claims[claim]["value"]  # null in claims.json where the claim does not apply
+        assert (math.isnan(measured["value"]) if stored is None else measured["value"] == pytest.approx(stored, rel=1e-12)), claim
+    assert sorted(rows[rows["variant"] == "pooled-anova"]["claim"]) == ["e1.P0", "e1.P1"]
+    assert set(rows[rows["variant"] == "site-mid"]["place"]) == {"layer 0 resid_mid"}
+    assert len(rows[rows["variant"] == "selected-place"]) == 6
+    projection = pd.DataFrame(stored_variants(Run.open(run_dirs[high]))).set_index("variant")  # k = high: no m1.json
+    assert projection.loc["protocol", "value"] == pytest.approx(claims["e1.projection_r2_high_diversity"]["value"], rel=1e-12)
+    assert {"protocol", "per-sequence-r2"} == set(projection.index)
+
+    result = CliRunner().invoke(app, ["sensitivity", str(run_dirs[-1]), "--variant", "pooled-anova"])
+    assert result.exit_code == 0, result.output
+    assert "pooled-anova" in result.output and "e1.P0" in result.output and "centred-S" not in result.output
 
 
 def test_the_pinned_place_holds_the_claims_values_and_every_place_is_listed(tiny_reproduction):

@@ -549,32 +549,41 @@ def ladder(
 def sensitivity(
     run_dirs: List[Path] = typer.Argument(..., help="Finished run directories (for example a reproduction's runs at the highest k, "
                                           "every seed)."),
-    variant: Optional[List[str]] = typer.Option(None, "--variant", help="A variant of PAPER.md section 8 to measure beside the "
-                                                "protocol, repeatable (default: every one sensitivity covers: centred-S, "
-                                                "v-avoids-tokens, v-searched-on-ood, v-best-block)."),
+    variant: Optional[List[str]] = typer.Option(None, "--variant", help="A variant (docs: Protocol, Variants) to list beside the "
+                                                "protocol, repeatable. Default: every one sensitivity covers: selected-place, site-mid, "
+                                                "pooled-anova and per-sequence-r2, read from the runs' stored m1.json and dual.json; "
+                                                "centred-S, v-avoids-tokens, v-searched-on-ood and v-best-block, measured again on "
+                                                "each run (minutes a run)."),
     csv: bool = typer.Option(False, "--csv", help="Print every run's row as CSV instead of the summary."),
     places: bool = typer.Option(False, "--places", help="Instead: the place-dependent values at every layer and site, read from the "
                                 "runs' stored m1.json and dual.json: P0-P2 and projection R^2 at the place the claims read, and the "
                                 "lowest and highest over all places (median over the runs)."),
 ) -> None:
-    """For each claim it covers (the double dissociation: S and V ablations and the random
-    control, at each run's diversity), its value and verdict under the study's protocol (PAPER.md
-    section 7) and under each applicable variant of section 8, measured on the same runs. A claim's
-    verdict is judged over the runs given (pass on every run, fail on every run, else unstable),
-    its value the median over them. Reports; the claims keep the protocol."""
-    from taskgeom.analysis.sensitivity import ABLATION_VARIANTS, ablation_variants, place_choices, summarise
+    """For each claim it covers, its value and verdict under the study's protocol (PAPER.md section
+    7) and under each applicable earlier convention (section 8's variants), on the same runs: the
+    M1 claims P0-P3 (runs at k = -1, from their m1.json), projection R^2 at each run's diversity
+    (dual.json), and the double dissociation (S and V ablations and the random control, measured
+    again). A claim's verdict is judged over the runs given (pass on every run, fail on every run,
+    else unstable), its value the median over them. Reports; the claims keep the protocol."""
+    from taskgeom.analysis.sensitivity import ABLATION_VARIANTS, STORED_VARIANTS, ablation_variants, place_choices, stored_variants, summarise
     from taskgeom.analysis.study import StudyRun
     from taskgeom.runs import Run
 
-    chosen = tuple(variant or ABLATION_VARIANTS)
-    unknown = [v for v in chosen if v not in ABLATION_VARIANTS]
+    chosen = tuple(variant or (*STORED_VARIANTS, *ABLATION_VARIANTS))
+    unknown = [v for v in chosen if v not in (*STORED_VARIANTS, *ABLATION_VARIANTS)]
     if unknown:
-        raise typer.BadParameter(f"sensitivity measures the variants {', '.join(ABLATION_VARIANTS)}; not {', '.join(unknown)}",
-                                 param_hint="--variant")
+        raise typer.BadParameter(f"sensitivity lists the variants {', '.join((*STORED_VARIANTS, *ABLATION_VARIANTS))}; not "
+                                 f"{', '.join(unknown)}", param_hint="--variant")
+    ablations = tuple(v for v in chosen if v in ABLATION_VARIANTS)
     rows = []
     for run_dir in run_dirs:
         run = Run.open(run_dir)
-        measured = place_choices(run) if places else ablation_variants(StudyRun(run), chosen)
+        if places:
+            measured = place_choices(run)
+        else:
+            measured = [r for r in stored_variants(run) if r["variant"] in ("protocol", *chosen)]
+            if ablations:
+                measured += ablation_variants(StudyRun(run), ablations)
         rows += [{"run": run.path.name, "recipe": run.config.name, "diversity": run.config.task.diversity, "seed": run.config.train.seed,
                   **row} for row in measured]
     table = pd.DataFrame(rows)

@@ -19,6 +19,13 @@ Each row: ``{claim, variant, value, status, comparison, threshold, reason, place
 where the value was read ("mean over blocks", or a block or place). A caller judges a claim over
 runs of several seeds with ``claims.verdict``.
 
+``stored_variants(run)`` reads the other variants from the run's stored analyses, without measuring
+anything: the M1 claims P0-P3 (``m1.json``; ``retrieval.claim_values``, the claims' own rule in
+``experiments.m1.retrieval_claims``) under the protocol and ``selected-place``, ``site-mid``,
+``pooled-anova``; and projection R^2 at the run's diversity (``dual.json``; the high-diversity
+claim's threshold) under the protocol and ``per-sequence-r2``. Steering under another place would
+have to be measured again there, and the projection drop needs two runs: neither is listed.
+
 ``place_choices`` reads, from a run's stored analyses, the values the place-dependent claims would
 have at every other (layer, site): P0-P2 on the M1 measurement batch (``m1.json``) and projection
 R^2, the protocol's and the ``per-sequence-r2`` variant (``dual.json``).
@@ -29,17 +36,19 @@ from __future__ import annotations
 import pandas as pd
 
 from taskgeom.analysis.ablations import Block, ablation_rows, block_places, find_blocks, v_block
-from taskgeom.analysis.dual import SELECTION_SEQUENCES
 from taskgeom.analysis.rows import row, stored_rows
 from taskgeom.analysis.shares import share_of_gain
-from taskgeom.analysis.study import StudyRun
+from taskgeom.analysis.retrieval import claim_values
+from taskgeom.analysis.study import SELECTION_SEQUENCES, StudyRun
 from taskgeom.analysis.variants import BY_NAME
-from taskgeom.claims import verdict
+from taskgeom.claims import check, verdict
 from taskgeom.errors import AnalysisError
-from taskgeom.experiments.dual_modes import ablation_claims
+from taskgeom.experiments.dual_modes import MAX_R2_HIGH_DIVERSITY, ablation_claims
+from taskgeom.experiments.m1 import retrieval_claims
 from taskgeom.runs import Run
 
 ABLATION_VARIANTS = ("centred-S", "v-avoids-tokens", "v-searched-on-ood", "v-best-block")
+STORED_VARIANTS = ("selected-place", "site-mid", "pooled-anova", "per-sequence-r2")  # read from the stored analyses
 SETS = ("major", "ood")  # the sets the dissociation's claims read
 
 
@@ -87,9 +96,39 @@ def ablation_variants(run: StudyRun, variants: tuple[str, ...] = ABLATION_VARIAN
         for claim in ablation_claims(table, recipe, k, "sensitivity"):
             short = claim.id.split(".", 1)[1]
             if prefixes is None or short.startswith(prefixes):
-                rows.append({"claim": claim.id, "variant": name, "value": claim.value, "status": claim.status,
-                             "comparison": claim.comparison, "threshold": claim.threshold, "reason": claim.reason, "place": where})
+                rows.append(_variant_row(claim, name, where))
     return rows
+
+
+def stored_variants(run: Run) -> list[dict]:
+    """The rows of ``ablation_variants``' layout for the variants read from ``run``'s stored
+    ``m1.json`` and ``dual.json`` (module docstring); none for an analysis the run lacks."""
+    recipe, rows = run.config.name, []
+    m1 = stored_rows(run, "m1")
+    if m1 is not None:
+        for name in ("protocol", "selected-place", "site-mid", "pooled-anova"):
+            values = claim_values(m1, None if name == "protocol" else name)
+            claims = retrieval_claims(values, recipe, "sensitivity")
+            if name == "pooled-anova":
+                claims = [c for c in claims if c.id.split(".", 1)[1] in ("P0", "P1")]
+            for claim, reading in zip(claims, values.values()):
+                where = f"layer {reading.parts['layer']} {reading.parts['site']}"
+                rows.append(_variant_row(claim, name, where))
+    dual = stored_rows(run, "dual")
+    if dual is not None:
+        final = {r["metric"]: r for r in dual if r["step"] is None and r["metric"] in ("projection_r2", "projection_r2_per_sequence")}
+        for name, metric in (("protocol", "projection_r2"), ("per-sequence-r2", "projection_r2_per_sequence")):
+            if metric in final:
+                r = final[metric]
+                claim = check(f"{recipe}.projection_r2_high_diversity", recipe, metric, r["value"], "<", MAX_R2_HIGH_DIVERSITY,
+                              "sensitivity")
+                rows.append(_variant_row(claim, name, f"layer {r['layer']} {r['site']}"))
+    return rows
+
+
+def _variant_row(claim, variant: str, place: str) -> dict:
+    return {"claim": claim.id, "variant": variant, "value": claim.value, "status": claim.status, "comparison": claim.comparison,
+            "threshold": claim.threshold, "reason": claim.reason, "place": place}
 
 
 def summarise(rows: pd.DataFrame) -> pd.DataFrame:
