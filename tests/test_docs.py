@@ -139,7 +139,7 @@ def test_the_readme_runs_the_tests_with_the_docs_extra_and_holds_the_sites_table
     table = re.search(r"^\| claim \| threshold \| E1 \|.*?\n\n", readme, flags=re.S | re.M).group(0)
     assert table in (ROOT / "docs" / "index.md").read_text(encoding="utf-8")  # the README holds what the site holds
     results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
-    line = "Profile `quick`, seeds 0, taskgeom 0.1.0 (commit 237d6d0)"
+    line = "Profile `quick`, seeds 0, 1, 2, taskgeom 0.1.0 (commit 237d6d0)"
     assert line in readme
     full = results[results.index(line):].split("\n\n")[2]  # the generated table, pasted as printed
     rows = {cells[0].strip("`"): (cells[1], cells[6]) for cells in
