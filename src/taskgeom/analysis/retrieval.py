@@ -41,7 +41,7 @@ import torch
 
 from taskgeom.analysis.properties import MeanAlignment, quantiles, too_few_uncertain
 from taskgeom.analysis.rows import row
-from taskgeom.analysis.steering import KINDS, Steering
+from taskgeom.analysis.steering import KINDS, Steering, steering_place
 from taskgeom.analysis.edits import Place
 from taskgeom.analysis.geometry import Alignment, Geometry
 from taskgeom.analysis.study import DEFAULT_SITES, StudyRun
@@ -80,7 +80,7 @@ def claim_places(run: StudyRun) -> tuple[Place, Place]:
     """(the M1 claims' place, P3's): the study's blocks (the family's ``m1_block`` and
     ``p3_block``) at the same relative depth of this model, at ``resid_post`` (PAPER.md section 7)."""
     n_layers, family = run.config.model.n_layers, run.family
-    return Place.at_depth(*family.m1_block, n_layers), Place.at_depth(*family.p3_block, n_layers)
+    return steering_place(family, n_layers), Place.at_depth(*family.p3_block, n_layers)  # steering reads the M1 place
 
 
 def check_request(run: StudyRun, layers: tuple[int, ...] | None = None, sites: tuple[str, ...] | None = None,
