@@ -4,6 +4,7 @@ folder's per-seed values."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import shutil
@@ -175,3 +176,27 @@ def test_the_pinned_place_holds_the_claims_values_and_every_place_is_listed(tiny
         mine = rows[rows["metric"] == metric]
         assert len(mine) == 2 * config.model.n_layers and mine["pinned"].sum() == 1  # every layer, both sites
         assert mine[mine["pinned"]]["value"].iloc[0] == pytest.approx(claims[claim][0], rel=1e-9)
+
+
+def test_reproduce_trains_a_data_variant_alone_under_its_settings_and_refuses_a_measurement_variant(tmp_path):
+    """--variant e1-v6 plans the E1 runs of the recipe with the variant's overrides (the run names
+    carry the digest of that config) and nothing else; a variant of the measurement belongs to
+    sensitivity, and a data variant to reproduce."""
+    from taskgeom.analysis.variants import BY_NAME
+    from taskgeom.experiments.base import Context
+
+    result = CliRunner().invoke(app, ["reproduce", "--variant", "e1-v6", "--plan", "--csv", "--seeds", "0"])
+    assert result.exit_code == 0, result.output
+    plan = pd.read_csv(io.StringIO(result.output))
+    assert set(plan["recipe"]) == {"e1"}
+    overrides = BY_NAME["e1-v6"].overrides
+    expected = {f"e1-{Context(tmp_path).config('e1', (*overrides, f'task.diversity={k}'), 0).digest()}" for k in plan["diversity"]}
+    assert set(plan["run"]) == expected
+    assert Context(tmp_path).config("e1", overrides).task.vocab_size == 6
+
+    refused = CliRunner().invoke(app, ["reproduce", "--variant", "selected-place", "--plan"])
+    assert refused.exit_code == 2 and "taskgeom sensitivity" in refused.output
+    refused = CliRunner().invoke(app, ["reproduce", "--variant", "e1-v6", "--recipes", "e2", "--plan"])
+    assert refused.exit_code == 2 and "e2" in refused.output
+    refused = CliRunner().invoke(app, ["sensitivity", str(tmp_path), "--variant", "separator"])
+    assert refused.exit_code == 2 and "taskgeom reproduce" in refused.output and "--variant separator" in refused.output

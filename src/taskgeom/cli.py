@@ -373,7 +373,8 @@ def reproduce(
                                 "paper (the study's sizes), or a rung of the scale ladder (wide, long; README)."),
     seeds: str = typer.Option("0,1,2", help="Comma-separated training seeds: every setting is trained on each, and each claim is "
                               "judged over them (pass: every seed passes; fail: every seed fails; unstable: they disagree)."),
-    out: Path = typer.Option(Path("results"), help="Output folder: runs/, figures/, claims.json, report.html."),
+    out: Optional[Path] = typer.Option(None, help="Output folder: runs/, figures/, claims.json, report.html. Default: results, or "
+                                       "results-VARIANT with --variant."),
     only: Optional[List[str]] = typer.Option(None, help="Run only these experiments (bayes_optimum, m1, dual_modes, or a recipe's "
                                              "own: e2, e4), or only those of these recipes (repeatable)."),
     recipes: Optional[str] = typer.Option(None, help="Comma-separated recipes to measure (e1,e2,e3,e4, and those of --recipe); "
@@ -384,6 +385,11 @@ def reproduce(
                                        "profile's (the claims read the lowest and the highest), e.g. -1,8 for a rung of the ladder."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override applied to every run of every experiment, "
                                              "repeatable (a smoke test: --set train.steps=50); the runs get other directories."),
+    variant_name: Optional[str] = typer.Option(None, "--variant", help="Train a variant of the data instead of the study's settings "
+                                               "(PAPER.md section 8): e1-v6 (E1 at 6 faces, near-disjoint majors) or separator (E2's "
+                                               "x, separator, y layout). Its recipes alone, with its settings, judged under the "
+                                               "protocol; set it beside the study's settings with `taskgeom ladder results "
+                                               "results-VARIANT`. The variants of the measurement are `taskgeom sensitivity`'s."),
     plan: bool = typer.Option(False, "--plan", help="Print the runs this reproduction trains (steps, parameters, tokens, "
                               "FLOPs; --csv for a table) and exit: nothing is trained or written."),
     csv: bool = typer.Option(False, "--csv", help="With --plan: the run list as CSV."),
@@ -407,7 +413,9 @@ def reproduce(
 
     where = _executor(executor, workers, address, cpus_per_run, gpus_per_run)
     _check_training(device, tracker)  # its single runs train in this process
-    _folder(out, "--out")
+    if variant_name is not None:
+        recipes, set_ = _data_variant(variant_name, recipes, set_ or [])
+    out = _folder(out or Path("results" if variant_name is None else f"results-{variant_name}"), "--out")
     studies, experiments = _studies(recipe or [], recipes, only or [], profile)
     chosen = {name: run for name, run in declared(studies, profile).items() if not experiments or name in experiments}
     seed_list = _int_list(seeds, "--seeds")
@@ -440,6 +448,25 @@ def reproduce(
     typer.echo(f"{summary(ctx.claims)}; report: {ctx.out / 'report.html'}")
     if exit_code(ctx.claims):
         raise typer.Exit(1)
+
+
+def _data_variant(name: str, recipes: str | None, settings: list[str]) -> tuple[str, list[str]]:
+    """(the recipes, the ``--set`` settings) that train the data variant ``name`` of PAPER.md
+    section 8: its own recipes (``--recipes`` may only name those) and its overrides before the
+    user's; BadParameter for a variant of the measurement or an unknown name."""
+    from taskgeom.analysis.variants import VARIANTS
+
+    data = {v.name: v for v in VARIANTS if v.overrides}
+    if name not in data:
+        kind = "measures the same runs another way: list it with `taskgeom sensitivity`" if any(v.name == name for v in VARIANTS) \
+            else "is no variant"
+        raise typer.BadParameter(f"{name!r} {kind}; the variants of the data are {', '.join(data)}", param_hint="--variant")
+    chosen = data[name]
+    asked = [r.strip() for r in recipes.split(",")] if recipes else list(chosen.claims)
+    if set(asked) - set(chosen.claims):
+        raise typer.BadParameter(f"{name} changes the recipes {', '.join(chosen.claims)} alone, not {', '.join(sorted(set(asked) - set(chosen.claims)))}",
+                                 param_hint="--recipes")
+    return ",".join(asked), [*chosen.overrides, *settings]
 
 
 def _studies(files: list[Path], recipes: str | None, only: list[str], profile: str) -> tuple[tuple, list[str]]:
@@ -553,7 +580,7 @@ def sensitivity(
                                                 "protocol, repeatable. Default: every one sensitivity covers: selected-place, site-mid, "
                                                 "pooled-anova and per-sequence-r2, read from the runs' stored m1.json and dual.json; "
                                                 "centred-S, v-avoids-tokens, v-searched-on-ood and v-best-block, measured again on "
-                                                "each run (minutes a run)."),
+                                                "each run (minutes a run). The variants of the data (e1-v6, separator) train other runs: `taskgeom reproduce --variant`."),
     csv: bool = typer.Option(False, "--csv", help="Print every run's row as CSV instead of the summary."),
     places: bool = typer.Option(False, "--places", help="Instead: the place-dependent values at every layer and site, read from the "
                                 "runs' stored m1.json and dual.json: P0-P2 and projection R^2 at the place the claims read, and the "
@@ -567,9 +594,15 @@ def sensitivity(
     else unstable), its value the median over them. Reports; the claims keep the protocol."""
     from taskgeom.analysis.sensitivity import ABLATION_VARIANTS, STORED_VARIANTS, ablation_variants, place_choices, stored_variants, summarise
     from taskgeom.analysis.study import StudyRun
+    from taskgeom.analysis.variants import BY_NAME
     from taskgeom.runs import Run
 
     chosen = tuple(variant or (*STORED_VARIANTS, *ABLATION_VARIANTS))
+    data = [v for v in chosen if v in BY_NAME and BY_NAME[v].overrides]
+    if data:
+        raise typer.BadParameter(f"{', '.join(data)} changes the data, so its runs are other runs: train them with `taskgeom reproduce "
+                                 f"--variant {data[0]}` and set its claims beside the protocol's with `taskgeom ladder results "
+                                 f"results-{data[0]}`", param_hint="--variant")
     unknown = [v for v in chosen if v not in (*STORED_VARIANTS, *ABLATION_VARIANTS)]
     if unknown:
         raise typer.BadParameter(f"sensitivity lists the variants {', '.join((*STORED_VARIANTS, *ABLATION_VARIANTS))}; not "
