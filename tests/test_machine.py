@@ -110,14 +110,17 @@ def test_the_estimate_spreads_cpu_seconds_over_the_workers_but_never_below_the_l
     assert estimate_wall([], rate, workers=2) == 0
 
 
-def test_the_probe_times_a_matrix_multiply_against_its_flop_count(monkeypatch):
-    """One call of n x n @ n x n is 2 n^3 FLOPs: with a clock that advances 1 s per reading, a 3.5 s probe
-    multiplies 3 times (after the readings 1, 2, 3) and stops at the reading 4."""
+def test_the_probe_counts_a_matrix_multiplys_flops_per_cpu_second_of_the_process(monkeypatch):
+    """One call of n x n @ n x n is 2 n^3 FLOPs: with a wall clock that advances 1 s per reading, a
+    3.5 s probe multiplies 3 times (after the readings 1, 2, 3) and stops at the reading 4; the rate
+    divides by the CPU seconds the process got meanwhile (here 0.5: a machine busy with other work),
+    not by the wall seconds."""
     from taskgeom import timing
 
-    ticks = iter(range(10_000))
+    ticks, cpu = iter(range(10_000)), iter([10.0, 10.5])
     monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(ticks)))
-    assert timing.matmul_rate(seconds=3.5, n=8) == pytest.approx(3 * 2 * 8 ** 3 / 4)
+    monkeypatch.setattr(timing.time, "process_time", lambda: next(cpu))
+    assert timing.matmul_rate(seconds=3.5, n=8) == pytest.approx(3 * 2 * 8 ** 3 / 0.5)
 
 
 def test_the_plan_prints_its_wall_time_on_this_machine_with_the_probe(environ):

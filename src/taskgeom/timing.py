@@ -83,17 +83,19 @@ class Profile:
 # ---- what a plan will take on this machine ---------------------------------------------------------
 
 # [measured] CPU seconds of a whole reproduction (training, evaluation, analyses) per second its
-# training FLOPs (6 x parameters x tokens) would take at one thread's float32 matrix-multiply rate:
-# the quick three-seed reproduction at f2dc61a took 2,879 CPU-s for 1.36e14 FLOPs on a 2-core AMD
-# EPYC (AVX512) whose probe gave about 113 GFLOP/s a thread (README): 2.39. On a 2-core AVX2-only
-# EPYC (54 GFLOP/s a thread) the same reproduction took 85 min at 159% of two cores: 3.2. An
-# estimate, then, within about a third.
-CPU_SECONDS_PER_FLOP_SECOND = 2.39
+# training FLOPs (6 x parameters x tokens) would take at one thread's float32 matrix-multiply rate.
+# The quick three-seed reproduction at 6270225 (the study's protocol and settings), from a fresh
+# clone on a 2-core AMD EPYC with AVX2 only, kernels pinned: 6,050 CPU-s (52 min 55 s wall, 190% of
+# two cores) for 1.28e14 FLOPs, the probe 76 GFLOP/s a thread: 3.59. Under the earlier conventions
+# (f2dc61a) a 2-core AVX-512 EPYC gave 2.39 (probe 113 GFLOP/s): how a CPU's training keeps up with
+# its matrix multiply differs, so an estimate on another CPU may be off by a half.
+CPU_SECONDS_PER_FLOP_SECOND = 3.59
 
 
 def matmul_rate(seconds: float = 0.5, n: int = 512) -> float:
-    """FLOP/s of torch's float32 ``n x n`` matrix multiply on one thread, timed for about ``seconds``
-    (the probe every estimate of ``estimate_wall`` is scaled by)."""
+    """FLOP/s of torch's float32 ``n x n`` matrix multiply on one thread, for about ``seconds`` of
+    wall time (the probe every estimate of ``estimate_wall`` is scaled by). Per CPU second of this
+    process, so that a machine busy with other work reads its own speed, not its load."""
     import torch
 
     from taskgeom.devices import torch_threads
@@ -101,11 +103,12 @@ def matmul_rate(seconds: float = 0.5, n: int = 512) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     with torch_threads(1):
         a @ b  # warm up
-        count, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < seconds:
+        count, start, cpu = 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - start < seconds:
             a @ b
             count += 1
-    return 2 * n ** 3 * count / elapsed
+        spent = time.process_time() - cpu
+    return 2 * n ** 3 * count / max(spent, 1e-9)
 
 
 def estimate_wall(flops: list[float], rate: float, workers: int) -> float:
