@@ -455,14 +455,12 @@ def _data_variant(name: str, recipes: str | None, settings: list[str]) -> tuple[
     """(the recipes, the ``--set`` settings) that train the data variant ``name`` of PAPER.md
     section 8: its own recipes (``--recipes`` may only name those) and its overrides before the
     user's; BadParameter for a variant of the measurement or an unknown name."""
-    from taskgeom.analysis.variants import VARIANTS
+    from taskgeom.analysis.variants import BY_NAME, DATA_VARIANTS
 
-    data = {v.name: v for v in VARIANTS if v.overrides}
-    if name not in data:
-        kind = "measures the same runs another way: list it with `taskgeom sensitivity`" if any(v.name == name for v in VARIANTS) \
-            else "is no variant"
-        raise typer.BadParameter(f"{name!r} {kind}; the variants of the data are {', '.join(data)}", param_hint="--variant")
-    chosen = data[name]
+    if name not in DATA_VARIANTS:
+        kind = "measures the same runs another way: list it with `taskgeom sensitivity`" if name in BY_NAME else "is no variant"
+        raise typer.BadParameter(f"{name!r} {kind}; the variants of the data are {', '.join(DATA_VARIANTS)}", param_hint="--variant")
+    chosen = BY_NAME[name]
     asked = [r.strip() for r in recipes.split(",")] if recipes else list(chosen.claims)
     if set(asked) - set(chosen.claims):
         raise typer.BadParameter(f"{name} changes the recipes {', '.join(chosen.claims)} alone, not {', '.join(sorted(set(asked) - set(chosen.claims)))}",
@@ -595,11 +593,11 @@ def sensitivity(
     else unstable), its value the median over them. Reports; the claims keep the protocol."""
     from taskgeom.analysis.sensitivity import ABLATION_VARIANTS, STORED_VARIANTS, ablation_variants, place_choices, stored_variants, summarise
     from taskgeom.analysis.study import StudyRun
-    from taskgeom.analysis.variants import BY_NAME
+    from taskgeom.analysis.variants import DATA_VARIANTS
     from taskgeom.runs import Run
 
     chosen = tuple(variant or (*STORED_VARIANTS, *ABLATION_VARIANTS))
-    data = [v for v in chosen if v in BY_NAME and BY_NAME[v].overrides]
+    data = [v for v in chosen if v in DATA_VARIANTS]
     if data:
         raise typer.BadParameter(f"{', '.join(data)} changes the data, so its runs are other runs: train them with `taskgeom reproduce "
                                  f"--variant {data[0]}` and set its claims beside the protocol's with `taskgeom ladder results "

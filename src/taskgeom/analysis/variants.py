@@ -61,6 +61,7 @@ VARIANTS = (
 )
 
 BY_NAME = {v.name: v for v in VARIANTS}
+DATA_VARIANTS = tuple(v.name for v in VARIANTS if v.overrides)  # train runs of their own: `taskgeom reproduce --variant`
 
 
 def variant(name: str | None) -> Variant | None:
