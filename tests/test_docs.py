@@ -129,6 +129,26 @@ def test_the_readme_is_short_and_every_link_in_it_resolves():
             assert anchor in headings(target), link
 
 
+def test_every_file_of_the_repository_the_docs_name_is_in_it():
+    """A path such as ``docs/results/quick/`` named in the README or a page (a published manifest, a
+    figure) is there in a clean clone: once, a ``.gitignore`` rule kept the published manifests out
+    of git while the pages sent readers to them."""
+    named = set()
+    for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        named |= {(page.name, path.rstrip(".,")) for path in re.findall(r"\bdocs/[\w./-]+", page.read_text(encoding="utf-8"))}
+    missing = sorted((page, path) for page, path in named if not (ROOT / path).exists())
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *{path for _, path in named}], cwd=ROOT, capture_output=True, text=True).stdout
+    assert len(named) >= 10 and missing == [] and ignored == "", (missing, ignored)
+
+
+def test_the_published_quick_table_is_what_its_manifests_print():
+    """``taskgeom report docs/results/quick --markdown``, the counts, the table and the unstable
+    claims' parts, stands on the Results page as printed."""
+    from taskgeom.report.markdown import claims_markdown
+
+    assert claims_markdown(ROOT / "docs" / "results" / "quick") in (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+
+
 def test_the_readme_runs_the_tests_with_the_docs_extra_and_holds_the_sites_table():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     line = re.search(r"^Run the tests.*?^```bash\n(.*?)\n", readme, flags=re.S | re.M).group(1)  # what .ci/run extracts
@@ -139,7 +159,7 @@ def test_the_readme_runs_the_tests_with_the_docs_extra_and_holds_the_sites_table
     table = re.search(r"^\| claim \| threshold \| E1 \|.*?\n\n", readme, flags=re.S | re.M).group(0)
     assert table in (ROOT / "docs" / "index.md").read_text(encoding="utf-8")  # the README holds what the site holds
     results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
-    line = "Profile `quick`, seeds 0, 1, 2, taskgeom 0.1.0 (commit 237d6d0)"
+    line = "Profile `quick`, seeds 0, 1, 2, taskgeom 0.1.0 (commit cc12df1)"
     assert line in readme
     full = results[results.index(line):].split("\n\n")[2]  # the generated table, pasted as printed
     rows = {cells[0].strip("`"): (cells[1], cells[6]) for cells in
