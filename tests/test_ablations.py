@@ -11,12 +11,14 @@ import torch
 
 from taskgeom.analysis.ablations import N_RANDOM_CONTROLS, ablation_rows, block_places, control_statistic, find_blocks
 from taskgeom.analysis.dual import loss_sets
-from taskgeom.analysis.probe import probe_basis
+from taskgeom.analysis.probe import fit_probe, fit_rows, probe_basis_with_mean
 from taskgeom.analysis.study import StudyRun
+from taskgeom.claims import over_seeds
 from taskgeom.config import build_config
 from taskgeom.errors import AnalysisError
 from taskgeom.experiments.dual_modes import ablation_claims
 from taskgeom.runs import Run
+from taskgeom.tasks import TaskProbe
 from taskgeom.train import train
 
 
@@ -25,39 +27,103 @@ def projector(basis: np.ndarray) -> np.ndarray:
     return q @ q.T
 
 
-@pytest.mark.parametrize("vocab", [5, None])
-def test_the_probe_s_is_the_row_space_of_a_least_squares_fit_by_hand(vocab):
-    """Planted h = pi W + onehot(x) A + b + noise (E2: x A with continuous x): S is the row space
-    of W_task of numpy's least-squares fit of the same design (collinear: its minimum-norm solution)."""
-    gen = torch.Generator().manual_seed(0)
-    N, P, K, D = 40, 8, 3, 12
-    alpha = torch._standard_gamma(torch.ones(N, P, K, dtype=torch.float64), gen)
-    alpha = alpha / alpha.sum(-1, keepdim=True)
+def planted(gen: torch.Generator, N: int, P: int, K: int, D: int, vocab: int | None, sums_to_one: bool = True):
+    """(states, pi, current, logits): h = pi W + onehot(x) A + logits C + position effect + b + noise
+    (E2: x A with continuous x), pi a posterior over K tasks (summing to one unless told otherwise)."""
+    pi = torch._standard_gamma(torch.ones(N, P, K + (0 if sums_to_one else 1), dtype=torch.float64), gen)
+    pi = (pi / pi.sum(-1, keepdim=True))[..., :K]
     current = torch.randint(0, vocab, (N, P), generator=gen) if vocab else torch.randn(N, P, 2, generator=gen, dtype=torch.float64)
-    width = vocab or 2
-    w, a, b = (torch.randn(n, D, generator=gen, dtype=torch.float64) for n in (K, width, 1))
     tokens = torch.nn.functional.one_hot(current, vocab).double() if vocab else current
-    states = alpha @ w + tokens @ a + b + 0.01 * torch.randn(N, P, D, generator=gen, dtype=torch.float64)
-    window = slice(4, 8)
+    logits = torch.randn(N, P, 4, generator=gen, dtype=torch.float64)
+    w, a, c, pos, b = (torch.randn(n, D, generator=gen, dtype=torch.float64) for n in (K, tokens.shape[-1], 4, P, 1))
+    states = pi @ w + tokens @ a + logits @ c + pos + b + 0.01 * torch.randn(N, P, D, generator=gen, dtype=torch.float64)
+    return states, pi, current, logits, w
 
-    basis = probe_basis(states.float(), alpha, current, vocab, window)
 
+def by_hand(states, pi, current, vocab, logits, rows, dropped: bool, positions: bool) -> np.ndarray:
+    """W_task [K, D] of numpy's least-squares fit of the study's design, built here independently:
+    pi (without its last column when it sums to one), the token one-hot without its last column
+    (E2: x_t), the logits, the position one-hot without its last column, an intercept; a zero row
+    for pi's dropped column."""
+    N, P, K = pi[rows].shape
+    flat = lambda x: x[rows].reshape(N * P, -1).numpy()  # noqa: E731
+    parts = [flat(pi)[:, : K - 1] if dropped else flat(pi)]
+    parts.append(np.eye(vocab)[current[rows].reshape(-1).numpy()][:, :-1] if vocab else flat(current))
+    if logits is not None:
+        parts.append(flat(logits))
+    if positions:
+        parts.append(np.tile(np.eye(P), (N, 1))[:, :-1])
+    parts.append(np.ones((N * P, 1)))
+    solution = np.linalg.lstsq(np.concatenate(parts, 1), flat(states), rcond=None)[0]
+    weights = np.zeros((K, states.shape[-1]))
+    weights[: K - 1 if dropped else K] = solution[: K - 1 if dropped else K]
+    return weights
+
+
+@pytest.mark.parametrize("vocab, spec, sums_to_one", [
+    (5, TaskProbe(window=(0.5, 1.0), logits=True, positions=True), True),             # E3's probe, k = -1
+    (5, TaskProbe(window=(0.5, 1.0), logits=False, positions=True), False),           # E1's, anchored (pi short of one)
+    (None, TaskProbe(window=(0.5, 1.0), logits=False, positions=False, centred=True), True),  # E2's, x_t, centred
+])
+def test_the_probe_s_is_the_row_space_of_a_least_squares_fit_by_hand(vocab, spec, sums_to_one):
+    """S is the row space of W_task of numpy's least-squares fit of the study's regressors with its
+    dropped columns (principal cosines 1): rank K - 1 where pi sums to one, K where it does not."""
+    gen = torch.Generator().manual_seed(0)
+    N, P, K, D = 40, 6, 3, 12
+    states, pi, current, logits, w = planted(gen, N, P, K, D, vocab, sums_to_one)
+    rows = fit_rows(N, torch.Generator().manual_seed(1))
+    fit = fit_probe(states.float(), pi, current, vocab, spec, rows, logits)
+
+    weights = by_hand(states.float().double(), pi, current, vocab, logits if spec.logits else None, rows, sums_to_one, spec.positions)
+    spanned = weights - weights.mean(0) if spec.centred else weights
+    rank = K - 1 if sums_to_one else K
+    assert len(rows) == int(0.8 * N) and fit.dropped == sums_to_one and fit.basis.shape == (D, rank)
+    np.testing.assert_allclose(fit.weights.numpy(), weights, atol=1e-6)
+    np.testing.assert_allclose(fit.basis.T.numpy() @ fit.basis.numpy(), np.eye(rank), atol=1e-10)
+    span = np.linalg.svd(spanned.T, full_matrices=False)[0][:, :rank]
+    np.testing.assert_allclose(np.linalg.svd(fit.basis.numpy().T @ span, compute_uv=False), np.ones(rank), atol=1e-8)  # principal cosines
+    if sums_to_one and not spec.centred:  # the planted contrasts: each task's effect minus the last task's
+        np.testing.assert_allclose(fit.weights[: K - 1].numpy(), (w[: K - 1] - w[K - 1]).numpy(), atol=0.05)
+
+
+def test_s_with_mean_is_the_minimum_norm_fit_with_every_posterior_column():
+    """The variant: W_task of the minimum-norm least-squares fit of [pi, onehot(x), 1] over the
+    window, every column kept, is rank K."""
+    gen = torch.Generator().manual_seed(0)
+    N, P, K, D, vocab = 40, 8, 3, 12, 5
+    states, pi, current, _, _ = planted(gen, N, P, K, D, vocab)
+    basis = probe_basis_with_mean(states.float(), pi, current, vocab, slice(4, 8))
     rows = lambda x: x[:, 4:8].reshape(-1, x.shape[-1]).numpy()  # noqa: E731
-    design = np.concatenate([rows(alpha), rows(tokens), np.ones((N * 4, 1))], 1)
-    fitted = np.linalg.lstsq(design, rows(states.float().double()), rcond=None)[0][:K]  # [K, D] W_task by hand
+    design = np.concatenate([rows(pi), np.eye(vocab)[current[:, 4:8].reshape(-1).numpy()], np.ones((N * 4, 1))], 1)
+    fitted = np.linalg.lstsq(design, rows(states.float().double()), rcond=None)[0][:K]
     assert basis.shape == (D, K)
-    np.testing.assert_allclose(basis.T.numpy() @ basis.numpy(), np.eye(K), atol=1e-10)
     np.testing.assert_allclose(basis.numpy() @ basis.numpy().T, projector(fitted.T), atol=1e-6)
-    # the fit recovers the planted task effects up to the one row the collinear design leaves free
-    np.testing.assert_allclose(fitted - fitted.mean(0), (w - w.mean(0)).numpy(), atol=0.05)
 
 
 def test_a_probe_whose_task_weights_collapse_is_refused():
     N, P, K, D = 10, 4, 3, 6
-    alpha = torch.full((N, P, K), 1 / K, dtype=torch.float64)  # one posterior everywhere: no task effect to fit
-    states = torch.randn(N, P, D)
+    pi = torch.full((N, P, K), 1 / K, dtype=torch.float64)  # one posterior everywhere: no task effect to fit
     with pytest.raises(AnalysisError, match="span fewer than 3 directions"):
-        probe_basis(states, alpha, torch.zeros(N, P, dtype=torch.long), 4, slice(0, 4))
+        probe_basis_with_mean(torch.randn(N, P, D), pi, torch.zeros(N, P, dtype=torch.long), 4, slice(0, 4))
+
+
+def test_the_protocol_s_leaves_the_mean_state_out_where_the_minimum_norm_fit_holds_it(tmp_path_factory):
+    """On a small trained E3 model (k = -1), the mean state's direction lies in the intercept of the
+    study's probe: its S (rank K - 1) holds under 10% of it, where the rank-K minimum-norm fit
+    (``s-with-mean``) holds most of it."""
+    config = build_config({
+        "name": "small-markov", "task": {"family": "markov", "seq_len": 32},
+        "model": {"n_layers": 2, "d_model": 32, "n_heads": 2, "d_mlp": 64, "max_len": 32, "final_norm": False, "activation": "silu"},
+        "train": {"steps": 300, "batch_size": 32, "eval_every": 100, "checkpoint_every": 100, "eval_batch": 16, "lr": 3e-3, "threads": 1}})
+    run = Run.create(config, tmp_path_factory.mktemp("markov-mean"))
+    train(run)
+    study = StudyRun(Run.open(run.path))
+    geometry = study.geometry(study.heldout("major", 128, split="geometry"), (1, "resid_post"))
+    mean = geometry.states.double().reshape(-1, 32).mean(0)
+    mean = mean / mean.norm()
+    held = lambda basis: float(((basis.T.double() @ mean) ** 2).sum())  # noqa: E731
+    assert geometry.task_probe.dropped and geometry.probe.shape == (32, 2) and geometry.probe_with_mean.shape == (32, 3)
+    assert held(geometry.probe) < 0.10 < 0.5 < held(geometry.probe_with_mean)
 
 
 def tiny_run(tmp_path_factory, family: str) -> StudyRun:
@@ -156,6 +222,26 @@ def test_the_claims_read_the_block_mean_and_carry_each_block(measured):
         mean = at[at["layer"].isna()]["value"].iloc[0]
         assert claim.value == claim.parts["block_mean"] == mean
         assert [claim.parts[f"block{layer}"] for layer in range(len(blocks))] == list(at[at["layer"].notna()]["value"])
+
+
+def test_a_claim_whose_only_applicable_seed_is_unreliable_is_not_applicable(measured):
+    """A seed whose OOD gain is below MIN_RELIABLE_GAIN counts neither way: with another seed whose
+    share is null the claim is n/a; beside a reliable seed the verdict is that seed's alone."""
+    _, rows = measured
+    rows = rows.assign(diversity=2, step=np.nan)
+    ood = rows["set"] == "ood"
+    unreliable = rows.assign(unreliable=rows["unreliable"].where(~ood, True), gain=rows["gain"].where(~ood, 0.01))
+    null = rows.assign(value=rows["value"].where(~(ood & rows["metric"].str.startswith("gain_removed"))),
+                       reason=rows["reason"].where(~ood, "the in-context gain L_0 - L = -0.01 is not positive"))
+    reliable = rows.assign(unreliable=rows["unreliable"].where(~ood, False), gain=rows["gain"].where(~ood, 1.0))
+    claim_of = lambda table: next(c for c in ablation_claims(table, "e1", 2, "quick") if c.id == "e1.ablate_V_ood")  # noqa: E731
+
+    seed0 = claim_of(unreliable)
+    assert seed0.status == "n/a" and "below 0.05 nats" in seed0.reason and "unreliable" in seed0.reason
+    assert over_seeds([(0, seed0), (1, claim_of(null))])[0].status == "n/a"
+    judged = over_seeds([(0, seed0), (1, claim_of(reliable))])[0]
+    assert judged.status == claim_of(reliable).status != "n/a" and judged.value == claim_of(reliable).value
+    assert [s["status"] for s in judged.seeds] == ["n/a", claim_of(reliable).status]
 
 
 def test_control_statistic_by_hand():

@@ -83,10 +83,12 @@ def _mean(values: Sequence[float | None]) -> float | None:
 
 
 def ablation_rows(run: StudyRun, blocks: Sequence[Block], sets: dict[str, Sequences], clean: dict[str, torch.Tensor], *,
-                  v_block: int | None = None) -> list[dict]:
+                  v_block: int | None = None, variant: str | None = None) -> list[dict]:
     """The per-block and summary rows (module docstring) on each set {name: sequences} of the
     ``loss`` split, whose clean per-prediction losses are ``clean`` {name: [P - 1]}; ``v_block``:
-    the index of the block whose V and control rows are the summary (``v-best-block``), else the mean."""
+    the index of the block whose V and control rows are the summary (``v-best-block``), else the mean;
+    ``variant``: ``s-with-mean`` ablates that variant's S (``Geometry.s_basis``), any other the protocol's."""
+    s_variant = variant if variant == "s-with-mean" else None
     if not blocks:
         raise AnalysisError("the ablations need at least one block")
     if v_block is not None and not 0 <= v_block < len(blocks):
@@ -98,7 +100,7 @@ def ablation_rows(run: StudyRun, blocks: Sequence[Block], sets: dict[str, Sequen
         ablated: dict[str, list[torch.Tensor]] = {"ablate_S": [], "ablate_V": []}
         controls: list[tuple[float | None, Share]] = []
         for block in blocks:
-            for label, edit in (("ablate_S", block.geometry.ablate()), ("ablate_V", run.ablate(block.v, block.place))):
+            for label, edit in (("ablate_S", block.geometry.ablate(s_variant)), ("ablate_V", run.ablate(block.v, block.place))):
                 with edit:
                     losses = run.loss(sequences, per_position=True)
                 ablated[label].append(losses)

@@ -18,7 +18,8 @@ import torch
 from taskgeom.analysis.edits import Edit, Place
 from taskgeom.analysis.orthogonal import avoid_basis, token_subspace
 from taskgeom.analysis.anova import Layout, Shares
-from taskgeom.analysis.probe import probe_basis
+from taskgeom.analysis.heldout import family_inputs
+from taskgeom.analysis.probe import ProbeFit, fit_probe, fit_rows, n_anchors, probe_basis_with_mean
 from taskgeom.analysis.properties import (Fit, Interpolation, MeanAlignment, Shrinkage, additive_r2, alignment, by_position, interpolation,
                                           mean_alignment, pooled, quantiles, shrinkage)
 from taskgeom.analysis.simplex import project_simplex
@@ -193,24 +194,69 @@ class Geometry:
                      form, N)
 
     @cached_property
+    def task_probe(self) -> ProbeFit:
+        """The study's probe of this family at this place (``analysis.probe``; the family's
+        ``task_probe`` says what it regresses on), fitted on these major sequences over its fit
+        window, with train-mode anchor sequences (``pool`` of the same split) at k > -1 when the
+        family's probe takes them."""
+        run, family = self.run, self.run.family
+        spec = family.task_probe
+        if spec is None:
+            raise AnalysisError(f"the {family.name!r} family declares no task_probe (TaskFamily.task_probe: the regressors of the "
+                                "probe whose row space is the ablations' task subspace S; see docs/adding-a-family.md)")
+        runs = [(self.sequences, self.states)]
+        if spec.anchors and run.pool.n_minor:
+            anchors = run.heldout("pool", n_anchors(len(self.sequences)), split=self.sequences.split)
+            runs.append((anchors, run.cache(anchors, [self.place])[self.place]))
+        K = self.sequences.alpha.shape[-1]
+        window = fraction_window(self.states.shape[1], spec.window)
+        states, pi, current, logits = [], [], [], []
+        for sequences, h in runs:
+            inputs = family_inputs(family, sequences.batch, run.pool if spec.pool_posterior else run.pool.subset("major"))
+            alpha = inputs.alpha[..., :K]
+            if spec.sequence_posterior:
+                alpha = alpha[:, -1:].expand_as(alpha)
+            states.append(h[:, window])
+            pi.append(alpha[:, window])
+            current.append(inputs.current[:, window])
+            if spec.logits:
+                with torch.no_grad():
+                    logits.append(inputs.select(run.model(sequences.batch.tokens))[:, window])
+        n = sum(len(h) for h in states)
+        return fit_probe(torch.cat(states), torch.cat(pi), torch.cat(current), self.sequences.inputs.vocab, spec,
+                         fit_rows(n, generator(run.seed, 0, "probe-split")), torch.cat(logits) if logits else None)
+
+    @property
     def probe(self) -> torch.Tensor:
-        """[D, K] orthonormal basis of the ablations' task subspace S: the row space of the probe
-        ``h ~ pi W_task + onehot(x_t) W_tok + b`` on these major sequences over the late window
-        (``analysis.probe``; float64)."""
+        """[D, r] orthonormal basis of the ablations' task subspace S: the row space of the study's
+        probe's W_task (``task_probe``; rank K - 1 where the majors' posterior sums to one; float64)."""
+        return self.task_probe.basis
+
+    @cached_property
+    def probe_with_mean(self) -> torch.Tensor:
+        """[D, K] S of the variant ``s-with-mean``: the minimum-norm probe with every posterior column
+        over the late window, which also holds the mean state (``probe.probe_basis_with_mean``)."""
         inputs = self.sequences.inputs
-        return probe_basis(self.states, self.sequences.alpha, inputs.current, inputs.vocab, self.window)
+        return probe_basis_with_mean(self.states, self.sequences.alpha, inputs.current, inputs.vocab, self.window)
+
+    def s_basis(self, variant: str | None = None) -> torch.Tensor:
+        """[D, r] the ablations' S under the protocol (``probe``) or ``s-with-mean`` (``probe_with_mean``);
+        any other variant leaves it as it is."""
+        chosen = named_variant(variant)
+        return self.probe_with_mean if chosen is not None and chosen.name == "s-with-mean" else self.probe
 
     def ablate(self, variant: str | None = None) -> Edit:
-        """The S ablation at this place on the analysed positions: ``h - h P_S`` with S the probe's
-        (PAPER.md section 7); ``variant="centred-S"``: ``h - P_S (h - mu_t)`` with S the span of the
-        task vectors (section 8)."""
+        """The S ablation at this place on the analysed positions: ``h - h P_S`` with S the study's
+        probe's (docs/protocol.md, "S ablation"); ``variant="s-with-mean"``: the same with S the
+        earlier rank-K probe; ``variant="centred-S"``: ``h - P_S (h - mu_t)`` with S the span of the
+        task vectors (docs/protocol.md, "Variants")."""
         chosen = named_variant(variant)
-        if chosen is None:
-            change = direction_ablation(self.probe)
+        if chosen is None or chosen.name == "s-with-mean":
+            change = direction_ablation(self.s_basis(variant))
         elif chosen.name == "centred-S":
             change = task_ablation(self.fit.subspace)
         else:
-            raise AnalysisError(f"variant {chosen.name!r} does not change the S ablation; choose 'protocol' or 'centred-S'")
+            raise AnalysisError(f"variant {chosen.name!r} does not change the S ablation; choose 'protocol', 's-with-mean' or 'centred-S'")
         return Edit(self.run, self.place, change, self.run.analysed_positions)
 
     def projection_r2(self, sequences: Sequences, form: Form = "token", states: torch.Tensor | None = None) -> torch.Tensor:
@@ -245,7 +291,8 @@ class Geometry:
         adds the token subspace for every family (section 8); other variants leave it as it is."""
         chosen = named_variant(variant)
         tokens = self.run.family.v_avoids_tokens or (chosen is not None and chosen.name == "v-avoids-tokens")
-        return avoid_basis(self.probe.float(), self.token_directions) if tokens else avoid_basis(self.probe.float())
+        s = self.s_basis(variant).float()
+        return avoid_basis(s, self.token_directions) if tokens else avoid_basis(s)
 
 
 def simplex_point(to, n: int, K: int) -> torch.Tensor:

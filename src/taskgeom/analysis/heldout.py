@@ -21,6 +21,10 @@ split                     sets (stream)            used for
                                                    (``sample_tasks``)
 ========================  ======================  =================================================
 
+Each split with major sequences also has ``pool`` ones (its stream with ``-pool``): sequences of
+the training distribution, tasks drawn by the pool's prior weights, the anchors of the
+ablations' probe at k > -1 (``analysis.probe``).
+
 E2's major sequences of ``select``, ``measure`` and ``geometry`` are paired: all K tasks share the
 same x sequences (PAPER.md section 7), so the x effects cancel when task means are subtracted.
 """
@@ -40,7 +44,7 @@ from taskgeom.rng import generator
 from taskgeom.tasks import FAMILIES, Batch, TaskFamily, TaskPool, TokenFamily
 from taskgeom.tasks.regression import Regression
 
-Kind = Literal["major", "minor", "ood"]
+Kind = Literal["major", "minor", "ood", "pool"]
 KINDS: tuple[str, ...] = get_args(Kind)
 
 
@@ -70,6 +74,7 @@ STREAMS: dict[tuple[Split, str], str] = {
     (Split.LOSS, "major"): "dual", (Split.LOSS, "minor"): "dual", (Split.LOSS, "ood"): "dual-ood",
     (Split.SEARCH_SELECT, "ood"): "dual-ood-search-select", (Split.PRIOR, "ood"): "dual-prior",
     (Split.PROJECTION, "major"): "dual-projection", (Split.PROJECTION, "ood"): "dual-projection-ood",
+    (Split.SELECT, "pool"): "m1-select-pool", (Split.MEASURE, "pool"): "m1-measure-pool", (Split.GEOMETRY, "pool"): "dual-geometry-pool",
 }
 PAIRED = (Split.SELECT, Split.MEASURE, Split.GEOMETRY)  # E2's major sequences of these are paired over tasks
 
@@ -93,6 +98,8 @@ def sample(family: TaskFamily, pool: TaskPool, kind: str, n: int, split: "Split 
         raise AnalysisError(f"the number of sequences must be at least 1, got {n}")
     if kind == "ood":
         return family.sample_ood(n, seq_len, seed, 0, name)
+    if kind == "pool":
+        return family.sample(pool, n, seq_len, seed, 0, name, "all")
     if kind == "minor" and not pool.n_minor:
         raise AnalysisError("this run's pool has no minor tasks (task.diversity = -1)")
     if kind == "major" and split in PAIRED:

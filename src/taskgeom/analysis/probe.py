@@ -1,50 +1,127 @@
-"""The task subspace S of the ablations (PAPER.md section 7, "S ablation"): the row space of
-``W_task`` of a linear probe fitted by least squares on major sequences over the late window,
+"""The task subspace S of the ablations (docs/protocol.md, "S ablation"): the row space of
+``W_task`` of the study's own probe, fitted as its code fits it. An ordinary least-squares fit with
+an intercept of the states over the fit window,
 
-    h ~ pi W_task + onehot(x_t) W_tok + b        (E2: x_t W_x in place of the one-hot term)
+    h ~ pi W_task + onehot(x_t) W_tok [+ logits_t W_logit] [+ onehot(t) W_pos] + b
+                     (E2: x_t W_x in place of the one-hot term)
 
-with ``pi`` the exact posterior over the K major tasks. S is **uncentred, rank K**; the ablation
-is ``h' = h - h P_S`` (``subspace.direction_ablation`` of its orthonormal basis).
+with ``pi`` the pool's exact posterior restricted to the K major tasks. Every group of regressors
+that sums to one drops its last column (the dummy-variable trap): the token and position one-hots
+always, ``pi`` when it sums to one on the fitted states (within ``SUMS_TO_ONE``), and its row of
+``W_task`` is then zero. The fit uses the first ``FIT_SHARE`` of a seeded permutation of the
+sequences; S is the span of the rows of ``W_task`` (centred over the tasks when the family's
+``TaskProbe.centred`` says so) at singular values above ``RANK_TOLERANCE`` of the largest. So the
+mean state lies in the intercept, never in S, and S has rank K - 1 where ``pi`` sums to one.
 
-**[ours]** The design is collinear (pi sums to one, so does the one-hot, and there is an
-intercept), so ``W_task`` is fixed only up to adding one row to all of its rows; we take the
-minimum-norm least-squares solution (what ``numpy.linalg.lstsq`` returns), which fixes that
-freedom without choosing a reference task.
+What varies by family is declared by the family (``TaskProbe``, its ``task_probe``).
 
-Shapes: ``N`` sequences, ``P`` analysed positions, ``D`` width, ``K`` major tasks, ``V`` tokens
+The earlier construction is the variant ``s-with-mean`` (``probe_basis_with_mean``): every
+posterior column beside the token one-hot and an intercept, over the late window, the
+minimum-norm solution, which spreads the mean state over the K rows.
+
+Shapes: ``N`` sequences, ``P`` positions fitted, ``D`` width, ``K`` major tasks, ``V`` tokens
 (E2: ``d`` coordinates of x_t).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from taskgeom.errors import AnalysisError
+from taskgeom.tasks.base import TaskProbe
+
+SUMS_TO_ONE = 1e-4  # pi sums to one (its last column is dropped) when every row is this close to 1
+FIT_SHARE = 0.8  # the share of the sequences the probe is fitted on (the study's validation_split 0.2)
+RANK_TOLERANCE = 1e-6  # S keeps the singular directions of W_task above this fraction of the largest
+MIN_ANCHORS = 64  # the study's batch size B: at least this many anchor sequences (max(B, N // 5))
 
 
-def probe_design(alpha: torch.Tensor, current: torch.Tensor, vocab: int | None) -> torch.Tensor:
-    """[M, K + V + 1] float64 the probe's regressors [pi, onehot(x_t), 1] for alpha: [M, K] and the
-    current tokens: [M] (``vocab`` of them), or [pi, x_t, 1] for x_t: [M, d] (``vocab`` None)."""
-    tokens = (torch.nn.functional.one_hot(current.long(), vocab) if vocab is not None else current).double()
-    return torch.cat([alpha.double(), tokens, torch.ones(len(alpha), 1, dtype=torch.float64)], 1)
+def n_anchors(n_sequences: int) -> int:
+    """How many anchor sequences join ``n_sequences`` major ones (the study's max(B, N // 5))."""
+    return max(MIN_ANCHORS, n_sequences // 5)
 
 
-def probe_weights(states: torch.Tensor, alpha: torch.Tensor, current: torch.Tensor, vocab: int | None, window: slice) -> torch.Tensor:
-    """[K, D] float64 W_task of the probe fitted on states: [N, P, D] over the positions ``window``
-    (alpha: [N, P, K]; current: [N, P] tokens or [N, P, d] x_t): the minimum-norm least-squares fit."""
-    K, D = alpha.shape[-1], states.shape[-1]
-    x = probe_design(alpha[:, window].reshape(-1, K), current[:, window].flatten(0, 1), vocab)
-    h = states[:, window].reshape(-1, D).double()
-    weights = torch.linalg.lstsq(x.cpu(), h.cpu(), driver="gelsd").solution  # minimum norm
-    return weights[:K].to(states.device)
+@dataclass(frozen=True)
+class ProbeFit:
+    """A fitted probe: ``weights`` [K, D] W_task (a zero row where ``pi``'s column was dropped),
+    ``basis`` [D, r] orthonormal basis of S (float64), ``dropped``: ``pi`` summed to one and lost its
+    last column."""
+
+    weights: torch.Tensor
+    basis: torch.Tensor
+    dropped: bool
+
+    def __repr__(self) -> str:
+        return f"ProbeFit(K={self.weights.shape[0]}, D={self.weights.shape[1]}, rank={self.basis.shape[1]}, dropped={self.dropped})"
 
 
-def probe_basis(states: torch.Tensor, alpha: torch.Tensor, current: torch.Tensor, vocab: int | None, window: slice) -> torch.Tensor:
-    """[D, K] float64 orthonormal basis of the row space of the probe's W_task (``probe_weights``);
-    AnalysisError when its rows span fewer than K directions."""
-    w = probe_weights(states, alpha, current, vocab, window)
+def one_hot_dropped(index: torch.Tensor, n: int) -> torch.Tensor:
+    """[M, n - 1] float64 the one-hot of index: [M] over n values without its last column."""
+    return torch.nn.functional.one_hot(index.long(), n)[:, :-1].double()
+
+
+def probe_design(pi: torch.Tensor, current: torch.Tensor, vocab: int | None, logits: torch.Tensor | None,
+                 n_positions: int | None) -> tuple[torch.Tensor, bool]:
+    """(X [N * P, columns] float64, dropped) the study's regressors for pi: [N, P, K], current: [N, P]
+    tokens (``vocab`` of them) or [N, P, d] x_t (``vocab`` None), logits: [N, P, V] or None, and the
+    position one-hot over ``n_positions`` (None: none); the intercept is the last column. ``pi`` is
+    first, without its last column when ``dropped``."""
+    N, P, K = pi.shape
+    flat_pi = pi.reshape(-1, K).double()
+    dropped = K > 1 and bool(((flat_pi.sum(-1) - 1).abs() < SUMS_TO_ONE).all())
+    parts = [flat_pi[:, :-1] if dropped else flat_pi]
+    parts.append(one_hot_dropped(current.flatten(), vocab) if vocab is not None else current.reshape(N * P, -1).double())
+    if logits is not None:
+        parts.append(logits.reshape(N * P, -1).double())
+    if n_positions is not None and n_positions > 1:
+        parts.append(one_hot_dropped(torch.arange(P).repeat(N), n_positions))
+    parts.append(torch.ones(N * P, 1, dtype=torch.float64))
+    return torch.cat(parts, 1), dropped
+
+
+def fit_rows(n_sequences: int, gen: torch.Generator) -> torch.Tensor:
+    """[M] the sequences the probe is fitted on: the first FIT_SHARE of a permutation drawn from ``gen``."""
+    return torch.randperm(n_sequences, generator=gen)[: int(n_sequences * FIT_SHARE)]
+
+
+def fit_probe(states: torch.Tensor, pi: torch.Tensor, current: torch.Tensor, vocab: int | None, spec: TaskProbe, rows: torch.Tensor,
+              logits: torch.Tensor | None = None) -> ProbeFit:
+    """The probe (module docstring) on states: [N, P, D] over the fit positions, with pi: [N, P, K],
+    current: [N, P] or [N, P, d] and logits: [N, P, V] (used when ``spec.logits``) there, fitted on
+    the sequences ``rows``; AnalysisError when W_task is zero."""
+    K, D = pi.shape[-1], states.shape[-1]
+    if spec.logits and logits is None:
+        raise AnalysisError("this family's probe regresses on the model's logits; none were given")
+    pick = (lambda x: None if x is None else x[rows])
+    x, dropped = probe_design(pick(pi), pick(current), vocab, pick(logits) if spec.logits else None,
+                              states.shape[1] if spec.positions else None)
+    h = states[rows].reshape(-1, D).double()
+    solution = torch.linalg.lstsq(x.cpu(), h.cpu(), driver="gelsd").solution  # minimum norm, as the study's pinv
+    weights = torch.zeros(K, D, dtype=torch.float64)
+    weights[: K - 1 if dropped else K] = solution[: K - 1 if dropped else K]
+    w = weights - weights.mean(0) if spec.centred else weights
     _, s, vh = torch.linalg.svd(w, full_matrices=False)
-    K = w.shape[0]
+    if not s[0] > 0:
+        raise AnalysisError("the probe's task weights are zero: no task subspace")
+    rank = int((s > RANK_TOLERANCE * s[0]).sum())
+    return ProbeFit(weights.to(states.device), vh[:rank].T.to(states.device), dropped)
+
+
+def probe_basis_with_mean(states: torch.Tensor, alpha: torch.Tensor, current: torch.Tensor, vocab: int | None,
+                          window: slice) -> torch.Tensor:
+    """[D, K] the variant ``s-with-mean``: the row space of W_task of the minimum-norm fit of
+    ``h ~ alpha W_task + onehot(x_t) W_tok + b`` (every column kept) on states: [N, P, D] over the
+    positions ``window`` (alpha: [N, P, K] the posterior over the majors; current: [N, P] tokens or
+    [N, P, d] x_t); AnalysisError when its rows span fewer than K directions."""
+    K, D = alpha.shape[-1], states.shape[-1]
+    tokens = current[:, window].flatten(0, 1)
+    tokens = torch.nn.functional.one_hot(tokens.long(), vocab) if vocab is not None else tokens
+    x = torch.cat([alpha[:, window].reshape(-1, K).double(), tokens.double(), torch.ones(len(tokens), 1, dtype=torch.float64)], 1)
+    h = states[:, window].reshape(-1, D).double()
+    w = torch.linalg.lstsq(x.cpu(), h.cpu(), driver="gelsd").solution[:K]
+    _, s, vh = torch.linalg.svd(w, full_matrices=False)
     if s.numel() < K or s[-1] <= s[0] * 1e-10:
         raise AnalysisError(f"the probe's task weights span fewer than {K} directions: no rank-{K} task subspace")
-    return vh[:K].T
+    return vh[:K].T.to(states.device)

@@ -10,6 +10,8 @@ can move it (``Variant.claims``):
 
 - ``centred-S``: S ablated as ``h - P_S (h - mu_t)`` on the task vectors' span, at the place the
   M1 analysis selects (``StudyRun.select_place`` on the ``select`` split), one place;
+- ``s-with-mean``: S the earlier rank-K probe's at every block, ablated, and V with its random
+  controls searched again in its complement, summarised by the block mean;
 - ``v-avoids-tokens``, ``v-searched-on-ood``: V searched again at every block under that choice,
   with its random controls, summarised by the block mean;
 - ``v-best-block``: the protocol's V and controls read at the one block whose V raises the OOD loss
@@ -47,7 +49,7 @@ from taskgeom.experiments.dual_modes import MAX_R2_HIGH_DIVERSITY, ablation_clai
 from taskgeom.experiments.m1 import retrieval_claims
 from taskgeom.runs import Run
 
-ABLATION_VARIANTS = ("centred-S", "v-avoids-tokens", "v-searched-on-ood", "v-best-block")
+ABLATION_VARIANTS = ("centred-S", "s-with-mean", "v-avoids-tokens", "v-searched-on-ood", "v-best-block")
 STORED_VARIANTS = ("selected-place", "site-mid", "pooled-anova", "per-sequence-r2")  # read from the stored analyses
 SETS = ("major", "ood")  # the sets the dissociation's claims read
 
@@ -85,7 +87,8 @@ def ablation_variants(run: StudyRun, variants: tuple[str, ...] = ABLATION_VARIAN
             best = v_block(run, blocks, n_seq)
             measured[name] = (ablation_rows(run, blocks, sets, clean, v_block=best), f"block {blocks[best].place.layer}")
         else:
-            measured[name] = (ablation_rows(run, find_blocks(run, geometries, steps=search_steps, variant=name), sets, clean), mean)
+            blocks_of_variant = find_blocks(run, geometries, steps=search_steps, variant=name)
+            measured[name] = (ablation_rows(run, blocks_of_variant, sets, clean, variant=name), mean)
 
     k, recipe, rows = run.config.task.diversity, run.config.name, []
     for name, (variant_rows, where) in measured.items():

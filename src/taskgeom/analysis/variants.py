@@ -43,6 +43,10 @@ VARIANTS = (
     Variant("centred-S", ("ablate_S",),
             "S ablation h - P_S (h - mu_t) on the rank K-1 span of the task vectors, at the selected place",
             "the task subspace of section 4 rather than a probe's row space"),
+    Variant("s-with-mean", ("ablate_S", "ablate_V", "random_control"),
+            "S of rank K from the minimum-norm probe with every posterior column beside the token one-hot and an intercept, "
+            "over the late window: the task contrasts and about the mean state; V and the random controls avoid it",
+            "the protocol before 2026-12-02, a misreading of the study's probe, which drops the redundant column of each one-hot group"),
     Variant("v-avoids-tokens", ("ablate_V", "random_control"),
             "E1 and E2's V also kept out of the token subspace",
             "kept V from removing what the current token carries"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pandas as pd
 
 from taskgeom.analysis.ablations import N_RANDOM_CONTROLS
+from taskgeom.analysis.shares import MIN_RELIABLE_GAIN
 from taskgeom.claims import check, gain_parts, not_applicable
 from taskgeom.experiments.base import Context
 from taskgeom.experiments.schedule import TrainTask
@@ -69,10 +70,17 @@ def _per_block(rows: pd.DataFrame, metric: str, diversity: int, set_name: str, p
 
 
 def _reason(rows: pd.DataFrame, metric: str, diversity: int, set_name: str) -> str | None:
-    """Why a final-model share of gain in ``rows`` (one seed's) is null (its gain is not positive), else None."""
+    """Why a final-model share of gain in ``rows`` (one seed's) counts neither way (docs/protocol.md,
+    "Shares of in-context gain"): it is null (its gain is not positive) or unreliable (its gain is
+    below ``MIN_RELIABLE_GAIN``); else None."""
     pick = _pick(rows, metric, diversity, set_name, summary=True)
     reasons = [r for r in pick["reason"] if isinstance(r, str)] if "reason" in pick else []
-    return reasons[0] if reasons else None
+    if reasons:
+        return reasons[0]
+    if "unreliable" in pick and pick["unreliable"].eq(True).any():
+        gain = float(pick["gain"].iloc[0])
+        return f"the in-context gain L_0 - L = {gain:.3g} is below {MIN_RELIABLE_GAIN} nats: its share is unreliable"
+    return None
 
 
 def projection_parts(rows: pd.DataFrame, diversity: int) -> dict:

@@ -4,7 +4,7 @@ through the entry-point group ``taskgeom.families``."""
 
 from __future__ import annotations
 
-from taskgeom.tasks.base import Batch, TaskFamily, TaskPool, TokenFamily, n_minor_for_diversity, pool_weights
+from taskgeom.tasks.base import Batch, TaskFamily, TaskPool, TaskProbe, TokenFamily, n_minor_for_diversity, pool_weights
 from taskgeom.tasks.dice import Dice
 from taskgeom.tasks.dyck import Dyck
 from taskgeom.tasks.markov import Markov
@@ -21,5 +21,5 @@ def make(name: str, **settings) -> TaskFamily:
     return build_family(settings_model(name).model_validate(settings))
 
 
-__all__ = ["Batch", "FAMILIES", "FamilyError", "TaskFamily", "TaskPool", "TokenFamily", "build_family", "families", "family_class",
+__all__ = ["Batch", "FAMILIES", "FamilyError", "TaskFamily", "TaskPool", "TaskProbe", "TokenFamily", "build_family", "families", "family_class",
            "make", "n_minor_for_diversity", "pool_weights", "register", "settings_model"]

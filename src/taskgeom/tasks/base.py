@@ -92,6 +92,27 @@ def n_minor_for_diversity(k: int) -> int:
     return 0 if k == -1 else 2**k
 
 
+@dataclass(frozen=True)
+class TaskProbe:
+    """What a family's probe regresses on (``TaskFamily.task_probe``; the fit is ``analysis.probe``):
+    ``window``: the fit positions as fractions [start, stop) of the analysed positions; ``logits``:
+    the model's own logits as a nuisance block; ``positions``: the position one-hot; ``pool_posterior``:
+    ``pi`` is the posterior over the whole training pool restricted to the majors (else over the
+    majors alone); ``anchors``: at k > -1, train-mode sequences join the fit so that ``pi`` no
+    longer sums to one; ``sequence_posterior``: ``pi`` after the whole sequence at every position
+    (the study's dice probe), else after position t; ``centred``: the rows of ``W_task`` are
+    centred over the tasks before the SVD."""
+
+    window: tuple[float, float]
+    logits: bool
+    positions: bool
+    pool_posterior: bool = True
+    anchors: bool = True
+    sequence_posterior: bool = False
+    centred: bool = False
+
+
+
 class TaskFamily(ABC):
     """What every latent-task family shares: pools, seeded sampling, and the dispatch points the
     trainer and evaluator use (model sizes, training loss, evaluation losses).
@@ -113,6 +134,9 @@ class TaskFamily(ABC):
     vector_window: ClassVar[tuple[float, float]] = (0.75, 1.0)
     m1_block: ClassVar[tuple[int, int]] = (3, 6)
     p3_block: ClassVar[tuple[int, int]] = (3, 6)
+    # docs/protocol.md, "S ablation": what the study's probe of this family regresses on (None: the
+    # family declares none, and the ablations' task subspace cannot be fitted for it)
+    task_probe: ClassVar[TaskProbe | None] = None
 
     # ---- family-specific pieces -------------------------------------------------------------
     @abstractmethod

@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 from taskgeom.rng import generator
 from taskgeom.settings import Int, PositiveFloat, Real, TokenTaskSettings
-from taskgeom.tasks.base import TokenFamily
+from taskgeom.tasks.base import TaskProbe, TokenFamily
 
 Majors = Literal["dirichlet", "prior", "disjoint"]
 
@@ -47,6 +47,9 @@ class Dice(TokenFamily):
     name = "dice"
     Settings = DiceSettings
     vector_window = (100 / 128, 120 / 128)  # the study's positions 100-119 of 128
+    # the study's dice probe (coin/analysis/probes/_internals.py): no logit block, the position one-hot,
+    # the posterior after the whole sequence at every position; fit from position 100 of 192's fraction on
+    task_probe = TaskProbe(window=(100 / 192, 1.0), logits=False, positions=True, sequence_posterior=True)
 
     def __init__(self, vocab_size: int, alpha: float, majors: Majors, floor: float, major_seed: int = 42):
         self.vocab_size, self.alpha, self.majors, self.floor, self.major_seed = vocab_size, alpha, majors, floor, major_seed

@@ -23,7 +23,7 @@ from pydantic import Field
 
 from taskgeom.rng import generator
 from taskgeom.settings import Int, PositiveFloat, PositiveInt, TaskSettings
-from taskgeom.tasks.base import Batch, TaskFamily, TaskPool
+from taskgeom.tasks.base import Batch, TaskFamily, TaskPool, TaskProbe
 
 Layout = Literal["separator", "pair"]
 _STRIDE = {"separator": 3, "pair": 2}
@@ -59,6 +59,10 @@ class Regression(TaskFamily):
     reads_tokens = False
     vector_window = (54 / 64, 1.0)  # the study's last ten examples, 54-63 of 64
     m1_block, p3_block = (10, 16), (9, 16)  # the study's E2 model has 16 blocks
+    # the study's regression probe (linear/analysis/interventions/_helpers.py _fit_task_subspace): x_t, no
+    # logits, no position one-hot, the posterior over the majors alone (no anchors), W_task centred;
+    # fitted on examples 10-63 of 64
+    task_probe = TaskProbe(window=(10 / 64, 1.0), logits=False, positions=False, pool_posterior=False, anchors=False, centred=True)
     plot_labels = ("dMMSE (pool posterior)", "ridge, lambda = noise^2", "mean squared error", "example index i (predicting y_i)")
 
     def __init__(self, d: int, noise: float, layout: Layout, major_seed: int | None = None):
