@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import scipy.stats
 import torch
@@ -301,3 +302,28 @@ def test_within_shares_are_zero_for_token_cells_of_the_embedding_and_one_for_a_s
     by_token = within_shares(states, task, tokens, 3, fam.vocab_size, mask)
     assert by_token[0] == pytest.approx(0.0, abs=1e-12) and 0.0 < by_token[1] < 1.0
     assert within_shares(states, zeros, zeros, 1, 1, mask) == pytest.approx([1.0, 1.0])
+
+
+def test_within_share_is_the_median_over_late_positions_of_each_position_s_layout():
+    """P0 per position (as for E1-E3): at each late position, SS_within / SS_total over the cells of
+    the masked sequences there, by numpy; the claim's number is their median (positions with fewer
+    than two masked sequences left out)."""
+    from taskgeom.extras.dyck import within_share
+
+    gen = torch.Generator().manual_seed(0)
+    N, T, D = 60, 8, 5
+    h = torch.randn(N, T, D, generator=gen, dtype=torch.float64)
+    a, b = torch.randint(0, 2, (N, T), generator=gen), torch.randint(0, 3, (N, T), generator=gen)
+    mask = torch.rand(N, T, generator=gen) < 0.5
+    mask[:, -1] = False
+    mask[0, -1] = True  # one masked sequence at the last position: left out
+    shares = []
+    for t in range(T - 2, T):  # the late window of 8 positions: the last 2
+        keep = mask[:, t].numpy()
+        if keep.sum() < 2:
+            continue
+        x, cells = h[keep, t].numpy(), (a[keep, t] * 3 + b[keep, t]).numpy()
+        within = sum(((x[cells == c] - x[cells == c].mean(0)) ** 2).sum() for c in set(cells))
+        shares.append(within / ((x - x.mean(0)) ** 2).sum())
+    assert len(shares) == 1
+    assert within_share(h, a, b, 2, 3, mask) == pytest.approx(float(np.median(shares)), rel=1e-12)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from taskgeom.extras.dyck import (MAX_BACK, PROBE_MARGIN, best_layers, prefix_probes, probe_batch, probe_rows, probe_targets,
+from taskgeom.extras.dyck import (MAX_BACK, PROBE_MARGIN, prefix_probes, probe_batch, probe_rows, probe_targets,
                                       weakest_probe)
 from taskgeom.recipes import load_recipe
 from taskgeom.extras.dyck_figures import plot_prefix_probes
@@ -96,41 +96,27 @@ def test_probes_read_planted_geometry(run):
     assert rows[(0, "depth")]["score"] < 0.05
 
 
-def test_weakest_probe_is_the_target_no_layer_holds(run):
-    """The claim's number: each target's best layer, then the smallest margin over targets. With the
-    bracket 7 back held nowhere it is the weakest target, far below the held ones."""
+def test_weakest_probe_is_the_target_the_claims_place_does_not_hold(run):
+    """The claim's number: every target read at one place (the M1 block's resid_post), the smallest
+    margin over targets. With the bracket 7 back held elsewhere only, it is the weakest target there,
+    far below the held ones."""
     tokens = probe_batch(run, "pool", 128).tokens
     mask, targets = probe_targets(run.family, tokens)
     held = [f"back_{j}" for j in range(1, MAX_BACK)]
-    states = [((0, "resid_mid"), _planted_states(tokens, targets, held[:3])),
-              ((1, "resid_mid"), _planted_states(tokens, targets, [*held[3:], "depth"])),
-              ((1, "resid_post"), _planted_states(tokens, targets, [f"back_{MAX_BACK}"]))]  # another site: not read
+    states = [((0, "resid_post"), _planted_states(tokens, targets, [])),
+              ((1, "resid_post"), _planted_states(tokens, targets, [*held, "depth"])),
+              ((1, "resid_mid"), _planted_states(tokens, targets, [f"back_{MAX_BACK}"]))]  # another site: not read
     rows = probe_rows(states, targets, mask, "pool", seed=0)
-    weakest = weakest_probe(rows, "resid_mid")
-    assert weakest["target"] == f"back_{MAX_BACK}"
+    weakest = weakest_probe(rows, 1)
+    assert weakest["target"] == f"back_{MAX_BACK}" and weakest["layer"] == 1
     assert weakest["gain"] == pytest.approx(weakest["score"] - weakest["control"])
     assert weakest["gain"] < PROBE_MARGIN + 0.05
-    held_gains = [r["score"] - r["control"] for r in rows if r["site"] == "resid_mid" and r["target"] in held and r["score"] > 0.9]
+    held_gains = [r["score"] - r["control"] for r in rows if (r["layer"], r["site"]) == (1, "resid_post") and r["target"] in held]
     assert len(held_gains) == len(held) and min(held_gains) > 0.3
-    assert weakest_probe(rows, "resid_post")["target"] != f"back_{MAX_BACK}"
-    first = rows[0]  # (layer 0, resid_mid, back_1): a NaN at one layer leaves the best layer; at every layer it reaches the claim
-    assert first["target"] == "back_1" and first["site"] == "resid_mid"
-    assert weakest_probe([{**first, "score": math.nan}, *rows[1:]], "resid_mid") == weakest
-    nan_everywhere = [{**r, "score": math.nan} if r["target"] == "back_1" else r for r in rows]
-    assert weakest_probe(nan_everywhere, "resid_mid")["target"] == "back_1"
-    assert math.isnan(weakest_probe(nan_everywhere, "resid_mid")["gain"])
+    assert weakest_probe(rows, 1, "resid_mid")["target"] != f"back_{MAX_BACK}"
+    first = next(r for r in rows if (r["layer"], r["site"], r["target"]) == (0, "resid_post", "back_1"))
+    assert weakest_probe([{**r, "score": math.nan} if r is first else r for r in rows], 1) == weakest  # another layer: not read
+    nan_there = [{**r, "score": math.nan} if (r["layer"], r["site"], r["target"]) == (1, "resid_post", "back_1") else r for r in rows]
+    assert weakest_probe(nan_there, 1)["target"] == "back_1" and math.isnan(weakest_probe(nan_there, 1)["gain"])
     with pytest.raises(ValueError, match="no probe rows"):
-        weakest_probe(rows, "attn_out")
-
-
-def test_the_claims_layers_come_from_the_selection_batch_not_the_measured_one():
-    def row(target, layer, gain):
-        return {"set": "pool", "site": "resid_mid", "layer": layer, "target": target, "metric": "accuracy", "score": 0.5 + gain, "control": 0.5}
-
-    selection = [row("back_1", 0, 0.30), row("back_1", 1, 0.20), row("depth", 0, 0.10), row("depth", 1, 0.40)]
-    measured = [row("back_1", 0, 0.05), row("back_1", 1, 0.25), row("depth", 0, 0.50), row("depth", 1, 0.15)]
-    layers = best_layers(selection)
-    assert layers == {"back_1": 0, "depth": 1}
-    chosen = weakest_probe(measured, "resid_mid", layers)
-    assert (chosen["target"], chosen["layer"]) == ("back_1", 0) and chosen["gain"] == pytest.approx(0.05)
-    assert weakest_probe(measured, "resid_mid")["gain"] == pytest.approx(0.25)  # its own best layers would flatter it
+        weakest_probe(rows, 1, "attn_out")

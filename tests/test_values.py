@@ -201,32 +201,31 @@ def _probe(site: str, layer: int, target: str, score: float, control: float, whi
 
 
 @pytest.mark.parametrize("e4_shares, status", [((0.3, 0.12), "pass"), ((0.3, 0.08), "fail")])
-def test_e4_claims_read_planted_shares_and_probes(tmp_path, monkeypatch, e4_shares, status):
-    """e4.P0_failure = E4's smallest share at resid_mid over layers and both groupings, divided by
-    the larger of E1's and E3's smallest at resid_mid; e4.prefix_probe = the smallest over targets
-    of the best layer's score minus control at resid_mid. resid_post holds numbers that would give
-    other answers."""
+def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monkeypatch, e4_shares, status):
+    """e4.P0_failure = E4's share at resid_post of its M1 block (block 1 of 2: the study's block 3 of
+    6), the smaller of its two groupings, divided by the larger of E1's and E3's at theirs;
+    e4.prefix_probe = the smallest over targets of score minus control at the same place. Other
+    layers and resid_mid hold numbers that would give other answers."""
     e4 = importlib.import_module("taskgeom.extras.dyck")
-    references = {"e1": {"resid_mid": [0.05, 0.02], "resid_post": [0.001, 0.5]},
-                  "e3": {"resid_mid": [0.04, 0.03], "resid_post": [0.3, 0.2]}}
-    token_due = [e4_shares[0], 0.5]
-    dyck = {"resid_mid": {"token_due": token_due, "last3_due": [0.25, e4_shares[1]], "token_late": [0.001, 0.001], "last3_late": [0.001, 0.001]},
-            "resid_post": {"token_due": [0.9, 0.9], "last3_due": [0.9, 0.9], "token_late": [0.9, 0.9], "last3_late": [0.9, 0.9]}}
+    references = {"e1": {"resid_mid": [0.05, 0.9], "resid_post": [0.5, 0.02]},
+                  "e3": {"resid_mid": [0.04, 0.9], "resid_post": [0.4, 0.03]}}
+    dyck = {"resid_post": {"token_due": [0.001, e4_shares[0]], "last3_due": [0.001, e4_shares[1]], "token_late": [0.9, 0.9],
+                           "last3_late": [0.9, 0.9]},
+            "resid_mid": {"token_due": [0.001, 0.001], "last3_due": [0.001, 0.001], "token_late": [0.001, 0.001], "last3_late": [0.001, 0.001]}}
     trained_rows = {
-        "pool": [_probe("resid_mid", 0, "back_1", 0.9, 0.5), _probe("resid_mid", 1, "back_1", 0.7, 0.5),  # best gain 0.4
-                 _probe("resid_mid", 0, "depth", 0.2, 0.05), _probe("resid_mid", 1, "depth", 0.35, 0.1),  # best gain 0.25: the weakest
-                 _probe("resid_post", 1, "depth", 0.1, 0.1), _probe("resid_post", 0, "back_1", 0.5, 0.5)],
-        "ood": [_probe("resid_mid", 0, "back_1", 0.5, 0.5, "ood"), _probe("resid_mid", 0, "depth", 0.0, 0.0, "ood")],
+        "pool": [_probe("resid_post", 1, "back_1", 0.9, 0.5), _probe("resid_post", 1, "depth", 0.35, 0.1),  # depth, 0.25: the weakest
+                 _probe("resid_post", 0, "back_1", 0.55, 0.5), _probe("resid_post", 0, "depth", 0.9, 0.1),   # another layer: not read
+                 _probe("resid_mid", 1, "depth", 0.1, 0.1), _probe("resid_mid", 1, "back_1", 0.5, 0.5)],     # another site: not read
+        "ood": [_probe("resid_post", 1, "back_1", 0.5, 0.5, "ood"), _probe("resid_post", 1, "depth", 0.0, 0.0, "ood")],
     }
-    # read at the trained model's layers {back_1: 0, depth: 1}, the weakest is back_1 at 0.06; at
-    # their own best layers it would be depth at 0.07
-    untrained_rows = [_probe("resid_mid", 0, "back_1", 0.56, 0.5), _probe("resid_mid", 1, "back_1", 0.6, 0.5),
-                      _probe("resid_mid", 0, "depth", 0.03, 0.0), _probe("resid_mid", 1, "depth", 0.08, 0.01)]
+    untrained_rows = [_probe("resid_post", 1, "back_1", 0.6, 0.5), _probe("resid_post", 1, "depth", 0.08, 0.01),
+                      _probe("resid_post", 0, "back_1", 0.5, 0.5), _probe("resid_post", 0, "depth", 0.0, 0.0)]
     trained, untrained = object(), object()
     runs = {}
 
     def fake_trained(self, recipe, overrides=(), seed=0):
         runs[(recipe, overrides)] = run = SimpleNamespace(recipe=recipe, config=SimpleNamespace(model=SimpleNamespace(n_layers=2)),
+                                                          family=SimpleNamespace(m1_block=(3, 6)),
                                                           load_model=lambda: trained, new_model=lambda: untrained)
         return run
 
@@ -244,20 +243,23 @@ def test_e4_claims_read_planted_shares_and_probes(tmp_path, monkeypatch, e4_shar
     assert list(claims) == ["e4.P0_failure", "e4.prefix_probe"]
     p0 = claims["e4.P0_failure"]
     assert p0.value == pytest.approx(e4_shares[1] / 0.03, rel=1e-12)
-    assert p0.parts == {"e4_smallest": e4_shares[1], "reference_smallest": 0.03}
+    assert p0.parts == {"e4_share": e4_shares[1], "reference_share": 0.03, "layer": 1, "site": "resid_post", "e1_share": 0.02,
+                        "e3_share": 0.03}
     assert (p0.threshold, p0.comparison, p0.status) == (e4.P0_FACTOR, ">=", status)
     probe = claims["e4.prefix_probe"]
     assert probe.value == pytest.approx(0.25, rel=1e-12) and probe.status == "pass"
-    assert probe.parts == {"score": 0.35, "control": 0.1, "target": "depth", "layer": 1, "untrained_gain": pytest.approx(0.06, rel=1e-9)}
+    assert probe.parts == {"score": 0.35, "control": 0.1, "target": "depth", "layer": 1, "site": "resid_post",
+                           "untrained_gain": pytest.approx(0.07, rel=1e-9)}
     assert (probe.threshold, probe.comparison) == (e4.PROBE_MARGIN, ">=")
     assert set(runs) == {("e4", ("task.diversity=-1",)), ("e4", (f"task.diversity={e4.PROBE_DIVERSITY}",)),
                          ("e1", ("task.diversity=-1",)), ("e3", ("task.diversity=-1",))}
     written = json.loads((tmp_path / "analysis" / "e4.json").read_text())
-    series = {"e1": [0.05, 0.02], "e3": [0.04, 0.03], **{f"e4_{k}": v for k, v in dyck["resid_mid"].items()}}
     assert {row.pop("seed") for name in ("p0", "probes", "probes_ood") for row in written[name]} == {0}
-    mid = [row for row in written["p0"] if row["site"] == "resid_mid"]
-    assert {(r["series"], r["layer"]): r["value"] for r in mid} == {(name, layer): v for name, values in series.items()
-                                                                       for layer, v in enumerate(values)}
+    for site in ("resid_mid", "resid_post"):
+        series = {"e1": references["e1"][site], "e3": references["e3"][site], **{f"e4_{k}": v for k, v in dyck[site].items()}}
+        at = [row for row in written["p0"] if row["site"] == site]
+        assert {(r["series"], r["layer"]): r["value"] for r in at} == {(name, layer): v for name, values in series.items()
+                                                                          for layer, v in enumerate(values)}
     assert written["probes"] == trained_rows["pool"] and written["probes_ood"] == trained_rows["ood"]
 
 

@@ -1,19 +1,25 @@
 """E4, planted Dyck (PAPER.md section 6): P0 fails where E1 and E3 satisfy it, and linear probes
 recover the earlier bracket prefix from the hidden states.
 
-P0 is measured by one function for every family, ``within_shares``: the within-cell share of
-variance of the states at each layer (``resid_mid``, the default extraction point of PAPER.md
-section 7, and ``resid_post`` kept in the JSON) over (task, current token) cells on late positions
-of major-task sequences of a majors-only model. For E4 the cells are also (task, last three planted
-brackets), and the positions are those of the bracket phase: late positions at which brackets are
-still due [ours]. Once all brackets are placed E4 emits iid noise, a one-task E1 where P0 holds
-trivially; both E4 numbers over all late positions are kept in ``analysis/e4.json`` too.
+Where (docs/protocol.md, "E4"): the claims read ``resid_post`` of each model's M1 block (the
+study's block 3 of 6 at the same relative depth, ``Place.at_depth`` of the family's ``m1_block``),
+one place, never the minimum over blocks; the tables keep every layer at both sites.
 
-The prefix probes (PAPER.md section 7) read in-distribution sequences, tasks drawn from the pool
-prior of the k = PROBE_DIVERSITY model, as the study does: at each prefix length j, a linear probe
-classifies the planted bracket j back from h_t at ``resid_mid`` of every layer, against a
-shuffled-label control. The same probes on OOD sequences (a fresh string each) are a second table,
-and both are repeated on the untrained network as a control.
+P0 is measured by one function for every family, ``within_share``: the within-cell share of the
+variance of the states over (task, current token) cells **at each position separately** (as the
+M1 protocol fits P0 for E1-E3, so the drift of the mean state is not counted as within-cell
+variance), on major-task sequences of a majors-only model, summarised by the median over the late
+window (the last quarter). For E4 the cells are also (task, last three planted brackets), and the
+states those of the bracket phase: at each late position, the sequences whose brackets are still
+due [ours]. Once all brackets are placed E4 emits iid noise, a one-task E1 where P0 holds
+trivially; both E4 numbers over every sequence of the late window are kept in
+``analysis/e4.json`` too.
+
+The prefix probes read in-distribution sequences, tasks drawn from the pool prior of the k =
+PROBE_DIVERSITY model, as the study does: at each prefix length j, a linear probe classifies the
+planted bracket j back from h_t, against a shuffled-label control, at every layer and both sites;
+the claim reads every target at the M1 block's ``resid_post``. The same probes on OOD sequences (a
+fresh string each) are a second table, and both are repeated on the untrained network as a control.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import pandas as pd
 import torch
 
 from taskgeom.analysis.anova import two_way
+from taskgeom.analysis.edits import Place
 from taskgeom.analysis.probes import Kind, linear_probe
 from taskgeom.analysis.states import collect
 from taskgeom.analysis.task_vectors import late_window
@@ -40,38 +47,50 @@ from taskgeom.storage import atomic_write_json
 from taskgeom.tasks import Batch
 from taskgeom.tasks.dyck import Dyck
 
-# The claim of the issue: E4's smallest within-cell share over layers is at least this many times
-# the larger of E1's and E3's smallest.
+# The claim: E4's within-cell share at its M1 block is at least this many times the larger of E1's
+# and E3's at theirs.
 P0_FACTOR = 3.0
 # A probe recovers its target when it beats its shuffled-label control by at least this much
 # (held-out accuracy points for the brackets j back, R^2 for the depth).
 PROBE_MARGIN = 0.10
 PROBE_DIVERSITY = 8  # k of the high-diversity model the probes read (2**k minor tasks)
 MAX_BACK = 7  # probes for the planted bracket j back, j = 1..MAX_BACK
-N_SEQUENCES = 256  # sequences per analysis
+N_SEQUENCES = 256  # sequences per probe analysis
+P0_SEQUENCES = 1024  # sequences of the P0 layouts [ours]: E4's bracket phase keeps a fraction of them at each late position
 # The recipes whose P0 E4 is set beside (the recipe's ``options: {references: [...]}``): token
 # families; E2 would need its token factor binned, since x_t is continuous there.
 REFERENCES = ("e1", "e3")
-# Sites measured at every layer, for P0 and for the probes; the claims and the figures read
-# resid_mid (PAPER.md section 7), the first of them.
+# Sites measured at every layer, for P0 and for the probes (the tables); the claims and the figures
+# read CLAIM_SITE of the M1 block (docs/protocol.md, "E4").
 P0_SITES = ("resid_mid", "resid_post")
 PROBE_SITES = P0_SITES
-CLAIM_SITE = "resid_mid"
+CLAIM_SITE = "resid_post"
 ProbeSet = Literal["pool", "ood"]
 PROBE_SETS: tuple[str, ...] = ("pool", "ood")
-# PAPER.md section 7: no claim selects its place by its own value on the data it reports. The layer
-# each target is read at is chosen on a pool batch of its own (SELECT_STREAM); the tables and the
-# claim are measured on MEASURE_STREAM.
-MEASURE_STREAM, SELECT_STREAM = "probe", "probe-select"
+MEASURE_STREAM = "probe"
 
 
-def within_shares(
-    states: Sequence[torch.Tensor], a: torch.Tensor, b: torch.Tensor, n_a: int, n_b: int, mask: torch.Tensor
-) -> list[float]:
-    """P0 for each state tensor (one per layer): SS_within / SS_total over cells (a, b) on the
-    positions where mask is true. states: each [N, T, D]; a, b: [N, T] long (a in 0..n_a-1, b in
-    0..n_b-1); mask: [N, T] bool."""
-    return [two_way(h[mask], a[mask], b[mask], n_a, n_b).within_share for h in states]
+def claim_layer(run: Run) -> int:
+    """The block the claims read: the family's M1 block at the model's depth."""
+    return Place.at_depth(*run.family.m1_block, run.config.model.n_layers).layer
+
+
+def within_share(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, n_a: int, n_b: int, mask: torch.Tensor) -> float:
+    """P0 of states h: [N, T, D]: SS_within / SS_total over cells (a, b) at each late position
+    separately, over the sequences where mask: [N, T] bool is true there (positions with fewer
+    than two left out), and the median over those positions (NaN when none is left); a, b: [N, T]
+    long (a in 0..n_a-1, b in 0..n_b-1)."""
+    shares = []
+    for t in range(*late_window(h.shape[1]).indices(h.shape[1])):
+        keep = mask[:, t]
+        if int(keep.sum()) >= 2:
+            shares.append(two_way(h[keep, t], a[keep, t], b[keep, t], n_a, n_b).within_share)
+    return float(torch.tensor(shares, dtype=torch.float64).median()) if shares else math.nan
+
+
+def within_shares(states: Sequence[torch.Tensor], a: torch.Tensor, b: torch.Tensor, n_a: int, n_b: int, mask: torch.Tensor) -> list[float]:
+    """``within_share`` of each state tensor (one per layer)."""
+    return [within_share(h, a, b, n_a, n_b, mask) for h in states]
 
 
 def _layer_states(run: Run, tokens: torch.Tensor, model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
@@ -82,7 +101,7 @@ def _layer_states(run: Run, tokens: torch.Tensor, model: torch.nn.Module) -> dic
 
 
 def _major_batch(run: Run):
-    return run.family.sample(run.pool, N_SEQUENCES, run.config.task.seq_len, run.config.train.seed, 0, "p0", "major")
+    return run.family.sample(run.pool, P0_SEQUENCES, run.config.task.seq_len, run.config.train.seed, 0, "p0", "major")
 
 
 def _late(tokens: torch.Tensor) -> torch.Tensor:
@@ -93,8 +112,8 @@ def _late(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def reference_p0(run: Run) -> dict[str, list[float]]:
-    """{site name: within-cell share per layer} over (task, current token) cells, late window,
-    major-task sequences."""
+    """{site name: within-cell share per layer} over (task, current token) cells, per late
+    position, major-task sequences."""
     batch = _major_batch(run)
     tokens = batch.tokens
     task = batch.task[:, None].expand_as(tokens)
@@ -104,8 +123,8 @@ def reference_p0(run: Run) -> dict[str, list[float]]:
 
 def dyck_p0(run: Run) -> dict[str, dict[str, list[float]]]:
     """{site name: {grouping_positions: share per layer}}: E4's within-cell share by (task, current
-    token) and by (task, last three planted brackets), on the bracket phase of the late window
-    (``_due``) and on the whole late window (``_late``)."""
+    token) and by (task, last three planted brackets), per late position over the sequences in
+    their bracket phase (``_due``) or over every sequence (``_late``)."""
     family, batch = run.family, _major_batch(run)
     tokens = batch.tokens
     late = _late(tokens)
@@ -127,8 +146,7 @@ def dyck_p0(run: Run) -> dict[str, dict[str, list[float]]]:
 def probe_batch(run: Run, which: ProbeSet, n_sequences: int = N_SEQUENCES, stream: str = MEASURE_STREAM) -> Batch:
     """The sequences the probes read: ``pool`` draws tasks from the pool prior (in-distribution, as
     the study probes); ``ood`` draws a fresh string per sequence (no memorised string can stand in
-    for the prefix). ``stream``: MEASURE_STREAM for the tables and the claim, SELECT_STREAM for the
-    batch that chooses the claim's layers."""
+    for the prefix)."""
     family, cfg = run.family, run.config
     if which == "pool":
         return family.sample(run.pool, n_sequences, cfg.task.seq_len, cfg.train.seed, 0, stream, "all")
@@ -180,27 +198,18 @@ def prefix_probes(run: Run, model: torch.nn.Module, which: ProbeSet, n_sequences
     return probe_rows(collect(model, tokens, sites).items(), targets, mask, which, run.config.train.seed)
 
 
-def best_layers(rows: list[dict], site: str = CLAIM_SITE) -> dict[str, int]:
-    """{target: the layer whose probe at ``site`` beats its shuffled-label control by the most} (a
-    NaN margin counts as the smallest); on the selection batch, this fixes the claim's layers."""
-    chosen = [r for r in rows if r["site"] == site]
-    if not chosen:
-        raise ValueError(f"no probe rows at site {site!r}")
-    return {t: max((r for r in chosen if r["target"] == t), key=_gain)["layer"] for t in dict.fromkeys(r["target"] for r in chosen)}
-
-
 def _gain(row: dict) -> float:
     value = row["score"] - row["control"]
     return -math.inf if math.isnan(value) else value
 
 
-def weakest_probe(rows: list[dict], site: str = CLAIM_SITE, layers: dict[str, int] | None = None) -> dict:
-    """The target whose probe at ``site`` beats its shuffled-label control by the least, each target
-    read at ``layers[target]`` (by default its best layer in these rows): {target, layer, score,
-    control, gain} (gain = score - control). A NaN gain counts as the smallest, so that it reaches the
-    claim (which NaN never passes)."""
-    layers = best_layers(rows, site) if layers is None else layers
-    read = [next(r for r in rows if r["site"] == site and r["target"] == t and r["layer"] == layer) for t, layer in layers.items()]
+def weakest_probe(rows: list[dict], layer: int, site: str = CLAIM_SITE) -> dict:
+    """The target whose probe at (``layer``, ``site``) beats its shuffled-label control by the least:
+    {target, layer, score, control, gain} (gain = score - control). A NaN gain counts as the
+    smallest, so that it reaches the claim (which NaN never passes)."""
+    read = [r for r in rows if r["site"] == site and r["layer"] == layer]
+    if not read:
+        raise ValueError(f"no probe rows at layer {layer}, site {site!r}")
     row = min(read, key=_gain)
     return {"target": row["target"], "layer": row["layer"], "score": row["score"], "control": row["control"], "gain": row["score"] - row["control"]}
 
@@ -238,30 +247,32 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int) -> 
     with ctx.stage(f"prefix probes (trained and untrained, pool and OOD; seed {seed})"):
         model, untrained_model = diverse.load_model(), diverse.new_model()  # untrained: random features of the same network
         probes = {which: prefix_probes(diverse, model, which) for which in PROBE_SETS}
-        layers = best_layers(prefix_probes(diverse, model, "pool", stream=SELECT_STREAM))  # chosen apart from the claim's batch
         untrained = [row for which in PROBE_SETS for row in prefix_probes(diverse, untrained_model, which)]
     p0 = {site: {**{ref: reference_shares[ref][site] for ref in references}, **{f"e4_{k}": v for k, v in dyck[site].items()}}
           for site in P0_SITES}
     p0_rows = [{"site": site, "series": name, "layer": layer, "metric": "p0.within_share", "value": share}
                for site, series in p0.items() for name, shares in series.items() for layer, share in enumerate(shares)]
 
-    shares = p0[CLAIM_SITE]
-    e4_smallest = min(min(shares["e4_token_due"]), min(shares["e4_last3_due"]))
-    reference_smallest = max(min(shares[ref]) for ref in references)
-    weakest = weakest_probe(probes["pool"], CLAIM_SITE, layers)
+    shares, layer = p0[CLAIM_SITE], claim_layer(majors)
+    e4_share = min(shares["e4_token_due"][layer], shares["e4_last3_due"][layer])
+    at = {ref: claim_layer(run) for ref, run in reference_runs.items()}
+    reference_share = max(shares[ref][at[ref]] for ref in references)
+    probe_layer = claim_layer(diverse)
+    weakest = weakest_probe(probes["pool"], probe_layer)
     of_references = " and ".join(f"{ref.upper()}'s" for ref in references)  # E1's and E3's
     ctx.claim(seed, check(
         f"{name}.P0_failure", name,
-        f"E4's smallest within-cell share over layers ({CLAIM_SITE}; either grouping, bracket phase of the late window) "
-        f"divided by the larger of {of_references} smallest (task, token) share; k = -1",
-        e4_smallest / reference_smallest, ">=", P0_FACTOR, ctx.profile,
-        parts={"e4_smallest": e4_smallest, "reference_smallest": reference_smallest}), check(
+        f"E4's within-cell share at its M1 block ({CLAIM_SITE}; per late position, median; the smaller of its two groupings, "
+        f"bracket phase) divided by the larger of {of_references} (task, token) share at their M1 block; k = -1",
+        e4_share / reference_share, ">=", P0_FACTOR, ctx.profile,
+        parts={"e4_share": e4_share, "reference_share": reference_share, "layer": layer, "site": CLAIM_SITE,
+               **{f"{ref}_share": shares[ref][at[ref]] for ref in references}}), check(
         f"{name}.prefix_probe", name,
-        f"smallest over targets (bracket j back, j = 1..{MAX_BACK}, and depth) of the probe score ({CLAIM_SITE}, at the layer "
-        f"chosen per target on a separate batch) minus its shuffled-label control, in-distribution (pool) sequences, k = {PROBE_DIVERSITY}",
+        f"smallest over targets (bracket j back, j = 1..{MAX_BACK}, and depth) of the probe score at the M1 block ({CLAIM_SITE}) "
+        f"minus its shuffled-label control, in-distribution (pool) sequences, k = {PROBE_DIVERSITY}",
         weakest["gain"], ">=", PROBE_MARGIN, ctx.profile,
-        parts={"score": weakest["score"], "control": weakest["control"], "target": weakest["target"], "layer": weakest["layer"],
-               "untrained_gain": weakest_probe([r for r in untrained if r["set"] == "pool"], CLAIM_SITE, layers)["gain"]}))
+        parts={"score": weakest["score"], "control": weakest["control"], "target": weakest["target"], "layer": probe_layer,
+               "site": CLAIM_SITE, "untrained_gain": weakest_probe([r for r in untrained if r["set"] == "pool"], probe_layer)["gain"]}))
     return {"p0": p0_rows, "probes": probes["pool"], "probes_ood": probes["ood"], "probes_untrained": untrained}
 
 
@@ -300,13 +311,13 @@ def evidence(table: pd.DataFrame) -> list[Evidence]:
 def _evidence(table: pd.DataFrame, e4: str) -> list[Evidence]:
     p0 = table[table["analysis"] == f"{e4}.p0"]
     probes = pd.concat([table[table["analysis"] == f"{e4}.{name}"] for name in ("probes", "probes_ood")])
-    shown = probes[probes["site"] == "resid_mid"].drop(columns="value", errors="ignore").rename(columns={"score": "value"})
+    shown = probes[probes["site"] == CLAIM_SITE].drop(columns="value", errors="ignore").rename(columns={"score": "value"})
     return [
         Evidence(f"{e4}-p0", f"Within-cell share of state variance per layer (P0 fails for {e4.upper()})", e4, (f"{e4}.P0_failure",),
                  figure=lines(p0, "layer", lambda k: f"{k[0]} {k[1]}", ["site", "series"], "Within-cell share per layer", "layer",
                                "within-cell share", dash=lambda k: "dot" if k[0] == "resid_post" else "solid")),
-        Evidence(f"{e4}-probes", "Held-out prefix probes at resid_mid (pool and OOD sequences)", e4, (f"{e4}.prefix_probe",),
-                 figure=lines(shown, "layer", lambda k: f"{k[1]} ({k[0]})", ["set", "target"], "Probe score per layer (resid_mid)",
+        Evidence(f"{e4}-probes", f"Held-out prefix probes at {CLAIM_SITE} (pool and OOD sequences)", e4, (f"{e4}.prefix_probe",),
+                 figure=lines(shown, "layer", lambda k: f"{k[1]} ({k[0]})", ["set", "target"], f"Probe score per layer ({CLAIM_SITE})",
                                "layer", "score", dash=lambda k: "solid" if k[0] == "pool" else "dash")),
         Evidence(f"{e4}-probe-table", "Prefix probes: score and shuffled-label control per target, layer, site and set", e4,
                  (f"{e4}.prefix_probe",), table=probes[["seed", "set", "target", "site", "layer", "metric", "score", "control"]]
