@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 import taskgeom.experiments
-from taskgeom.claims import MIN_RELIABLE_GAIN, Claim, check, counts, exit_code, gain_parts, not_applicable, over_seeds, summary, verdict
+from taskgeom.claims import (MIN_RELIABLE_GAIN, NOT_BAYES_OPTIMAL, Claim, check, counts, exit_code, gain_parts, not_applicable, over_seeds,
+                             summary, verdict, with_preconditions)
 from taskgeom.cli import app
 from taskgeom.experiments import reproduce
 
@@ -109,6 +110,25 @@ def test_unstable_names_the_seeds_on_each_side_and_fails_nothing():
     assert exit_code(over_seeds(_seeded({0: 0.1, 1: 0.2}))) == 1
 
 
+def test_each_m1_claim_carries_its_model_s_bayes_optimum_per_seed_and_the_verdict_rule_ignores_it(tmp_path):
+    from taskgeom.report.markdown import verdict_text
+
+    optimal = {0: 0.01, 1: 0.3}  # seed 1's model is not Bayes-optimal (threshold 0.02)
+    measured = [(seed, check("e1.bayes_optimal", "e1", "excess loss", value, "<=", 0.02, "quick")) for seed, value in optimal.items()]
+    measured += [(seed, check("e1.P1", "e1", "additive share", 0.5, ">=", 0.8, "quick")) for seed in optimal]
+    measured += [(seed, check("e3.P1", "e3", "additive share", 0.9, ">=", 0.8, "quick")) for seed in optimal]  # no e3 optimum measured
+    measured += [(seed, check("e1.ablate_S_ood", "e1", "share", 60.0, ">=", 50.0, "quick")) for seed in optimal]  # not an M1 claim
+    claims = {c.id: c for c in over_seeds(with_preconditions(measured))}
+    p1 = claims["e1.P1"]
+    assert [row["precondition"] for row in p1.seeds] == [{"claim": "e1.bayes_optimal", "value": 0.01, "status": "pass"},
+                                                          {"claim": "e1.bayes_optimal", "value": 0.3, "status": "fail"}]
+    assert p1.status == "fail" and p1.caveat == f"{NOT_BAYES_OPTIMAL} (seed 1)"
+    assert verdict_text(p1.as_dict()) == f"**FAIL**, {NOT_BAYES_OPTIMAL} (seed 1)"
+    for plain in ("e3.P1", "e1.ablate_S_ood", "e1.bayes_optimal"):
+        assert claims[plain].caveat is None and all(row["precondition"] is None for row in claims[plain].seeds), plain
+    assert json.loads(json.dumps(p1.as_dict()))["caveat"] == p1.caveat
+
+
 def test_verdict_rule_by_itself():
     assert verdict(["pass", "pass"]) == "pass" and verdict(["fail", "n/a"]) == "fail"
     assert verdict(["pass", "fail", "n/a"]) == "unstable" and verdict(["n/a"]) == "n/a" and verdict([]) == "n/a"
@@ -160,7 +180,7 @@ def test_as_dict_round_trips_through_json_and_pandas():
     assert rows[2]["value"] is None and rows[4]["value"] is None and rows[4]["status"] == "fail"
     table = pd.read_json(io.StringIO(text))
     assert set(table.columns) == {"id", "experiment", "description", "value", "threshold", "passed", "profile",
-                                  "comparison", "status", "parts", "reason", "seeds", "median", "min", "max"}
+                                  "comparison", "status", "parts", "reason", "seeds", "median", "min", "max", "precondition", "caveat"}
     assert list(table["status"]) == ["pass", "fail", "n/a", "pass", "fail"]
     assert list(table["passed"]) == [True, False, False, True, False]
     assert table["value"].isna().tolist() == [False, False, True, False, True]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import yaml
 
 from taskgeom.config import LATER_SETTINGS, ConfigError, build_config, load_config
 from taskgeom.recipes import load_recipe, recipe_names
@@ -223,3 +224,29 @@ def test_analysis_memory_grows_with_the_sequences():
     assert analysis_memory(load_recipe("e1", "quick"), 100_000_000) > 2**40  # the issue's input: terabytes
     assert analysis_memory(load_recipe("e1", "paper"), 512) < 2**30  # the default stays well below a laptop's memory
     assert [format_bytes(n) for n in (5, 1536, 3 * 2**30)] == ["5 bytes", "1.5 KiB", "3.0 GiB"]
+
+
+def test_a_profile_s_measure_section_is_read_from_the_recipe(tmp_path):
+    """The diversity grid and Fig. 4's sizes are the recipe's, per profile (inherited through
+    extends): the study's 128 x 128 at every shipped profile; the grid is left out of the run config."""
+    from taskgeom.config import MeasureSettings, load_measure
+    from taskgeom.experiments.sweep import Job
+    from taskgeom.recipes import recipe_path
+
+    for name in ("e1", "e2", "e3", "e4"):
+        for profile in ("quick", "deep", "standard", "wide", "long", "paper"):
+            measure = load_measure(recipe_path(name), profile)
+            assert measure.projection_sizes == (128, 128)
+            assert measure.grid == ([-1, *range(11)] if profile == "paper" else [-1, 3, 8])
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "base": {"name": "mine", "task": {"family": "dice", "seq_len": 16}},
+        "profiles": {"quick": {"measure": {"grid": [-1, 2], "projection_tasks": 16}}, "small": {"extends": "quick",
+                                                                                               "measure": {"projection_per_task": 8}}}}))
+    assert Job(str(recipe), -1, 0, "small").measure() == MeasureSettings(grid=[-1, 2], projection_tasks=16, projection_per_task=8)
+    assert Job(str(recipe), -1, 0, "small").config().task.seq_len == 16
+    recipe.write_text(yaml.safe_dump({"base": {"name": "mine", "task": {"family": "dice"}},
+                                      "profiles": {"quick": {"measure": {"projection_tasks": 0, "grids": [1]}}}}))
+    with pytest.raises(ConfigError, match=r"profiles.quick.measure.projection_tasks.*unknown config field 'profiles.quick.measure.grids'|"
+                                          r"unknown config field 'profiles.quick.measure.grids'.*projection_tasks"):
+        load_measure(recipe, "quick")

@@ -10,6 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -66,7 +67,11 @@ def test_the_quickstart_notebook_runs_top_to_bottom(tmp_path):
     assert "P0 cell-means R^2" in text and "mean KL(model || q_a)" in text
     compared = re.findall(r"^(\S[^\n]*?)\s+API (\S+)  stored (\S+)$", text, flags=re.M)  # the study's numbers beside the stored ones
     assert [name for name, _, _ in compared] == ["P0", "P1", "P2", "P3", "share major", "share ood", "projection R^2"]
-    assert all(api == stored for _, api, stored in compared), compared
+    # the stored analyses ran on the sweep's one thread (dual) or the reproduction's threads (m1); on a CPU whose
+    # kernels reduce in another order per thread count the floats differ in the last bits (an Intel Xeon: 1e-8
+    # relative at most), never more
+    for name, api, stored in compared:
+        assert api == stored if "None" in (api, stored) else float(api) == pytest.approx(float(stored), rel=1e-7), (name, api, stored)
     assert any("image/png" in output.get("data", {}) for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs)
     assert (tmp_path / "notebook-results" / "claims.json").is_file()
     print(f"quickstart.ipynb ran in {seconds:.1f} s")

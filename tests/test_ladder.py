@@ -41,7 +41,7 @@ def test_a_rung_measures_only_its_recipes_over_its_grid(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--profile", "deep"], "unknown profile 'deep' for recipe e1"),
+    (["--profile", "huge"], "unknown profile 'huge' for recipe e1"),
     (["--recipes", "e9"], "--recipes: unknown recipes ['e9']"),
     (["--recipes", "e1", "--grid", "1,1"], "--grid names 1 more than once"),
 ])
@@ -118,7 +118,8 @@ def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the
     assert listed == {"centred-S": ["ablate_S_major", "ablate_S_ood"],
                       "v-avoids-tokens": ["ablate_V_major", "ablate_V_ood", "random_control"],
                       "v-searched-on-ood": ["ablate_V_major", "ablate_V_ood"],
-                      "v-best-block": ["ablate_V_major", "ablate_V_ood", "random_control"]}
+                      "v-best-block": ["ablate_V_major", "ablate_V_ood", "random_control"],
+                      "s-with-mean": ["ablate_S_major", "ablate_S_ood", "ablate_V_major", "ablate_V_ood", "random_control"]}
     best = rows[rows["variant"] == "v-best-block"].set_index("claim")
     for claim in best.index:
         assert best.loc[claim, "value"] == pytest.approx(protocol.loc[claim, "value"], rel=1e-12, nan_ok=True)

@@ -43,8 +43,7 @@ STUDY = {
     "e4": ((6, "silu", False), (128, 2e-4, 2e-4, 2e-5, "cosine", 0.4), {"n_noise": 6, "seq_len": 192}),
     "e2": ((16, "gelu", True), (256, 2e-4, 1e-4, 0.0, "triangular", 1.0), {"d": 6, "n_examples": 64, "noise": 0.5, "layout": "pair"}),
 }
-CPU_PROFILES = {"e1": ("quick", "wide", "long", "standard"), "e3": ("quick", "wide", "long", "standard"),
-                "e4": ("quick", "wide", "long", "standard"), "e2": ("quick", "wide", "long", "deep", "standard")}
+CPU_PROFILES = {recipe: ("quick", "wide", "long", "deep", "standard") for recipe in ("e1", "e2", "e3", "e4")}
 
 
 @pytest.mark.parametrize("recipe", sorted(STUDY))

@@ -60,7 +60,7 @@ def test_a_trained_models_projection_r2_is_the_numpy_loop_over_tasks(tmp_path, m
     tokens = ood.batch.tokens
     T = tokens.shape[1]
     expected = numpy_fig4([states(tokens[4 * j : 4 * j + 4]) for j in range(6)],
-                          [states(major.batch.tokens[major.batch.task == k]) for k in range(3)], range(T - 1))
+                          [states(major.batch.tokens[major.batch.task == k]) for k in range(3)], range(T - 2))  # E1: 0 .. T - 3
     np.testing.assert_allclose(measured.values.numpy(), expected, rtol=1e-5, atol=1e-6)
     assert measured.mean == pytest.approx(expected.mean(), rel=1e-5)
     assert measured.quartiles == pytest.approx(np.quantile(expected, [0.25, 0.75]).tolist(), rel=1e-5)
@@ -74,17 +74,17 @@ def test_a_trained_models_projection_r2_is_the_numpy_loop_over_tasks(tmp_path, m
 
 
 def test_the_e1_linear_code_reference_is_the_hand_computation():
-    """V = 4 faces, majors whose sequences start with faces 0, 1, 2; T = 2, so the block is position
-    0, where the estimate is (1 + onehot(x_0)) / 5. The centred major means span {v: v_3 = 0, sum v
+    """V = 4 faces, majors whose sequences start with faces 0, 1, 2; T = 3, so the block is position
+    0 (E1's block: 0 .. T - 3), where the estimate is (1 + onehot(x_0)) / 5. The centred major means span {v: v_3 = 0, sum v
     = 0}. An OOD task whose sequences start with face 3 is centred to (-1/3, -1/3, -1/3, 1) / 5, whose
     projection is 0: R^2 = 0. One whose sequences start with faces 0 and 3 is centred to (1/6, -1/3,
     -1/3, 1/2) / 5, squared norm (1/2) / 25; its residual (-1/6, -1/6, -1/6, 1/2) / 5 has (1/3) / 25:
     R^2 = 1/3."""
     dice = Dice(4, 1.0, "prior", 0.0)
     params = torch.eye(4, dtype=torch.float64)  # only their identity matters: sequences sharing params are one task
-    major = Batch(torch.tensor([[0, 1], [0, 3], [1, 1], [1, 0], [2, 2], [2, 3]]), torch.tensor([0, 0, 1, 1, 2, 2]),
+    major = Batch(torch.tensor([[0, 1, 2], [0, 3, 0], [1, 1, 1], [1, 0, 3], [2, 2, 0], [2, 3, 3]]), torch.tensor([0, 0, 1, 1, 2, 2]),
                   params[[0, 0, 1, 1, 2, 2]])
-    ood = Batch(torch.tensor([[3, 0], [0, 2], [3, 3], [3, 1]]), torch.full((4,), -1), params[[3, 0, 3, 0]] + 1)
+    ood = Batch(torch.tensor([[3, 0, 1], [0, 2, 2], [3, 3, 0], [3, 1, 3]]), torch.full((4,), -1), params[[3, 0, 3, 0]] + 1)
     reference = projection.reference(dice, ood, major)
     assert reference.values.tolist() == pytest.approx([0.0, 1 / 3], abs=1e-12)  # the tasks in the order they first appear
     assert (reference.n_tasks, reference.per_task, reference.place, reference.mean) == (2, 2, None, pytest.approx(1 / 6))

@@ -44,11 +44,11 @@ def test_sweep_isolates_failures_and_resumes(tmp_path):
         assert sorted(rows["layer"].dropna()) == sorted([*range(n_layers)] * 2)
     d0 = one[one["metric"] == "d0"]["value"].iloc[0]
     ranks = one[one["metric"].str.startswith("gain_removed_ablate_V_rank")]
-    assert len(ranks[ranks["layer"].isna()]) == len(ranks) / (n_layers + 1) == min(math.ceil(d0), 16 - 3)  # width 16 less S's rank
+    assert len(ranks[ranks["layer"].isna()]) == len(ranks) / (n_layers + 1) == min(math.ceil(d0), 16 - 2)  # width 16 less S's rank (K - 1 at k = -1)
     assert {"place_selected", "projection_r2", "projection_r2_reference", "projection_r2_per_sequence", "loss_ablate_S",
             "loss_ablate_V"} <= set(one["metric"])
     fig4 = one[one["metric"].isin(["projection_r2", "projection_r2_tasks", "projection_r2_per_task"])].set_index("metric")
-    assert (fig4.loc["projection_r2_tasks", "value"], fig4.loc["projection_r2_per_task", "value"]) == (32, 32)  # the quick profile's
+    assert (fig4.loc["projection_r2_tasks", "value"], fig4.loc["projection_r2_per_task", "value"]) == (128, 128)  # the study's, at every profile
     assert (fig4.loc["projection_r2", "layer"], fig4.loc["projection_r2", "site"]) == (0, "resid_post")  # block 4 of 6 of one block
 
     done, redo = (sorted(root.glob("tiny-dice-*"))[i] for i in (0, 1))

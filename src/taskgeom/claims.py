@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Iterable, Literal, Optional, Union
 
 from taskgeom.analysis.shares import MIN_RELIABLE_GAIN, unreliable_gain  # the share of gain's reliability floor (PAPER.md section 7)
@@ -26,6 +26,9 @@ Comparison = Literal["<=", ">=", "<", ">"]
 Status = Literal["pass", "fail", "unstable", "n/a"]
 STATUSES: tuple[str, ...] = ("pass", "fail", "unstable", "n/a")
 Part = Union[float, int, bool, str]
+# The claims of the M1 geometry (per recipe), read on the k = -1 run whose ``bayes_optimal`` is their precondition
+M1_CLAIMS = ("P0", "P1", "P2", "P2.vs_random", "P3", "P3.shrinks", "steering")
+NOT_BAYES_OPTIMAL = "on a model that is not Bayes-optimal"
 _OPS = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b, "<": lambda a, b: a < b, ">": lambda a, b: a > b}
 
 
@@ -34,7 +37,10 @@ class Claim:
     """One row of claims.json. ``passed`` is true only for status ``pass``; ``parts`` are the numbers
     a ratio or share is made of (or None); ``reason`` says why an ``n/a`` claim does not apply.
     A claim judged over seeds (``over_seeds``) has ``seeds``, one row per seed ({seed, value, status,
-    parts, reason}), and the ``median``, ``min`` and ``max`` of their values (``value`` is the median)."""
+    parts, reason, precondition}), and the ``median``, ``min`` and ``max`` of their values (``value`` is the median).
+    ``precondition``: on a seed's claim of the M1 geometry, its model's ``bayes_optimal`` claim at that
+    seed ({claim, value, status}); ``caveat``: on a judged claim, why a reader should read its verdict
+    with care (``NOT_BAYES_OPTIMAL`` when a seed it rests on fails its precondition)."""
 
     id: str
     experiment: str
@@ -51,6 +57,8 @@ class Claim:
     median: Optional[float] = None
     min: Optional[float] = None
     max: Optional[float] = None
+    precondition: Optional[dict[str, Part]] = None
+    caveat: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -135,11 +143,30 @@ def over_seeds(measured: Iterable[tuple[int, Claim]]) -> list[Claim]:
         elif status == "unstable":
             by_status = {s: [seed for seed, c in rows if c.status == s] for s in ("pass", "fail")}
             reason = "seeds disagree: " + "; ".join(f"{s} on seed {', '.join(map(str, by_status[s]))}" for s in by_status)
-        per_seed = tuple({"seed": seed, "value": claim.value, "status": claim.status, "parts": claim.parts, "reason": claim.reason}
-                         for seed, claim in rows)
+        per_seed = tuple({"seed": seed, "value": claim.value, "status": claim.status, "parts": claim.parts, "reason": claim.reason,
+                          "precondition": claim.precondition} for seed, claim in rows)
+        unmet = [seed for seed, claim in rows if claim.status != "n/a" and claim.precondition
+                 and claim.precondition["status"] != "pass"]
+        caveat = f"{NOT_BAYES_OPTIMAL} (seed {', '.join(map(str, unmet))})" if unmet else None
         judged.append(Claim(claim_id, first.experiment, first.description, median, first.threshold, status == "pass", first.profile,
-                            first.comparison, status, None, reason, per_seed, median, low, high))
+                            first.comparison, status, None, reason, per_seed, median, low, high, caveat=caveat))
     return judged
+
+
+def with_preconditions(measured: Iterable[tuple[int, Claim]]) -> list[tuple[int, Claim]]:
+    """The per-seed claims ``(seed, claim)`` with each M1 claim (``M1_CLAIMS`` of a recipe) given its
+    precondition: the same recipe's ``bayes_optimal`` claim at that seed (its k = -1 run, the run the
+    M1 geometry is measured on), where one was measured. The verdict rule does not read it."""
+    measured = list(measured)
+    optimal = {(seed, claim.id.removesuffix(".bayes_optimal")): claim for seed, claim in measured if claim.id.endswith(".bayes_optimal")}
+    annotated = []
+    for seed, claim in measured:
+        recipe, _, name = claim.id.partition(".")
+        pre = optimal.get((seed, recipe)) if name in M1_CLAIMS else None
+        if pre is not None:
+            claim = replace(claim, precondition={"claim": pre.id, "value": pre.value, "status": pre.status})
+        annotated.append((seed, claim))
+    return annotated
 
 
 def counts(claims: Iterable[Claim]) -> dict[str, int]:

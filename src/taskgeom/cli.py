@@ -132,7 +132,7 @@ def _check_training(device: str, tracker: str, local: bool = True) -> None:
 @app.command()
 def train(
     config: str = typer.Argument(..., help="A recipe name (e1, e3, ...) or a path to a YAML recipe."),
-    profile: str = typer.Option("quick", help="Profile in the recipe: quick (CPU, minutes) or paper (the study's sizes)."),
+    profile: str = typer.Option("quick", help="Profile in the recipe: quick (CPU, minutes), deep (quick at 6 blocks), standard, wide, long, or paper (the study's sizes)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override, repeatable: --set train.steps=500 --set task.diversity=4"),
     out: Path = typer.Option(Path("runs"), help="Folder under which the run directory {name}-{digest} is made."),
     run_dir: Optional[Path] = typer.Option(None, help="Use this run directory instead (must be new or hold the same config)."),
@@ -368,9 +368,10 @@ def export_hf(
 
 @app.command()
 def reproduce(
-    profile: str = typer.Option("quick", help="A profile every recipe defines: quick (reduced sizes for a 2-core CPU), standard "
-                                "(quick's sizes, E4 trained twice as long, the grid k = -1, 0, 1, 2, 4, 8; under an hour on 2 cores), "
-                                "paper (the study's sizes), or a rung of the scale ladder (wide, long; README)."),
+    profile: str = typer.Option("quick", help="A profile every recipe defines: quick (reduced sizes for a 2-core CPU), deep (quick at the "
+                                "study's depth, 6 blocks), standard (deep with E2 trained 9,000 steps and E4 2,000: the claims "
+                                "where the study reads them), paper (the study's sizes), or a rung of the scale ladder (wide, long; "
+                                "docs/scale-ladder.md)."),
     seeds: str = typer.Option("0,1,2", help="Comma-separated training seeds: every setting is trained on each, and each claim is "
                               "judged over them (pass: every seed passes; fail: every seed fails; unstable: they disagree)."),
     out: Optional[Path] = typer.Option(None, help="Output folder: runs/, figures/, claims.json, report.html. Default: results, or "

@@ -208,10 +208,43 @@ def build_config(raw: dict, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(describe_validation(err)) from None
 
 
-def load_config(path: str | Path, profile: str = "quick", overrides: list[str] = ()) -> RunConfig:
-    """Read a recipe: its ``base`` section merged with ``profiles[profile]``, then overrides (its
-    ``study`` section is ``recipes.load_study``'s)."""
+class MeasureSettings(StrictModel):
+    """What a profile measures beside its runs' settings (a profile's ``measure:`` section, inherited
+    through ``extends``): the diversity grid of the dual-mode sweep (the claims read its lowest and
+    highest k) and the sizes of the study's Fig. 4 statistic (docs/protocol.md, "Projection R^2")."""
+
+    grid: list[Int] = Field(default_factory=lambda: [-1, 3, 8], min_length=2, description="diversities k of the dual-mode sweep")
+    projection_tasks: PositiveInt = Field(128, description="OOD tasks of projection R^2 (the study's 128)")
+    projection_per_task: PositiveInt = Field(128, description="sequences per OOD task and per major task's mean (the study's 128)")
+
+    @property
+    def projection_sizes(self) -> tuple[int, int]:
+        """(OOD tasks, sequences per task) of projection R^2."""
+        return self.projection_tasks, self.projection_per_task
+
+
+def load_measure(path: str | Path, profile: str = "quick") -> MeasureSettings:
+    """The ``measure:`` section of ``profiles[profile]`` of the recipe at ``path`` (``MeasureSettings``;
+    its defaults where the profile has none); ConfigError naming the field when it is wrong."""
     path = Path(path)
+    measure = _recipe_profile(path, profile).get("measure") or {}
+    try:
+        return MeasureSettings.model_validate(measure)
+    except ValidationError as err:
+        raise ConfigError(f"{path}: {describe_validation(err, ('profiles', profile, 'measure'))}") from None
+
+
+def load_config(path: str | Path, profile: str = "quick", overrides: list[str] = ()) -> RunConfig:
+    """Read a recipe: its ``base`` section merged with ``profiles[profile]`` (less its ``measure``
+    section, ``load_measure``'s), then overrides (its ``study`` section is ``recipes.load_study``'s)."""
+    settings = _recipe_profile(Path(path), profile)
+    settings.pop("measure", None)
+    return build_config(settings, overrides)
+
+
+def _recipe_profile(path: Path, profile: str) -> dict:
+    """A recipe's ``base`` merged with ``profiles[profile]`` (``extends`` resolved); ConfigError for a
+    file that is not a recipe."""
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
@@ -230,7 +263,7 @@ def load_config(path: str | Path, profile: str = "quick", overrides: list[str] =
         raise ConfigError(f"{path}: 'base' must be a mapping of settings, got {_kind(base)}")
     if not isinstance(profiles, dict):
         raise ConfigError(f"{path}: 'profiles' must be a mapping of profile names to settings, got {_kind(profiles)}")
-    return build_config(merge(base, _profile_settings(path, profiles, profile)), overrides)
+    return merge(base, _profile_settings(path, profiles, profile))
 
 
 def _profile_settings(path: Path, profiles: dict, profile: str, seen: tuple[str, ...] = ()) -> dict:

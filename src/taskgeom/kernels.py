@@ -1,8 +1,9 @@
 """Portable CPU kernels: the same bits on every x86-64 machine with AVX2.
 
 torch picks its CPU kernels by the CPU (ATen's vectorised paths, MKL's branches, oneDNN's ISA), and
-training amplifies the last bits, so two machines train other weights. Pinned to AVX2, machines with
-AVX2 and with AVX-512 trained the same bits (``benchmarks/kernel_pins.py`` on two machines, README).
+training amplifies the last bits, so two machines train other weights. Pinned to AVX2, AMD EPYC machines
+with AVX2 and with AVX-512 trained the same bits (``benchmarks/kernel_pins.py`` on two machines, README);
+an Intel Xeon with AVX-512 trained other bits under the same pins (2026-12-03).
 Every command that trains or measures calls ``use_portable_kernels`` before torch computes anything
 (the CLI's entry point; pool workers are spawned with its environment, Ray tasks get it in their
 ``runtime_env``). The variables must be set before torch's first computation: torch reads them then.
@@ -65,7 +66,7 @@ def choose(native: bool = False, environ: dict[str, str] | None = None, machine:
         return Kernels("native", f"this CPU is {machine}, not x86-64: bits will differ from the published ones", {})
     if flags is not None and "avx2" not in flags:
         return Kernels("native", "this CPU has no AVX2: bits will differ from the published ones", {})
-    return Kernels("pinned", "ATen, MKL and oneDNN pinned to AVX2: the published bits on any x86-64 CPU with AVX2", dict(PINS))
+    return Kernels("pinned", "ATen, MKL and oneDNN pinned to AVX2: the published bits on AMD x86-64 CPUs with AVX2 (an Intel Xeon trained others)", dict(PINS))
 
 
 def use_portable_kernels(native: bool = False) -> Kernels:

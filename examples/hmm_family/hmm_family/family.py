@@ -17,6 +17,7 @@ from pydantic import Field
 from taskgeom.rng import generator
 from taskgeom.settings import Int, PositiveFloat, PositiveInt, TokenTaskSettings
 from taskgeom.tasks import TokenFamily
+from taskgeom.tasks.base import TaskProbe
 
 BANK_STREAM = "hmm/ood-bank"  # the bank is generator(0, 0, BANK_STREAM)'s draws: one bank for every run
 BANK_CHUNK = 256  # bank draws per forward pass of the OOD predictor: its memory is [B, BANK_CHUNK, H]
@@ -38,6 +39,9 @@ class HMM(TokenFamily):
     name = "hmm"
     Settings = HMMSettings
     plot_labels = ("ID-Bayes (pool posterior)", "OOD (Bayes over a prior bank)", "loss (nats / token)", "context position t")
+    # the ablations' probe: E3's construction (a token family whose tasks are inferred from transitions),
+    # over the late half of the analysed positions
+    task_probe = TaskProbe(window=(0.5, 1.0), logits=True, positions=True)
 
     def __init__(self, vocab_size: int, n_hidden: int, alpha_transition: float, alpha_emission: float, ood_bank: int):
         self.vocab_size, self.n_hidden = vocab_size, n_hidden

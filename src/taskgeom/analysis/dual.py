@@ -79,7 +79,7 @@ def loss_sets(run: StudyRun, n: int) -> dict[str, Sequences]:
 
 
 def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps: int = 200,
-                 projection_sizes: tuple[int, int] = projection.QUICK_SIZES) -> list[dict]:
+                 projection_sizes: tuple[int, int] = projection.STUDY_SIZES) -> list[dict]:
     """All section-5 measurements of a finished run (``n_seq`` sequences per batch, V of ``rank``
     directions found in ``search_steps`` steps, projection R^2 on ``projection_sizes`` = (OOD tasks,
     sequences per task)); writes ``analysis/dual.json`` and returns its rows."""

@@ -34,17 +34,12 @@ from taskgeom.analysis.sequences import Sequences, StudiedRun
 from taskgeom.analysis.states import stream_layers
 from taskgeom.errors import AnalysisError
 from taskgeom.tasks import Batch, TaskFamily
+from taskgeom.tasks.dice import Dice
 from taskgeom.tasks.markov import Markov
 from taskgeom.tasks.regression import Regression
 
 CHUNK = 512  # sequences per forward pass or estimate while the task means are summed
-SIZES = {"paper": (128, 128)}  # (OOD tasks, sequences per task) per profile: the study's
-QUICK_SIZES = (32, 32)  # every other profile [ours]: a quarter of each, so the quick reproduction stays short
-
-
-def sizes(profile: str) -> tuple[int, int]:
-    """(OOD tasks, sequences per task) of the Fig. 4 statistic at ``profile``."""
-    return SIZES.get(profile, QUICK_SIZES)
+STUDY_SIZES = (128, 128)  # (OOD tasks, sequences per task): the study's, every profile's unless its recipe says otherwise
 
 
 @dataclass(frozen=True)
@@ -85,9 +80,13 @@ def task_groups(batch: Batch) -> tuple[torch.Tensor, int]:
 
 def block(family: TaskFamily, n_positions: int) -> slice:
     """The analysed positions the R^2 is averaged over (module docstring)."""
-    if n_positions < 2:
-        raise AnalysisError(f"projection R^2 averages over a block of positions; {n_positions} analysed position is too few")
-    return slice(n_positions // 2 if isinstance(family, Markov) else 0, n_positions - 1)
+    if isinstance(family, Markov):
+        positions = slice(n_positions // 2, n_positions - 1)
+    else:
+        positions = slice(0, n_positions - (2 if isinstance(family, Dice) else 1))
+    if positions.stop <= positions.start:
+        raise AnalysisError(f"projection R^2 averages over a block of positions; {n_positions} analysed positions leave none")
+    return positions
 
 
 def place(family: TaskFamily, n_layers: int) -> Place:

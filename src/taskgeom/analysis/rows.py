@@ -25,7 +25,9 @@ from taskgeom.runs import Run
 # 5: m1.json's P0/P1 per position (medians over the late window), P3 on mean beta, the claims' place rows.
 #    and the ablations per block at resid_mid with their mean over blocks (layer null), S from the probe.
 #    and dual.json's projection_r2 is the study's Fig. 4 statistic (per-task means, fixed place).
-ROW_VERSION = 5
+# 6: dual.json's S from the study's own probe (its dropped columns; docs/protocol.md, "S ablation"), Fig. 4 at
+#    128 x 128 with E1's block one position shorter.
+ROW_VERSION = 6
 FIELDS = ("metric", "value", "band", "layer", "site", "batch", "set", "step", "position", "task", "gain", "unreliable", "reason",
           "version")
 

@@ -9,7 +9,7 @@ import importlib
 from pathlib import Path
 
 from taskgeom.analysis.task_vectors import check_major_tasks
-from taskgeom.claims import over_seeds
+from taskgeom.claims import over_seeds, with_preconditions
 from taskgeom.experiments.base import Context, Experiment, Extra, shipped_studies
 from taskgeom.experiments.bayes_optimum import bayes_optimum
 from taskgeom.experiments.dual_modes import dual_modes
@@ -93,7 +93,7 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment] | None
         with ctx.timings.experiment(name):
             experiment(ctx)
         ctx.made_by |= {claim.id: name for _, claim in ctx.measured[first:]}
-    ctx.claims = over_seeds(ctx.measured)
+    ctx.claims = over_seeds(with_preconditions(ctx.measured))
     atomic_write_json(ctx.out / "claims.json", [c.as_dict() for c in ctx.claims])
     atomic_write_json(ctx.out / "timings.json", ctx.timings.as_dict())
     figures = [{"path": f.path, "pdf": str(Path(f.path).with_suffix(".pdf")), "caption": f.caption, "experiment": f.experiment,

@@ -13,8 +13,10 @@ from __future__ import annotations
 import pandas as pd
 
 from taskgeom.analysis.ablations import N_RANDOM_CONTROLS
+from taskgeom.analysis.rows import FIELDS
 from taskgeom.analysis.shares import MIN_RELIABLE_GAIN
 from taskgeom.claims import check, gain_parts, not_applicable
+from taskgeom.config import ConfigError, load_measure
 from taskgeom.experiments.base import Context
 from taskgeom.experiments.schedule import TrainTask
 from taskgeom.experiments.sweep import Job, by_step, job_seconds, run_sweep
@@ -23,14 +25,17 @@ from taskgeom.report.dual import (plot_dissociation, plot_projection_r2, plot_pr
 from taskgeom.report.manifest import DUAL_EVIDENCE
 from taskgeom.storage import atomic_write_text
 
-# The diversity grid per profile; the seeds are the reproduction's. The rungs of the scale ladder use
-# quick's grid unless ``--grid`` says otherwise.
-GRIDS = {"quick": [-1, 3, 8], "standard": [-1, 0, 1, 2, 4, 8], "paper": list(range(-1, 11))}
-
-
 def grid(ctx: Context) -> tuple[list[int], tuple[str, ...]]:
-    """The sweep's diversities (``--grid``, else the profile's) and the recipes it measures."""
-    return list(ctx.diversities or GRIDS.get(ctx.profile, GRIDS["quick"])), tuple(study.name for study in ctx.taking_part("dual_modes"))
+    """The sweep's diversities (``--grid``, else the profile's ``measure.grid`` in the recipes, which
+    must agree) and the recipes it measures."""
+    studies = ctx.taking_part("dual_modes")
+    recipes = tuple(study.name for study in studies)
+    if ctx.diversities:
+        return list(ctx.diversities), recipes
+    grids = {study.name: load_measure(study.path, ctx.profile).grid for study in studies}
+    if len({tuple(g) for g in grids.values()}) > 1:
+        raise ConfigError(f"the recipes' profiles {ctx.profile!r} name different diversity grids ({grids}); give one with --grid")
+    return (next(iter(grids.values())) if grids else []), recipes
 
 # Projection R^2 of OOD states onto S: below this at the highest diversity of the grid ...
 MAX_R2_HIGH_DIVERSITY = 0.2
@@ -127,7 +132,7 @@ def runs(ctx: Context) -> list[TrainTask]:
     """The sweep's runs, for the schedule, each with the thread count the sweep gives it, and their
     dual-mode analysis (done there, the sweep then reads it)."""
     return [TrainTask(config, job.root, job.device, job.tracker, config.train.threads or ctx.executor.threads, analyse=True,
-                      profile=job.profile)
+                      projection_sizes=job.measure().projection_sizes)
             for job in _jobs(ctx) for config in [job.config()]]
 
 
@@ -205,6 +210,7 @@ def dual_modes(ctx: Context) -> None:
         ctx.timings.add(ctx.experiment, f"train {name}", job.train_wall_s, job.train_cpu_s)
         ctx.timings.add(ctx.experiment, f"analyse {name}", job.analysis_wall_s, job.analysis_cpu_s)
     ok = table[table["status"] == "ok"]
+    ok = ok.reindex(columns=list(dict.fromkeys([*ok.columns, *FIELDS])))  # none finished: no row columns, the claims are n/a
     low, high = min(diversities), max(diversities)
     for recipe in recipes:
         rows = ok[ok["recipe"] == recipe]

@@ -38,7 +38,8 @@ from taskgeom.timing import Clock, Profile
 class TrainTask:
     """One run to train: its config, run root, device, tracker and the torch thread count it trains
     with (its config's ``train.threads`` when set); ``analyse``: then measure its dual modes
-    (``analysis.dual``) with that thread count, at the sizes of its ``profile``."""
+    (``analysis.dual``) with that thread count, projection R^2 at ``projection_sizes`` (OOD tasks,
+    sequences per task: its recipe's profile's)."""
 
     config: RunConfig
     root: str
@@ -46,7 +47,7 @@ class TrainTask:
     tracker: str
     threads: int
     analyse: bool = False
-    profile: str = "quick"
+    projection_sizes: tuple[int, int] = (128, 128)
 
     @property
     def name(self) -> str:
@@ -91,7 +92,6 @@ def _with_threads(threads: int, work) -> tuple[float, float]:
 def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float]]:
     """Do one unit in this process; returns the (wall, CPU) seconds of its ``train`` and ``analyse``.
     (``_pool_threads``: what ``execute`` passes every task; a unit sets its own thread counts.)"""
-    from taskgeom.analysis import projection
     from taskgeom.analysis.dual import analyze_dual, load_dual
     from taskgeom.analysis.study import StudyRun
     from taskgeom.train import train
@@ -102,7 +102,7 @@ def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float
                                                                                tracker=task.tracker))
     if unit.analysis_threads:
         seconds["analyse"] = _with_threads(unit.analysis_threads, lambda: load_dual(run := Run.open(task.path))
-                                        or analyze_dual(StudyRun(run), projection_sizes=projection.sizes(task.profile)))
+                                        or analyze_dual(StudyRun(run), projection_sizes=task.projection_sizes))
     return seconds
 
 

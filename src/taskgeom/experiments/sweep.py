@@ -15,12 +15,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from taskgeom.config import RunConfig
+from taskgeom.config import MeasureSettings, RunConfig, load_measure
 from taskgeom.errors import RunLockedError, TaskgeomError
 from taskgeom.experiments.executors import Executor, execute
 from taskgeom.fits import check_training_fits
 from taskgeom.progress import console, job_bar
-from taskgeom.recipes import load_recipe
+from taskgeom.recipes import load_recipe, recipe_path
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_text
 from taskgeom.timing import Clock
@@ -49,6 +49,10 @@ class Job:
     def config(self) -> RunConfig:
         return load_recipe(self.recipe, self.profile, [*self.overrides, f"task.diversity={self.diversity}", f"train.seed={self.seed}"])
 
+    def measure(self) -> MeasureSettings:
+        """What the profile of the job's recipe measures (the sizes of projection R^2)."""
+        return load_measure(recipe_path(self.recipe), self.profile)
+
     def for_ray(self, gpus_per_run: float) -> "Job":
         """This job as a Ray task runs it: its root (and its recipe, when that is a file) as
         absolute paths, which mean the same in any worker's working directory, and its device
@@ -69,7 +73,6 @@ class Job:
 def run_job(job: Job, threads: int = 0) -> list[dict]:
     """Train (or resume) and analyse one run; returns its tidy dual-mode rows, or one row with
     status ``failed`` and the error."""
-    from taskgeom.analysis import projection
     from taskgeom.analysis.dual import analyze_dual, load_dual
     from taskgeom.analysis.study import StudyRun
     from taskgeom.train import train
@@ -84,7 +87,7 @@ def run_job(job: Job, threads: int = 0) -> list[dict]:
         clock = Clock()
         train(run, device=job.device, tracker=job.tracker)
         trained = clock.lap()
-        rows = load_dual(run) or analyze_dual(StudyRun(run), projection_sizes=projection.sizes(job.profile))
+        rows = load_dual(run) or analyze_dual(StudyRun(run), projection_sizes=job.measure().projection_sizes)
         analysed = clock.lap()
         seconds = {"train_wall_s": trained[0], "train_cpu_s": trained[1], "analysis_wall_s": analysed[0], "analysis_cpu_s": analysed[1]}
         return [{"run": str(run.path), "status": "ok", **row, **seconds} for row in rows]

@@ -77,7 +77,14 @@ def _seed_parts(claim: dict) -> str:
     if not rows:
         return _parts(claim.get("parts"))
     return "".join(f"<span class=seed>seed {row['seed']}: <span class={_STATUS_CLASS[row['status']]}>{_number(row['value'])}</span>"
-                   f"{' ' + _parts(row['parts']) if row['parts'] else ''}</span>" for row in rows)
+                   f"{' ' + _parts(row['parts']) if row['parts'] else ''}{_precondition(row.get('precondition'))}</span>" for row in rows)
+
+
+def _precondition(precondition: dict | None) -> str:
+    """' (model: e2.bayes_optimal 0.487, fail)' for a seed judged on a model that fails its precondition."""
+    if not precondition or precondition["status"] == "pass":
+        return ""
+    return f" <span class=warn>(model: {html.escape(precondition['claim'])} {_number(precondition['value'])}, {precondition['status']})</span>"
 
 
 def strip(claim: dict, width: int = 150, height: int = 22) -> str:
@@ -106,6 +113,8 @@ def _claim_row(claim: dict, links: list[tuple[str, str]]) -> str:
     result = f"<td class='{_STATUS_CLASS[status]}'>{_STATUS_LABEL[status]}"
     if claim.get("reason"):
         result += f"<div class=reason>{html.escape(claim['reason'])}</div>"
+    if claim.get("caveat"):
+        result += f"<div class='reason warn'>{html.escape(claim['caveat'])}</div>"
     evidence = "".join(f"<a href='#{html.escape(anchor)}'>{html.escape(title)}</a>" for anchor, title in links)
     return (f"<tr id='claim-{html.escape(claim['id'])}'><td>{html.escape(claim['id'])}</td><td>{html.escape(claim['description'])}</td>"
             f"<td>{value}</td><td>{strip(claim)}</td><td>{html.escape(claim['comparison'])}&nbsp;{claim['threshold']:.4g}</td>"

@@ -30,6 +30,11 @@ def seed_values(claim: dict) -> str:
     return ", ".join(cells)
 
 
+def verdict_text(claim: dict) -> str:
+    """The verdict, with its caveat when it has one ('**FAIL**, on a model that is not Bayes-optimal (seed 0, 1)')."""
+    return STATUS_TEXT[claim["status"]] + (f", {claim['caveat']}" if claim.get("caveat") else "")
+
+
 def parts_text(parts: dict | None) -> str:
     return ", ".join(f"{k} {number(v)}" for k, v in (parts or {}).items())
 
@@ -53,7 +58,7 @@ def claims_markdown(out: Path) -> str:
              "", "| claim | median | min | max | per seed | threshold | verdict |", "|---|---|---|---|---|---|---|"]
     for c in claims:
         lines.append(f"| `{c['id']}` | {number(c.get('median'))} | {number(c.get('min'))} | {number(c.get('max'))} | {seed_values(c)} | "
-                     f"{c['comparison']} {number(c['threshold'])} | {STATUS_TEXT[c['status']]} |")
+                     f"{c['comparison']} {number(c['threshold'])} | {verdict_text(c)} |")
     unstable = [c for c in claims if c["status"] == "unstable"]
     if unstable:
         lines += ["", "Unstable claims, each seed's parts:", ""]
