@@ -111,7 +111,7 @@ def test_unstable_names_the_seeds_on_each_side_and_fails_nothing():
 
 
 def test_each_m1_claim_carries_its_model_s_bayes_optimum_per_seed_and_the_verdict_rule_ignores_it(tmp_path):
-    from taskgeom.report.markdown import verdict_text
+    from taskgeom.report.markdown import by_recipe, verdict_text
 
     optimal = {0: 0.01, 1: 0.3}  # seed 1's model is not Bayes-optimal (threshold 0.02)
     measured = [(seed, check("e1.bayes_optimal", "e1", "excess loss", value, "<=", 0.02, "quick")) for seed, value in optimal.items()]
@@ -124,6 +124,9 @@ def test_each_m1_claim_carries_its_model_s_bayes_optimum_per_seed_and_the_verdic
                                                           {"claim": "e1.bayes_optimal", "value": 0.3, "status": "fail"}]
     assert p1.status == "fail" and p1.caveat == f"{NOT_BAYES_OPTIMAL} (seed 1)"
     assert verdict_text(p1.as_dict()) == f"**FAIL**, {NOT_BAYES_OPTIMAL} (seed 1)"
+    table = by_recipe([c.as_dict() for c in claims.values()])
+    assert "| `P1` | >= 0.8 | **FAIL** 0.5 † | pass 0.9 |" in table and table[-1].startswith(f"† {NOT_BAYES_OPTIMAL}")
+    assert "| `bayes_optimal` | <= 0.02 | *unstable* 0.155 | - |" in table
     for plain in ("e3.P1", "e1.ablate_S_ood", "e1.bayes_optimal"):
         assert claims[plain].caveat is None and all(row["precondition"] is None for row in claims[plain].seeds), plain
     assert json.loads(json.dumps(p1.as_dict()))["caveat"] == p1.caveat

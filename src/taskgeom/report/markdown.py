@@ -1,13 +1,15 @@
 """The claims table of a results folder as Markdown (``taskgeom report RESULTS --markdown``), so
 that a README quotes a command's output instead of numbers typed by hand: one row per claim with
 its median, range and per-seed values, a line naming the machine, seeds and commit it came from,
-and each unstable claim's per-seed parts."""
+each unstable claim's per-seed parts, and the same verdicts condensed to one row per claim and one
+column per recipe (the README's table)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
 
+from taskgeom.claims import NOT_BAYES_OPTIMAL
 from taskgeom.report.manifest import read_json, read_manifest
 
 STATUS_TEXT = {"pass": "pass", "fail": "**FAIL**", "unstable": "*unstable*", "n/a": "n/a"}
@@ -66,4 +68,31 @@ def claims_markdown(out: Path) -> str:
             lines.append(f"- `{c['id']}`: " + "; ".join(f"seed {r['seed']} {r['status']} {number(r['value'])}"
                                                           f"{' (' + parts_text(r['parts']) + ')' if r['parts'] else ''}"
                                                           for r in c["seeds"]))
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *by_recipe(claims)]) + "\n"
+
+
+def by_recipe(claims: list[dict]) -> list[str]:
+    """The verdicts and medians as one row per claim name and one column per recipe, each claim's
+    threshold (the exceptions named), a dagger on a verdict with a caveat, and the footnote."""
+    recipes = sorted({c["id"].split(".")[0] for c in claims})
+    names = list(dict.fromkeys(c["id"].split(".", 1)[1] for c in claims))
+    by_id = {c["id"]: c for c in claims}
+    lines = ["| claim | threshold | " + " | ".join(r.upper() for r in recipes) + " |", "|---|---|" + "---|" * len(recipes)]
+    for name in names:
+        present = {r: by_id[f"{r}.{name}"] for r in recipes if f"{r}.{name}" in by_id}
+        thresholds = {r: f"{c['comparison']} {number(c['threshold'])}" for r, c in present.items()}
+        common = Counter(thresholds.values()).most_common(1)[0][0]
+        exceptions = ", ".join(f"{r.upper()}: {t}" for r, t in thresholds.items() if t != common)
+        cells = [_cell(present[r]) if r in present else "-" for r in recipes]
+        lines.append(f"| `{name}` | {common}{f' ({exceptions})' if exceptions else ''} | " + " | ".join(cells) + " |")
+    if any(c.get("caveat") for c in claims):
+        lines += ["", f"† {NOT_BAYES_OPTIMAL} on at least one seed (its k = -1 run fails `bayes_optimal`); the verdict rule "
+                      "does not read it."]
+    return lines
+
+
+def _cell(claim: dict) -> str:
+    """'**FAIL** 0.487', '*unstable* 0.0279 †' (a caveat), 'n/a'."""
+    median = claim.get("median")
+    text = STATUS_TEXT[claim["status"]] + ("" if median is None else f" {number(median)}")
+    return text + (" †" if claim.get("caveat") else "")
