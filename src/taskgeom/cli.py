@@ -85,9 +85,24 @@ app = typer.Typer(
 )
 
 
+def _print_version(asked: bool) -> None:
+    """``--version``: the installed distribution's version, as pip and ``pip show`` know it."""
+    if asked:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("taskgeom")
+        except PackageNotFoundError:  # a source tree on sys.path, not installed
+            from taskgeom.version import __version__ as number
+        typer.echo(f"taskgeom {number}")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(
     ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, expose_value=False,
+                                 help="Print taskgeom's version and exit."),
     debug: bool = typer.Option(False, "--debug", help=f"Print the traceback of an error too (or set {_DEBUG_ENV}=1)."),
     native_kernels: bool = typer.Option(
         False, "--native-kernels", help="Let torch pick its CPU kernels by this CPU. By default ATen, MKL and oneDNN are pinned "
