@@ -23,7 +23,7 @@ from taskgeom.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ("index", "getting-started", "concepts", "protocol", "cli", "python-api", "api", "adding-a-family", "hmm-example",
-         "scaling-out", "results", "quick-seeds-0-5", "scale-ladder", "benchmarks")
+         "scaling-out", "results", "quick-seeds-0-5", "scale-ladder", "benchmarks", "changelog")
 README_LIMIT = 160
 
 

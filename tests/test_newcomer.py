@@ -70,3 +70,67 @@ def test_the_citation_file_is_cff_1_2_0_citing_the_software_and_the_study():
         if identifier["type"] == "url":
             assert re.match(r"^(https|http|ftp|sftp)://.+", identifier["value"])
     assert {"type": "url", "value": "https://arxiv.org/abs/2605.03780"}.items() <= study["identifiers"][0].items()
+
+
+# An issue number used as a reference: "issue 26", "issues 12 and 14", "#26" (not a Markdown anchor such as page.md#p3).
+ISSUE_REFERENCE = r"\bissues? #?\d+|(?<![\w/.&-])#\d+\b"
+
+
+def help_texts() -> dict[str, str]:
+    """What ``taskgeom --help`` and ``taskgeom COMMAND --help`` print for every command, at a wide terminal."""
+    import typer
+    from typer.testing import CliRunner
+
+    from taskgeom.cli import app
+
+    group = typer.main.get_command(app)
+    runner = CliRunner()
+    texts = {}
+    for command in [None, *group.list_commands(group.context_class(group, info_name="taskgeom"))]:
+        args = ["--help"] if command is None else [command, "--help"]
+        result = runner.invoke(app, args, env={"COLUMNS": "250", "TERMINAL_WIDTH": "250"})
+        assert result.exit_code == 0, (args, result.output)
+        texts[" ".join(["taskgeom", *args])] = result.output
+    return texts
+
+
+def test_no_page_readme_or_help_text_names_an_issue_number():
+    import re
+
+    pages = {path.relative_to(ROOT).as_posix(): path.read_text(encoding="utf-8")
+             for path in [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]}
+    texts = {**pages, **help_texts()}
+    assert len(texts) >= 20 and "taskgeom reproduce --help" in texts
+    named = {where: re.findall(rf".{{0,40}}(?:{ISSUE_REFERENCE}).{{0,20}}", text, flags=re.I) for where, text in texts.items()}
+    assert {where: found for where, found in named.items() if found} == {}
+    assert re.search(ISSUE_REFERENCE, "before issue 26") and re.search(ISSUE_REFERENCE, "see #26")
+    assert not re.search(ISSUE_REFERENCE, "[P3](protocol.md#3-p3) and docs/ladder-before-26/")
+
+
+UNRELEASED = ("The ablations' S from the study's own probe (task contrasts, rank K - 1); the earlier construction is the variant s-with-mean",
+              "E4's P0 and prefix probes at resid_post of the M1 block", "A null or unreliable share is n/a for its seed",
+              "Fig. 4 at 128 x 128 at every profile", "A deep profile for every family; standard redefined (6 blocks)",
+              "M1 claims carry their model's bayes_optimal precondition")
+
+
+def test_the_changelog_keeps_the_form_and_holds_every_entry_the_pages_link_to():
+    import re
+
+    from markdown.extensions.toc import slugify
+
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    versions = re.findall(r"^## \[([^\]]+)\](?: - (\d{4}-\d\d-\d\d))?$", text, flags=re.M)
+    assert versions[0] == ("Unreleased", "") and versions[-1] == ("0.1.0", "2026-12-02")
+    assert len(versions) == len(re.findall(r"^## ", text, flags=re.M))
+    kinds = re.findall(r"^### (\w+)", text, flags=re.M)
+    assert set(kinds) <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}
+    unreleased = " ".join(text.split("\n## [0.1.0]")[0].split())
+    assert [entry for entry in UNRELEASED if entry not in unreleased] == []
+
+    anchors = {slugify(h, "-") for h in re.findall(r"^#{1,6} (.+?)\s*$", text, flags=re.M)}
+    linked = set()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        linked |= set(re.findall(r"\]\((?:CHANGELOG|changelog)\.md#([\w-]+)\)", page.read_text(encoding="utf-8")))
+    assert {"changed-the-studys-measurement-protocol-2026-12-02", "changed-the-studys-settings-2026-12-02"} <= linked
+    assert linked - anchors == set()
+    assert (ROOT / "docs" / "changelog.md").read_text(encoding="utf-8").strip() == '--8<-- "CHANGELOG.md"'
