@@ -134,3 +134,37 @@ def test_the_changelog_keeps_the_form_and_holds_every_entry_the_pages_link_to():
     assert {"changed-the-studys-measurement-protocol-2026-12-02", "changed-the-studys-settings-2026-12-02"} <= linked
     assert linked - anchors == set()
     assert (ROOT / "docs" / "changelog.md").read_text(encoding="utf-8").strip() == '--8<-- "CHANGELOG.md"'
+
+
+def test_help_texts_read_as_sentences():
+    """``taskgeom --help`` lists each command's whole summary on its row, not broken where its
+    docstring's source lines break ("Mixed / precision"); rich markup does not eat "[min, max]"."""
+    import re
+
+    import typer
+    from typer.testing import CliRunner
+
+    from taskgeom.cli import app, one_line
+
+    group = typer.main.get_command(app)
+    root = group.context_class(group, info_name="taskgeom")
+    panel = [line for line in CliRunner().invoke(app, ["--help"], env={"COLUMNS": "250"}).output.split("Commands")[1].splitlines()
+             if line.startswith("│")]
+    start = len(panel[0]) - len(panel[0][1:].lstrip().split(" ", 1)[1].lstrip())  # where the summaries' column starts
+    width = len(panel[0]) - 1 - start  # its width, up to the closing "│"
+    rows, lines, name = {}, {}, None
+    for line in panel:  # a row: "│ name  summary ... │", continued on lines that start with "│" and spaces
+        if not line.startswith("│  "):
+            name = line.strip("│ ").split()[0]
+        lines.setdefault(name, []).append(line[start:-1].rstrip())
+        rows[name] = " ".join(" ".join(lines[name]).split())
+    for name, wrapped in lines.items():  # a line ends only where the next word would not fit on it
+        for line, following in zip(wrapped, wrapped[1:]):
+            assert len(line) + 1 + len(following.split()[0]) > width - 2, (name, line, following)
+    for name in group.list_commands(root):
+        summary = one_line(group.get_command(root, name).help).replace("\\[", "[")
+        assert rows[name] == " ".join(summary.split()), name
+    texts = help_texts()
+    assert "Mixed precision: --set train.precision=bf16." in rows["train"]
+    assert "median [min, max] and verdict" in " ".join(texts["taskgeom ladder --help"].split())
+    assert not re.search(r"\w  \w", " ".join(rows.values()))  # no word dropped between two spaces

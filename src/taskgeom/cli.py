@@ -60,6 +60,14 @@ class ContractGroup(TyperGroup):
     """The command group: every command runs under the error contract, so any exception becomes
     one line on stderr and its exit code (with the traceback above it under --debug)."""
 
+    def get_command(self, ctx, cmd_name):
+        """The command, its one-line summary in ``taskgeom --help`` set from its docstring: Typer's
+        rich help keeps the docstring's line breaks there otherwise ("Mixed / precision")."""
+        command = super().get_command(ctx, cmd_name)
+        if command is not None and command.help and not command.short_help:
+            command.short_help = one_line(command.help)
+        return command
+
     def invoke(self, ctx: typer.Context):
         try:
             return super().invoke(ctx)
@@ -154,8 +162,8 @@ def train(
     device: str = DEVICE_OPTION,
     tracker: str = TRACKER_OPTION,
 ) -> None:
-    """Train one run (or resume it from its last checkpoint); prints the run directory. Mixed
-    precision: --set train.precision=bf16."""
+    """Train one run (or resume it from its last checkpoint); prints the run directory.
+    Mixed precision: --set train.precision=bf16."""
     from taskgeom.progress import step_bar
     from taskgeom.recipes import load_recipe
     from taskgeom.runs import Run
@@ -420,9 +428,8 @@ def reproduce(
     reused), analyses, judges each claim over the seeds, and writes claims.json, timings.json,
     reproduction.json, tables/ and report.html. Exits 1 if a claim fails on every seed (an unstable
     claim, whose seeds disagree, and an n/a claim, one that does not apply to what was measured, fail
-    nothing). The diversity
-    sweeps run on the executor chosen by the executor options (as in `taskgeom sweep`); the other
-    experiments' runs train in this process, on --device."""
+    nothing). The diversity sweeps run on the executor chosen by the executor options (as in
+    `taskgeom sweep`); the other experiments' runs train in this process, on --device."""
     from taskgeom.experiments import declared, reproduce as run_all
     from taskgeom.claims import exit_code, summary
 
@@ -577,7 +584,7 @@ def ladder(
     out: Path = typer.Option(Path("ladder"), help="Folder to write ladder.md, ladder.csv, rank_curves.csv and ladder_*.png."),
 ) -> None:
     """Tabulate claims across results folders: the scale ladder (one folder per rung) or a claims x
-    profile table. Writes each claim's median [min, max] and verdict over the seeds at every rung,
+    profile table. Writes each claim's median \\[min, max] and verdict over the seeds at every rung,
     the long per-seed rows (ladder.csv, for pandas), the V-ablation rank curves and one panel per
     claim; prints the Markdown."""
     from taskgeom.report.ladder import write_ladder
