@@ -168,3 +168,23 @@ def test_help_texts_read_as_sentences():
     assert "Mixed precision: --set train.precision=bf16." in rows["train"]
     assert "median [min, max] and verdict" in " ".join(texts["taskgeom ladder --help"].split())
     assert not re.search(r"\w  \w", " ".join(rows.values()))  # no word dropped between two spaces
+
+
+SET_UP = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . && taskgeom reproduce",
+          'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[test,docs]" -e '
+          "examples/hmm_family && python -m pytest")
+CPU_WHEEL = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+
+
+def test_the_install_text_says_what_pip_fetches_and_where_the_cpu_wheel_is():
+    import re
+
+    for page in (ROOT / "README.md", ROOT / "docs" / "getting-started.md"):
+        text = page.read_text(encoding="utf-8")
+        blocks = re.findall(r"^```bash\n(.*?)\n```", text, flags=re.S | re.M)
+        assert blocks[-2:] == list(SET_UP) and f"&& {CPU_WHEEL}" in blocks[0], page.name  # the two set-up lines as CI runs them
+        prose = " ".join(text.split())
+        assert "fetches the CUDA build" in prose and "--device cuda" in prose, page.name
+        assert "Nothing in the published results was measured on a GPU" in prose, page.name
+    texts = help_texts()  # the option the GPU note names, on the commands it names
+    assert all("--device" in texts[f"taskgeom {name} --help"] for name in ("train", "sweep", "reproduce"))
