@@ -23,7 +23,7 @@ from taskgeom.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ("index", "getting-started", "concepts", "protocol", "cli", "python-api", "api", "adding-a-family", "hmm-example",
-         "scaling-out", "results", "quick-seeds-0-5", "scale-ladder", "benchmarks", "changelog")
+         "scaling-out", "results", "quick-seeds-0-5", "scale-ladder", "benchmarks", "changelog", "practicalities")
 README_LIMIT = 160
 
 
@@ -176,3 +176,4 @@ def test_the_readme_runs_the_tests_with_the_docs_extra_and_holds_the_sites_table
             assert cell == (verdict if median == "-" else f"{verdict} {median}"), claim
             checked += 1
     assert checked == 46 and rows == {}
+

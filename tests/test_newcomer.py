@@ -188,3 +188,89 @@ def test_the_install_text_says_what_pip_fetches_and_where_the_cpu_wheel_is():
         assert "Nothing in the published results was measured on a GPU" in prose, page.name
     texts = help_texts()  # the option the GPU note names, on the commands it names
     assert all("--device" in texts[f"taskgeom {name} --help"] for name in ("train", "sweep", "reproduce"))
+
+
+PUBLISHED = ("quick", "wide", "long-e1")  # docs/results/<name>: the published reproductions, in the Practicalities page's order
+
+
+def duration(seconds: float) -> str:
+    """``49 min 31 s``, ``1 h 5 min 51 s``."""
+    hours, rest = divmod(round(seconds), 3600)
+    minutes, secs = divmod(rest, 60)
+    return " ".join(([f"{hours} h"] if hours else []) + [f"{minutes} min", f"{secs} s"])
+
+
+def published_times() -> list[dict[str, str]]:
+    """The rows of the Practicalities page's table of times, read from each published reproduction's
+    reproduction.json and timings.json (``python -c 'import test_newcomer as t; print(t.times_table())'``
+    in ``tests/`` prints the table)."""
+    import json
+
+    rows = []
+    for name in PUBLISHED:
+        folder = ROOT / "docs" / "results" / name
+        manifest = json.loads((folder / "reproduction.json").read_text(encoding="utf-8"))
+        timings = json.loads((folder / "timings.json").read_text(encoding="utf-8"))
+        machine = manifest["machine"]
+        grid = manifest["grid"]
+        rows.append({
+            "manifests": f"`docs/results/{name}/`",
+            "profile": f"`{manifest['profile']}`",
+            "recipes": ", ".join(manifest["recipes"]),
+            "k": "the profile's" if grid is None else ", ".join(map(str, grid)),
+            "seeds": ", ".join(map(str, manifest["seeds"])),
+            "runs": str(len(manifest["runs"])),
+            "wall": duration(timings["total"]["wall_s"]),
+            "wall s": f"{timings['total']['wall_s']:,.1f}",
+            "CPU s": f"{timings['total']['cpu_s']:,.1f}",
+            "training wall s": f"{timings['experiments']['schedule']['wall_s']:,.1f}",
+            "machine": f"{machine['cpu']}, {machine['cpu_capability']}, {machine['cores']} cores, {machine['torch_threads']} torch threads, "
+                       f"kernels {machine['kernels']}, torch {machine['torch']}",
+            "commit": manifest["commit"].removeprefix("commit "),
+        })
+    return rows
+
+
+def times_table() -> str:
+    rows = published_times()
+    header = ["manifests", "profile", "recipes", "k", "seeds", "runs", "wall", "wall s", "CPU s", "training wall s", "machine", "commit"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row[key] for key in header) + " |" for row in rows])
+
+
+def test_the_practicalities_page_times_are_the_published_manifests():
+    """Every cell of the page's table of times is what the published reproduction.json and
+    timings.json say, each number read back and compared; every duration the page states is one
+    of the table's; the exit codes it lists are the CLI's."""
+    import json
+    import re
+
+    from taskgeom import cli
+
+    page = (ROOT / "docs" / "practicalities.md").read_text(encoding="utf-8")
+    table = re.search(r"^\| manifests \| profile \|.*?\n\n", page, flags=re.S | re.M).group(0).strip().splitlines()
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in table[2:]]
+    assert rows == published_times()  # the table as the manifests print it ...
+    for row in rows:  # ... and each number read back from the page against the files
+        folder = ROOT / row["manifests"].strip("`")
+        timings = json.loads((folder / "timings.json").read_text(encoding="utf-8"))
+        manifest = json.loads((folder / "reproduction.json").read_text(encoding="utf-8"))
+        assert float(row["wall s"].replace(",", "")) == timings["total"]["wall_s"]
+        assert float(row["CPU s"].replace(",", "")) == timings["total"]["cpu_s"]
+        assert float(row["training wall s"].replace(",", "")) == timings["experiments"]["schedule"]["wall_s"]
+        h, m, s = (re.fullmatch(r"(?:(\d+) h )?(\d+) min (\d+) s", row["wall"]).groups())
+        assert abs(int(h or 0) * 3600 + int(m) * 60 + int(s) - timings["total"]["wall_s"]) <= 0.5
+        assert int(row["runs"]) == len(manifest["runs"]) and row["seeds"] == ", ".join(map(str, manifest["seeds"]))
+        assert row["commit"] in manifest["commit"] and f"{manifest['machine']['cores']} cores" in row["machine"]
+    assert {row["manifests"] for row in rows} == {f"`docs/results/{p.name}/`" for p in (ROOT / "docs" / "results").iterdir()
+                                                  if (p / "timings.json").is_file()}  # every published reproduction
+    durations = re.findall(r"\b(?:\d+ h )?\d+ min \d+ s\b", page)
+    assert durations and set(durations) <= {row["wall"] for row in rows}
+
+    codes = re.findall(r"^\| (\d) \| ", page, flags=re.M)
+    assert codes == ["0", *map(str, sorted({cli.EXIT_FAILED, cli.EXIT_BAD_INPUT, cli.EXIT_REFUSED, cli.EXIT_BUG}))]
+    prose = " ".join(page.split())
+    assert "taskgeom reproduce --plan" in prose and "## Troubleshooting" in page
+    assert all(name in prose for name in ("Ray", "transformers", "wandb", "TensorBoard", "Selenium", "Chromium"))  # the [test] extra
+

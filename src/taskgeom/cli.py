@@ -114,8 +114,8 @@ def main(
     debug: bool = typer.Option(False, "--debug", help=f"Print the traceback of an error too (or set {_DEBUG_ENV}=1)."),
     native_kernels: bool = typer.Option(
         False, "--native-kernels", help="Let torch pick its CPU kernels by this CPU. By default ATen, MKL and oneDNN are pinned "
-        "to AVX2 (unless you set ATEN_CPU_CAPABILITY, MKL_CBWR or ONEDNN_MAX_CPU_ISA yourself), so every x86-64 CPU with AVX2 "
-        "trains the published bits; reproduction.json records the choice."),
+        "to AVX2 (unless you set ATEN_CPU_CAPABILITY, MKL_CBWR or ONEDNN_MAX_CPU_ISA yourself), so AMD EPYC CPUs with AVX2 "
+        "or AVX-512 train the published bits (an Intel Xeon with AVX-512 trains others); reproduction.json records the choice."),
 ) -> None:
     from taskgeom.kernels import use_portable_kernels
 
