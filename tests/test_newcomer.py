@@ -274,3 +274,20 @@ def test_the_practicalities_page_times_are_the_published_manifests():
     assert "taskgeom reproduce --plan" in prose and "## Troubleshooting" in page
     assert all(name in prose for name in ("Ray", "transformers", "wandb", "TensorBoard", "Selenium", "Chromium"))  # the [test] extra
 
+
+def test_the_sites_stylesheet_wraps_code_blocks_and_keeps_table_code_whole():
+    import re
+
+    import yaml
+
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=yaml.BaseLoader)  # (mkdocs.yml holds no custom tags)
+    assert "stylesheets/extra.css" in config["extra_css"]
+    nav = [next(iter(entry.values())) for entry in config["nav"]]
+    assert "practicalities.md" in nav and "changelog.md" in nav
+    css = re.sub(r"/\*.*?\*/", "", (ROOT / "docs" / "stylesheets" / "extra.css").read_text(encoding="utf-8"), flags=re.S)
+    rules = {" ".join(selector.split()): body for selector, body in re.findall(r"([^{}]+)\{([^}]*)\}", css)}
+    assert any("pre > code" in selector and "white-space: pre-wrap" in body for selector, body in rules.items())
+    assert any("td code" in selector and "white-space: nowrap" in body for selector, body in rules.items())
+    home = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    assert "## Set up and run" in home and "## A study in Python" in home
+    assert "(getting-started.md#install-and-reproduce)" in home and "(python-api.md)" in home
