@@ -1,6 +1,6 @@
 """The ``taskgeom`` command line.
 
-Every command shares one error contract (``ContractGroup``), documented in the README: exit 0 done;
+Every command shares one error contract (``ContractGroup``), documented in docs/cli.md and docs/practicalities.md: exit 0 done;
 1 the work ran and some claims or runs failed (or training diverged); 2 bad input (config, recipe,
 paths, run directories, checkpoints); 3 the environment refused (permissions, a full disk, memory,
 an unreachable Ray cluster); 4 a bug in taskgeom. An error prints one line on stderr naming the
