@@ -23,7 +23,7 @@ from taskgeom.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ("index", "getting-started", "concepts", "protocol", "cli", "python-api", "api", "adding-a-family", "hmm-example",
-         "scaling-out", "results", "quick-seeds-0-5", "scale-ladder", "benchmarks")
+         "scaling-out", "results", "quick-seeds-0-5", "scale-ladder", "benchmarks", "changelog", "practicalities")
 README_LIMIT = 160
 
 
@@ -162,3 +162,24 @@ def test_the_readme_runs_the_tests_with_the_docs_extra_and_holds_the_sites_table
     source, table = printed.splitlines()[0], printed[printed.index("| claim | threshold |"):]  # the line it came from, the condensed table
     for page in (readme, (ROOT / "docs" / "index.md").read_text(encoding="utf-8")):  # the README holds what the site holds
         assert source in page and table in page
+
+
+@needs_browser
+def test_code_blocks_fit_the_page_and_claim_ids_stay_whole_at_1280_px(site, browser):  # noqa: F811
+    """At a 1280 px window the set-up commands and the results/ tree wrap inside their code blocks
+    (docs/stylesheets/extra.css) instead of running off the page, and a claim id in a table cell
+    is on one line, not broken mid-word."""
+    browser.set_window_size(1280, 1000)
+    try:
+        browser.get((site / "getting-started.html").as_uri())
+        blocks = browser.execute_script("""return Array.from(document.querySelectorAll('article pre > code')).map(function (c) {
+            return [c.scrollWidth, c.clientWidth, c.textContent.slice(0, 200)]; });""")
+        assert len(blocks) >= 5 and any("pip install torch==2.13.0" in text for _, _, text in blocks)
+        assert [text for scroll, client, text in blocks if scroll > client + 1] == []
+        browser.get((site / "index.html").as_uri())
+        cells = browser.execute_script("""return Array.from(document.querySelectorAll('article td code')).map(function (c) {
+            return [c.textContent, c.getClientRects().length]; });""")
+        assert any(text == "projection_r2_high_diversity" for text, _ in cells)
+        assert [text for text, lines in cells if lines != 1] == []
+    finally:
+        browser.set_window_size(1300, 1800)

@@ -1,6 +1,6 @@
 """The ``taskgeom`` command line.
 
-Every command shares one error contract (``ContractGroup``), documented in the README: exit 0 done;
+Every command shares one error contract (``ContractGroup``), documented in docs/cli.md and docs/practicalities.md: exit 0 done;
 1 the work ran and some claims or runs failed (or training diverged); 2 bad input (config, recipe,
 paths, run directories, checkpoints); 3 the environment refused (permissions, a full disk, memory,
 an unreachable Ray cluster); 4 a bug in taskgeom. An error prints one line on stderr naming the
@@ -60,6 +60,14 @@ class ContractGroup(TyperGroup):
     """The command group: every command runs under the error contract, so any exception becomes
     one line on stderr and its exit code (with the traceback above it under --debug)."""
 
+    def get_command(self, ctx, cmd_name):
+        """The command, its one-line summary in ``taskgeom --help`` set from its docstring: Typer's
+        rich help keeps the docstring's line breaks there otherwise ("Mixed / precision")."""
+        command = super().get_command(ctx, cmd_name)
+        if command is not None and command.help and not command.short_help:
+            command.short_help = one_line(command.help)
+        return command
+
     def invoke(self, ctx: typer.Context):
         try:
             return super().invoke(ctx)
@@ -85,14 +93,29 @@ app = typer.Typer(
 )
 
 
+def _print_version(asked: bool) -> None:
+    """``--version``: the installed distribution's version, as pip and ``pip show`` know it."""
+    if asked:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("taskgeom")
+        except PackageNotFoundError:  # a source tree on sys.path, not installed
+            from taskgeom.version import __version__ as number
+        typer.echo(f"taskgeom {number}")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(
     ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, expose_value=False,
+                                 help="Print taskgeom's version and exit."),
     debug: bool = typer.Option(False, "--debug", help=f"Print the traceback of an error too (or set {_DEBUG_ENV}=1)."),
     native_kernels: bool = typer.Option(
         False, "--native-kernels", help="Let torch pick its CPU kernels by this CPU. By default ATen, MKL and oneDNN are pinned "
-        "to AVX2 (unless you set ATEN_CPU_CAPABILITY, MKL_CBWR or ONEDNN_MAX_CPU_ISA yourself), so every x86-64 CPU with AVX2 "
-        "trains the published bits; reproduction.json records the choice."),
+        "to AVX2 (unless you set ATEN_CPU_CAPABILITY, MKL_CBWR or ONEDNN_MAX_CPU_ISA yourself), so AMD EPYC CPUs with AVX2 "
+        "or AVX-512 train the published bits (an Intel Xeon with AVX-512 trains others); reproduction.json records the choice."),
 ) -> None:
     from taskgeom.kernels import use_portable_kernels
 
@@ -139,8 +162,8 @@ def train(
     device: str = DEVICE_OPTION,
     tracker: str = TRACKER_OPTION,
 ) -> None:
-    """Train one run (or resume it from its last checkpoint); prints the run directory. Mixed
-    precision: --set train.precision=bf16."""
+    """Train one run (or resume it from its last checkpoint); prints the run directory.
+    Mixed precision: --set train.precision=bf16."""
     from taskgeom.progress import step_bar
     from taskgeom.recipes import load_recipe
     from taskgeom.runs import Run
@@ -406,9 +429,8 @@ def reproduce(
     reused), analyses, judges each claim over the seeds, and writes claims.json, timings.json,
     reproduction.json, tables/ and report.html. Exits 1 if a claim fails on every seed (an unstable
     claim, whose seeds disagree, and an n/a claim, one that does not apply to what was measured, fail
-    nothing). The diversity
-    sweeps run on the executor chosen by the executor options (as in `taskgeom sweep`); the other
-    experiments' runs train in this process, on --device."""
+    nothing). The diversity sweeps run on the executor chosen by the executor options (as in
+    `taskgeom sweep`); the other experiments' runs train in this process, on --device."""
     from taskgeom.experiments import declared, reproduce as run_all
     from taskgeom.claims import exit_code, summary
 
@@ -563,7 +585,7 @@ def ladder(
     out: Path = typer.Option(Path("ladder"), help="Folder to write ladder.md, ladder.csv, rank_curves.csv and ladder_*.png."),
 ) -> None:
     """Tabulate claims across results folders: the scale ladder (one folder per rung) or a claims x
-    profile table. Writes each claim's median [min, max] and verdict over the seeds at every rung,
+    profile table. Writes each claim's median \\[min, max] and verdict over the seeds at every rung,
     the long per-seed rows (ladder.csv, for pandas), the V-ablation rank curves and one panel per
     claim; prints the Markdown."""
     from taskgeom.report.ladder import write_ladder
