@@ -42,6 +42,8 @@ class HMM(TokenFamily):
     # the ablations' probe: E3's construction (a token family whose tasks are inferred from transitions),
     # over the late half of the analysed positions
     task_probe = TaskProbe(window=(0.5, 1.0), logits=True, positions=True)
+    steering_form = "subspace"  # E3's edit
+    projection_window = (0.5, 1)  # E3's block: the second half, less the last position
 
     def __init__(self, vocab_size: int, n_hidden: int, alpha_transition: float, alpha_emission: float, ood_bank: int):
         self.vocab_size, self.n_hidden = vocab_size, n_hidden

@@ -61,7 +61,6 @@ from taskgeom.errors import AnalysisError
 from taskgeom.runs import Run
 from taskgeom.storage import atomic_write_json
 from taskgeom.tasks import TokenFamily
-from taskgeom.tasks.regression import Regression
 
 PRIOR_TASKS = 2048  # OOD tasks whose predictions sample the OOD prediction map (d0)
 
@@ -115,8 +114,8 @@ def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps
         rows += [row("loss", clean[name][1:].mean(), batch="loss", set=name), row("loss_first", clean[name][0], batch="loss", set=name)]
     rows += ablation_rows(run, blocks, sets, clean)
 
-    prior = None if isinstance(family, Regression) else family.predict_ood(run.heldout("ood", PRIOR_TASKS, split="prior").batch.tokens)[:, -1]
-    d0 = float(family.d) if prior is None else participation_ratio(clr(prior))  # d for E2's ridge map
+    prior = family.predict_ood(run.heldout("ood", PRIOR_TASKS, split="prior").batch.tokens)[:, -1] if family.reads_tokens else None
+    d0 = float(family.d) if prior is None else participation_ratio(clr(prior))  # a vector family's d: E2's ridge map
     rows.append(row("d0", d0))
     free = min(block.geometry.avoided.shape[0] - block.geometry.avoided.shape[1] for block in blocks)
     rows += rank_rows(run, blocks, range(1, min(math.ceil(d0), free) + 1), sets["ood"], clean["ood"], steps=search_steps)

@@ -31,7 +31,6 @@ from taskgeom.analysis.task_vectors import fraction_window
 from taskgeom.analysis.variants import variant as named_variant
 from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
-from taskgeom.tasks.regression import Regression
 
 Form = Literal["token", "plain"]
 
@@ -278,7 +277,7 @@ class Geometry:
     @cached_property
     def token_directions(self) -> torch.Tensor:
         """[D, m] the token subspace: the directions holding 90% of the token effects' variance (``orthogonal.token_subspace``)."""
-        return token_subspace(self.token_effects.float(), centre=not isinstance(self.run.family, Regression))
+        return token_subspace(self.token_effects.float(), centre=self.run.family.centred_token_effects)
 
     @cached_property
     def avoided(self) -> torch.Tensor:

@@ -42,7 +42,6 @@ from taskgeom.analysis.steering import PredictionReadout, Readout, TokenReadout
 from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
 from taskgeom.tasks import FAMILIES, Batch, TaskFamily, TaskPool, TokenFamily
-from taskgeom.tasks.regression import Regression
 
 Kind = Literal["major", "minor", "ood", "pool"]
 KINDS: tuple[str, ...] = get_args(Kind)
@@ -104,7 +103,7 @@ def sample(family: TaskFamily, pool: TaskPool, kind: str, n: int, split: "Split 
         raise AnalysisError("this run's pool has no minor tasks (task.diversity = -1)")
     if kind == "major" and split in PAIRED:
         majors = pool.subset("major")
-        batch = (family.sample_paired(majors, n, seq_len, seed, 0, name) if isinstance(family, Regression)
+        batch = (family.sample_paired(majors, n, seq_len, seed, 0, name) if family.paired_batches
                  else family.sample(pool, n, seq_len, seed, 0, name, "major"))
         if len(torch.unique(batch.task)) < majors.size:
             raise AnalysisError(f"{n} sequences do not cover all {majors.size} major tasks; ask for more")
@@ -129,20 +128,23 @@ def sample_tasks(family: TaskFamily, pool: TaskPool, kind: str, per_task: int, s
     majors = pool.subset("major")
     if n_tasks not in (None, majors.size):
         raise AnalysisError(f"the major set has {majors.size} tasks, not {n_tasks}")
-    if isinstance(family, Regression):
+    if family.paired_batches:
         return family.sample_paired(majors, majors.size * per_task, seq_len, seed, 0, name)
     task = torch.arange(majors.size).repeat_interleave(per_task)
     return family.make_batch(majors.params[task], task, seq_len, generator(seed, 0, f"{name}/tasks"))
 
 
-_SUPPORTED = (TokenFamily, Regression)
+def _supported(family: type[TaskFamily]) -> bool:
+    """Whether the geometry analysis reads the family: a token family, or one whose model reads
+    vectors (``reads_tokens`` False, with E2's interface: ``prediction_positions``, paired batches)."""
+    return issubclass(family, TokenFamily) or not family.reads_tokens
 
 
 def unsupported(family: TaskFamily) -> str | None:
     """Why the geometry analysis cannot read ``family`` (None when it can)."""
-    if isinstance(family, _SUPPORTED):
+    if _supported(type(family)):
         return None
-    names = sorted(name for name, cls in FAMILIES.items() if issubclass(cls, _SUPPORTED))
+    names = sorted(name for name, cls in FAMILIES.items() if _supported(cls))
     return f"the geometry analysis supports the families {names}; {family.name!r} is not supported yet"
 
 
@@ -183,7 +185,7 @@ def family_inputs(family: TaskFamily, batch: Batch, majors: TaskPool) -> Inputs:
 
         return Inputs(batch, None, batch.tokens, fit, V, family.log_posterior(batch.tokens, majors).exp(),
                       TokenReadout(family, batch.tokens, majors.params), "current token")
-    if isinstance(family, Regression):
+    if not family.reads_tokens:
         separators = family.prediction_positions(batch.x.shape[1])
         return Inputs(batch, separators, batch.x, stability_linear, None, family.log_posterior(batch, majors).exp(),
                       PredictionReadout(family, batch, majors.params), "linear map of x_t")

@@ -34,9 +34,6 @@ from taskgeom.analysis.sequences import Sequences, StudiedRun
 from taskgeom.analysis.states import stream_layers
 from taskgeom.errors import AnalysisError
 from taskgeom.tasks import Batch, TaskFamily
-from taskgeom.tasks.dice import Dice
-from taskgeom.tasks.markov import Markov
-from taskgeom.tasks.regression import Regression
 
 CHUNK = 512  # sequences per forward pass or estimate while the task means are summed
 STUDY_SIZES = (128, 128)  # (OOD tasks, sequences per task): the study's, every profile's unless its recipe says otherwise
@@ -79,11 +76,12 @@ def task_groups(batch: Batch) -> tuple[torch.Tensor, int]:
 
 
 def block(family: TaskFamily, n_positions: int) -> slice:
-    """The analysed positions the R^2 is averaged over (module docstring)."""
-    if isinstance(family, Markov):
-        positions = slice(n_positions // 2, n_positions - 1)
-    else:
-        positions = slice(0, n_positions - (2 if isinstance(family, Dice) else 1))
+    """The analysed positions the R^2 is averaged over (the family's ``projection_window``)."""
+    try:
+        start, dropped = family.declared("projection_window")
+    except ValueError as err:
+        raise AnalysisError(str(err)) from None
+    positions = slice(int(n_positions * start), n_positions - dropped)
     if positions.stop <= positions.start:
         raise AnalysisError(f"projection R^2 averages over a block of positions; {n_positions} analysed positions leave none")
     return positions
@@ -91,7 +89,7 @@ def block(family: TaskFamily, n_positions: int) -> slice:
 
 def place(family: TaskFamily, n_layers: int) -> Place:
     """Where the claims read projection R^2 (module docstring)."""
-    return Place.at_depth(10, 16, n_layers) if isinstance(family, Regression) else Place.at_depth(4, 6, n_layers)
+    return Place.at_depth(*family.projection_block, n_layers)
 
 
 def fig4_r2(ood: torch.Tensor, major: torch.Tensor, positions: slice) -> torch.Tensor:

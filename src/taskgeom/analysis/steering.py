@@ -38,7 +38,6 @@ from taskgeom.analysis.states import LayerStreams
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import intervene
 from taskgeom.tasks import Batch, TaskFamily, TokenFamily
-from taskgeom.tasks.dice import Dice
 from taskgeom.tasks.regression import Regression
 
 Change = Callable[[torch.Tensor], torch.Tensor]
@@ -55,9 +54,12 @@ def check_form(form: str) -> None:
 
 
 def study_form(family: TaskFamily) -> SteeringForm:
-    """The study's edit for ``family``: per-position task vectors for E1 (dice), the task subspace
-    for the others (E2, E3, and any other family **[ours]**)."""
-    return "task" if isinstance(family, Dice) else "subspace"
+    """The study's edit for ``family`` (its ``steering_form``): per-position task vectors for E1
+    (dice), the task subspace for E2 and E3; AnalysisError for a family that declares none."""
+    try:
+        return family.declared("steering_form")
+    except ValueError as err:
+        raise AnalysisError(str(err)) from None
 
 
 def steering_place(family: TaskFamily, n_layers: int) -> Place:

@@ -51,7 +51,6 @@ from taskgeom.errors import AnalysisError
 from taskgeom.config import RunConfig
 from taskgeom.runs import Run
 from taskgeom.tasks import Batch, TaskFamily, TaskPool
-from taskgeom.tasks.regression import Regression
 
 DEFAULT_SITES = ("resid_mid", "resid_post")
 SEARCH_STREAMS = {"minor": "dual-minor-search", "ood": "dual-ood-search"}  # the orthogonal search's fresh batch of each step
@@ -125,11 +124,9 @@ class StudyRun:
 
     @property
     def analysed_positions(self) -> slice | torch.Tensor:
-        """The model positions the analysis reads and edits: all (token families), E2's separators."""
-        family = self.family
-        if isinstance(family, Regression):
-            return family.prediction_positions(family.n_examples(self.config.task.seq_len))
-        return slice(None)
+        """The model positions the analysis reads and edits (the family's ``analysed_positions``): all
+        (token families), E2's x tokens."""
+        return self.family.analysed_positions(self.config.task.seq_len)
 
     def heldout(self, kind: Kind, n: int, *, split: Split | str) -> Sequences:
         """``n`` held-out ``kind`` sequences ("major", "minor", "ood", or "pool": the training pool's) of the named ``split``

@@ -137,6 +137,33 @@ class TaskFamily(ABC):
     # docs/protocol.md, "S ablation": what the study's probe of this family regresses on (None: the
     # family declares none, and the ablations' task subspace cannot be fitted for it)
     task_probe: ClassVar[TaskProbe | None] = None
+    # docs/protocol.md, "Steering": the study's edit, "task" (swap per-position task vectors, E1) or
+    # "subspace" (replace the component in the task subspace, E2 and E3); None: steering needs one
+    steering_form: ClassVar[Literal["task", "subspace"] | None] = None
+    # docs/protocol.md, "Projection R^2": the block of analysed positions Fig. 4 averages over, as (its
+    # start as a fraction of the analysed positions, positions left out at the end); None: declare one
+    projection_window: ClassVar[tuple[float, int] | None] = None
+    # ... and the study block (block, of blocks) where its claims read it
+    projection_block: ClassVar[tuple[int, int]] = (4, 6)
+    # the analysis batches give every major task the same inputs (a paired design: ``sample_paired``, E2)
+    paired_batches: ClassVar[bool] = False
+    # the token subspace the orthogonal search avoids is centred over tokens (False: E2's linear map of x_t)
+    centred_token_effects: ClassVar[bool] = True
+
+    @classmethod
+    def declared(cls, name: str):
+        """The family's declaration ``name`` (a class attribute above); ValueError naming it and the
+        family when the family declares none."""
+        value = getattr(cls, name)
+        if value is None:
+            raise ValueError(f"the {cls.name!r} family declares no {name} (TaskFamily.{name}, docs/adding-a-family.md): "
+                             "set it on the family class")
+        return value
+
+    def analysed_positions(self, seq_len: int) -> slice | torch.Tensor:
+        """The model positions the analyses read and edit, of a sequence of ``seq_len`` positions: all of
+        them (E2: its x tokens, ``Regression.prediction_positions``)."""
+        return slice(None)
 
     # ---- family-specific pieces -------------------------------------------------------------
     @abstractmethod

@@ -50,6 +50,8 @@ class Dice(TokenFamily):
     # the study's dice probe (coin/analysis/probes/_internals.py): no logit block, the position one-hot,
     # the posterior after the whole sequence at every position; fit from position 100 of 192's fraction on
     task_probe = TaskProbe(window=(100 / 192, 1.0), logits=False, positions=True, sequence_posterior=True)
+    steering_form = "task"  # the study swaps per-position task vectors (positions 25-39)
+    projection_window = (0.0, 2)  # positions 0 to T - 3: the T - 1 predicting positions less the last
 
     def __init__(self, vocab_size: int, alpha: float, majors: Majors, floor: float, major_seed: int = 42):
         self.vocab_size, self.alpha, self.majors, self.floor, self.major_seed = vocab_size, alpha, majors, floor, major_seed

@@ -25,6 +25,8 @@ class Markov(TokenFamily):
     # the study's latent-Markov probe (latent_markov/analysis/probes/_internals.py _fit_probe): the model's
     # logits and the position one-hot as nuisance blocks; fitted on positions 100-191 of 192
     task_probe = TaskProbe(window=(100 / 192, 1.0), logits=True, positions=True)
+    steering_form = "subspace"
+    projection_window = (0.5, 1)  # the second half less the last position (the study's block (96, 191) of 192)
 
     def __init__(self, vocab_size: int, alpha: float):
         self.vocab_size, self.alpha = vocab_size, alpha

@@ -63,6 +63,11 @@ class Regression(TaskFamily):
     # logits, no position one-hot, the posterior over the majors alone (no anchors), W_task centred;
     # fitted on examples 10-63 of 64
     task_probe = TaskProbe(window=(10 / 64, 1.0), logits=False, positions=False, pool_posterior=False, anchors=False, centred=True)
+    steering_form = "subspace"
+    projection_window = (0.0, 1)  # every x token but the last
+    projection_block = (10, 16)
+    paired_batches = True  # the study's analysis batches share their x sequences across the tasks
+    centred_token_effects = False  # the token effect is a linear map of x_t
     plot_labels = ("dMMSE (pool posterior)", "ridge, lambda = noise^2", "mean squared error", "example index i (predicting y_i)")
 
     def __init__(self, d: int, noise: float, layout: Layout, major_seed: int | None = None):
@@ -79,6 +84,10 @@ class Regression(TaskFamily):
         if seq_len % self.stride:
             raise ValueError(f"a {self.layout!r} layout needs a multiple of {self.stride} positions, got {seq_len}")
         return seq_len // self.stride
+
+    def analysed_positions(self, seq_len: int) -> torch.Tensor:
+        """[n_examples] long: the x tokens, the positions whose outputs predict the ys."""
+        return self.prediction_positions(self.n_examples(seq_len))
 
     def prediction_positions(self, n: int) -> torch.Tensor:
         """[n] long: the model position whose output predicts y_i."""
