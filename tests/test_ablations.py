@@ -1,4 +1,4 @@
-"""The S and V ablations of PAPER.md section 7 against independent computations: the probe's S
+"""The S and V ablations of docs/protocol.md against independent computations: the probe's S
 against a least-squares fit by hand, the block mean against the per-block rows, the search's V
 against the spans it must avoid, and the random control's statistic by hand."""
 

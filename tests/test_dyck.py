@@ -116,7 +116,7 @@ def test_planted_and_depth_match_loops():
                     assert depth[b, t] == sum(1 - 2 * s for s in seen)
 
 
-@pytest.mark.parametrize("n_noise", [6, 7])  # 6: the study's vocabulary of 8 (PAPER.md section 2)
+@pytest.mark.parametrize("n_noise", [6, 7])  # 6: the study's vocabulary of 8 (docs/protocol.md#the-studys-settings-the-paper-profile)
 def test_id_posterior_and_predictive_match_brute_force(n_noise):
     fam = tasks.make("dyck", n_pairs=3, n_noise=n_noise)
     words = dyck_words(3)  # 5 words: the pool holds all of them, so every sequence is consistent
@@ -276,7 +276,7 @@ def test_e4_recipe_builds_the_family(tmp_path):
     from taskgeom.recipes import load_recipe
     from taskgeom.runs import Run
 
-    for profile, seq_len in (("quick", 96), ("paper", 192)):  # the study's vocabulary of 8 in every profile (PAPER.md section 2)
+    for profile, seq_len in (("quick", 96), ("paper", 192)):  # the study's vocabulary of 8 in every profile (docs/protocol.md#the-studys-settings-the-paper-profile)
         config = load_recipe("e4", profile)
         assert config.task.family == "dyck" and config.task.n_pairs == 10 and config.task.n_noise == 6
         assert config.task.seq_len == seq_len

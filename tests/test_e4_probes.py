@@ -1,4 +1,4 @@
-"""E4 prefix probes (PAPER.md section 7): in-distribution (pool) sequences, labels against a
+"""E4 prefix probes (docs/protocol.md): in-distribution (pool) sequences, labels against a
 recount of the planted string, and probes on planted geometry."""
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from taskgeom.train import train  # noqa: E402
 
 SMALL = ModelConfig(n_layers=3, d_model=32, n_heads=2, d_mlp=64, max_len=16)
 # the task settings the round-trip model is trained on: E1's variant e1-v6 (V = 6, near-disjoint majors), whose geometry
-# 200 steps of a tiny GPT-2 reach (the recipe's V = 16 is the study's setting, PAPER.md section 2)
+# 200 steps of a tiny GPT-2 reach (the recipe's V = 16 is the study's setting, docs/protocol.md#the-studys-settings-the-paper-profile)
 TASK = ["task.seq_len=24", "train.seed=0", "task.vocab_size=6", "task.majors=disjoint"]
 TRAIN = TASK + ["model.max_len=24", "model.d_model=32", "model.d_mlp=64", "model.arch=gpt2", "train.steps=200", "train.batch_size=32",
                 "train.lr=3e-3", "train.eval_every=200", "train.checkpoint_every=200", "train.eval_batch=64", "train.snapshots=2",

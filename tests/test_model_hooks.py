@@ -12,7 +12,7 @@ from taskgeom.hooks import capture, intervene
 from taskgeom.model import SITES, Transformer
 
 
-# (positions, MLP activation, final norm): the last is the study's E1/E3/E4 model (PAPER.md section 3)
+# (positions, MLP activation, final norm): the last is the study's E1/E3/E4 model (docs/protocol.md#the-studys-settings-the-paper-profile)
 @pytest.fixture(params=[("rotary", "gelu", True), ("learned", "gelu", True), ("rotary", "silu", False)])
 def model(request):
     torch.manual_seed(0)

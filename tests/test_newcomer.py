@@ -107,6 +107,16 @@ def test_no_page_readme_or_help_text_names_an_issue_number():
     assert not re.search(ISSUE_REFERENCE, "[P3](protocol.md#3-p3) and docs/ladder-before-26/")
 
 
+def test_nothing_a_user_has_cites_the_specification_file_they_do_not_have():
+    """The package, its recipes, the docs, the examples and the help texts point to docs/protocol.md and
+    docs/concepts.md, never to the team's PAPER.md."""
+    files = [*(ROOT / "src").rglob("*.py"), *(ROOT / "src").rglob("*.yaml"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md",
+             ROOT / "examples" / "quickstart.ipynb", *(ROOT / "examples" / "hmm_family").rglob("*.py")]
+    texts = {**{path.relative_to(ROOT).as_posix(): path.read_text(encoding="utf-8") for path in files}, **help_texts()}
+    assert len(texts) > 60 and "src/taskgeom/cli.py" in texts
+    assert [where for where, text in texts.items() if "PAPER.md" in text] == []
+
+
 UNRELEASED = ("The ablations' S from the study's own probe (task contrasts, rank K - 1); the earlier construction is the variant s-with-mean",
               "E4's P0 and prefix probes at resid_post of the M1 block", "A null or unreliable share is n/a for its seed",
               "Fig. 4 at 128 x 128 at every profile", "A deep profile for every family; standard redefined (6 blocks)",

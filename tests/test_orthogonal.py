@@ -1,4 +1,4 @@
-"""The study's orthogonal search (PAPER.md section 7) on a planted problem, and its subspaces."""
+"""The study's orthogonal search (docs/protocol.md) on a planted problem, and its subspaces."""
 
 from __future__ import annotations
 
@@ -59,8 +59,7 @@ def planted():
 
 
 def test_search_recovers_the_planted_direction(planted):
-    """The kept V is the average of the iterates at the step of the best smoothed loss (PAPER.md
-    section 7), so it lags the iterates that found u: it still points along u."""
+    """The kept V is the average of the iterates at the step of the best smoothed loss (docs/protocol.md), so it lags the iterates that found u: it still points along u."""
     model, avoid, u, loss_fn, _ = planted
     result = orthogonal_searches(model, searching(model, loss_fn), [(SITE, avoid, 1)])[0]
     assert result.directions.shape == (D, 1)

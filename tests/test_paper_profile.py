@@ -35,7 +35,7 @@ def test_every_paper_run_trains_a_few_steps_on_the_cpu(tmp_path):
         assert sum(p.numel() for p in model.parameters()) == parameter_count(task.config), (recipe, k)
 
 
-# PAPER.md section 3, recipe by recipe: (layers, activation, final norm), (batch, peak, weight decay,
+# docs/protocol.md#the-studys-settings-the-paper-profile, recipe by recipe: (layers, activation, final norm), (batch, peak, weight decay,
 # floor, schedule, clipping), the data settings of section 2.
 STUDY = {
     "e1": ((6, "silu", False), (128, 4e-4, 4e-4, 1e-5, "triangular", None), {"vocab_size": 16, "majors": "dirichlet", "major_seed": 42, "seq_len": 128}),

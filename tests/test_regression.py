@@ -188,7 +188,7 @@ def test_late_means_average_the_last_half_of_the_examples():
     assert means.loc["ood", "loss"] == pytest.approx((31 + 41 + 51) / 3)
 
 
-# ---- E2 at the study's settings (PAPER.md section 2): pair layout, majors from a fixed task seed -----
+# ---- E2 at the study's settings (docs/protocol.md#the-studys-settings-the-paper-profile): pair layout, majors from a fixed task seed -----
 def test_e2_majors_are_the_same_at_every_diversity_and_with_major_seed_in_every_run(tmp_path):
     from taskgeom.recipes import load_recipe
 

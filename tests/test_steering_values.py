@@ -1,4 +1,4 @@
-"""Causal steering (PAPER.md section 7) against computations by hand: KL of one law to another,
+"""Causal steering (docs/protocol.md) against computations by hand: KL of one law to another,
 the per-position task vectors, steered positions against a plain forward hook (one position per
 pass), the readout at a vertex of the simplex, E2's RMSE, the positions' clipping, the stored rows
 and the claim."""

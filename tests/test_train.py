@@ -56,7 +56,7 @@ def test_learning_rate_rises_from_its_floor_and_decays_to_it_linearly_or_on_a_co
 
 @pytest.mark.parametrize("recipe,start,end", [("e1", 1e-5, 1e-5), ("e3", 1e-5, 1e-5), ("e4", 2e-5, 2e-5), ("e2", 0.0, 0.0)])
 def test_the_paper_schedules_are_the_study_s(recipe, start, end):
-    """PAPER.md section 3: from the floor to the peak at 15k of 30k steps and back to the floor."""
+    """docs/protocol.md#the-studys-settings-the-paper-profile: from the floor to the peak at 15k of 30k steps and back to the floor."""
     from taskgeom.recipes import load_recipe
 
     cfg = load_recipe(recipe, "paper").train

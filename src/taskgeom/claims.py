@@ -1,7 +1,7 @@
-"""Claims of PAPER.md as named checks: a measured value against a documented threshold.
+"""Claims of the study as named checks: a measured value against a documented threshold.
 
 Each claim has a status: ``pass``, ``fail``, or ``n/a`` when the claim does not apply to what was
-measured (PAPER.md section 7: P3 shrinks needs at least 5 uncertain positions). An n/a claim is
+measured (docs/protocol.md: P3 shrinks needs at least 5 uncertain positions). An n/a claim is
 counted neither as passed nor as failed. A ratio or share is written beside its ``parts``, the
 numbers it is made of, so that a reader can judge it (a share of a tiny gain says little).
 
@@ -19,7 +19,7 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from typing import Iterable, Literal, Optional, Union
 
-from taskgeom.analysis.shares import MIN_RELIABLE_GAIN, unreliable_gain  # the share of gain's reliability floor (PAPER.md section 7)
+from taskgeom.analysis.shares import MIN_RELIABLE_GAIN, unreliable_gain  # the share of gain's reliability floor (docs/protocol.md)
 from taskgeom.storage import standard_json
 
 Comparison = Literal["<=", ">=", "<", ">"]

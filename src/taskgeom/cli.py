@@ -320,7 +320,7 @@ def analyze(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Hugging Face directory only: dotted override of the recipe, repeatable."),
     out: Optional[Path] = typer.Option(None, help="Hugging Face directory only: where analysis/ and figures/ go (default RUN_DIR/taskgeom)."),
 ) -> None:
-    """M1 geometry of a trained model (PAPER.md sections 4 and 7): P0-P3 per layer and site on a
+    """M1 geometry of a trained model (docs/concepts.md and docs/protocol.md): P0-P3 per layer and site on a
     measurement batch; the claims read the study's block at the same relative depth (resid_post),
     where causal steering is measured too, one position per forward pass. P0-P2 on a selection batch
     give the selected-place variant. Writes analysis/m1.json (tidy rows) and figures/m1_*.png."""
@@ -410,7 +410,7 @@ def reproduce(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override applied to every run of every experiment, "
                                              "repeatable (a smoke test: --set train.steps=50); the runs get other directories."),
     variant_name: Optional[str] = typer.Option(None, "--variant", help="Train a variant of the data instead of the study's settings "
-                                               "(PAPER.md section 8): e1-v6 (E1 at 6 faces, near-disjoint majors) or separator (E2's "
+                                               "(docs/protocol.md#variants): e1-v6 (E1 at 6 faces, near-disjoint majors) or separator (E2's "
                                                "x, separator, y layout). Its recipes alone, with its settings, judged under the "
                                                "protocol; set it beside the study's settings with `taskgeom ladder results "
                                                "results-VARIANT`. The variants of the measurement are `taskgeom sensitivity`'s."),
@@ -475,8 +475,7 @@ def reproduce(
 
 
 def _data_variant(name: str, recipes: str | None, settings: list[str]) -> tuple[str, list[str]]:
-    """(the recipes, the ``--set`` settings) that train the data variant ``name`` of PAPER.md
-    section 8: its own recipes (``--recipes`` may only name those) and its overrides before the
+    """(the recipes, the ``--set`` settings) that train the data variant ``name`` of docs/protocol.md#variants: its own recipes (``--recipes`` may only name those) and its overrides before the
     user's; BadParameter for a variant of the measurement or an unknown name."""
     from taskgeom.analysis.variants import BY_NAME, DATA_VARIANTS
 
@@ -608,8 +607,7 @@ def sensitivity(
                                 "runs' stored m1.json and dual.json: P0-P2 and projection R^2 at the place the claims read, and the "
                                 "lowest and highest over all places (median over the runs)."),
 ) -> None:
-    """For each claim it covers, its value and verdict under the study's protocol (PAPER.md section
-    7) and under each applicable earlier convention (section 8's variants), on the same runs: the
+    """For each claim it covers, its value and verdict under the study's protocol (docs/protocol.md) and under each applicable earlier convention (its variants, docs/protocol.md#variants), on the same runs: the
     M1 claims P0-P3 (runs at k = -1, from their m1.json), projection R^2 at each run's diversity
     (dual.json), and the double dissociation (S and V ablations and the random control, measured
     again). A claim's verdict is judged over the runs given (pass on every run, fail on every run,

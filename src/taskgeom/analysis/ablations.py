@@ -1,4 +1,4 @@
-"""The S and V ablations of the double dissociation at every block (PAPER.md section 7, "S
+"""The S and V ablations of the double dissociation at every block (docs/protocol.md, "S
 ablation", "Orthogonal search", "Shares of in-context gain", "Random control"), as rows of
 ``dual.json`` (layout of ``rows``).
 
@@ -13,7 +13,7 @@ Each is ablated at that block alone and measured on the ``loss`` split (major, m
   draws' [min, max] share as its band;
 - the summary (``layer`` None, ``site`` the blocks' site): the mean over blocks of each per-block
   row (a share of the mean ablated loss, which is the mean of the shares since the clean losses
-  are the same), or under ``v-best-block`` (section 8) V's and the control's rows of one block.
+  are the same), or under ``v-best-block`` (docs/protocol.md#variants) V's and the control's rows of one block.
 
 The claims read the summary; the random-control claim reads the largest summary statistic over
 the major and OOD sets (``experiments.dual_modes``).
@@ -156,7 +156,7 @@ def rank_rows(run: StudyRun, blocks: Sequence[Block], ranks: Sequence[int], ood:
 
 def v_block(run: StudyRun, blocks: Sequence[Block], n_seq: int) -> int:
     """The index of the block whose V raises the OOD loss most on the ``search-select`` split
-    (``v-best-block``, section 8): compared by the ablated loss itself (the clean loss is the same
+    (``v-best-block``, docs/protocol.md#variants): compared by the ablated loss itself (the clean loss is the same
     for every block, and a share flips sign with the gain)."""
     select = run.heldout("ood", n_seq, split="search-select")
     losses = []

@@ -1,8 +1,8 @@
-"""Two-way layout of states over cells (factor a, factor b): PAPER.md's P0 and P1.
+"""Two-way layout of states over cells (factor a, factor b): the study's P0 and P1.
 
 Pooled (``two_way``, ``task_linear``): one fit over all the states given (the ``pooled-anova``
 variant over the late window; the task vectors over their window). Per position
-(``two_way_by_position``, ``task_linear_by_position``; PAPER.md section 7): the same fit at each
+(``two_way_by_position``, ``task_linear_by_position``; docs/protocol.md): the same fit at each
 position separately, vectorised over positions, so that the drift of mu_t is not within-cell variance.
 
 P0 (stability): within-cell share of variance SS_within / SS_total, with the cell-means R^2 as its

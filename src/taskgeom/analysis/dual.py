@@ -1,4 +1,4 @@
-"""One run's dual-mode measurements (PAPER.md sections 5 and 7), saved as ``analysis/dual.json``.
+"""One run's dual-mode measurements (docs/concepts.md and docs/protocol.md), saved as ``analysis/dual.json``.
 
 Rows have the layout of ``rows`` (that of ``m1.json`` too: ``band`` an interquartile pair or null,
 ``batch`` the held-out split, ``set`` major, minor or ood). The analysis is written with the

@@ -21,8 +21,7 @@ class Place(NamedTuple):
 
     @classmethod
     def at_depth(cls, block: int, of: int, n_layers: int, site: str = "resid_post") -> "Place":
-        """The place at the relative depth of the study's block ``block`` of ``of`` (PAPER.md
-        section 7) in a model of ``n_layers`` blocks: block ``ceil((block + 1) n_layers / of) - 1``,
+        """The place at the relative depth of the study's block ``block`` of ``of`` (docs/protocol.md) in a model of ``n_layers`` blocks: block ``ceil((block + 1) n_layers / of) - 1``,
         exact when ``n_layers == of``."""
         if not 0 <= block < of or n_layers < 1:
             raise AnalysisError(f"no study block {block} of {of} in a model of {n_layers} blocks")

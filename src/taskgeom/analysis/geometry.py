@@ -1,6 +1,6 @@
-"""The M1 geometry at one place (PAPER.md section 4), as a researcher uses it: task vectors, the
+"""The M1 geometry at one place (docs/concepts.md#m1-the-geometry-of-task-retrieval), as a researcher uses it: task vectors, the
 basis of the task subspace S, token effects, P0-P3 and beta, and the verbs that read or edit
-the model there: ``steer`` toward a point of the simplex, ``ablate`` S (section 5), and
+the model there: ``steer`` toward a point of the simplex, ``ablate`` S (docs/concepts.md#m2-the-nearly-orthogonal-subspace), and
 ``projection_r2`` of other states on S.
 
 Shapes: ``N`` sequences, ``P`` analysed positions (every position; E2: its separators), ``D``
@@ -39,7 +39,7 @@ Form = Literal["token", "plain"]
 class Alignment:
     """P3 at a place: tv, kl: [N, P] per-state distances between beta_t and the posterior alpha_t
     (total variation, KL(alpha || beta)), written as rows; mean: the claim's per-task mean curves
-    (PAPER.md section 7); shrinkage: P3.shrinks' parts, on the mean curves; window: the late
+    (docs/protocol.md); shrinkage: P3.shrinks' parts, on the mean curves; window: the late
     positions (the last quarter)."""
 
     tv: torch.Tensor
@@ -164,7 +164,7 @@ class Geometry:
     def steer(self, to: torch.Tensor | Sequence[float] | Literal["dirichlet"] = "dirichlet", *, points: int = 1,
               positions: Sequence[int] | None = None, form: SteeringForm | None = None) -> Steering:
         """Steer these sequences at this place toward points of the simplex, one position per
-        forward pass (PAPER.md section 7; ``analysis.steering``): ``to`` a point [K] for every
+        forward pass (docs/protocol.md; ``analysis.steering``): ``to`` a point [K] for every
         sequence, [N, K] one per sequence, or ``"dirichlet"``: ``points`` Dirichlet(1) draws per
         sequence, independent of its true task (the stored analysis, one each); ``positions``: the
         analysed positions to edit (default the study's, E1 25-39, E2 and E3 0-39), clipped to the
@@ -281,13 +281,13 @@ class Geometry:
 
     @cached_property
     def avoided(self) -> torch.Tensor:
-        """[D, m] where the orthogonal search may not go (PAPER.md section 7): the probe's S, and
+        """[D, m] where the orthogonal search may not go (docs/protocol.md): the probe's S, and
         the token subspace for families that say so (``TaskFamily.v_avoids_tokens``: E3)."""
         return self.avoid()
 
     def avoid(self, variant: str | None = None) -> torch.Tensor:
         """[D, m] the span V avoids under the protocol (``avoided``) or a variant: ``v-avoids-tokens``
-        adds the token subspace for every family (section 8); other variants leave it as it is."""
+        adds the token subspace for every family (docs/protocol.md#variants); other variants leave it as it is."""
         chosen = named_variant(variant)
         tokens = self.run.family.v_avoids_tokens or (chosen is not None and chosen.name == "v-avoids-tokens")
         s = self.s_basis(variant).float()

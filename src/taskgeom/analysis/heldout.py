@@ -26,7 +26,7 @@ the training distribution, tasks drawn by the pool's prior weights, the anchors 
 ablations' probe at k > -1 (``analysis.probe``).
 
 E2's major sequences of ``select``, ``measure`` and ``geometry`` are paired: all K tasks share the
-same x sequences (PAPER.md section 7), so the x effects cancel when task means are subtracted.
+same x sequences (docs/protocol.md), so the x effects cancel when task means are subtracted.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""PAPER.md section 7, "Orthogonal search": directions V outside the task and token subspaces whose
+"""docs/protocol.md, "Orthogonal search": directions V outside the task and token subspaces whose
 ablation ``h <- h - V V^T h`` hurts minor/OOD sequences most.
 
 Shapes: ``D`` width, ``V`` tokens, ``m`` avoided directions, ``n = D - m`` free coordinates,

@@ -1,5 +1,4 @@
-"""Projection R^2 of OOD states on the task subspace as the study's Fig. 4 measures it (PAPER.md
-section 7), and its linear-code reference.
+"""Projection R^2 of OOD states on the task subspace as the study's Fig. 4 measures it (docs/protocol.md), and its linear-code reference.
 
 For every OOD task and every major task, the states of its sequences are averaged at each position;
 each averaged state is centred by the per-position mean of the major means and regressed (no

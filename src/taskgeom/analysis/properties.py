@@ -1,8 +1,8 @@
-"""PAPER.md's properties P0-P3 of the M1 geometry, from states of major-task sequences.
+"""The study's properties P0-P3 of the M1 geometry, from states of major-task sequences.
 
 Shapes: ``N`` sequences, ``T`` positions, ``D`` width, ``K`` major tasks, ``V`` tokens.
 
-- P0/P1 (``by_position``, PAPER.md section 7): the two-way layout over cells (task, current token)
+- P0/P1 (``by_position``, docs/protocol.md): the two-way layout over cells (task, current token)
   fitted at each position separately; for E2 the token effect is a linear map of the current
   example's x_t (an ANCOVA): P0 fits a per-task intercept and linear map of x_t, P1 the additive
   ``c + theta_task + A x_t``. ``pooled`` is the same layout pooled over a window (the
@@ -88,7 +88,7 @@ def pooled(h: torch.Tensor, task: torch.Tensor, current: torch.Tensor, n_tasks: 
 
 
 def by_position(h: torch.Tensor, task: torch.Tensor, current: torch.Tensor, n_tasks: int, vocab: int | None) -> Shares:
-    """P0 and P1 of h: [N, T, D] at each position (PAPER.md section 7; arguments as ``pooled``)."""
+    """P0 and P1 of h: [N, T, D] at each position (docs/protocol.md; arguments as ``pooled``)."""
     if vocab is None:
         return task_linear_by_position(h, task, current, n_tasks)
     return two_way_by_position(h, task, current, n_tasks, vocab)
@@ -180,7 +180,7 @@ def alignment(beta: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, to
 
 @dataclass(frozen=True)
 class MeanAlignment:
-    """P3 as the claim reads it (PAPER.md section 7): beta, alpha: [M, T, K] per major task m and
+    """P3 as the claim reads it (docs/protocol.md): beta, alpha: [M, T, K] per major task m and
     position, the mean sum-to-one fit over the task's sequences projected onto the simplex, and
     the mean exact posterior; tv: [M, T] their total variation."""
 

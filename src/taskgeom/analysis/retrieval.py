@@ -3,13 +3,13 @@ requested layer and site, steering at the claims' place, as the rows of ``analys
 (``rows``' layout; batch: the split, ``select`` or ``measure``). It is written with the objects of
 ``analysis.study``, so each stored number is what they return.
 
-**The place** (PAPER.md section 7): the M1 claims read a fixed block at ``resid_post``, the
+**The place** (docs/protocol.md): the M1 claims read a fixed block at ``resid_post``, the
 study's block at the same relative depth (``claim_places``: the family's ``m1_block``, P3 its
 ``p3_block``; E1, E3 block 3 of 6, E2 block 10 of 16 and P3 block 9). Nothing measured chooses
 it. The full table (P0-P3 at every layer and site) is written on the measurement batch; P3's
 per-position rows at P3's place only. The selection batch's P0-P2 table and the place of best
 R^2_task on it (``place.selected``, with ``place.runner_up``) remain for the ``selected-place``
-variant (PAPER.md section 8). ``claim_values`` reads the claims' values from the rows under the
+variant (docs/protocol.md#variants). ``claim_values`` reads the claims' values from the rows under the
 protocol or a named variant, so the claims and ``taskgeom sensitivity`` read one function.
 
 Rows (measurement batch, every place): ``p0.cell_r2``, ``p0.within_share``, ``p1.additive_share``
@@ -78,7 +78,7 @@ class Result:
 
 def claim_places(run: StudyRun) -> tuple[Place, Place]:
     """(the M1 claims' place, P3's): the study's blocks (the family's ``m1_block`` and
-    ``p3_block``) at the same relative depth of this model, at ``resid_post`` (PAPER.md section 7)."""
+    ``p3_block``) at the same relative depth of this model, at ``resid_post`` (docs/protocol.md)."""
     n_layers, family = run.config.model.n_layers, run.family
     return steering_place(family, n_layers), Place.at_depth(*family.p3_block, n_layers)  # steering reads the M1 place
 
@@ -96,7 +96,7 @@ def check_request(run: StudyRun, layers: tuple[int, ...] | None = None, sites: t
     places = run.places(sites, layers)
     missing = [tuple(p) for p in dict.fromkeys(claim_places(run)) if p not in places]
     if missing:
-        raise AnalysisError(f"the M1 claims read (layer, site) {missing} (PAPER.md section 7); measure them too")
+        raise AnalysisError(f"the M1 claims read (layer, site) {missing} (docs/protocol.md); measure them too")
     check_major_tasks(run.pool.n_major, f"analysing {run.path}")
     if n_sequences < 4 * run.pool.n_major:
         raise AnalysisError(f"n_sequences must be at least 4 per major task ({4 * run.pool.n_major}), got {n_sequences}")

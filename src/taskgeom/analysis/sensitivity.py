@@ -1,6 +1,6 @@
-"""How the claims move under the earlier conventions of PAPER.md section 8, each measured on the
+"""How the claims move under the earlier conventions of docs/protocol.md#variants, each measured on the
 same run (``taskgeom sensitivity``). It reports, it does not decide: the claims keep the study's
-protocol (section 7).
+protocol (docs/protocol.md).
 
 ``ablation_variants(run)`` covers the double dissociation (``ablate_S_major``, ``ablate_S_ood``,
 ``ablate_V_ood``, ``ablate_V_major``, ``random_control``) at the run's own diversity: one row per

@@ -1,4 +1,4 @@
-"""The share of in-context gain an edit removes (PAPER.md sections 5 and 7), with the parts it is
+"""The share of in-context gain an edit removes (docs/concepts.md and docs/protocol.md), with the parts it is
 made of, so that it cannot mislead: ``100 (L_ablated - L) / (L_0 - L)`` where L and L_ablated
 average the per-prediction losses over every prediction after the first (the study's choice) and
 L_0 is the clean loss of the first prediction.

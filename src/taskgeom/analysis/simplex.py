@@ -3,7 +3,7 @@
 Every fit writes states as combinations of ``K`` vertices: ``y ~ V^T beta`` for y: [N, D] and
 V: [K, D]. Two fits, both vectorised over all N states at once (float64):
 
-- ``sum_to_one_fit`` then ``project_simplex``: PAPER.md's P2 fit (sum-to-one least squares, then the
+- ``sum_to_one_fit`` then ``project_simplex``: the study's P2 fit (sum-to-one least squares, then the
   Euclidean projection of beta onto the simplex). This is the fit that P2 and P3 report.
 - ``simplex_lstsq``: the exact minimiser of ||y - V^T beta||^2 over beta >= 0, sum beta = 1, by
   enumerating the 2^K - 1 supports (fine for the small K of the study). Reported beside P2 as

@@ -1,4 +1,4 @@
-"""Causal steering (PAPER.md section 7, "Steering"): edit the task component of the state at one
+"""Causal steering (docs/protocol.md, "Steering"): edit the task component of the state at one
 position per forward pass toward a target point ``a`` of the simplex, and read how close the model
 comes to what the mixture ``a`` of the major tasks predicts there.
 
@@ -63,7 +63,7 @@ def study_form(family: TaskFamily) -> SteeringForm:
 
 
 def steering_place(family: TaskFamily, n_layers: int) -> Place:
-    """Where steering reads and writes (PAPER.md section 7): the M1 claims' place, the family's
+    """Where steering reads and writes (docs/protocol.md): the M1 claims' place, the family's
     ``m1_block`` (E1, E3 block 3 of 6; E2 10 of 16) at the same relative depth, ``resid_post``."""
     return Place.at_depth(*family.m1_block, n_layers)
 

@@ -11,9 +11,9 @@ there (``analysis.edits``); the verbs are their methods, the options keywords.
 - ``Sequences``: one held-out batch with what the analysis reads of it (``inputs``, the exact
   posterior ``alpha``, the Bayes ``references`` of its losses).
 - ``Place``: ``(layer, site)``, a named tuple that every hook accepts.
-- ``Geometry``: the M1 geometry at a place (PAPER.md section 4): task vectors, the basis of S,
+- ``Geometry``: the M1 geometry at a place (docs/concepts.md#m1-the-geometry-of-task-retrieval): task vectors, the basis of S,
   token effects, P0-P3 and beta; ``steer`` toward a point of the simplex, ``ablate`` S,
-  ``projection_r2`` of other states (section 5).
+  ``projection_r2`` of other states (docs/concepts.md#m2-the-nearly-orthogonal-subspace).
 - ``Edit``: a change of the states at one place, in force while its ``with`` block runs.
 
 The stored analyses (``m1.json``, ``dual.json``) are written with these objects
@@ -144,7 +144,7 @@ class StudyRun:
                       variant: str | None = None) -> ProjectionR2:
         """Projection R^2 of the OOD tasks of ``ood`` on the major tasks of ``major`` as the study's
         Fig. 4 measures it (``analysis.projection``; whole tasks from ``heldout_tasks``) at ``place``
-        (default: the protocol's, ``projection.place``); or under a ``variant`` of PAPER.md section 8:
+        (default: the protocol's, ``projection.place``); or under a ``variant`` of docs/protocol.md#variants:
         ``per-sequence-r2`` (each OOD state of the late window, centred by mu_t + nu(x_t) and
         regressed on theta_(k, x_t), with the geometry fitted on ``major`` at the place),
         ``site-mid`` (the protocol at resid_mid of the same block) or ``selected-place`` (the
@@ -194,7 +194,7 @@ class StudyRun:
     def select_place(self, sequences: Sequences, places: Sequence[tuple[int, str]] | None = None, *, site: str | None = None,
                      window: float = 0.25, n_random: int = 8) -> Selection:
         """The place of highest R^2_task on ``sequences`` among ``places`` (every layer and
-        default site), restricted to the site name ``site`` when given (PAPER.md section 7)."""
+        default site), restricted to the site name ``site`` when given (docs/protocol.md)."""
         measured = list(self.geometries(sequences, places or self.places(), window=window, n_random=n_random))
         ranked = sorted((g for g in measured if (site is None or g.place.site == site) and math.isfinite(g.p2.r2_task)),
                         key=lambda g: -g.p2.r2_task)
@@ -226,7 +226,7 @@ class StudyRun:
         return Edit(self, Place(*place), direction_ablation(directions), self.analysed_positions)
 
     def search_set(self, variant: str | None = None) -> Kind:
-        """The sequences the orthogonal search ascends on (PAPER.md section 7): minor (pool)
+        """The sequences the orthogonal search ascends on (docs/protocol.md): minor (pool)
         sequences, OOD ones when the pool has no minors (k = -1) or under ``v-searched-on-ood``."""
         chosen = named_variant(variant)
         return "ood" if not self.pool.n_minor or (chosen is not None and chosen.name == "v-searched-on-ood") else "minor"
@@ -254,7 +254,7 @@ class StudyRun:
         """V: [D, r] for each ``(geometry, rank r)``: directions outside ``geometry.avoid(variant)``
         (the protocol: the probe's S, and the token subspace for E3; or ``avoid(geometry)`` when
         given) whose ablation at the geometry's place raises the loss of fresh minor sequences most
-        (OOD ones at k = -1 or under ``v-searched-on-ood``; PAPER.md section 7); the searches run
+        (OOD ones at k = -1 or under ``v-searched-on-ood``; docs/protocol.md); the searches run
         in lockstep, each giving what it would alone."""
         avoid = avoid or (lambda geometry: geometry.avoid(variant))
         results = orthogonal_searches(self.model, self._search_loss(self.search_set(variant)),

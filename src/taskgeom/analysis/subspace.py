@@ -1,4 +1,4 @@
-"""PAPER.md section 5: the task subspace S against the nearly orthogonal OOD subspace.
+"""docs/concepts.md#m2-the-nearly-orthogonal-subspace: the task subspace S against the nearly orthogonal OOD subspace.
 
 Shapes: ``N`` sequences, ``T`` positions, ``D`` width, ``K`` task vectors, ``r`` ablated directions.
 Every ablation is an edit of one site (layer, name), applied at every position or at the analysed

@@ -1,4 +1,4 @@
-"""The task subspace (PAPER.md sections 4 and 7): the one object every analysis uses.
+"""The task subspace (docs/concepts.md and docs/protocol.md): the one object every analysis uses.
 
 ``TaskSubspace`` holds the centred task vectors ``theta_k`` in float64, the per-position mean state
 ``mu_t`` over the major tasks, an orthonormal basis of S of explicit rank K - 1, and, for token

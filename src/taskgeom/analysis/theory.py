@@ -1,4 +1,4 @@
-"""The measurable core of Theorem 2 (PAPER.md section 5), at the last layer's resid_post.
+"""The measurable core of Theorem 2 (docs/concepts.md#m2-the-nearly-orthogonal-subspace), at the last layer's resid_post.
 
 Predictions are compared as centred log-probabilities (CLR; for a softmax readout, the centred
 logits), with the Euclidean norm, so every quantity lives in one metric:

@@ -1,9 +1,9 @@
-"""Which Bayes predictor does the model follow? PAPER.md section 5.
+"""Which Bayes predictor does the model follow? docs/concepts.md#m2-the-nearly-orthogonal-subspace.
 
 memorising: exact Bayes over the training pool (``family.predict_id``). generalising: the K majors
 plus one "new task" component with the continuous prior, whose evidence is the prior-predictive
 chain (``family.log_marginal_ood``) and whose prediction is the OOD-optimal learner. The new task
-takes prior weight ``p_new`` (the pool's minor mass, PAPER.md's p_minor) and each major
+takes prior weight ``p_new`` (the pool's minor mass, the study's p_minor) and each major
 (1 - p_new) / K. **[ours]** The statistic is read on fresh OOD sequences, where the two differ.
 """
 

@@ -1,6 +1,6 @@
-"""The earlier conventions of this project, kept computable by name (PAPER.md section 8).
+"""The earlier conventions of this project, kept computable by name (docs/protocol.md#variants).
 
-The claims are measured one way, the study's (section 7); each ``Variant`` here names one earlier
+The claims are measured one way, the study's (docs/protocol.md); each ``Variant`` here names one earlier
 choice that the API (``variant="..."``) and ``taskgeom sensitivity`` can measure instead, on the
 same runs, so a reader sees how a verdict depends on it. No variant ever decides a claim.
 """
@@ -15,7 +15,7 @@ from taskgeom.errors import AnalysisError
 @dataclass(frozen=True)
 class Variant:
     """One earlier convention: its ``name``, the ``claims`` (id prefixes) it can move, what it
-    ``changes`` from section 7 and ``why`` it existed. A variant of the data has ``overrides``: the
+    ``changes`` from the protocol and ``why`` it existed. A variant of the data has ``overrides``: the
     ``--set`` values that train its runs from the recipe (the same in every profile); one of the
     measurement has none."""
 
@@ -32,7 +32,7 @@ VARIANTS = (
             "chose the layer by the data when the study's block did not exist at quick sizes"),
     Variant("site-mid", ("P0", "P1", "P2", "P3", "steering", "projection_r2"),
             "every readout at resid_mid (after attention) instead of resid_post",
-            "PAPER.md once named both sites as candidates"),
+            "the specification once named both sites as candidates"),
     Variant("pooled-anova", ("P0", "P1"),
             "P0/P1 pooled over the late window with no position term (the drift of mu_t counted as within-cell variance)",
             "our first reading of the two-way layout"),
@@ -42,7 +42,7 @@ VARIANTS = (
             "scored single states, as a probe would read them"),
     Variant("centred-S", ("ablate_S",),
             "S ablation h - P_S (h - mu_t) on the rank K-1 span of the task vectors, at the selected place",
-            "the task subspace of section 4 rather than a probe's row space"),
+            "the task subspace of the M1 geometry rather than a probe's row space"),
     Variant("s-with-mean", ("ablate_S", "ablate_V", "random_control"),
             "S of rank K from the minimum-norm probe with every posterior column beside the token one-hot and an intercept, "
             "over the late window: the task contrasts and about the mean state; V and the random controls avoid it",

@@ -1,7 +1,6 @@
-"""The dual modes across task diversity (PAPER.md section 5): projection R^2, the double
+"""The dual modes across task diversity (docs/concepts.md#m2-the-nearly-orthogonal-subspace): projection R^2, the double
 dissociation, the predictor transition and Theorem 2, for the recipes that declare ``dual_modes``
-at the profile (E1 and E3; E2 at paper), measured where PAPER.md
-section 7 pins them (``analysis.dual``). Projection R^2 claims read the study's Fig. 4 statistic
+at the profile (E1 and E3; E2 at paper), measured where docs/protocol.md pins them (``analysis.dual``). Projection R^2 claims read the study's Fig. 4 statistic
 (``analysis.projection``), with its place, task counts, interquartile range, linear-code reference
 and the ``per-sequence-r2`` variant in their parts; every share of in-context gain carries its
 parts (clean, ablated and first losses, the gain in nats, and ``unreliable`` when the gain is below

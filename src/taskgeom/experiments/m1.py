@@ -1,9 +1,9 @@
-"""M1, Bayesian task retrieval (PAPER.md section 4): P0-P3 and causal steering on the k = -1 runs
+"""M1, Bayesian task retrieval (docs/concepts.md#m1-the-geometry-of-task-retrieval): P0-P3 and causal steering on the k = -1 runs
 of the recipes that declare ``m1`` (E1, E2, E3; the runs ``bayes_optimum`` and E2's own experiment
-read too, whichever comes first trains them). Claims are read as PAPER.md section 7 pins them: at
+read too, whichever comes first trains them). Claims are read as docs/protocol.md pins them: at
 the study's block at the same relative depth, ``resid_post`` (``retrieval.claim_places``; the
 parts name the layer and site each claim read), with the values of ``retrieval.claim_values``;
-every threshold is fixed here, beside its check (section 9), and the same for every family. For
+every threshold is fixed here, beside its check (docs/protocol.md#thresholds), and the same for every family. For
 E2 the analysis reads its prediction positions: P0's "cells" are a per-task intercept and linear
 map of the query x_i (an ANCOVA at each position), P2 reads r2_additive, and steering compares
 predictions of y_i by RMSE instead of next-token laws by KL, one position per forward pass."""
@@ -40,7 +40,7 @@ MAX_TV_LATE = 0.1
 # (the mean posterior's largest weight below 0.99, median over tasks) divided by that over their
 # first quarter must be below one (n/a with fewer than 5 such).
 MAX_TV_RATIO = 1.0
-# Steering (PAPER.md section 9): the steered readout (the mean over the steered sequences and target
+# Steering (docs/protocol.md#thresholds): the steered readout (the mean over the steered sequences and target
 # points of KL(model || q_a); E2: of the RMSE to y_a) at most 1 / STEERING_FACTOR of the unsteered one
 # and below the mode task's; the claim's value, max(factor * steered / unsteered, steered / mode),
 # must be at most MAX_STEERING_SHARE (a tie with the mode task, of probability zero, would pass).
@@ -89,7 +89,7 @@ def claims(result: Result, profile: str) -> list:
 def retrieval_claims(values: dict, e: str, profile: str, effect: str = "current token") -> list:
     """The claims P0-P3 of recipe ``e`` from ``retrieval.claim_values`` (the protocol's, or a
     variant's) of one run; ``effect``: the token-effect model in words."""
-    where = "at the study's block at the same relative depth, resid_post (PAPER.md section 7); layer and site in the parts"
+    where = "at the study's block at the same relative depth, resid_post (docs/protocol.md); layer and site in the parts"
     if effect == "current token":
         p0 = "P0: cell-means R^2 of (task, current token)"
         p2 = "P2: R^2_task of the simplex fit of h_t - mu_t - nu(x_t) on the task vectors, late window"
@@ -119,7 +119,7 @@ def retrieval_claims(values: dict, e: str, profile: str, effect: str = "current 
 
 
 def steering_claim(steering: Steering, e: str, profile: str) -> Claim:
-    """The steering claim of one run (PAPER.md sections 7 and 9) from its ``Steering``."""
+    """The steering claim of one run (docs/protocol.md) from its ``Steering``."""
     factor = STEERING_FACTOR[steering.measure]
     means = {kind: steering.mean(kind) for kind in KINDS}
     value = max(_ratio(factor * means["steered"], means["unsteered"]), _ratio(means["steered"], means["mode"]))

@@ -1,4 +1,4 @@
-"""E4, planted Dyck (PAPER.md section 6): P0 fails where E1 and E3 satisfy it, and linear probes
+"""E4, planted Dyck (docs/concepts.md#e4-where-the-geometry-ends): P0 fails where E1 and E3 satisfy it, and linear probes
 recover the earlier bracket prefix from the hidden states.
 
 Where (docs/protocol.md, "E4"): the claims read ``resid_post`` of each model's M1 block (the

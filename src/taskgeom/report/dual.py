@@ -1,4 +1,4 @@
-"""Figures of the dual modes (PAPER.md section 5), from the sweep's tables."""
+"""Figures of the dual modes (docs/concepts.md#m2-the-nearly-orthogonal-subspace), from the sweep's tables."""
 
 from __future__ import annotations
 

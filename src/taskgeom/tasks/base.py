@@ -124,11 +124,11 @@ class TaskFamily(ABC):
     name: ClassVar[str]
     Settings: ClassVar[type[TaskSettings]]
     reads_tokens: ClassVar[bool] = True  # False: the model reads vectors (``Batch.tokens`` is float)
-    # True: the orthogonal search also keeps V out of the token directions (PAPER.md section 7: E3)
+    # True: the orthogonal search also keeps V out of the token directions (docs/protocol.md: E3)
     v_avoids_tokens: ClassVar[bool] = False
     # how figures name the evaluation metrics: (ID-Bayes, OOD-optimal, loss unit, position axis)
     plot_labels = ("ID-Bayes (pool posterior)", "OOD-optimal (continuous prior)", "loss (nats / token)", "context position t")
-    # PAPER.md section 7, the M1 protocol: the late window of the task vectors as fractions [start, stop)
+    # docs/protocol.md, the M1 protocol: the late window of the task vectors as fractions [start, stop)
     # of the analysed positions (the study's own window for its families; else the last quarter), and the
     # study block (block, of blocks) where the M1 claims read the states, and P3
     vector_window: ClassVar[tuple[float, float]] = (0.75, 1.0)
@@ -200,7 +200,7 @@ class TaskFamily(ABC):
         """[B, P, m] the OOD-optimal learner's own estimate of the task at the P analysed positions
         (E1: the posterior-mean face probabilities; E3: the posterior-mean transition matrix,
         flattened; E2: the ridge weights): what the linear-code reference of projection R^2 reads
-        (PAPER.md section 7). A family without one raises NotImplementedError; the reference is
+        (docs/protocol.md). A family without one raises NotImplementedError; the reference is
         then not available and says so."""
         raise NotImplementedError(f"the {self.name!r} family does not define ood_estimate (the OOD-optimal learner's estimate of the task)")
 

@@ -21,7 +21,7 @@ class Markov(TokenFamily):
     name = "markov"
     Settings = MarkovSettings
     vector_window = (170 / 192, 190 / 192)  # the study's positions 170-189 of 192
-    v_avoids_tokens = True  # the study's V for E3 avoids the token directions too (PAPER.md section 7)
+    v_avoids_tokens = True  # the study's V for E3 avoids the token directions too (docs/protocol.md)
     # the study's latent-Markov probe (latent_markov/analysis/probes/_internals.py _fit_probe): the model's
     # logits and the position one-hot as nuisance blocks; fitted on positions 100-191 of 192
     task_probe = TaskProbe(window=(100 / 192, 1.0), logits=True, positions=True)
