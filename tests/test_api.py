@@ -79,6 +79,9 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
         row = one(m1, f"steering.kl_{kind}", layer=steering_at.layer, site=steering_at.site)
         assert row["value"] == drawn.mean(kind) == stored_steering["parts"][kind], kind
     steered = namespace["steered"]
+    for shown in (steered, geometry, geometry.p3, *shares.values()):  # a result prints as a one-line summary, not its tensors
+        assert len(repr(shown)) < 300 and "tensor(" not in repr(shown) and "\n" not in repr(shown), repr(shown)
+    assert f"steered {steered.mean('steered'):.4g}" in repr(steered) and f"{shares['major'].gain:.4g} nats" in repr(shares["major"])
     assert steered.a.eq(torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)).all()
     assert torch.isfinite(steered.steered).all() and not torch.equal(steered.steered, steered.unsteered)  # the edit moved the model
     mid = {"layer": place.layer, "site": "resid_mid"}  # the block of the S ablation the study ablates

@@ -48,6 +48,9 @@ class Alignment:
     shrinkage: Shrinkage
     window: slice
 
+    def __repr__(self) -> str:
+        return f"Alignment(P3 {self.tv_mean_beta:.4g}: TV of the task-mean beta to the posterior, last quarter; {tuple(self.tv.shape)} states)"
+
     @classmethod
     def of(cls, beta: torch.Tensor, raw: torch.Tensor, alpha: torch.Tensor, task: torch.Tensor, window: slice) -> "Alignment":
         """P3 of fitted coefficients beta (projected) and raw (before the projection) and the
@@ -86,6 +89,11 @@ class Geometry:
         inputs = sequences.inputs
         self.vectors = fraction_window(states.shape[1], run.family.vector_window)
         self.fit: Fit = inputs.fit(states, sequences.batch.task, inputs.current, sequences.alpha.shape[-1], self.vectors)
+
+    def __repr__(self) -> str:
+        K, D = self.task_vectors.shape
+        return (f"Geometry(at {self.place}, {self.states.shape[0]} {self.sequences.kind} sequences of {self.states.shape[1]} "
+                f"positions, K={K} tasks, D={D}; P0-P3 in .p0, .p1, .p2, .p3)")
 
     @property
     def task_vectors(self) -> torch.Tensor:

@@ -51,6 +51,12 @@ class ProjectionR2:
     place: Place | None
     variant: str
 
+    def __repr__(self) -> str:
+        low, high = self.quartiles[0], self.quartiles[-1]
+        where = "" if self.place is None else f" at {self.place}"
+        return (f"ProjectionR2({self.variant}{where}: mean {self.mean:.4g}, quartiles {low:.4g}-{high:.4g} over "
+                f"{self.values.numel()} values; {self.n_tasks} OOD tasks x {self.per_task} sequences)")
+
     @property
     def mean(self) -> float:
         """The mean over OOD tasks (states): what the claims read."""

@@ -32,6 +32,11 @@ class Share:
     unreliable: bool
     reason: str | None = None
 
+    def __repr__(self) -> str:
+        value = "null" if self.value is None else f"{self.value:.4g}%"
+        flags = (" unreliable" if self.unreliable else "") + (f" ({self.reason})" if self.reason else "")
+        return f"Share({value} of a gain of {self.gain:.4g} nats: loss {self.clean:.4g} -> {self.ablated:.4g}, L_0 {self.first:.4g}{flags})"
+
     def fields(self) -> dict:
         """What a stored row carries of a share beside its value: gain, unreliable, reason."""
         return {"gain": self.gain, "unreliable": self.unreliable, "reason": self.reason}

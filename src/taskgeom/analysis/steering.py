@@ -225,6 +225,11 @@ class Steering:
     place: Place
     n_sequences: int
 
+    def __repr__(self) -> str:
+        means = ", ".join(f"{kind} {self.mean(kind):.4g}" for kind in KINDS)
+        return (f"Steering({self.form} edit at {self.place}, {self.n_points} points on {self.n_sequences} sequences, "
+                f"{len(self.positions)} positions; mean {self.measure}: {means})")
+
     @property
     def n_points(self) -> int:
         """The number of target points (one per steered (sequence, point) pair)."""

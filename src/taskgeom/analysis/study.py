@@ -66,6 +66,9 @@ class Selection:
     runner_up: Place | None
     geometries: list[Geometry]
 
+    def __repr__(self) -> str:
+        return f"Selection(best {self.best}, runner-up {self.runner_up}, {len(self.geometries)} places measured)"
+
 
 class StudyRun:
     """A finished run opened for study (``tg.open_run``); ``directory`` is its ``runs.Run``."""
