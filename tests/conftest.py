@@ -1,6 +1,10 @@
-"""Shared fixtures: tiny configs that train in seconds."""
+"""Shared fixtures: tiny configs that train in seconds, the tiny reproduction, and headless Chromium
+for the tests marked ``browser``."""
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import pytest
 import torch
@@ -67,3 +71,38 @@ def tiny_reproduction(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-reproduction")
     reproduce(out, "quick", None, Executor("local", 2), device="cpu", overrides=TINY_REPRODUCTION, seeds=TINY_SEEDS)
     return out
+
+
+# Headless Chromium (Debian's chromium and chromium-driver, which .ci/run installs) for the tests marked
+# ``browser``: skipped where no ChromeDriver is installed, unless TASKGEOM_REQUIRE_BROWSER=1 (set by .ci/run).
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+# As root and on a machine with no network, Chromium needs these to start quietly.
+CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--window-size=1300,1800")
+
+
+def pytest_collection_modifyitems(config, items):
+    if (CHROMIUM and DRIVER) or os.environ.get("TASKGEOM_REQUIRE_BROWSER") == "1":
+        return
+    skip = pytest.mark.skip(reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+    for item in items:
+        if "browser" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """A headless Chromium driver (selenium), logging the page's console."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
+    options.binary_location = CHROMIUM
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    yield driver
+    driver.quit()

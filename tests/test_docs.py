@@ -15,8 +15,6 @@ from urllib.parse import unquote, urlsplit
 import pytest
 import typer
 from markdown.extensions.toc import slugify
-from test_report_browser import browser  # noqa: F401  (the report test's Chromium fixture ...)
-from test_report_browser import pytestmark as needs_browser  # ... and its skip: no Chromium, unless TASKGEOM_REQUIRE_BROWSER=1
 
 import taskgeom as tg
 from taskgeom.cli import app
@@ -65,8 +63,8 @@ def test_the_api_reference_documents_every_public_name(site):
         assert isinstance(obj, float) or (doc and not re.fullmatch(rf"{name}\(.*\)", doc, re.S)), name
 
 
-@needs_browser
-def test_the_site_reads_in_chromium_with_no_broken_internal_link(site, browser):  # noqa: F811
+@pytest.mark.browser
+def test_the_site_reads_in_chromium_with_no_broken_internal_link(site, browser):
     from selenium.webdriver.common.by import By
 
     browser.get((site / "api.html").as_uri())
@@ -164,8 +162,8 @@ def test_the_readme_runs_the_tests_with_the_docs_extra_and_holds_the_sites_table
         assert source in page and table in page
 
 
-@needs_browser
-def test_code_blocks_fit_the_page_and_claim_ids_stay_whole_at_1280_px(site, browser):  # noqa: F811
+@pytest.mark.browser
+def test_code_blocks_fit_the_page_and_claim_ids_stay_whole_at_1280_px(site, browser):
     """At a 1280 px window the set-up commands and the results/ tree wrap inside their code blocks
     (docs/stylesheets/extra.css) instead of running off the page, and a claim id in a table cell
     is on one line, not broken mid-word."""

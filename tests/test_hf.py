@@ -340,7 +340,11 @@ def test_export_never_overwrites_and_weightless_directories_are_named(trained, e
     result = CliRunner().invoke(app, ["export-hf", str(trained.path), str(trained.path)])
     assert result.exit_code == 2 and "not an empty folder" in result.output
     assert {p: p.read_bytes() for p in trained.path.glob("*.safetensors")} == before
-    assert Run.open(trained.path).load_model() is not None
+    from safetensors.torch import load_file
+
+    weights = load_file(Run.open(trained.path).model_path)
+    loaded = Run.open(trained.path).load_model().state_dict()
+    assert weights and all(torch.equal(loaded[name], tensor) for name, tensor in weights.items())  # the run still loads its own weights
 
     bare = tmp_path / "bare"
     bare.mkdir()

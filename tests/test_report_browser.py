@@ -6,36 +6,11 @@ no ChromeDriver is installed, unless TASKGEOM_REQUIRE_BROWSER=1 (set by .ci/run)
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections import Counter
 
 import pytest
 
-CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER) and os.environ.get("TASKGEOM_REQUIRE_BROWSER") != "1",
-                                reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
-
-# As root and on a machine with no network, Chromium needs these to start quietly.
-FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--window-size=1300,1800")
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    options = Options()
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    options.binary_location = CHROMIUM
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
-    yield driver
-    driver.quit()
+pytestmark = pytest.mark.browser
 
 
 def test_the_report_renders_in_chromium_with_every_figure_and_link(tiny_reproduction, browser, tmp_path):
