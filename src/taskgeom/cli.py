@@ -600,7 +600,7 @@ def sensitivity(
     variant: Optional[List[str]] = typer.Option(None, "--variant", help="A variant (docs: Protocol, Variants) to list beside the "
                                                 "protocol, repeatable. Default: every one sensitivity covers: selected-place, site-mid, "
                                                 "pooled-anova and per-sequence-r2, read from the runs' stored m1.json and dual.json; "
-                                                "centred-S, v-avoids-tokens, v-searched-on-ood and v-best-block, measured again on "
+                                                "centred-S, s-with-mean, v-avoids-tokens, v-searched-on-ood and v-best-block, measured again on "
                                                 "each run (minutes a run). The variants of the data (e1-v6, separator) train other runs: `taskgeom reproduce --variant`."),
     csv: bool = typer.Option(False, "--csv", help="Print every run's row as CSV instead of the summary."),
     places: bool = typer.Option(False, "--places", help="Instead: the place-dependent values at every layer and site, read from the "
