@@ -20,6 +20,7 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
+from taskgeom.config import DEFAULT_PROFILE
 from taskgeom.errors import EnvironmentRefused, TaskgeomError, TrainingDiverged
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_BUG = 1, 2, 3, 4
@@ -155,7 +156,7 @@ def _check_training(device: str, tracker: str, local: bool = True) -> None:
 @app.command()
 def train(
     config: str = typer.Argument(..., help="A recipe name (e1, e3, ...) or a path to a YAML recipe."),
-    profile: str = typer.Option("quick", help="Profile in the recipe: quick (CPU, minutes), deep (quick at 6 blocks), standard, wide, long, or paper (the study's sizes)."),
+    profile: str = typer.Option(DEFAULT_PROFILE, help="Profile in the recipe: quick (CPU, minutes), deep (quick at 6 blocks), standard, wide, long, or paper (the study's sizes)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override, repeatable: --set train.steps=500 --set task.diversity=4"),
     out: Path = typer.Option(Path("runs"), help="Folder under which the run directory {name}-{digest} is made."),
     run_dir: Optional[Path] = typer.Option(None, help="Use this run directory instead (must be new or hold the same config)."),
@@ -269,7 +270,7 @@ def sweep(
     config: str = typer.Argument(..., help="A recipe name (e1, e3, ...) or a path to a YAML recipe."),
     diversity: str = typer.Option("-1,0,2,4,6,8,10", help="Comma-separated diversity indices k (2^k minor tasks; -1: majors only)."),
     seeds: str = typer.Option("0,1,2", help="Comma-separated training seeds."),
-    profile: str = typer.Option("quick", help="Profile in the recipe."),
+    profile: str = typer.Option(DEFAULT_PROFILE, help="Profile in the recipe."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override applied to every run, repeatable."),
     out: Path = typer.Option(Path("runs"), help="Folder for the run directories and the tables sweep.csv, by_step.csv."),
     executor: str = _EXECUTOR,
@@ -316,7 +317,7 @@ def analyze(
     site: Optional[List[str]] = typer.Option(None, "--site", help="Sites to measure (repeatable); default resid_mid and resid_post (those there are)."),
     sequences: int = typer.Option(512, help="Held-out major-task sequences to analyse."),
     recipe: Optional[str] = typer.Option(None, help="Hugging Face directory only: the recipe of the task the model learnt (model section ignored)."),
-    profile: str = typer.Option("quick", help="Hugging Face directory only: the recipe's profile."),
+    profile: str = typer.Option(DEFAULT_PROFILE, help="Hugging Face directory only: the recipe's profile."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Hugging Face directory only: dotted override of the recipe, repeatable."),
     out: Optional[Path] = typer.Option(None, help="Hugging Face directory only: where analysis/ and figures/ go (default RUN_DIR/taskgeom)."),
 ) -> None:
@@ -391,7 +392,7 @@ def export_hf(
 
 @app.command()
 def reproduce(
-    profile: str = typer.Option("quick", help="A profile every recipe defines: quick (reduced sizes for a 2-core CPU), deep (quick at the "
+    profile: str = typer.Option(DEFAULT_PROFILE, help="A profile every recipe defines: quick (reduced sizes for a 2-core CPU), deep (quick at the "
                                 "study's depth, 6 blocks), standard (deep with E2 trained 9,000 steps and E4 2,000: the claims "
                                 "where the study reads them), paper (the study's sizes), or a rung of the scale ladder (wide, long; "
                                 "docs/scale-ladder.md)."),

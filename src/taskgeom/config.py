@@ -208,6 +208,9 @@ def build_config(raw: dict, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(describe_validation(err)) from None
 
 
+DEFAULT_PROFILE = "quick"  # the profile every command reads when none is named: every recipe defines it
+
+
 class MeasureSettings(StrictModel):
     """What a profile measures beside its runs' settings (a profile's ``measure:`` section, inherited
     through ``extends``): the diversity grid of the dual-mode sweep (the claims read its lowest and
@@ -223,7 +226,7 @@ class MeasureSettings(StrictModel):
         return self.projection_tasks, self.projection_per_task
 
 
-def load_measure(path: str | Path, profile: str = "quick") -> MeasureSettings:
+def load_measure(path: str | Path, profile: str = DEFAULT_PROFILE) -> MeasureSettings:
     """The ``measure:`` section of ``profiles[profile]`` of the recipe at ``path`` (``MeasureSettings``;
     its defaults where the profile has none); ConfigError naming the field when it is wrong."""
     path = Path(path)
@@ -234,7 +237,7 @@ def load_measure(path: str | Path, profile: str = "quick") -> MeasureSettings:
         raise ConfigError(f"{path}: {describe_validation(err, ('profiles', profile, 'measure'))}") from None
 
 
-def load_config(path: str | Path, profile: str = "quick", overrides: list[str] = ()) -> RunConfig:
+def load_config(path: str | Path, profile: str = DEFAULT_PROFILE, overrides: list[str] = ()) -> RunConfig:
     """Read a recipe: its ``base`` section merged with ``profiles[profile]`` (less its ``measure``
     section, ``load_measure``'s), then overrides (its ``study`` section is ``recipes.load_study``'s)."""
     settings = _recipe_profile(Path(path), profile)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from taskgeom.config import ConfigError, RunConfig
+from taskgeom.config import DEFAULT_PROFILE, ConfigError, RunConfig
 from taskgeom.errors import RunDirError, TaskgeomError
 from taskgeom.hf import SUPPORTED, HFCausalLM, model_config, require_transformers
 from taskgeom.recipes import load_recipe
@@ -54,7 +54,7 @@ class PretrainedRun(Run):
         return HFCausalLM(model, n_out=self.family.vocab_size).eval()
 
 
-def open_pretrained(source: Path | str, recipe: str | None, profile: str = "quick", overrides: list[str] = (),
+def open_pretrained(source: Path | str, recipe: str | None, profile: str = DEFAULT_PROFILE, overrides: list[str] = (),
                     out: Path | str | None = None) -> PretrainedRun:
     """The HF model directory ``source`` with the task of ``recipe`` (profile, dotted overrides; its
     model section is replaced by the directory's); analysis output goes to ``out`` (default

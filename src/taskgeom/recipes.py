@@ -25,7 +25,7 @@ from typing import Any, Callable
 import yaml
 from pydantic import Field, ValidationError
 
-from taskgeom.config import ConfigError, RunConfig, describe_validation, load_config
+from taskgeom.config import DEFAULT_PROFILE, ConfigError, RunConfig, describe_validation, load_config
 from taskgeom.settings import StrictModel
 
 RECIPE_DIR = Path(__file__).parent / "configs"
@@ -46,7 +46,7 @@ def recipe_path(name_or_path: str | Path) -> Path:
     raise ConfigError(f"no config file {str(name_or_path)!r} and no shipped recipe of that name; recipes: {recipe_names()}")
 
 
-def load_recipe(name_or_path: str | Path, profile: str = "quick", overrides: list[str] = ()) -> RunConfig:
+def load_recipe(name_or_path: str | Path, profile: str = DEFAULT_PROFILE, overrides: list[str] = ()) -> RunConfig:
     return load_config(recipe_path(name_or_path), profile, list(overrides))
 
 

@@ -48,7 +48,7 @@ from taskgeom.analysis.subspace import direction_ablation
 from taskgeom.analysis.task_vectors import late_window
 from taskgeom.analysis.variants import variant as named_variant
 from taskgeom.errors import AnalysisError
-from taskgeom.config import RunConfig
+from taskgeom.config import DEFAULT_PROFILE, RunConfig
 from taskgeom.runs import Run
 from taskgeom.tasks import Batch, TaskFamily, TaskPool
 
@@ -270,7 +270,7 @@ class StudyRun:
         return {step: StudyRun(self.directory, model) for step, model in self.directory.snapshots().items()}
 
 
-def open_run(path: Path | str, recipe: str | None = None, profile: str = "quick", overrides: Sequence[str] = (),
+def open_run(path: Path | str, recipe: str | None = None, profile: str = DEFAULT_PROFILE, overrides: Sequence[str] = (),
              out: Path | str | None = None) -> StudyRun:
     """A finished run directory for study; with ``recipe``, a Hugging Face model directory read as
     a model of that recipe's task (``pretrained.open_pretrained``: profile, dotted overrides, ``out`` for

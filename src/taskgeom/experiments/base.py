@@ -11,7 +11,7 @@ from typing import Callable, ContextManager
 import torch
 
 from taskgeom.claims import Claim
-from taskgeom.config import RunConfig
+from taskgeom.config import DEFAULT_PROFILE, RunConfig
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.schedule import TrainTask
 from taskgeom.fits import check_training_fits
@@ -41,7 +41,7 @@ class Context:
     claim once per seed, ``claims`` the claims judged over the seeds (``over_seeds``)."""
 
     out: Path
-    profile: str = "quick"
+    profile: str = DEFAULT_PROFILE
     seeds: tuple[int, ...] = (0,)
     executor: Executor = Executor()
     device: str = "auto"

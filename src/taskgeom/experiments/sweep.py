@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from taskgeom.config import MeasureSettings, RunConfig, load_measure
+from taskgeom.config import DEFAULT_PROFILE, MeasureSettings, RunConfig, load_measure
 from taskgeom.errors import RunLockedError, TaskgeomError
 from taskgeom.experiments.executors import Executor, execute
 from taskgeom.fits import check_training_fits
@@ -34,7 +34,7 @@ class Job:
     recipe: str
     diversity: int
     seed: int
-    profile: str = "quick"
+    profile: str = DEFAULT_PROFILE
     root: str = "runs"
     overrides: tuple[str, ...] = ()
     device: str = "auto"
