@@ -127,6 +127,9 @@ def test_each_m1_claim_carries_its_model_s_bayes_optimum_per_seed_and_the_verdic
     table = by_recipe([c.as_dict() for c in claims.values()])
     assert "| `P1` | >= 0.8 | **FAIL** 0.5 † | pass 0.9 |" in table and table[-1].startswith(f"† {NOT_BAYES_OPTIMAL}")
     assert "| `bayes_optimal` | <= 0.02 | *unstable* 0.155 | - |" in table
+    one_seed = over_seeds([(0, check("e1.ablate_S_ood", "e1", "share", 10.0, "<", 20.0, "quick")),
+                           (1, not_applicable("e1.ablate_S_ood", "e1", "share", "<", 20.0, "quick", "unreliable gain"))])
+    assert "| `ablate_S_ood` | < 20 | pass 10 (1 of 2 seeds) |" in by_recipe([c.as_dict() for c in one_seed])
     for plain in ("e3.P1", "e1.ablate_S_ood", "e1.bayes_optimal"):
         assert claims[plain].caveat is None and all(row["precondition"] is None for row in claims[plain].seeds), plain
     assert json.loads(json.dumps(p1.as_dict()))["caveat"] == p1.caveat

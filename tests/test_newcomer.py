@@ -200,7 +200,7 @@ def test_the_install_text_says_what_pip_fetches_and_where_the_cpu_wheel_is():
     assert all("--device" in texts[f"taskgeom {name} --help"] for name in ("train", "sweep", "reproduce"))
 
 
-PUBLISHED = ("quick", "wide", "long-e1")  # docs/results/<name>: the published reproductions, in the Practicalities page's order
+PUBLISHED = ("quick", "quick-cc12df1", "wide", "long-e1")  # docs/results/<name>: the published reproductions, in the Practicalities page's order
 
 
 def duration(seconds: float) -> str:
@@ -301,3 +301,16 @@ def test_the_sites_stylesheet_wraps_code_blocks_and_keeps_table_code_whole():
     home = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
     assert "## Set up and run" in home and "## A study in Python" in home
     assert "(getting-started.md#install-and-reproduce)" in home and "(python-api.md)" in home
+
+
+def test_the_reproduction_times_the_readme_and_getting_started_give_are_the_manifests():
+    """The set-up line's times, in whole minutes, are the published quick reproductions' wall times."""
+    import json
+    import re
+
+    minutes = {name: round(json.loads((ROOT / "docs" / "results" / name / "timings.json").read_text())["total"]["wall_s"] / 60)
+               for name in ("quick-cc12df1", "quick")}
+    for page in (ROOT / "README.md", ROOT / "docs" / "getting-started.md"):
+        text = " ".join(page.read_text(encoding="utf-8").split())
+        amd, intel = re.search(r"(\d+) minutes on a 2-core AMD EPYC with AVX2, (\d+) on a 2-core Intel Xeon", text).groups()
+        assert (int(amd), int(intel)) == (minutes["quick-cc12df1"], minutes["quick"]), page.name

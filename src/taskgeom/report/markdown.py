@@ -85,6 +85,9 @@ def by_recipe(claims: list[dict]) -> list[str]:
         exceptions = ", ".join(f"{r.upper()}: {t}" for r, t in thresholds.items() if t != common)
         cells = [_cell(present[r]) if r in present else "-" for r in recipes]
         lines.append(f"| `{name}` | {common}{f' ({exceptions})' if exceptions else ''} | " + " | ".join(cells) + " |")
+    if any(" seeds)" in line for line in lines):
+        lines += ["", "(n of N seeds): the verdict and median rest on those n seeds; on the others the claim does not apply "
+                      "(a null or unreliable share of a gain, say: the Results page gives each seed's reason)."]
     if any(c.get("caveat") for c in claims):
         lines += ["", f"† {NOT_BAYES_OPTIMAL} on at least one seed (its k = -1 run fails `bayes_optimal`); the verdict rule "
                       "does not read it."]
@@ -92,7 +95,12 @@ def by_recipe(claims: list[dict]) -> list[str]:
 
 
 def _cell(claim: dict) -> str:
-    """'**FAIL** 0.487', '*unstable* 0.0279 †' (a caveat), 'n/a'."""
+    """'**FAIL** 0.487', '*unstable* 0.0279 †' (a caveat), 'pass 0.199 (2 of 3 seeds)' (the others n/a:
+    a null or unreliable share, say), 'n/a'."""
     median = claim.get("median")
     text = STATUS_TEXT[claim["status"]] + ("" if median is None else f" {number(median)}")
+    seeds = claim.get("seeds") or []
+    applicable = [row for row in seeds if row["status"] != "n/a"]
+    if applicable and len(applicable) < len(seeds):
+        text += f" ({len(applicable)} of {len(seeds)} seeds)"
     return text + (" †" if claim.get("caveat") else "")
