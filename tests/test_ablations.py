@@ -250,7 +250,7 @@ def test_control_statistic_by_hand():
 
 
 def test_the_sensitivity_summary_judges_each_claim_over_the_runs():
-    from taskgeom.analysis.sensitivity import summarise
+    from taskgeom.experiments.sensitivity import summarise
 
     def line(run, variant, value, status):
         return {"run": run, "diversity": 8, "claim": "e1.ablate_V_ood", "variant": variant, "value": value, "status": status,

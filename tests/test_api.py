@@ -266,7 +266,7 @@ def test_an_m1_file_of_an_earlier_row_version_is_not_read(folder, tmp_path):
     """Stored rows of another layout are measured again, never misread: the sensitivity table
     leaves such an m1.json out, and the M1 experiment rewrites it (as ``taskgeom analyze`` does)."""
     from taskgeom.analysis.rows import ROW_VERSION, stored_rows
-    from taskgeom.analysis.sensitivity import place_choices
+    from taskgeom.experiments.sensitivity import place_choices
 
     shutil.copytree(tg.results(folder).run("e1").path, tmp_path / "run")
     run = tg.open_run(tmp_path / "run")

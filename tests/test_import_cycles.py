@@ -125,3 +125,25 @@ def test_a_planted_cycle_is_found(tmp_path):
     by_hand = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {"e": 5}, "e": {"d": 6}, "f": {"a": 7}}
     assert cycles(by_hand) == [["a", "b", "c", "a"], ["d", "e", "d"]]
     assert describe(by_hand, ["d", "e", "d"]) == "d (line 5) -> e (line 6) -> d"
+
+
+# The layering rule (the data flow of DESIGN.md): the foundation (tasks,
+# models, runs, settings, training, the claims' rules) knows nothing of the analyses; the analyses know
+# nothing of the report; the report and the results facade nothing of the experiments, which know nothing
+# of the recipes' own experiments (extras); the command line and the package's facade sit on top. A module
+# imports only modules of its own layer or below.
+LAYERS = {"analysis": 1, "report": 2, "results": 2, "experiments": 3, "extras": 4, "cli": 5, "__main__": 5}
+
+
+def layer(module: str) -> int:
+    """The layer of a module of taskgeom: its first-level name's (0 for the foundation, 5 for the facade)."""
+    parts = module.split(".")
+    return 5 if len(parts) == 1 else LAYERS.get(parts[1], 0)
+
+
+def test_no_module_imports_one_above_it():
+    graph = import_graph(PACKAGE)
+    upward = [f"{module} ({layer(module)}) -> {target} ({layer(target)}), line {line}"
+              for module, edges in graph.items() for target, line in edges.items() if layer(target) > layer(module)]
+    assert upward == []
+    assert layer("taskgeom.claims") == 0 and layer("taskgeom.analysis.shares") == 1 and layer("taskgeom.experiments.sensitivity") == 3

@@ -96,7 +96,7 @@ def test_the_ladder_refuses_a_folder_that_is_not_a_reproduction(tmp_path):
 def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the_same_run(tiny_reproduction):
     """The protocol's values are the stored claims' (one code path); each variant lists the claims
     it can move; with one block, reading V at the best block is reading the block mean."""
-    from taskgeom.analysis.sensitivity import ABLATION_VARIANTS, ablation_variants
+    from taskgeom.experiments.sensitivity import ABLATION_VARIANTS, ablation_variants
     from taskgeom.analysis.study import StudyRun
     from taskgeom.experiments.base import Context
     from taskgeom.runs import Run
@@ -135,7 +135,7 @@ def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the
 def test_sensitivity_reads_the_m1_and_projection_variants_from_the_stored_analyses(tiny_reproduction):
     """Under the protocol the stored rows give the claims' own values and verdicts; each variant
     lists the claims it can move, read where it says."""
-    from taskgeom.analysis.sensitivity import stored_variants
+    from taskgeom.experiments.sensitivity import stored_variants
     from taskgeom.experiments.base import Context
     from taskgeom.runs import Run
 
@@ -164,7 +164,7 @@ def test_sensitivity_reads_the_m1_and_projection_variants_from_the_stored_analys
 
 
 def test_the_pinned_place_holds_the_claims_values_and_every_place_is_listed(tiny_reproduction):
-    from taskgeom.analysis.sensitivity import place_choices
+    from taskgeom.experiments.sensitivity import place_choices
     from taskgeom.experiments.base import Context
     from taskgeom.runs import Run
 

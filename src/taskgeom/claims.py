@@ -19,13 +19,22 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from typing import Iterable, Literal, Optional, Union
 
-from taskgeom.analysis.shares import MIN_RELIABLE_GAIN, unreliable_gain  # the share of gain's reliability floor (docs/protocol.md)
 from taskgeom.storage import standard_json
 
 Comparison = Literal["<=", ">=", "<", ">"]
 Status = Literal["pass", "fail", "unstable", "n/a"]
 STATUSES: tuple[str, ...] = ("pass", "fail", "unstable", "n/a")
 Part = Union[float, int, bool, str]
+# Below this many nats (squared error for E2) of in-context gain, a share of it is unreliable and counts
+# neither way in a verdict (docs/protocol.md, "Shares of in-context gain")
+MIN_RELIABLE_GAIN = 0.05
+
+
+def unreliable_gain(gain: float, min_gain: float = MIN_RELIABLE_GAIN) -> bool:
+    """True when an in-context gain (nats) is below ``min_gain`` or is NaN: too small to divide by."""
+    return not gain >= min_gain
+
+
 # The claims of the M1 geometry (per recipe), read on the k = -1 run whose ``bayes_optimal`` is their precondition
 M1_CLAIMS = ("P0", "P1", "P2", "P2.vs_random", "P3", "P3.shrinks", "steering")
 NOT_BAYES_OPTIMAL = "on a model that is not Bayes-optimal"

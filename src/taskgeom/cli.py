@@ -613,7 +613,7 @@ def sensitivity(
     (dual.json), and the double dissociation (S and V ablations and the random control, measured
     again). A claim's verdict is judged over the runs given (pass on every run, fail on every run,
     else unstable), its value the median over them. Reports; the claims keep the protocol."""
-    from taskgeom.analysis.sensitivity import ABLATION_VARIANTS, STORED_VARIANTS, ablation_variants, place_choices, stored_variants, summarise
+    from taskgeom.experiments.sensitivity import ABLATION_VARIANTS, STORED_VARIANTS, ablation_variants, place_choices, stored_variants, summarise
     from taskgeom.analysis.study import StudyRun
     from taskgeom.analysis.variants import DATA_VARIANTS
     from taskgeom.runs import Run

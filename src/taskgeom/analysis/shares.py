@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Below this many nats (squared error for E2) of in-context gain, a share of it is unreliable.
-MIN_RELIABLE_GAIN = 0.05
+from taskgeom.claims import MIN_RELIABLE_GAIN, unreliable_gain  # the reliability floor is the claims' rule
 
 
 @dataclass(frozen=True)
@@ -42,9 +41,6 @@ class Share:
         return {"gain": self.gain, "unreliable": self.unreliable, "reason": self.reason}
 
 
-def unreliable_gain(gain: float, min_gain: float = MIN_RELIABLE_GAIN) -> bool:
-    """True when an in-context gain (nats) is below ``min_gain`` or is NaN: too small to divide by."""
-    return not gain >= min_gain
 
 
 def share_of_gain(ablated: torch.Tensor, clean: torch.Tensor, window: slice = slice(1, None),
