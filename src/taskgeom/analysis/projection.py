@@ -82,10 +82,7 @@ def task_groups(batch: Batch) -> tuple[torch.Tensor, int]:
 
 def block(family: TaskFamily, n_positions: int) -> slice:
     """The analysed positions the R^2 is averaged over (the family's ``projection_window``)."""
-    try:
-        start, dropped = family.declared("projection_window")
-    except ValueError as err:
-        raise AnalysisError(str(err)) from None
+    start, dropped = family.declared("projection_window")
     positions = slice(int(n_positions * start), n_positions - dropped)
     if positions.stop <= positions.start:
         raise AnalysisError(f"projection R^2 averages over a block of positions; {n_positions} analysed positions leave none")

@@ -56,10 +56,7 @@ def check_form(form: str) -> None:
 def study_form(family: TaskFamily) -> SteeringForm:
     """The study's edit for ``family`` (its ``steering_form``): per-position task vectors for E1
     (dice), the task subspace for E2 and E3; AnalysisError for a family that declares none."""
-    try:
-        return family.declared("steering_form")
-    except ValueError as err:
-        raise AnalysisError(str(err)) from None
+    return family.declared("steering_form")
 
 
 def steering_place(family: TaskFamily, n_layers: int) -> Place:

@@ -85,7 +85,7 @@ def by_recipe(claims: list[dict]) -> list[str]:
         exceptions = ", ".join(f"{r.upper()}: {t}" for r, t in thresholds.items() if t != common)
         cells = [_cell(present[r]) if r in present else "-" for r in recipes]
         lines.append(f"| `{name}` | {common}{f' ({exceptions})' if exceptions else ''} | " + " | ".join(cells) + " |")
-    if any(" seeds)" in line for line in lines):
+    if any(_rests_on_fewer_seeds(c) for c in claims):
         lines += ["", "(n of N seeds): the verdict and median rest on those n seeds; on the others the claim does not apply "
                       "(a null or unreliable share of a gain, say: the Results page gives each seed's reason)."]
     if any(c.get("caveat") for c in claims):
@@ -99,8 +99,13 @@ def _cell(claim: dict) -> str:
     a null or unreliable share, say), 'n/a'."""
     median = claim.get("median")
     text = STATUS_TEXT[claim["status"]] + ("" if median is None else f" {number(median)}")
-    seeds = claim.get("seeds") or []
-    applicable = [row for row in seeds if row["status"] != "n/a"]
-    if applicable and len(applicable) < len(seeds):
-        text += f" ({len(applicable)} of {len(seeds)} seeds)"
+    if _rests_on_fewer_seeds(claim):
+        seeds = claim["seeds"]
+        text += f" ({sum(row['status'] != 'n/a' for row in seeds)} of {len(seeds)} seeds)"
     return text + (" †" if claim.get("caveat") else "")
+
+
+def _rests_on_fewer_seeds(claim: dict) -> bool:
+    """Whether some, not all, of the claim's seeds are n/a: its verdict rests on the others."""
+    statuses = [row["status"] for row in claim.get("seeds") or []]
+    return "n/a" in statuses and any(status != "n/a" for status in statuses)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from taskgeom.devices import to_device
+from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
 from taskgeom.settings import TaskSettings
 
@@ -152,11 +153,11 @@ class TaskFamily(ABC):
 
     @classmethod
     def declared(cls, name: str):
-        """The family's declaration ``name`` (a class attribute above); ValueError naming it and the
+        """The family's declaration ``name`` (a class attribute above); AnalysisError naming it and the
         family when the family declares none."""
         value = getattr(cls, name)
         if value is None:
-            raise ValueError(f"the {cls.name!r} family declares no {name} (TaskFamily.{name}, docs/adding-a-family.md): "
+            raise AnalysisError(f"the {cls.name!r} family declares no {name} (TaskFamily.{name}, docs/adding-a-family.md): "
                              "set it on the family class")
         return value
 
