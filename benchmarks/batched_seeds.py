@@ -23,8 +23,8 @@ import time
 import torch
 from torch.func import functional_call, stack_module_state, vmap
 
-from taskgeom.recipes import load_recipe
-from taskgeom.runs import Run
+from taskgeom.settings.recipes import load_recipe
+from taskgeom.runs.folders import Run
 
 
 def setup(recipe: str, seeds: int):

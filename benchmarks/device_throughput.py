@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from taskgeom.devices import resolve_device
-from taskgeom.recipes import load_recipe
-from taskgeom.runs import Run
-from taskgeom.train import make_optimizer, train_step
+from taskgeom.settings.devices import resolve_device
+from taskgeom.settings.recipes import load_recipe
+from taskgeom.runs.folders import Run
+from taskgeom.training.train import make_optimizer, train_step
 
 
 def tokens_per_second(run: Run, batches: list, where: torch.device, precision: str, warmup: int = 3) -> float:

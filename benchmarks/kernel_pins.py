@@ -35,9 +35,9 @@ SETTINGS = {
 _CHILD = """
 import hashlib, json, sys, tempfile, time
 import torch
-from taskgeom.recipes import load_recipe
-from taskgeom.runs import Run
-from taskgeom.train import train
+from taskgeom.settings.recipes import load_recipe
+from taskgeom.runs.folders import Run
+from taskgeom.training.train import train
 recipe, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 config = load_recipe(recipe, "quick", [f"train.steps={steps}", f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
                                        "train.snapshots=0", f"train.threads={threads}"])

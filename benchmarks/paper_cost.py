@@ -23,9 +23,9 @@ import torch
 
 from taskgeom.experiments import Context, planned_runs
 from taskgeom.experiments.schedule import plan_table
-from taskgeom.recipes import load_recipe
-from taskgeom.runs import Run
-from taskgeom.train import train
+from taskgeom.settings.recipes import load_recipe
+from taskgeom.runs.folders import Run
+from taskgeom.training.train import train
 
 
 def seconds_per_step(recipe: str, profile: str, steps: int, device: str) -> float:

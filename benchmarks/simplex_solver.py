@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from scipy.optimize import nnls
 
-from taskgeom.analysis.simplex import simplex_lstsq
+from taskgeom.analysis.measures.simplex import simplex_lstsq
 
 PENALTY = 1e4
 

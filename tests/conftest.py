@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from taskgeom.config import RunConfig, build_config
-from taskgeom.kernels import use_portable_kernels
+from taskgeom.settings.config import RunConfig, build_config
+from taskgeom.settings.kernels import use_portable_kernels
 
 # The kernels the CLI would choose, before any test computes: in-process runs and the pool workers
 # and Ray tasks the tests start then train the same bits.
@@ -33,7 +33,7 @@ def planted_paths(gen: torch.Generator, groups: int, K: int, D: int, T: int):
     """Planted M1 geometry: centred theta [K, D]; mu [T, D], constant over the late window; beta
     [groups * K, T, K] on the simplex, each group of K sequences sharing one Dirichlet path rolled so
     sequence k leans to task k, one-hot on its task over the late window; task [groups * K]."""
-    from taskgeom.analysis.task_vectors import late_window
+    from taskgeom.analysis.measures.task_vectors import late_window
 
     theta = torch.randn(K, D, generator=gen, dtype=torch.float64)
     theta -= theta.mean(0)

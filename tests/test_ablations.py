@@ -9,17 +9,17 @@ import pandas as pd
 import pytest
 import torch
 
-from taskgeom.analysis.ablations import N_RANDOM_CONTROLS, ablation_rows, block_places, control_statistic, find_blocks
-from taskgeom.analysis.dual import loss_sets
-from taskgeom.analysis.probe import fit_probe, fit_rows, probe_basis_with_mean
+from taskgeom.analysis.stored.ablations import N_RANDOM_CONTROLS, ablation_rows, block_places, control_statistic, find_blocks
+from taskgeom.analysis.stored.dual import loss_sets
+from taskgeom.analysis.measures.task_probe import fit_probe, fit_rows, probe_basis_with_mean
 from taskgeom.analysis.study import StudyRun
-from taskgeom.claims import over_seeds
-from taskgeom.config import build_config
+from taskgeom.claims.rules import over_seeds
+from taskgeom.settings.config import build_config
 from taskgeom.errors import AnalysisError
 from taskgeom.experiments.dual_modes import ablation_claims
-from taskgeom.runs import Run
+from taskgeom.runs.folders import Run
 from taskgeom.tasks import TaskProbe
-from taskgeom.train import train
+from taskgeom.training.train import train
 
 
 def projector(basis: np.ndarray) -> np.ndarray:

@@ -6,9 +6,9 @@ import torch
 from typer.testing import CliRunner
 
 from taskgeom.cli import app
-from taskgeom.recipes import load_recipe
-from taskgeom.runs import Run
-from taskgeom.train import train
+from taskgeom.settings.recipes import load_recipe
+from taskgeom.runs.folders import Run
+from taskgeom.training.train import train
 
 TINY = ["task.seq_len=24", "model.max_len=24", "model.d_model=16", "model.d_mlp=32", "train.steps=20", "train.eval_every=20",
         "train.checkpoint_every=20", "train.eval_batch=32", "train.threads=1"]
@@ -28,9 +28,9 @@ def invoke(*args: str):
 def test_analyze_writes_tidy_rows_and_figures(trained):
     import numpy as np
 
-    from taskgeom.analysis.rows import FIELDS, ROW_VERSION
+    from taskgeom.analysis.stored.rows import FIELDS, ROW_VERSION
     from taskgeom.analysis.study import StudyRun
-    from taskgeom.analysis.task_vectors import late_window
+    from taskgeom.analysis.measures.task_vectors import late_window
     from taskgeom.hooks import capture
 
     def p0_p1_by_hand(h: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor, window: slice) -> tuple[float, float]:
@@ -132,11 +132,12 @@ def test_missing_run_directory_exits_2(tmp_path):
 
 
 def test_the_claims_read_the_studys_block_and_each_variant_reads_its_own(trained):
-    from taskgeom.analysis.retrieval import analyze, claim_values
+    from taskgeom.analysis.stored.m1 import analyze, claim_values
     from taskgeom.analysis.study import StudyRun
-    from taskgeom.analysis.steering import KINDS
+    from taskgeom.analysis.reading.steering import KINDS
     from taskgeom.errors import AnalysisError
-    from taskgeom.experiments.m1 import MAX_STEERING_SHARE, MIN_CELL_R2, claims as m1_claims
+    from taskgeom.claims.catalog import spec
+    from taskgeom.experiments.m1 import claims as m1_claims
 
     result = analyze(StudyRun(trained), n_sequences=48, n_random=2)
     claims = {c.id: c for c in m1_claims(result, "quick")}
@@ -153,7 +154,7 @@ def test_the_claims_read_the_studys_block_and_each_variant_reads_its_own(trained
     assert claims["e1.P2"].value == at["p2.r2_task"]
     assert claims["e1.P2.vs_random"].value == pytest.approx(at["p2.r2_task"] - at["p2.r2_random"])
     assert claims["e1.P3"].value == at["p3.tv_mean_beta"] and claims["e1.P3"].parts["tv_per_state_last_quarter"] == at["p3.tv_last_quarter"]
-    assert claims["e1.P0"].threshold == MIN_CELL_R2 and claims["e1.steering"].threshold == MAX_STEERING_SHARE
+    assert (claims["e1.P0"].threshold, claims["e1.steering"].threshold) == (spec("m1", "P0").threshold, spec("m1", "steering").threshold) == (0.9, 1.0)
     # steering at the study's place (block 3 of 6 at the depth of 2 blocks: block 1, resid_post), whatever was selected
     steering = per_place[(per_place["layer"] == 1) & (per_place["site"] == "resid_post") & per_place["metric"].str.startswith("steering.")]
     steering = steering.set_index("metric")["value"]
@@ -182,9 +183,9 @@ def test_the_claims_read_the_studys_block_and_each_variant_reads_its_own(trained
 def test_analyze_e2_regression_run(tmp_path):
     """E2: x_t is the current example's x, P3 uses the posterior at every model position, and
     steering reports the RMSE of the prediction of y_i; the m1 claims read them."""
-    from taskgeom.analysis.retrieval import analyze
+    from taskgeom.analysis.stored.m1 import analyze
     from taskgeom.analysis.study import StudyRun
-    from taskgeom.config import build_config
+    from taskgeom.settings.config import build_config
     from taskgeom.experiments.m1 import claims as m1_claims
 
     raw = {"name": "e2", "task": {"family": "regression", "d": 2, "n_examples": 4},

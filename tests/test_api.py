@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import taskgeom as tg
-from taskgeom.analysis.steering import KINDS, steering_place
+from taskgeom.analysis.reading.steering import KINDS, steering_place
 from taskgeom.errors import AnalysisError, TaskgeomError
 from taskgeom.experiments.m1 import steering_claim
 from taskgeom.hooks import capture, intervene
@@ -265,7 +265,7 @@ def test_results_hold_every_share_with_its_gain(folder):
 def test_an_m1_file_of_an_earlier_row_version_is_not_read(folder, tmp_path):
     """Stored rows of another layout are measured again, never misread: the sensitivity table
     leaves such an m1.json out, and the M1 experiment rewrites it (as ``taskgeom analyze`` does)."""
-    from taskgeom.analysis.rows import ROW_VERSION, stored_rows
+    from taskgeom.analysis.stored.rows import ROW_VERSION, stored_rows
     from taskgeom.experiments.sensitivity import place_choices
 
     shutil.copytree(tg.results(folder).run("e1").path, tmp_path / "run")
@@ -296,17 +296,15 @@ def test_the_run_at_each_kept_training_step_gives_the_stored_projection_across_t
     (16, {3: 10, 4: 13, 0: 2, 5: 15}),
 ])
 def test_place_at_depth_maps_a_study_block_of_six_to_the_same_relative_depth(n_layers, expected):
-    from taskgeom.analysis.edits import Place
     for block, layer in expected.items():
-        assert Place.at_depth(block, 6, n_layers) == (layer, "resid_post")
+        assert tg.Place.at_depth(block, 6, n_layers) == (layer, "resid_post")
         # the same relative depth by hand: the first block whose end reaches (block + 1) / 6 of the model
         assert min(l for l in range(n_layers) if (l + 1) / n_layers >= (block + 1) / 6) == layer
 
 
 def test_place_at_depth_of_sixteen_blocks():
-    from taskgeom.analysis.edits import Place
-    assert [Place.at_depth(b, 16, 16).layer for b in range(16)] == list(range(16))
-    assert Place.at_depth(10, 16, 3) == (2, "resid_post") and Place.at_depth(9, 16, 3) == (1, "resid_post")
-    assert Place.at_depth(10, 16, 2).layer == 1 and Place.at_depth(9, 16, 2).layer == 1
+    assert [tg.Place.at_depth(b, 16, 16).layer for b in range(16)] == list(range(16))
+    assert tg.Place.at_depth(10, 16, 3) == (2, "resid_post") and tg.Place.at_depth(9, 16, 3) == (1, "resid_post")
+    assert tg.Place.at_depth(10, 16, 2).layer == 1 and tg.Place.at_depth(9, 16, 2).layer == 1
     with pytest.raises(Exception, match="no study block"):
-        Place.at_depth(6, 6, 2)
+        tg.Place.at_depth(6, 6, 2)

@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from taskgeom.cli import app, classify
-from taskgeom.config import analysis_memory, format_bytes
+from taskgeom.settings.config import analysis_memory, format_bytes
 from taskgeom.errors import AnalysisError, CheckpointError, EnvironmentRefused, RunDirError, RunLockedError, TrainingDiverged
-from taskgeom.runs import Run
+from taskgeom.runs.folders import Run
 
 RECIPE = "base: {name: r, task: {family: dice, seq_len: 16}, model: {n_layers: 1, d_model: 16, n_heads: 2, d_mlp: 32, max_len: 16}}\n"
 
@@ -160,10 +160,10 @@ def test_a_model_too_large_for_the_machine(root):
 
 
 def test_the_memory_message_gives_the_estimate_against_the_machine(root, monkeypatch):
-    monkeypatch.setattr("taskgeom.devices.available_memory", lambda device: 2**20)
+    monkeypatch.setattr("taskgeom.settings.devices.available_memory", lambda device: 2**20)
     refused(root, ["train", "ok.yaml", "--out", "out", "--set", "train.batch_size=4096", "--device", "cpu"], 3,
             starts="training r (")
-    monkeypatch.setattr("taskgeom.devices.available_memory", lambda device: 2**40)
+    monkeypatch.setattr("taskgeom.settings.devices.available_memory", lambda device: 2**40)
     result = invoke(["train", "ok.yaml", "--out", "out", "--device", "cpu"])
     assert result.exit_code == 0, result.output
 
@@ -171,8 +171,8 @@ def test_the_memory_message_gives_the_estimate_against_the_machine(root, monkeyp
 def test_analyze_too_many_sequences_is_refused_before_any_work(root, tiny, monkeypatch):
     run = Run.create(tiny(), root / "out")
     (run.path / "model.safetensors").write_bytes(b"never read")  # marks the run finished; loading it would fail
-    monkeypatch.setattr("taskgeom.analysis.retrieval.analyze", lambda *a, **k: pytest.fail("the analysis started"))
-    monkeypatch.setattr("taskgeom.devices.available_memory", lambda device: 8 * 2**30)
+    monkeypatch.setattr("taskgeom.analysis.stored.m1.analyze", lambda *a, **k: pytest.fail("the analysis started"))
+    monkeypatch.setattr("taskgeom.settings.devices.available_memory", lambda device: 8 * 2**30)
     need = format_bytes(analysis_memory(run.config, 100_000_000))
     refused(root, ["analyze", run.path, "--sequences", "100000000"], 3,
             f"analysing 100000000 sequences per batch of tiny-dice needs at least {need}, more than the 8.0 GiB of memory "
@@ -182,7 +182,7 @@ def test_analyze_too_many_sequences_is_refused_before_any_work(root, tiny, monke
 def test_analyze_too_many_sequences_against_this_machine(root, tiny, monkeypatch):
     run = Run.create(tiny(), root / "out")
     (run.path / "model.safetensors").write_bytes(b"never read")
-    monkeypatch.setattr("taskgeom.analysis.retrieval.analyze", lambda *a, **k: pytest.fail("the analysis started"))
+    monkeypatch.setattr("taskgeom.analysis.stored.m1.analyze", lambda *a, **k: pytest.fail("the analysis started"))
     refused(root, ["analyze", run.path, "--sequences", "100000000"], 3, starts="analysing 100000000 sequences per batch of tiny-dice needs at least")
 
 
@@ -258,7 +258,7 @@ def test_any_error_of_a_command_is_one_line_and_its_code(root, monkeypatch, err,
     def fail(*args, **kwargs):
         raise err
 
-    monkeypatch.setattr("taskgeom.runs.Run.create", fail)
+    monkeypatch.setattr("taskgeom.runs.folders.Run.create", fail)
     refused(root, ["train", "ok.yaml", "--out", "out"], code, message)
 
 
@@ -285,9 +285,9 @@ def test_on_a_gpu_memory_is_checked_against_the_gpus(root, monkeypatch):
     GPU's free memory, the exact posterior (made on the CPU) against the host's."""
     import torch
 
-    from taskgeom.devices import available_memory
+    from taskgeom.settings.devices import available_memory
 
-    monkeypatch.setattr("taskgeom.devices.resolve_device", lambda name: torch.device("cuda:0"))
+    monkeypatch.setattr("taskgeom.settings.devices.resolve_device", lambda name: torch.device("cuda:0"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
     assert available_memory(torch.device("cuda:0")) == 2**20
@@ -302,7 +302,7 @@ def test_available_memory_of_this_machine():
 
     import torch
 
-    from taskgeom.devices import available_memory, describe
+    from taskgeom.settings.devices import available_memory, describe
 
     free = available_memory(torch.device("cpu"))
     assert 0 < free <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -7,8 +7,8 @@ import re
 import pytest
 import yaml
 
-from taskgeom.config import LATER_SETTINGS, ConfigError, build_config, load_config
-from taskgeom.recipes import load_recipe, recipe_names
+from taskgeom.settings.config import LATER_SETTINGS, ConfigError, build_config, load_config
+from taskgeom.settings.recipes import load_recipe, recipe_names
 
 BASE = {"name": "x", "task": {"family": "dice"}}
 
@@ -177,8 +177,8 @@ def test_a_recipe_that_is_not_utf8(tmp_path):
 @pytest.mark.parametrize("family", ["dice", "markov", "dyck", "regression"])
 @pytest.mark.parametrize("arch", ["taskgeom", "taskgeom-learned", "gpt2", "llama"])
 def test_parameter_count_matches_the_built_model(family, arch):
-    from taskgeom.config import parameter_count
-    from taskgeom.runs import Run
+    from taskgeom.settings.config import parameter_count
+    from taskgeom.runs.folders import Run
 
     if arch in ("gpt2", "llama"):
         if family == "regression":
@@ -196,7 +196,7 @@ def test_parameter_count_matches_the_built_model(family, arch):
 
 
 def test_training_memory_parts_and_the_refusal():
-    from taskgeom.config import MemoryRefused, check_training_memory, parameter_count, training_memory
+    from taskgeom.settings.config import MemoryRefused, check_training_memory, parameter_count, training_memory
     from taskgeom.errors import EnvironmentRefused
 
     cfg = build_config(BASE, ["train.batch_size=8", "train.eval_batch=16", "task.seq_len=32", "model.d_model=64", "model.d_mlp=256",
@@ -217,7 +217,7 @@ def test_training_memory_parts_and_the_refusal():
 
 
 def test_analysis_memory_grows_with_the_sequences():
-    from taskgeom.config import analysis_memory, format_bytes
+    from taskgeom.settings.config import analysis_memory, format_bytes
 
     cfg = build_config(BASE)
     assert analysis_memory(cfg, 2000) - analysis_memory(cfg, 1000) == analysis_memory(cfg, 1000) - analysis_memory(cfg, 0) > 0
@@ -229,9 +229,9 @@ def test_analysis_memory_grows_with_the_sequences():
 def test_a_profile_s_measure_section_is_read_from_the_recipe(tmp_path):
     """The diversity grid and Fig. 4's sizes are the recipe's, per profile (inherited through
     extends): the study's 128 x 128 at every shipped profile; the grid is left out of the run config."""
-    from taskgeom.config import MeasureSettings, load_measure
+    from taskgeom.settings.config import MeasureSettings, load_measure
     from taskgeom.experiments.sweep import Job
-    from taskgeom.recipes import recipe_path
+    from taskgeom.settings.recipes import recipe_path
 
     for name in ("e1", "e2", "e3", "e4"):
         for profile in ("quick", "deep", "standard", "wide", "long", "paper"):
@@ -250,3 +250,26 @@ def test_a_profile_s_measure_section_is_read_from_the_recipe(tmp_path):
     with pytest.raises(ConfigError, match=r"profiles.quick.measure.projection_tasks.*unknown config field 'profiles.quick.measure.grids'|"
                                           r"unknown config field 'profiles.quick.measure.grids'.*projection_tasks"):
         load_measure(recipe, "quick")
+
+
+def test_a_recipe_is_parsed_once_and_every_profile_s_measure_is_validated_with_it(tmp_path, monkeypatch):
+    """load_study, load_config and load_measure read one parse of the file (until it changes); a
+    wrong ``measure`` section in any profile is refused when the recipe is read, naming that profile."""
+    from taskgeom.settings.config import load_measure
+    from taskgeom.settings.recipes import load_study
+
+    parses = []
+    real_load = yaml.safe_load
+    monkeypatch.setattr(yaml, "safe_load", lambda text: parses.append(1) or real_load(text))
+    recipe = tmp_path / "mine.yaml"
+    body = {"base": {"name": "mine", "task": {"family": "dice", "seq_len": 16}},
+            "profiles": {"quick": {"measure": {"grid": [-1, 2]}}, "big": {"extends": "quick", "train": {"steps": 7}}},
+            "study": {"section": "Mine", "experiments": {"m1": {}}}}
+    recipe.write_text(yaml.safe_dump(body, sort_keys=False))
+    study, config, measure = load_study(recipe), load_config(recipe, "big"), load_measure(recipe, "big")
+    assert (study.profiles, config.train.steps, measure.grid, len(parses)) == (("quick", "big"), 7, [-1, 2], 1)
+    body["profiles"]["big"]["measure"] = {"grid": [3]}  # one k: a sweep needs two
+    recipe.write_text(yaml.safe_dump(body, sort_keys=False))
+    with pytest.raises(ConfigError, match=r"mine.yaml: config field 'profiles.big.measure.grid'"):
+        load_config(recipe, "quick")
+    assert len(parses) == 2

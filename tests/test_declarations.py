@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from taskgeom.analysis import projection
-from taskgeom.analysis.edits import Place
-from taskgeom.analysis.steering import study_form
+from taskgeom.analysis.reading import projection
+from taskgeom.hooks import Place
+from taskgeom.analysis.reading.steering import study_form
 from taskgeom.errors import AnalysisError
 from taskgeom.tasks import make
 from taskgeom.tasks.markov import Markov

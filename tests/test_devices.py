@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from conftest import tiny_config
 from taskgeom.cli import app
-from taskgeom.devices import DeviceError, autocast, resolve_device, to_device
-from taskgeom.runs import Run
+from taskgeom.settings.devices import DeviceError, autocast, resolve_device, to_device
+from taskgeom.runs.folders import Run
 from taskgeom.tasks import Batch, make
-from taskgeom.train import train
+from taskgeom.training.train import train
 
 runner = CliRunner()
 

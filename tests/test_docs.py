@@ -53,7 +53,7 @@ def test_the_api_reference_documents_every_public_name(site):
     documented = set(re.findall(r'id="(taskgeom[\w.]*)"', page))
     public = [name for name in tg.__all__ if name not in ("__version__", "tasks", "results", "MIN_RELIABLE_GAIN")]
     assert {f"taskgeom.{name}" for name in public} - documented == set()
-    assert {"taskgeom.results.results", "taskgeom.analysis.shares.MIN_RELIABLE_GAIN", "taskgeom.tasks", "taskgeom.tasks.make"} <= documented
+    assert {"taskgeom.results.results", "taskgeom.analysis.measures.shares.MIN_RELIABLE_GAIN", "taskgeom.tasks", "taskgeom.tasks.make"} <= documented
     for verb in ("StudyRun.heldout", "StudyRun.cache", "StudyRun.geometry", "StudyRun.loss", "StudyRun.ablate",
                  "StudyRun.orthogonal_search", "Geometry.steer", "Geometry.ablate", "Geometry.projection_r2", "Geometry.p3"):
         assert f"taskgeom.{verb}" in documented, verb
@@ -145,6 +145,31 @@ def test_the_published_quick_table_is_what_its_manifests_print():
     from taskgeom.report.markdown import claims_markdown
 
     assert claims_markdown(ROOT / "docs" / "results" / "quick") in (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+
+
+def test_the_protocols_thresholds_table_is_the_catalogs_and_the_published_claims_were_judged_by_it():
+    """docs/protocol.md#thresholds holds ``claims.catalog.thresholds_table()`` as it prints, and every
+    claim of every published reproduction has its catalog entry's comparison and threshold (an
+    experiment that judged by a threshold of its own would differ)."""
+    import json
+
+    from taskgeom.claims.catalog import CLAIMS, spec, thresholds_table
+    from taskgeom.report.manifest import MANIFEST
+
+    page = (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8")
+    table = re.search(r"<!-- thresholds: generated .*? -->\n\n(.*?)\n\n<!-- end of thresholds -->", page, re.S)
+    assert table and table.group(1) == thresholds_table(), "regenerate it: python -c 'from taskgeom.claims.catalog import thresholds_table; print(thresholds_table())'"
+    assert len(table.group(1).splitlines()) == len(CLAIMS) + 2 and len({(c.experiment, c.name) for c in CLAIMS}) == len(CLAIMS)
+    judged = 0
+    for folder in sorted((ROOT / "docs" / "results").iterdir()):
+        if not (folder / MANIFEST).exists():
+            continue
+        experiments = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["claims"]
+        for claim in json.loads((folder / "claims.json").read_text(encoding="utf-8")):
+            entry = spec(experiments[claim["id"]], claim["id"].split(".", 1)[1])
+            assert (claim["comparison"], claim["threshold"]) == (entry.comparison, entry.threshold), (folder.name, claim["id"])
+            judged += 1
+    assert judged > 100
 
 
 def test_the_readme_runs_the_tests_with_the_docs_extra_and_holds_the_sites_table():

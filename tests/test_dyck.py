@@ -273,8 +273,8 @@ def test_family_rejects_bad_settings():
 
 
 def test_e4_recipe_builds_the_family(tmp_path):
-    from taskgeom.recipes import load_recipe
-    from taskgeom.runs import Run
+    from taskgeom.settings.recipes import load_recipe
+    from taskgeom.runs.folders import Run
 
     for profile, seq_len in (("quick", 96), ("paper", 192)):  # the study's vocabulary of 8 in every profile (docs/protocol.md#the-studys-settings-the-paper-profile)
         config = load_recipe("e4", profile)
@@ -287,8 +287,8 @@ def test_e4_recipe_builds_the_family(tmp_path):
 def test_within_shares_are_zero_for_token_cells_of_the_embedding_and_one_for_a_single_cell():
     """At layer 0's input (token embedding, rotary positions add nothing) the state is a function
     of the current token, so (anything, token) cells hold no variance; one cell holds all of it."""
-    from taskgeom.analysis.states import collect
-    from taskgeom.config import ModelConfig
+    from taskgeom.analysis.reading.states import collect
+    from taskgeom.settings.config import ModelConfig
     from taskgeom.extras.dyck import within_shares
     from taskgeom.model import Transformer
 

@@ -8,12 +8,13 @@ import math
 import pytest
 import torch
 
-from taskgeom.extras.dyck import (MAX_BACK, PROBE_MARGIN, prefix_probes, probe_batch, probe_rows, probe_targets,
+from taskgeom.claims.catalog import spec
+from taskgeom.extras.dyck import (MAX_BACK, prefix_probes, probe_batch, probe_rows, probe_targets,
                                       weakest_probe)
-from taskgeom.recipes import load_recipe
+from taskgeom.settings.recipes import load_recipe
 from taskgeom.extras.dyck_figures import plot_prefix_probes
 from taskgeom.rng import generator
-from taskgeom.runs import Run
+from taskgeom.runs.folders import Run
 
 torch.set_num_threads(1)
 
@@ -110,7 +111,7 @@ def test_weakest_probe_is_the_target_the_claims_place_does_not_hold(run):
     weakest = weakest_probe(rows, 1)
     assert weakest["target"] == f"back_{MAX_BACK}" and weakest["layer"] == 1
     assert weakest["gain"] == pytest.approx(weakest["score"] - weakest["control"])
-    assert weakest["gain"] < PROBE_MARGIN + 0.05
+    assert weakest["gain"] < spec("e4", "prefix_probe").threshold + 0.05
     held_gains = [r["score"] - r["control"] for r in rows if (r["layer"], r["site"]) == (1, "resid_post") and r["target"] in held]
     assert len(held_gains) == len(held) and min(held_gains) > 0.3
     assert weakest_probe(rows, 1, "resid_mid")["target"] != f"back_{MAX_BACK}"

@@ -114,7 +114,7 @@ def test_identical_saves_give_identical_bytes(tmp_path):
     have probability 6**-11)."""
     import torch
 
-    from taskgeom.storage import save_tensors
+    from taskgeom.runs.storage import save_tensors
 
     tensors = {"w": torch.arange(6.0).reshape(2, 3)}
     for i in range(12):

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from taskgeom.analysis.properties import alignment, interpolation, shrinkage, stability, KL_FLOOR
-from taskgeom.analysis.states import collect, stream_layers
+from taskgeom.analysis.measures.properties import alignment, interpolation, shrinkage, stability, KL_FLOOR
+from taskgeom.analysis.reading.states import collect, stream_layers
 from conftest import planted_paths
-from taskgeom.config import ModelConfig
+from taskgeom.settings.config import ModelConfig
 from taskgeom.hooks import capture
 from taskgeom.model import SITES, Transformer
 
@@ -119,9 +119,9 @@ def test_streamed_states_equal_one_full_forward():
 
 def test_selection_and_measurement_sequences_are_held_out_and_independent(tmp_path):
     from taskgeom.analysis.study import StudyRun
-    from taskgeom.evaluate import eval_sets
-    from taskgeom.recipes import load_recipe
-    from taskgeom.runs import Run
+    from taskgeom.training.evaluate import eval_sets
+    from taskgeom.settings.recipes import load_recipe
+    from taskgeom.runs.folders import Run
 
     run = Run.create(load_recipe("e1", "quick", ["task.diversity=1", "train.eval_batch=16"]), tmp_path)
     study = StudyRun(run)
@@ -163,7 +163,7 @@ def test_p0_p1_per_position_equal_a_plain_loop_over_positions():
     per-position fit does not count as within-cell variance (the pooled one does)."""
     import numpy as np
 
-    from taskgeom.analysis.anova import two_way, two_way_by_position
+    from taskgeom.analysis.measures.anova import two_way, two_way_by_position
 
     gen = torch.Generator().manual_seed(11)
     N, T_ = 60, 5
@@ -195,7 +195,7 @@ def test_p0_p1_per_position_equal_a_plain_loop_over_positions():
 
 
 def test_planted_geometry_holds_at_every_position_though_mu_drifts():
-    from taskgeom.analysis.anova import two_way_by_position
+    from taskgeom.analysis.measures.anova import two_way_by_position
 
     h, tokens, task, _, _, window = planted()
     shares = two_way_by_position(h, task, tokens, K, V)
@@ -223,8 +223,8 @@ def test_p3_reads_the_mean_beta_of_each_task_against_its_mean_posterior():
     import numpy as np
 
     from taskgeom.analysis.geometry import Alignment
-    from taskgeom.analysis.properties import project_simplex, shrinkage
-    from taskgeom.analysis.task_vectors import late_window
+    from taskgeom.analysis.measures.properties import project_simplex, shrinkage
+    from taskgeom.analysis.measures.task_vectors import late_window
 
     gen = torch.Generator().manual_seed(4)
     _, _, beta, task, _ = planted_paths(gen, 6, K, D, T)
@@ -254,7 +254,7 @@ def test_p3_reads_the_mean_beta_of_each_task_against_its_mean_posterior():
     ((100 / 128, 120 / 128), 128, (100, 120)), ((54 / 64, 1.0), 64, (54, 64)), ((170 / 192, 190 / 192), 192, (170, 190)),
     ((100 / 128, 120 / 128), 64, (50, 60)), ((0.75, 1.0), 16, (12, 16)), ((0.99, 1.0), 8, (7, 8))])
 def test_task_vector_windows_are_the_studys_fractions_of_the_context(fractions, length, expected):
-    from taskgeom.analysis.task_vectors import fraction_window
+    from taskgeom.analysis.measures.task_vectors import fraction_window
     from taskgeom.tasks import Dice, Markov, Regression
 
     assert (Dice.vector_window, Regression.vector_window, Markov.vector_window) == ((100 / 128, 120 / 128), (54 / 64, 1.0), (170 / 192, 190 / 192))

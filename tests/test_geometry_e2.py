@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from taskgeom.analysis.properties import alignment, interpolation, stability_linear
+from taskgeom.analysis.measures.properties import alignment, interpolation, stability_linear
 from conftest import planted_paths
-from taskgeom.analysis.task_vectors import late_window
+from taskgeom.analysis.measures.task_vectors import late_window
 from taskgeom.tasks import Regression
 
 K, DX, D, T, GROUPS = 3, 4, 12, 16, 16
@@ -98,7 +98,7 @@ def test_paired_design_cancels_a_nonlinear_x_effect_in_the_task_vectors():
 
 
 def test_e2_inputs_read_the_separators_with_the_posterior_before_y():
-    from taskgeom.analysis.heldout import family_inputs
+    from taskgeom.analysis.reading.heldout import family_inputs
 
     family = Regression(d=2, noise=0.5, layout="separator")
     pool = family.sample_pool(3, 0, seed=0)
@@ -118,7 +118,7 @@ def test_ancova_per_position_equals_numpy_least_squares_at_each_position():
     additive one (task intercepts and one map of x_t) fitted by numpy at each position alone."""
     import numpy as np
 
-    from taskgeom.analysis.anova import task_linear_by_position
+    from taskgeom.analysis.measures.anova import task_linear_by_position
 
     gen = torch.Generator().manual_seed(9)
     N, T_ = 45, 4
@@ -146,7 +146,7 @@ def test_r2_additive_equals_numpy_least_squares_and_is_one_on_planted_states():
     1 - SS_res / SS_tot of h - mu_t, per position and over the window."""
     import numpy as np
 
-    from taskgeom.analysis.properties import additive_r2
+    from taskgeom.analysis.measures.properties import additive_r2
 
     h, x, task, beta, theta, A, window = planted()
     gen = torch.Generator().manual_seed(2)

@@ -11,17 +11,18 @@ from typer.testing import CliRunner
 
 transformers = pytest.importorskip("transformers")
 
-from taskgeom import hf, pretrained  # noqa: E402
-from taskgeom.analysis.retrieval import analyze, check_request  # noqa: E402
+from taskgeom.runs import hf  # noqa: E402
+from taskgeom.runs import pretrained
+from taskgeom.analysis.stored.m1 import analyze, check_request  # noqa: E402
 from taskgeom.analysis.study import StudyRun, open_run  # noqa: E402
-from taskgeom.analysis.states import LayerStreams  # noqa: E402
+from taskgeom.analysis.reading.states import LayerStreams  # noqa: E402
 from taskgeom.cli import app  # noqa: E402
-from taskgeom.config import ConfigError, ModelConfig, build_config  # noqa: E402
+from taskgeom.settings.config import ConfigError, ModelConfig, build_config  # noqa: E402
 from taskgeom.errors import AnalysisError, TaskgeomError  # noqa: E402
 from taskgeom.hooks import capture, intervene  # noqa: E402
-from taskgeom.recipes import load_recipe  # noqa: E402
-from taskgeom.runs import Run  # noqa: E402
-from taskgeom.train import train  # noqa: E402
+from taskgeom.settings.recipes import load_recipe  # noqa: E402
+from taskgeom.runs.folders import Run  # noqa: E402
+from taskgeom.training.train import train  # noqa: E402
 
 SMALL = ModelConfig(n_layers=3, d_model=32, n_heads=2, d_mlp=64, max_len=16)
 # the task settings the round-trip model is trained on: E1's variant e1-v6 (V = 6, near-disjoint majors), whose geometry

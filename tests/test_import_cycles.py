@@ -110,35 +110,44 @@ def test_taskgeom_has_no_import_cycles():
 
 
 def test_a_planted_cycle_is_found(tmp_path):
-    """A copy of the package with one deferred import added, from ``hooks`` to ``analysis.edits``
+    """A copy of the package with one deferred import added, from ``hooks`` to ``analysis.reading.edits``
     (which imports it), holds that one cycle; a graph by hand, its two cycles."""
     root = tmp_path / "taskgeom"
     shutil.copytree(PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__"))
     hooks = root / "hooks.py"
-    hooks.write_text(hooks.read_text() + "\n\ndef planted():\n    from .analysis.edits import Edit\n")
+    hooks.write_text(hooks.read_text() + "\n\ndef planted():\n    from .analysis.reading.edits import Edit\n")
     graph = import_graph(root)
     found = cycles(graph)
     print("\n".join(describe(graph, cycle) for cycle in found))
-    assert found == [["taskgeom.analysis.edits", "taskgeom.hooks", "taskgeom.analysis.edits"]]
-    assert graph["taskgeom.hooks"]["taskgeom.analysis.edits"] == len(hooks.read_text().splitlines())
+    assert found == [["taskgeom.analysis.reading.edits", "taskgeom.hooks", "taskgeom.analysis.reading.edits"]]
+    assert graph["taskgeom.hooks"]["taskgeom.analysis.reading.edits"] == len(hooks.read_text().splitlines())
 
     by_hand = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {"e": 5}, "e": {"d": 6}, "f": {"a": 7}}
     assert cycles(by_hand) == [["a", "b", "c", "a"], ["d", "e", "d"]]
     assert describe(by_hand, ["d", "e", "d"]) == "d (line 5) -> e (line 6) -> d"
 
 
-# The layering rule (the data flow of DESIGN.md): the foundation (tasks,
-# models, runs, settings, training, the claims' rules) knows nothing of the analyses; the analyses know
-# nothing of the report; the report and the results facade nothing of the experiments, which know nothing
-# of the recipes' own experiments (extras); the command line and the package's facade sit on top. A module
-# imports only modules of its own layer or below.
-LAYERS = {"analysis": 1, "report": 2, "results": 2, "experiments": 3, "extras": 4, "cli": 5, "__main__": 5}
+# The layering rule (the data flow of DESIGN.md), bottom to top: the foundation (the families, settings,
+# the model and its hooks, run folders, training) knows nothing of the analyses. The analyses read upwards
+# in four rooms: the measures (computations on states: P0-P3 fits, subspaces, shares), reading a run
+# (held-out splits, places and edits, states, steering, projection R^2), the facade (a run and its
+# geometry), the stored analyses (m1.json, dual.json). Above them the claims (their rules and their
+# catalog), then the report and the results facade, the experiments, the recipes' own experiments
+# (extras), and on top the command line and the package's facade. A module imports only modules of its
+# own layer or below.
+LAYERS = {"analysis.measures": 1.0, "analysis.reading": 1.1, "analysis.geometry": 1.2, "analysis.study": 1.2, "analysis.stored": 1.3,
+          "claims": 2, "report": 3, "results": 3, "experiments": 4, "extras": 5, "cli": 6, "__main__": 6}
 
 
-def layer(module: str) -> int:
-    """The layer of a module of taskgeom: its first-level name's (0 for the foundation, 5 for the facade)."""
-    parts = module.split(".")
-    return 5 if len(parts) == 1 else LAYERS.get(parts[1], 0)
+def layer(module: str) -> float:
+    """The layer of a module of taskgeom: that of its longest prefix in LAYERS (0 for the foundation, 6 for the facade)."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return 6
+    for depth in range(len(parts), 0, -1):
+        if ".".join(parts[:depth]) in LAYERS:
+            return LAYERS[".".join(parts[:depth])]
+    return 0
 
 
 def test_no_module_imports_one_above_it():
@@ -146,4 +155,12 @@ def test_no_module_imports_one_above_it():
     upward = [f"{module} ({layer(module)}) -> {target} ({layer(target)}), line {line}"
               for module, edges in graph.items() for target, line in edges.items() if layer(target) > layer(module)]
     assert upward == []
-    assert layer("taskgeom.claims") == 0 and layer("taskgeom.analysis.shares") == 1 and layer("taskgeom.experiments.sensitivity") == 3
+    assert layer("taskgeom.settings.config") == 0 and layer("taskgeom.analysis.measures.shares") == 1.0
+    assert layer("taskgeom.claims.catalog") == 2 and layer("taskgeom.experiments.sensitivity") == 4 and layer("taskgeom") == 6
+
+
+def test_no_folder_holds_more_than_thirteen_modules():
+    """A folder of the package holds about a dozen modules at most (DESIGN.md: rooms a reader can find)."""
+    crowded = {str(folder.relative_to(PACKAGE)): n for folder in [PACKAGE, *PACKAGE.rglob("*/")] if folder.name != "__pycache__"
+               and (n := len([p for p in folder.glob("*.py") if p.name != "__init__.py"])) > 13}
+    assert crowded == {}

@@ -99,7 +99,7 @@ def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the
     from taskgeom.experiments.sensitivity import ABLATION_VARIANTS, ablation_variants
     from taskgeom.analysis.study import StudyRun
     from taskgeom.experiments.base import Context
-    from taskgeom.runs import Run
+    from taskgeom.runs.folders import Run
 
     high = int(pd.read_csv(tiny_reproduction / "tables" / "sweep.csv")["diversity"].max())
     config = Context(tiny_reproduction, overrides=TINY_REPRODUCTION).config("e1", (f"task.diversity={high}",), 0)
@@ -137,7 +137,7 @@ def test_sensitivity_reads_the_m1_and_projection_variants_from_the_stored_analys
     lists the claims it can move, read where it says."""
     from taskgeom.experiments.sensitivity import stored_variants
     from taskgeom.experiments.base import Context
-    from taskgeom.runs import Run
+    from taskgeom.runs.folders import Run
 
     claims = {c["id"]: next(s for s in c["seeds"] if s["seed"] == 0) for c in _claims(tiny_reproduction)}
     ctx = Context(tiny_reproduction, overrides=TINY_REPRODUCTION)
@@ -166,7 +166,7 @@ def test_sensitivity_reads_the_m1_and_projection_variants_from_the_stored_analys
 def test_the_pinned_place_holds_the_claims_values_and_every_place_is_listed(tiny_reproduction):
     from taskgeom.experiments.sensitivity import place_choices
     from taskgeom.experiments.base import Context
-    from taskgeom.runs import Run
+    from taskgeom.runs.folders import Run
 
     claims = {c["id"]: {r["seed"]: r["value"] for r in c["seeds"]} for c in _claims(tiny_reproduction)}
     high = int(pd.read_csv(tiny_reproduction / "tables" / "sweep.csv")["diversity"].max())
@@ -183,7 +183,7 @@ def test_reproduce_trains_a_data_variant_alone_under_its_settings_and_refuses_a_
     """--variant e1-v6 plans the E1 runs of the recipe with the variant's overrides (the run names
     carry the digest of that config) and nothing else; a variant of the measurement belongs to
     sensitivity, and a data variant to reproduce."""
-    from taskgeom.analysis.variants import BY_NAME
+    from taskgeom.analysis.measures.variants import BY_NAME
     from taskgeom.experiments.base import Context
 
     result = CliRunner().invoke(app, ["reproduce", "--variant", "e1-v6", "--plan", "--csv", "--seeds", "0"])

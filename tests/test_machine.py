@@ -1,4 +1,4 @@
-"""The whole machine, the same bits: portable kernels (taskgeom.kernels), the default worker count, the memory cap of the schedule and the wall-time estimate of a plan."""
+"""The whole machine, the same bits: portable kernels (taskgeom.settings.kernels), the default worker count, the memory cap of the schedule and the wall-time estimate of a plan."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from taskgeom import kernels
+from taskgeom.settings import kernels
 from taskgeom.cli import app
-from taskgeom.devices import default_workers, usable_cores
+from taskgeom.settings.devices import default_workers, usable_cores
 
 AVX2_FLAGS = {"sse2", "avx", "avx2", "fma"}
 
@@ -91,7 +91,7 @@ def test_a_cgroup_quota_bounds_the_usable_cores(tmp_path):
 
 def test_the_schedule_runs_no_more_at_once_than_memory_allows(tmp_path):
     from conftest import tiny_config
-    from taskgeom.config import training_memory
+    from taskgeom.settings.config import training_memory
     from taskgeom.experiments.schedule import TrainTask, Unit, memory_workers
 
     config = tiny_config()
@@ -103,7 +103,7 @@ def test_the_schedule_runs_no_more_at_once_than_memory_allows(tmp_path):
 
 
 def test_the_estimate_spreads_cpu_seconds_over_the_workers_but_never_below_the_longest_run():
-    from taskgeom.timing import CPU_SECONDS_PER_FLOP_SECOND as c, estimate_wall
+    from taskgeom.training.timing import CPU_SECONDS_PER_FLOP_SECOND as c, estimate_wall
 
     rate = 1e10
     assert estimate_wall([4e10, 2e10, 2e10], rate, workers=2) == pytest.approx(c * 8 / 2)
@@ -116,7 +116,7 @@ def test_the_probe_counts_a_matrix_multiplys_flops_per_cpu_second_of_the_process
     3.5 s probe multiplies 3 times (after the readings 1, 2, 3) and stops at the reading 4; the rate
     divides by the CPU seconds the process got meanwhile (here 0.5: a machine busy with other work),
     not by the wall seconds."""
-    from taskgeom import timing
+    from taskgeom.training import timing
 
     ticks, cpu = iter(range(10_000)), iter([10.0, 10.5])
     monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(ticks)))
@@ -154,9 +154,9 @@ def test_a_short_quick_e1_training_gives_the_published_bits(tmp_path):
 
     from safetensors.torch import load_file
 
-    from taskgeom.recipes import load_recipe
-    from taskgeom.runs import Run
-    from taskgeom.train import train
+    from taskgeom.settings.recipes import load_recipe
+    from taskgeom.runs.folders import Run
+    from taskgeom.training.train import train
 
     if os.environ.get(kernels.CHOICE_VARIABLE) != "pinned":
         pytest.skip("the published bits need the portable kernels, which this CPU cannot hold")

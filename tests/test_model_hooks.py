@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from taskgeom.analysis.states import LayerStreams
-from taskgeom.config import ModelConfig
+from taskgeom.analysis.reading.states import LayerStreams
+from taskgeom.settings.config import ModelConfig
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import capture, intervene
 from taskgeom.model import SITES, Transformer
@@ -24,7 +24,7 @@ def model(request):
 def test_the_mlp_activation_and_the_final_norm_are_settings():
     """SiLU in the MLP; without a final norm the unembedding reads the residual stream, and the
     model's parameters are the ones config.parameter_count counts."""
-    from taskgeom.config import build_config, parameter_count
+    from taskgeom.settings.config import build_config, parameter_count
 
     for activation, final_norm in (("silu", False), ("gelu", True)):
         config = build_config({"name": "m", "task": {"family": "dice", "seq_len": 8},

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from taskgeom.config import parameter_count
+from taskgeom.settings.config import parameter_count
 from taskgeom.experiments import Context, planned_runs
 from taskgeom.experiments.schedule import plan_table
-from taskgeom.runs import Run
-from taskgeom.train import train
+from taskgeom.runs.folders import Run
+from taskgeom.training.train import train
 
 
 def test_the_paper_plan_is_the_study_s_grid_on_every_seed(tmp_path):
@@ -48,7 +48,7 @@ CPU_PROFILES = {recipe: ("quick", "wide", "long", "deep", "standard") for recipe
 
 @pytest.mark.parametrize("recipe", sorted(STUDY))
 def test_the_paper_profile_has_the_study_s_settings_and_the_cpu_profiles_those_that_cost_nothing(recipe):
-    from taskgeom.recipes import load_recipe
+    from taskgeom.settings.recipes import load_recipe
 
     (layers, activation, final_norm), train, data = STUDY[recipe]
     paper = load_recipe(recipe, "paper")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from taskgeom.analysis.probes import _split, linear_probe, ridge
+from taskgeom.analysis.measures.linear_probes import _split, linear_probe, ridge
 from taskgeom.rng import generator
 
 torch.set_num_threads(1)

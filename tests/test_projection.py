@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from taskgeom.analysis import projection
-from taskgeom.analysis.heldout import sample_tasks
+from taskgeom.analysis.reading import projection
+from taskgeom.analysis.reading.heldout import sample_tasks
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import capture
 from taskgeom.tasks import Batch
@@ -39,8 +39,8 @@ def numpy_fig4(ood: list[np.ndarray], major: list[np.ndarray], positions: range)
 
 def test_a_trained_models_projection_r2_is_the_numpy_loop_over_tasks(tmp_path, monkeypatch):
     from taskgeom.analysis.study import StudyRun
-    from taskgeom.runs import Run
-    from taskgeom.train import train
+    from taskgeom.runs.folders import Run
+    from taskgeom.training.train import train
 
     config = tiny_config("dice", steps=10)
     run = Run.create(config, tmp_path)

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from conftest import tiny_config
 from taskgeom.cli import app
 from taskgeom.errors import TaskgeomError
-from taskgeom.devices import default_workers
+from taskgeom.settings.devices import default_workers
 from taskgeom.experiments.executors import Executor, execute
 from taskgeom.experiments.sweep import Job, run_sweep
 
@@ -104,7 +104,7 @@ def test_a_crashed_ray_task_is_one_failure(ray_instance, ray):
 
 
 def test_ray_tasks_start_with_the_kernels_this_process_chose(ray_instance, ray, monkeypatch):
-    from taskgeom import kernels
+    from taskgeom.settings import kernels
 
     chosen = dict(kernels.PINS) | {kernels.CHOICE_VARIABLE: "pinned"}
     for name, value in chosen.items():

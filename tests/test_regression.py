@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from taskgeom import tasks
-from taskgeom.config import ConfigError, ModelConfig, build_config
-from taskgeom.evaluate import evaluate_run
+from taskgeom.settings.config import ConfigError, ModelConfig, build_config
+from taskgeom.training.evaluate import evaluate_run
 from taskgeom.hooks import capture
 from taskgeom.model import Transformer
-from taskgeom.runs import Run
+from taskgeom.runs.folders import Run
 from taskgeom.tasks import Batch, TaskPool
-from taskgeom.train import train
+from taskgeom.training.train import train
 
 torch.set_num_threads(1)
 
@@ -190,7 +190,7 @@ def test_late_means_average_the_last_half_of_the_examples():
 
 # ---- E2 at the study's settings (docs/protocol.md#the-studys-settings-the-paper-profile): pair layout, majors from a fixed task seed -----
 def test_e2_majors_are_the_same_at_every_diversity_and_with_major_seed_in_every_run(tmp_path):
-    from taskgeom.recipes import load_recipe
+    from taskgeom.settings.recipes import load_recipe
 
     def majors(seed: int, k: int, *more: str) -> torch.Tensor:
         return Run(tmp_path, load_recipe("e2", "paper", [f"train.seed={seed}", f"task.diversity={k}", *more])).pool.params[:3]

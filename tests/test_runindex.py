@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 from conftest import tiny_config
 from taskgeom.cli import app
 from taskgeom.errors import TaskgeomError
-from taskgeom.runindex import query, refresh
-from taskgeom.runs import Run
-from taskgeom.train import train
+from taskgeom.runs.index import query, refresh
+from taskgeom.runs.folders import Run
+from taskgeom.training.train import train
 
 runner = CliRunner()
 
@@ -224,7 +224,7 @@ def read_only(monkeypatch):
             p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
         if os.access(root, os.W_OK):  # root ignores modes
             connect = sqlite3.connect
-            monkeypatch.setattr("taskgeom.runindex.sqlite3.connect",
+            monkeypatch.setattr("taskgeom.runs.index.sqlite3.connect",
                                 lambda path, **kw: connect(path, **kw) if str(path) == ":memory:" else connect(f"file:{path}?mode=ro", uri=True, **kw))
 
     yield apply
@@ -266,7 +266,7 @@ def test_a_diverged_run_is_listed_as_diverged(folder):
 
 
 def test_a_bad_filter_is_refused_before_anything_is_read_or_written(folder, monkeypatch):
-    from taskgeom import runindex
+    from taskgeom.runs import index as runindex
 
     root, runs = folder
     before = _tree(root)

@@ -12,9 +12,9 @@ from taskgeom.experiments import Context, reproduce
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.schedule import TrainTask, phases, plan
 from taskgeom.experiments.sweep import Job, run_job
-from taskgeom.recipes import load_recipe
-from taskgeom.runs import Run
-from taskgeom.train import train
+from taskgeom.settings.recipes import load_recipe
+from taskgeom.runs.folders import Run
+from taskgeom.training.train import train
 
 
 def _recipe(tmp_path, steps: int = 30):
@@ -75,7 +75,7 @@ def test_an_analysis_runs_in_the_phase_of_its_threads_after_its_training(tmp_pat
 
 def test_threads_never_outnumber_cores(tmp_path, monkeypatch):
     from taskgeom.experiments import schedule
-    from taskgeom.timing import Profile
+    from taskgeom.training.timing import Timings
 
     recipe = _recipe(tmp_path)
     configs = [load_recipe(recipe, "quick", [f"train.steps={n}"]) for n in (10, 20, 30, 40)]
@@ -83,21 +83,21 @@ def test_threads_never_outnumber_cores(tmp_path, monkeypatch):
     groups = []
     monkeypatch.setattr(schedule, "usable_cores", lambda: 2)
     monkeypatch.setattr(schedule, "_run_phase", lambda group, workers: groups.append(([u.task.config.train.steps for u in group], workers)) or [])
-    schedule.train_all(tasks, Executor(workers=2), Profile())
+    schedule.train_all(tasks, Executor(workers=2), Timings())
     assert groups == [([40, 20], 1), ([30, 10], 2)]  # two-thread runs alone, then single-thread runs two at a time
 
 
 def test_the_schedule_analyses_a_sweep_run_as_the_sweep_would(tmp_path):
     """The dual analysis done in the schedule writes the dual.json the sweep writes for the same
     run alone (bitwise); the sweep then finds it and analyses nothing."""
-    from taskgeom.timing import Profile
+    from taskgeom.training.timing import Timings
     from taskgeom.experiments.schedule import train_all
 
     recipe = _recipe(tmp_path, steps=40)
     job = Job(recipe, -1, 0, "quick", str(tmp_path / "alone"))
     assert run_job(job, threads=1)[0]["status"] == "ok"
     config = job.config()
-    profile = Profile()
+    profile = Timings()
     train_all([TrainTask(config, str(tmp_path / "scheduled"), "cpu", "none", 1, analyse=True)], Executor(workers=2), profile)
     name = f"{config.name}-{config.digest()}"
     for file in ("model.safetensors", "analysis/dual.json"):
@@ -119,7 +119,7 @@ def test_an_analysis_needing_more_threads_than_its_training_never_oversubscribes
 
 def test_no_analysis_of_a_run_whose_training_failed_and_a_damaged_run_is_left_to_its_experiment(tmp_path, monkeypatch):
     from taskgeom.experiments import schedule
-    from taskgeom.timing import Profile
+    from taskgeom.training.timing import Timings
 
     recipe = _recipe(tmp_path)
     config = load_recipe(recipe, "quick", ["train.steps=10"])
@@ -133,7 +133,7 @@ def test_no_analysis_of_a_run_whose_training_failed_and_a_damaged_run_is_left_to
 
     monkeypatch.setattr(schedule, "_run_phase", fake)
     schedule.train_all([TrainTask(config, str(tmp_path), "cpu", "none", 2), TrainTask(config, str(tmp_path), "cpu", "none", 1, analyse=True)],
-                       Executor(workers=2), Profile())
+                       Executor(workers=2), Timings())
     assert done == [(2, 0)]  # the analysis of the run that failed to train is not attempted
     task.path.mkdir(parents=True)
     (task.path / "model.safetensors").write_bytes(b"")

@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy.optimize import nnls
 
-from taskgeom.analysis.simplex import MAX_EXACT_K, project_simplex, residual_r2, simplex_lstsq, sum_to_one_fit
+from taskgeom.analysis.measures.simplex import MAX_EXACT_K, project_simplex, residual_r2, simplex_lstsq, sum_to_one_fit
 from taskgeom.errors import AnalysisError
 
 PENALTY = 1e4  # weight of the sum-to-one row folded into NNLS

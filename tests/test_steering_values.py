@@ -10,16 +10,15 @@ import math
 import pytest
 import torch
 
-from taskgeom.analysis.edits import Place
-from taskgeom.analysis.retrieval import steering_rows
-from taskgeom.analysis.steering import (Steering, TokenReadout, clip_positions, kl_rows, position_task_vectors, random_edit,
+from taskgeom.analysis.stored.m1 import steering_rows
+from taskgeom.analysis.reading.steering import (Steering, TokenReadout, clip_positions, kl_rows, position_task_vectors, random_edit,
                                         steering_place)
 from taskgeom.analysis.study import StudyRun
-from taskgeom.config import build_config
+from taskgeom.settings.config import build_config
 from taskgeom.errors import AnalysisError
 from taskgeom.experiments.m1 import steering_claim
-from taskgeom.hooks import capture
-from taskgeom.runs import Run
+from taskgeom.hooks import Place, capture
+from taskgeom.runs.folders import Run
 from taskgeom.tasks import make
 
 N = 24  # held-out sequences: 8 per major task

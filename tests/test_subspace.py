@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from taskgeom import tasks
-from taskgeom.analysis.shares import MIN_RELIABLE_GAIN, share_of_gain
-from taskgeom.analysis.subspace import complement_basis, projection_r2, task_ablation
-from taskgeom.analysis.task_vectors import task_subspace, token_conditioned
+from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN, share_of_gain
+from taskgeom.analysis.measures.subspace import complement_basis, projection_r2, task_ablation
+from taskgeom.analysis.measures.task_vectors import task_subspace, token_conditioned
 from taskgeom.errors import AnalysisError
-from taskgeom.analysis.theory import participation_ratio, readout_lipschitz
-from taskgeom.analysis.transition import predict_generalising
+from taskgeom.analysis.measures.theory import participation_ratio, readout_lipschitz
+from taskgeom.analysis.measures.transition import predict_generalising
 
 
 def test_projection_r2_is_one_inside_and_zero_orthogonal():

@@ -10,11 +10,11 @@ import yaml
 
 from conftest import tiny_config
 from taskgeom.experiments.executors import Executor
-from taskgeom.analysis.dual import load_dual
-from taskgeom.analysis.rows import ROW_VERSION
-from taskgeom.analysis.shares import MIN_RELIABLE_GAIN
+from taskgeom.analysis.stored.dual import load_dual
+from taskgeom.analysis.stored.rows import ROW_VERSION
+from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN
 from taskgeom.experiments.sweep import Job, job_seconds, run_sweep, summary
-from taskgeom.runs import Run
+from taskgeom.runs.folders import Run
 
 
 def test_sweep_isolates_failures_and_resumes(tmp_path):

@@ -179,8 +179,8 @@ def test_bayes_posterior_brute_force_over_all_short_sequences(name, V, T):
 # ---- E1 at the study's settings (docs/protocol.md#the-studys-settings-the-paper-profile): V = 16, Dirichlet(1) majors from a fixed seed -----
 def test_e1_majors_are_the_same_in_every_run_and_the_minors_are_drawn_per_run(tmp_path):
     """The recipe's majors do not depend on the run seed or the diversity; its minors depend on the seed."""
-    from taskgeom.recipes import load_recipe
-    from taskgeom.runs import Run
+    from taskgeom.settings.recipes import load_recipe
+    from taskgeom.runs.folders import Run
 
     def pool(seed: int, k: int) -> tasks.TaskPool:
         return Run(tmp_path, load_recipe("e1", "quick", [f"train.seed={seed}", f"task.diversity={k}"])).pool

@@ -1,4 +1,4 @@
-"""The time profile of a reproduction: stages, worker stages and experiment totals (timings.json)."""
+"""The timings of a reproduction: stages, worker stages and experiment totals (timings.json)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from taskgeom.experiments import Context, reproduce
-from taskgeom.timing import Profile
+from taskgeom.training.timing import Timings
 
 
 def busy(seconds: float) -> None:
@@ -18,30 +18,30 @@ def busy(seconds: float) -> None:
 
 
 def test_stages_record_wall_and_cpu_and_experiments_add_their_workers():
-    profile = Profile()
-    with profile.experiment("e"):
-        with profile.stage("e", "sleep"):
+    timings = Timings()
+    with timings.experiment("e"):
+        with timings.stage("e", "sleep"):
             time.sleep(0.2)
-        with profile.stage("e", "busy"):
+        with timings.stage("e", "busy"):
             busy(0.2)
-        profile.add("e", "remote", wall_s=5.0, cpu_s=4.0)
-    sleep, work, remote = profile.stages
+        timings.add("e", "remote", wall_s=5.0, cpu_s=4.0)
+    sleep, work, remote = timings.stages
     assert sleep.wall_s >= 0.2 and sleep.cpu_s < 0.1
     assert work.cpu_s >= 0.2 and work.where == "main"
     assert (remote.wall_s, remote.cpu_s, remote.where) == (5.0, 4.0, "worker")
-    total = profile.experiments["e"]
+    total = timings.experiments["e"]
     assert 0.4 <= total["wall_s"] < 2  # the worker's wall time overlapped with ours: not added
     assert total["cpu_s"] == pytest.approx(4.0 + 0.2, abs=0.15)  # this process's CPU plus the worker's
-    as_json = json.loads(json.dumps(profile.as_dict()))
+    as_json = json.loads(json.dumps(timings.as_dict()))
     assert as_json["total"] == {"wall_s": total["wall_s"], "cpu_s": total["cpu_s"]}
     assert [s["stage"] for s in as_json["stages"]] == ["sleep", "busy", "remote"]
 
 
 def test_a_stage_is_recorded_even_when_its_work_fails():
-    profile = Profile()
-    with pytest.raises(RuntimeError), profile.stage("e", "broken"):
+    timings = Timings()
+    with pytest.raises(RuntimeError), timings.stage("e", "broken"):
         raise RuntimeError("boom")
-    assert [s.stage for s in profile.stages] == ["broken"]
+    assert [s.stage for s in timings.stages] == ["broken"]
 
 
 def test_reproduce_writes_the_profile_of_each_experiment(tmp_path):
@@ -61,8 +61,8 @@ def test_reproduce_writes_the_profile_of_each_experiment(tmp_path):
 
 
 def test_work_timed_in_this_process_is_not_counted_twice():
-    profile = Profile()
-    with profile.experiment("e"):
+    timings = Timings()
+    with timings.experiment("e"):
         busy(0.2)
-        profile.add("e", "in this process", 0.2, 0.2, where="main")
-    assert profile.experiments["e"]["cpu_s"] == pytest.approx(0.2, abs=0.1)
+        timings.add("e", "in this process", 0.2, 0.2, where="main")
+    assert timings.experiments["e"]["cpu_s"] == pytest.approx(0.2, abs=0.1)

@@ -14,9 +14,9 @@ from taskgeom.cli import app
 from taskgeom.errors import TaskgeomError
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.sweep import Job, run_sweep
-from taskgeom.runs import Run
-from taskgeom.trackers import check_tracker, scalars
-from taskgeom.train import train
+from taskgeom.runs.folders import Run
+from taskgeom.training.trackers import check_tracker, scalars
+from taskgeom.training.train import train
 
 runner = CliRunner()
 

@@ -21,12 +21,12 @@ from typer.testing import CliRunner
 from conftest import tiny_config
 from safetensors.torch import save_file
 
-from taskgeom import train as train_module
+from taskgeom.training import train as train_module
 from taskgeom.cli import app
 from taskgeom.errors import CheckpointError, RunDirError, TrainingDiverged
-from taskgeom.runs import Run
-from taskgeom.storage import CHECKPOINT_FORMAT
-from taskgeom.train import learning_rate, train
+from taskgeom.runs.folders import Run
+from taskgeom.runs.storage import CHECKPOINT_FORMAT
+from taskgeom.training.train import learning_rate, train
 
 runner = CliRunner()
 
@@ -57,7 +57,7 @@ def test_learning_rate_rises_from_its_floor_and_decays_to_it_linearly_or_on_a_co
 @pytest.mark.parametrize("recipe,start,end", [("e1", 1e-5, 1e-5), ("e3", 1e-5, 1e-5), ("e4", 2e-5, 2e-5), ("e2", 0.0, 0.0)])
 def test_the_paper_schedules_are_the_study_s(recipe, start, end):
     """docs/protocol.md#the-studys-settings-the-paper-profile: from the floor to the peak at 15k of 30k steps and back to the floor."""
-    from taskgeom.recipes import load_recipe
+    from taskgeom.settings.recipes import load_recipe
 
     cfg = load_recipe(recipe, "paper").train
     rate = [learning_rate(s, cfg.steps, cfg.lr, cfg.warmup_frac, cfg.lr_floor, cfg.schedule) for s in (-1, 14999, 30000)]
@@ -356,7 +356,7 @@ def test_an_odd_run_json_is_a_run_dir_error(finished, content):
 
 
 def test_eval_json_is_standard_json_when_a_reference_is_not_finite(finished, monkeypatch):
-    from taskgeom import evaluate
+    from taskgeom.training import evaluate
 
     real = evaluate.per_position
 
@@ -438,7 +438,7 @@ def textbook_step(model, opt, family, batch, grad_clip):
 def test_grad_clip_null_trains_unclipped():
     """grad_clip null (the study's E1/E3): the step equals an unclipped textbook step, and differs
     from a clipped one (a clip far below the gradient's norm)."""
-    from taskgeom.recipes import load_recipe
+    from taskgeom.settings.recipes import load_recipe
 
     run = Run("unused", load_recipe("e1", "quick", ["train.grad_clip=null"]))
     cfg = run.config.train
@@ -459,7 +459,7 @@ def test_the_step_trains_the_textbook_model_bit_for_bit(monkeypatch):
     """The trainer's speed-ups change no float: a few steps of the quick E1 model give weights
     equal, exactly, to the textbook step's."""
     from taskgeom.model import Attention
-    from taskgeom.recipes import load_recipe
+    from taskgeom.settings.recipes import load_recipe
 
     run = Run("unused", load_recipe("e1"))
     cfg = run.config.train

@@ -16,17 +16,18 @@ import torch
 from typer.testing import CliRunner
 
 import taskgeom.experiments
-from taskgeom.analysis.properties import KL_FLOOR
-from taskgeom.analysis.retrieval import alignment_rows
+from taskgeom.claims.catalog import spec
+from taskgeom.analysis.measures.properties import KL_FLOOR
+from taskgeom.analysis.stored.m1 import alignment_rows
 from taskgeom.analysis.geometry import Alignment
-from taskgeom.analysis.task_vectors import late_window
-from taskgeom.analysis.theory import theorem2
-from taskgeom.analysis.transition import predict_generalising, reference_predictors, transition_statistic
+from taskgeom.analysis.measures.task_vectors import late_window
+from taskgeom.analysis.measures.theory import theorem2
+from taskgeom.analysis.measures.transition import predict_generalising, reference_predictors, transition_statistic
 from taskgeom.cli import app
-from taskgeom.claims import check
+from taskgeom.claims.rules import check
 from taskgeom.errors import EnvironmentRefused, TaskgeomError, TrainingDiverged
 from taskgeom.experiments.base import Context
-from taskgeom.recipes import load_study
+from taskgeom.settings.recipes import load_study
 from taskgeom.tasks import TaskPool, make
 
 # ---------------------------------------------------------------- P3: medians per position and per quarter
@@ -245,12 +246,12 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
     assert p0.value == pytest.approx(e4_shares[1] / 0.03, rel=1e-12)
     assert p0.parts == {"e4_share": e4_shares[1], "reference_share": 0.03, "layer": 1, "site": "resid_post", "e1_share": 0.02,
                         "e3_share": 0.03}
-    assert (p0.threshold, p0.comparison, p0.status) == (e4.P0_FACTOR, ">=", status)
+    assert (p0.threshold, p0.comparison, p0.status) == (spec("e4", "P0_failure").threshold, ">=", status)
     probe = claims["e4.prefix_probe"]
     assert probe.value == pytest.approx(0.25, rel=1e-12) and probe.status == "pass"
     assert probe.parts == {"score": 0.35, "control": 0.1, "target": "depth", "layer": 1, "site": "resid_post",
                            "untrained_gain": pytest.approx(0.07, rel=1e-9)}
-    assert (probe.threshold, probe.comparison) == (e4.PROBE_MARGIN, ">=")
+    assert (probe.threshold, probe.comparison) == (spec("e4", "prefix_probe").threshold, ">=")
     assert set(runs) == {("e4", ("task.diversity=-1",)), ("e4", (f"task.diversity={e4.PROBE_DIVERSITY}",)),
                          ("e1", ("task.diversity=-1",)), ("e3", ("task.diversity=-1",))}
     written = json.loads((tmp_path / "analysis" / "e4.json").read_text())
@@ -311,8 +312,8 @@ def test_reproduce_exit_code_says_what_stopped_it(tmp_path, monkeypatch, error, 
 def test_claim_values_read_each_claim_at_its_place_under_the_protocol_and_the_variants():
     """Planted m1.json rows: every metric's value encodes (metric, layer, site), so a value read at
     the wrong place or from the wrong metric shows. E2-like: P3 reads its own block (9 of 16)."""
-    from taskgeom.analysis.retrieval import claim_values
-    from taskgeom.analysis.rows import row
+    from taskgeom.analysis.stored.m1 import claim_values
+    from taskgeom.analysis.stored.rows import row
 
     metrics = ["p0.cell_r2", "p0.cell_r2_pooled", "p1.additive_share", "p1.additive_share_pooled", "p1.additive_share_last",
                "p2.r2_task", "p2.r2_random", "p2.r2_additive", "p3.tv_mean_beta", "p3.tv_last_quarter", "p3.tv_first_uncertain",

@@ -18,9 +18,9 @@ import yaml
 
 from conftest import tiny_config
 from taskgeom.errors import RunDirError, RunLockedError
-from taskgeom.runs import LOCK_NAME, Run
-from taskgeom.storage import atomic_write_text, exclusive_lock, load_tensors, save_tensors
-from taskgeom.train import train
+from taskgeom.runs.folders import LOCK_NAME, Run
+from taskgeom.runs.storage import atomic_write_text, exclusive_lock, load_tensors, save_tensors
+from taskgeom.training.train import train
 
 SRC = str(Path(__file__).parents[1] / "src")
 ENV = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -33,7 +33,7 @@ def _steps(run: Run) -> list[int]:
 # ---- the lock ---------------------------------------------------------------------------------
 HOLD = """
 import sys, time
-from taskgeom.storage import exclusive_lock
+from taskgeom.runs.storage import exclusive_lock
 with exclusive_lock(sys.argv[1], "test"):
     print("locked", flush=True)
     time.sleep(120)

@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from hmm_family.family import HMM, forward
-from taskgeom.config import load_config
+from taskgeom.settings.config import load_config
 from taskgeom.report.manifest import cpu_model
 
 RECIPE = __file__.replace("bank_quality.py", "hmm.yaml")

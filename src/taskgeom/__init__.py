@@ -20,14 +20,15 @@ The public API, ``import taskgeom as tg`` (docs/python-api.md walks through a st
 
 from taskgeom.version import __version__
 from taskgeom import tasks  # first: the modules below import it
-from taskgeom.analysis.dual import analyze_dual
-from taskgeom.analysis.heldout import Split
-from taskgeom.analysis.retrieval import Result as M1Result, analyze as analyze_m1
-from taskgeom.analysis.shares import MIN_RELIABLE_GAIN, Share, share_of_gain
-from taskgeom.analysis.steering import Steering
-from taskgeom.analysis.edits import Edit, Place
+from taskgeom.analysis.stored.dual import analyze_dual
+from taskgeom.analysis.reading.heldout import Split
+from taskgeom.analysis.stored.m1 import Result as M1Result, analyze as analyze_m1
+from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN, Share, share_of_gain
+from taskgeom.analysis.reading.steering import Steering
+from taskgeom.analysis.reading.edits import Edit
+from taskgeom.hooks import Place
 from taskgeom.analysis.geometry import Alignment, Geometry
-from taskgeom.analysis.projection import ProjectionR2
+from taskgeom.analysis.reading.projection import ProjectionR2
 from taskgeom.analysis.study import Selection, Sequences, StudyRun, open_run
 from taskgeom.results import Results, results
 

@@ -20,7 +20,7 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
-from taskgeom.config import DEFAULT_PROFILE
+from taskgeom.settings.config import DEFAULT_PROFILE
 from taskgeom.errors import EnvironmentRefused, TaskgeomError, TrainingDiverged
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_BUG = 1, 2, 3, 4
@@ -118,7 +118,7 @@ def main(
         "to AVX2 (unless you set ATEN_CPU_CAPABILITY, MKL_CBWR or ONEDNN_MAX_CPU_ISA yourself), so AMD EPYC CPUs with AVX2 "
         "or AVX-512 train the published bits (an Intel Xeon with AVX-512 trains others); reproduction.json records the choice."),
 ) -> None:
-    from taskgeom.kernels import use_portable_kernels
+    from taskgeom.settings.kernels import use_portable_kernels
 
     ctx.meta["taskgeom.debug"] = debug
     use_portable_kernels(native_kernels)
@@ -143,8 +143,8 @@ def _folder(path: Path, option: str) -> Path:
 def _check_training(device: str, tracker: str, local: bool = True) -> None:
     """Refuse a bad --device or --tracker before anything is written; on Ray each task resolves
     the device on its own node, so only its spelling is checked here."""
-    from taskgeom.devices import check_device_name, resolve_device
-    from taskgeom.trackers import check_tracker
+    from taskgeom.settings.devices import check_device_name, resolve_device
+    from taskgeom.training.trackers import check_tracker
 
     check_tracker(tracker)
     if local:
@@ -165,32 +165,17 @@ def train(
 ) -> None:
     """Train one run (or resume it from its last checkpoint); prints the run directory.
     Mixed precision: --set train.precision=bf16."""
-    from taskgeom.progress import step_bar
-    from taskgeom.recipes import load_recipe
-    from taskgeom.runs import Run
-    from taskgeom.train import train as train_run
+    from taskgeom.settings.recipes import load_recipe
+    from taskgeom.training.train import train_settings
 
     _check_training(device, tracker)
     settings = load_recipe(config, profile, set_ or [])
-    if settings.model.arch != "taskgeom":
-        from taskgeom.hf import require_transformers
-
-        require_transformers()  # before the run directory is made
-    from taskgeom.fits import check_training_fits
-
-    check_training_fits(settings, device)
     if run_dir is None:
         _folder(out, "--out")
     else:
         _folder(run_dir, "--run-dir")  # --out is not used then
-    run = Run.create(settings, out, run_dir)
-    if run.finished:
-        typer.echo(f"{run.path} is already trained")
-    else:
-        with step_bar(f"train {run.path.name}", run.config.train.steps) as update:
-            record = train_run(run, update, device, tracker)
-        for name, values in record["eval"].items():
-            typer.echo(f"{name:>6}: loss {values['loss']:.4f}  ID-Bayes {values['bayes_id_loss']:.4f}  excess {values['excess']:+.4f}")
+    run, lines = train_settings(settings, out, run_dir, device, tracker)
+    typer.echo("\n".join(lines or [f"{run.path} is already trained"]))
     typer.echo(str(run.path))
 
 
@@ -198,9 +183,9 @@ def train(
 def eval_(run_dir: Path = typer.Argument(..., help="A finished run directory.")) -> None:
     """Per-position loss of a trained model against the Bayes predictors: writes
     analysis/eval.json (tidy rows) and figures/loss_by_position.png, prints the means."""
-    from taskgeom.evaluate import evaluate_run
+    from taskgeom.training.evaluate import evaluate_run
     from taskgeom.report.figures import plot_loss_by_position
-    from taskgeom.runs import Run
+    from taskgeom.runs.folders import Run
 
     run = Run.open(run_dir)
     table = pd.DataFrame(evaluate_run(run))
@@ -219,7 +204,7 @@ def runs(
     the run directories (the SQLite index the trainer keeps is brought up to date when the folder
     is writable). A run directory, metrics line or index write that cannot be read or written is
     named on stderr and skipped; the other runs are listed."""
-    from taskgeom.runindex import list_runs
+    from taskgeom.runs.index import list_runs
 
     table, problems = list_runs(root, where or [])
     for problem in problems:
@@ -244,7 +229,7 @@ def _int_list(text: str, option: str) -> list[int]:
 
 def _executor(kind: str, workers: int | None, address: str | None, cpus_per_run: int | None, gpus_per_run: float):
     """The executor of the options below, ``--workers`` defaulting to ``devices.default_workers``."""
-    from taskgeom.devices import default_workers
+    from taskgeom.settings.devices import default_workers
     from taskgeom.experiments.executors import Executor
 
     return Executor(kind, default_workers(cpus_per_run) if workers is None else workers, address, cpus_per_run, gpus_per_run)
@@ -285,22 +270,14 @@ def sweep(
     predictor transition and Theorem 2. Finished runs are skipped; failures are reported, not fatal.
     Runs execute on a local process pool or on Ray (--executor ray: a local Ray instance, or a
     cluster with --address, whose nodes must share the output folder)."""
-    from taskgeom.experiments.sweep import Job, run_sweep, summary
+    from taskgeom.experiments.sweep import Job, check_jobs, run_sweep, summary
 
     where = _executor(executor, workers, address, cpus_per_run, gpus_per_run)
     _check_training(device, tracker, where.kind == "local")
     ks, seed_list = _int_list(diversity, "--diversity"), _int_list(seeds, "--seeds")
     _folder(out, "--out")
     jobs = [Job(config, k, s, profile, str(out), tuple(set_ or []), device, tracker) for k in ks for s in seed_list]
-    from taskgeom.fits import check_training_fits
-
-    from taskgeom.analysis.task_vectors import check_major_tasks
-
-    for job in jobs:  # validate every config before any work starts
-        settings = job.config()
-        check_major_tasks(settings.task.n_major, f"sweep of {config} (k = {job.diversity}, seed {job.seed})")
-        if where.kind == "local":  # a Ray task's node and device are known only there
-            check_training_fits(settings, device)
+    check_jobs(jobs, local=where.kind == "local")
     where.check()  # Ray importable and its address answering
     table = run_sweep(jobs, where, out)
     typer.echo(summary(table).round(4).to_string(index=False))
@@ -325,51 +302,22 @@ def analyze(
     measurement batch; the claims read the study's block at the same relative depth (resid_post),
     where causal steering is measured too, one position per forward pass. P0-P2 on a selection batch
     give the selected-place variant. Writes analysis/m1.json (tidy rows) and figures/m1_*.png."""
-    from taskgeom.analysis.retrieval import analyze as analyze_run, claim_values, write
-    from taskgeom.analysis.steering import KINDS
-    from taskgeom.analysis.study import StudyRun
-    from taskgeom.report.geometry import FIGURES, plot_retrieval
-    from taskgeom.runs import Run
+    from taskgeom.analysis.study import open_run
+    from taskgeom.experiments.m1 import analyze_one
 
     if out is not None:
         _folder(out, "--out")
-    if (run_dir / "run.json").is_file() or (recipe is None and not (run_dir / "config.json").is_file()):
-        if recipe or set_ or out:
-            raise TaskgeomError(f"{run_dir} is a taskgeom run directory, which has its own config: analyse it without --recipe, --set and --out")
-        run = Run.open(run_dir)
-    else:
-        from taskgeom.pretrained import open_pretrained
-
-        run = open_pretrained(run_dir, recipe, profile, set_ or [], out)
+    run = open_run(run_dir, recipe, profile, set_ or [], out)
     _check_analysis_memory(run.config, sequences)
-    run = StudyRun(run)
-    result = analyze_run(run, layers=tuple(layer) if layer else None, sites=tuple(site) if site else None, n_sequences=sequences)
-    write(run, result)
-    (run.path / "figures").mkdir(parents=True, exist_ok=True)
-    plot_retrieval(result, {name: run.path / "figures" / f"m1_{name}.png" for name in FIGURES})
-    table = pd.DataFrame(result.rows)
-    per_layer = table[table["position"].isna() & (table["batch"] == "measure") & table["metric"].str.startswith(("p0", "p1", "p2"))]
-    typer.echo("measurement batch:")
-    typer.echo(per_layer.pivot_table(index=["layer", "site"], columns="metric", values="value", sort=False).round(4).to_string())
-    layer_, site_ = result.place
-    typer.echo(f"the claims read layer {layer_} ({site_}), P3 layer {result.p3_place[0]} ({result.p3_place[1]}); "
-               f"the selected-place variant: layer {result.selected[0]} ({result.selected[1]})")
-    for claim, reading in claim_values(result.rows).items():
-        typer.echo(f"  {claim:<24} {reading.value:.4g}")
-    steering = result.steering
-    typer.echo(f"steering at layer {steering.place.layer} ({steering.place.site}), positions {steering.positions[0]}-{steering.positions[-1]}, "
-               f"mean {steering.label} over {steering.n_points} target points:")
-    for kind in KINDS:
-        typer.echo(f"  {kind:<24} {steering.mean(kind):.4g}")
-    typer.echo(str(run.path / "analysis" / "m1.json"))
+    typer.echo(analyze_one(run, tuple(layer) if layer else None, tuple(site) if site else None, sequences))
 
 
 def _check_analysis_memory(settings, sequences: int) -> None:
     """Refuse (exit 3), before any work, an analysis whose batches cannot fit in this machine's memory."""
     import torch
 
-    from taskgeom.config import analysis_memory, check_memory
-    from taskgeom.devices import available_memory, describe
+    from taskgeom.settings.config import analysis_memory, check_memory
+    from taskgeom.settings.devices import available_memory, describe
 
     cpu = torch.device("cpu")  # the analysis runs on the CPU
     check_memory(analysis_memory(settings, max(sequences, 0)), available_memory(cpu), describe(cpu),
@@ -383,8 +331,8 @@ def export_hf(
 ) -> None:
     """Write a run's model as a Hugging Face model directory that AutoModelForCausalLM.from_pretrained
     loads (and `taskgeom analyze OUT --recipe ...` analyses); prints OUT."""
-    from taskgeom.pretrained import save_pretrained
-    from taskgeom.runs import Run
+    from taskgeom.runs.pretrained import save_pretrained
+    from taskgeom.runs.folders import Run
 
     _folder(out, "OUT")
     typer.echo(str(save_pretrained(Run.open(run_dir), out)))
@@ -432,97 +380,22 @@ def reproduce(
     claim, whose seeds disagree, and an n/a claim, one that does not apply to what was measured, fail
     nothing). The diversity sweeps run on the executor chosen by the executor options (as in
     `taskgeom sweep`); the other experiments' runs train in this process, on --device."""
-    from taskgeom.experiments import declared, reproduce as run_all
-    from taskgeom.claims import exit_code, summary
+    from taskgeom.claims.rules import exit_code, summary
+    from taskgeom.experiments.request import Request, default_out, plan_text, run
 
     where = _executor(executor, workers, address, cpus_per_run, gpus_per_run)
     _check_training(device, tracker)  # its single runs train in this process
-    if variant_name is not None:
-        recipes, set_ = _data_variant(variant_name, recipes, set_ or [])
-    out = _folder(out or Path("results" if variant_name is None else f"results-{variant_name}"), "--out")
-    studies, experiments = _studies(recipe or [], recipes, only or [], profile)
-    chosen = {name: run for name, run in declared(studies, profile).items() if not experiments or name in experiments}
-    seed_list = _int_list(seeds, "--seeds")
-    diversities = None if grid is None else _int_list(grid, "--grid")
-    if any(setting.split("=", 1)[0].strip() == "train.seed" for setting in set_ or []):
-        raise TaskgeomError("--set train.seed: reproduce trains every setting on each seed of --seeds; say --seeds instead")
+    request = Request(profile, tuple(_int_list(seeds, "--seeds")), _folder(out or default_out(variant_name), "--out"), tuple(only or []),
+                      recipes, tuple(recipe or []), None if grid is None else tuple(_int_list(grid, "--grid")), tuple(set_ or []), variant_name)
     if plan:
-        from taskgeom.experiments import Context, planned_runs
-        from taskgeom.experiments.schedule import plan_table
-
-        ctx = Context(out, profile, tuple(seed_list), where, device, tracker, tuple(set_ or []), studies, diversities and tuple(diversities))
-        table = plan_table(planned_runs(ctx, chosen))
-        typer.echo(table.to_csv(index=False) if csv else table.to_string(index=False))
-        if not csv:
-            from taskgeom.devices import usable_cores
-            from taskgeom.report.manifest import cpu_model
-            from taskgeom.timing import estimate_wall, matmul_rate
-
-            rate, workers = matmul_rate(), min(where.workers, usable_cores())
-            typer.echo(f"{len(table)} runs, {table['steps'].sum():,} steps, {table['tokens'].sum():.3g} tokens, "
-                       f"{table['flops'].sum():.3g} training FLOPs (6 x parameters x tokens)")
-            typer.echo(f"estimated wall time here: {estimate_wall(list(table['flops']), rate, workers) / 60:.0f} min on {workers} "
-                       f"worker(s) ({cpu_model()}, {usable_cores()} usable cores, matrix-multiply probe {rate / 1e9:.0f} GFLOP/s a "
-                       f"thread); fitted on one measured reproduction (a 2-core AVX2 EPYC: 50 min estimated, 53 measured), "
-                       f"on another CPU it may be off by a half")
+        typer.echo(plan_text(request, where, device, tracker, csv), nl=False)
         return
-    where.check()  # Ray importable and its address answering, before any training
-    ctx = run_all(out, profile, chosen, where, device, tracker, tuple(set_ or []), tuple(seed_list), studies, diversities)
+    ctx = run(request, where, device, tracker)
     for claim in ctx.claims:
         typer.echo(claim_line(claim))
     typer.echo(f"{summary(ctx.claims)}; report: {ctx.out / 'report.html'}")
     if exit_code(ctx.claims):
         raise typer.Exit(1)
-
-
-def _data_variant(name: str, recipes: str | None, settings: list[str]) -> tuple[str, list[str]]:
-    """(the recipes, the ``--set`` settings) that train the data variant ``name`` of docs/protocol.md#variants: its own recipes (``--recipes`` may only name those) and its overrides before the
-    user's; BadParameter for a variant of the measurement or an unknown name."""
-    from taskgeom.analysis.variants import BY_NAME, DATA_VARIANTS
-
-    if name not in DATA_VARIANTS:
-        kind = "measures the same runs another way: list it with `taskgeom sensitivity`" if name in BY_NAME else "is no variant"
-        raise typer.BadParameter(f"{name!r} {kind}; the variants of the data are {', '.join(DATA_VARIANTS)}", param_hint="--variant")
-    chosen = BY_NAME[name]
-    asked = [r.strip() for r in recipes.split(",")] if recipes else list(chosen.claims)
-    if set(asked) - set(chosen.claims):
-        raise typer.BadParameter(f"{name} changes the recipes {', '.join(chosen.claims)} alone, not {', '.join(sorted(set(asked) - set(chosen.claims)))}",
-                                 param_hint="--recipes")
-    return ",".join(asked), [*chosen.overrides, *settings]
-
-
-def _studies(files: list[Path], recipes: str | None, only: list[str], profile: str) -> tuple[tuple, list[str]]:
-    """(the studies ``reproduce`` measures, the experiments named by ``--only``): the shipped recipes
-    and ``--recipe`` files, those of ``--recipes`` or of the recipe names among ``--only`` (a name
-    that is an experiment's is the experiment) alone when given; TaskgeomError for an unknown name,
-    a recipe name given twice, or a recipe without ``profile``."""
-    from taskgeom.experiments import EXPERIMENTS
-    from taskgeom.experiments.base import shipped_studies
-    from taskgeom.recipes import load_study
-
-    for path in files:
-        if not path.is_file():
-            raise TaskgeomError(f"--recipe {path}: no such file")
-    everything = [*shipped_studies(), *(load_study(path) for path in files)]
-    names = [study.name for study in everything]
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        raise TaskgeomError(f"--recipe: recipes named {twice} twice (a recipe's name is its file's stem); rename the file")
-    wanted = None if recipes is None else [r.strip() for r in recipes.split(",") if r.strip()]
-    if wanted is not None and (not wanted or set(wanted) - set(names)):
-        raise TaskgeomError(f"--recipes: unknown recipes {sorted(set(wanted) - set(names))}; available: {names}")
-    experiments = set(EXPERIMENTS) | {name for study in everything for name in study.experiments}
-    unknown = sorted(set(only) - set(names) - experiments)
-    if unknown:
-        raise TaskgeomError(f"--only: unknown experiments or recipes {unknown}; experiments: {sorted(experiments)}, recipes: {names}")
-    by_recipe = [name for name in only if name not in experiments]
-    if by_recipe:
-        wanted = [name for name in (wanted or names) if name in by_recipe]
-    studies = tuple(study for study in everything if wanted is None or study.name in wanted)
-    for study in studies:
-        if profile not in study.profiles:
-            raise TaskgeomError(f"unknown profile {profile!r} for recipe {study.name}; it defines {list(study.profiles)}")
-    return studies, [name for name in only if name in experiments]
 
 
 def claim_line(claim) -> str:
@@ -613,44 +486,12 @@ def sensitivity(
     (dual.json), and the double dissociation (S and V ablations and the random control, measured
     again). A claim's verdict is judged over the runs given (pass on every run, fail on every run,
     else unstable), its value the median over them. Reports; the claims keep the protocol."""
-    from taskgeom.experiments.sensitivity import ABLATION_VARIANTS, STORED_VARIANTS, ablation_variants, place_choices, stored_variants, summarise
-    from taskgeom.analysis.study import StudyRun
-    from taskgeom.analysis.variants import DATA_VARIANTS
-    from taskgeom.runs import Run
+    from taskgeom.experiments.sensitivity import chosen_variants, place_summary, sensitivity as measure, summarise
 
-    chosen = tuple(variant or (*STORED_VARIANTS, *ABLATION_VARIANTS))
-    data = [v for v in chosen if v in DATA_VARIANTS]
-    if data:
-        raise typer.BadParameter(f"{', '.join(data)} changes the data, so its runs are other runs: train them with `taskgeom reproduce "
-                                 f"--variant {data[0]}` and set its claims beside the protocol's with `taskgeom ladder results "
-                                 f"results-{data[0]}`", param_hint="--variant")
-    unknown = [v for v in chosen if v not in (*STORED_VARIANTS, *ABLATION_VARIANTS)]
-    if unknown:
-        raise typer.BadParameter(f"sensitivity lists the variants {', '.join((*STORED_VARIANTS, *ABLATION_VARIANTS))}; not "
-                                 f"{', '.join(unknown)}", param_hint="--variant")
-    ablations = tuple(v for v in chosen if v in ABLATION_VARIANTS)
-    rows = []
-    for run_dir in run_dirs:
-        run = Run.open(run_dir)
-        if places:
-            measured = place_choices(run)
-        else:
-            measured = [r for r in stored_variants(run) if r["variant"] in ("protocol", *chosen)]
-            if ablations:
-                measured += ablation_variants(StudyRun(run), ablations)
-        rows += [{"run": run.path.name, "recipe": run.config.name, "diversity": run.config.task.diversity, "seed": run.config.train.seed,
-                  **row} for row in measured]
-    table = pd.DataFrame(rows)
+    table = measure(run_dirs, chosen_variants(tuple(variant or ())), places)
     if csv:
         typer.echo(table.to_csv(index=False), nl=False)
-        return
-    if places:
-        if table.empty:
-            raise TaskgeomError("none of the runs has analysis/m1.json or analysis/dual.json; run `taskgeom analyze` or a sweep first")
-        keys = ["recipe", "diversity", "analysis", "metric"]
-        per_run = table.groupby([*keys, "run"], sort=False)["value"]
-        summary = pd.DataFrame({"pinned": table[table["pinned"]].groupby([*keys, "run"], sort=False)["value"].first(),
-                                "lowest": per_run.min(), "highest": per_run.max()}).groupby(keys, sort=False).median()
-        typer.echo(summary.reset_index().round(3).to_string(index=False))
-        return
-    typer.echo(summarise(table).to_string(index=False))
+    elif places:
+        typer.echo(place_summary(table).round(3).to_string(index=False))
+    else:
+        typer.echo(summarise(table).to_string(index=False))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from taskgeom.config import ModelConfig
+from taskgeom.settings.config import ModelConfig
 from taskgeom.errors import AnalysisError
 
 SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")

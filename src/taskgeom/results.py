@@ -1,6 +1,6 @@
 """A reproduction's results folder in pandas (``tg.results(folder)``): its claims and every
 analysis row of every run it used, in one layout (``report.tables.analysis_table``: ``run``,
-``recipe``, ``diversity``, ``seed``, ``analysis``, then the fields of ``analysis.rows``), and its
+``recipe``, ``diversity``, ``seed``, ``analysis``, then the fields of ``analysis.stored.rows``), and its
 runs opened for study."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 from pydantic import Field
 
 from taskgeom.rng import generator
-from taskgeom.settings import Int, PositiveFloat, PositiveInt, TokenTaskSettings
+from taskgeom.settings.fields import Int, PositiveFloat, PositiveInt, TokenTaskSettings
 from taskgeom.tasks import TokenFamily
 from taskgeom.tasks.base import TaskProbe
 

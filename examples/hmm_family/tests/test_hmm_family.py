@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hmm_family import HMM
-from taskgeom.config import ConfigError, load_config
+from taskgeom.settings.config import ConfigError, load_config
 from taskgeom.tasks import TaskPool
 from taskgeom.tasks.registry import build_family
 

@@ -15,20 +15,21 @@ from typing import Literal, Sequence
 
 import torch
 
-from taskgeom.analysis.edits import Edit, Place
-from taskgeom.analysis.orthogonal import avoid_basis, token_subspace
-from taskgeom.analysis.anova import Layout, Shares
-from taskgeom.analysis.heldout import family_inputs
-from taskgeom.analysis.probe import ProbeFit, fit_probe, fit_rows, n_anchors, probe_basis_with_mean
-from taskgeom.analysis.properties import (Fit, Interpolation, MeanAlignment, Shrinkage, additive_r2, alignment, by_position, interpolation,
+from taskgeom.analysis.reading.edits import Edit
+from taskgeom.hooks import Place
+from taskgeom.analysis.measures.orthogonal import avoid_basis, token_subspace
+from taskgeom.analysis.measures.anova import Layout, Shares
+from taskgeom.analysis.reading.heldout import family_inputs
+from taskgeom.analysis.measures.task_probe import ProbeFit, fit_probe, fit_rows, n_anchors, probe_basis_with_mean
+from taskgeom.analysis.measures.properties import (Fit, Interpolation, MeanAlignment, Shrinkage, additive_r2, alignment, by_position, interpolation,
                                           mean_alignment, pooled, quantiles, shrinkage)
-from taskgeom.analysis.simplex import project_simplex
-from taskgeom.analysis.sequences import Sequences, StudiedRun
-from taskgeom.analysis.steering import (STUDY_POSITIONS, Steering, SteeringForm, check_form, clip_positions, dirichlet_points, position_task_vectors,
+from taskgeom.analysis.measures.simplex import project_simplex
+from taskgeom.analysis.reading.sequences import Sequences, StudiedRun
+from taskgeom.analysis.reading.steering import (STUDY_POSITIONS, Steering, SteeringForm, check_form, clip_positions, dirichlet_points, position_task_vectors,
                                         steer, study_form, subspace_edit, task_edit)
-from taskgeom.analysis.subspace import direction_ablation, projection_r2, task_ablation
-from taskgeom.analysis.task_vectors import fraction_window
-from taskgeom.analysis.variants import variant as named_variant
+from taskgeom.analysis.measures.subspace import direction_ablation, projection_r2, task_ablation
+from taskgeom.analysis.measures.task_vectors import fraction_window
+from taskgeom.analysis.measures.variants import variant as named_variant
 from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
 
@@ -202,7 +203,7 @@ class Geometry:
 
     @cached_property
     def task_probe(self) -> ProbeFit:
-        """The study's probe of this family at this place (``analysis.probe``; the family's
+        """The study's probe of this family at this place (``analysis.measures.task_probe``; the family's
         ``task_probe`` says what it regresses on), fitted on these major sequences over its fit
         window, with train-mode anchor sequences (``pool`` of the same split) at k > -1 when the
         family's probe takes them."""

@@ -6,7 +6,7 @@ there (``analysis.edits``); the verbs are their methods, the options keywords.
   ``heldout`` sequences of a named ``Split`` (``heldout_tasks``: whole tasks); ``cache`` states at
   places; ``geometry`` there; ``select_place``; ``loss`` (under any edit whose ``with`` block is
   open); ``ablate`` directions; ``orthogonal_search``; ``projection_r2`` as the study's Fig. 4
-  measures it and its ``projection_reference`` (``analysis.projection``); ``snapshots`` (the run
+  measures it and its ``projection_reference`` (``analysis.reading.projection``); ``snapshots`` (the run
   at each kept training step).
 - ``Sequences``: one held-out batch with what the analysis reads of it (``inputs``, the exact
   posterior ``alpha``, the Bayes ``references`` of its losses).
@@ -17,7 +17,7 @@ there (``analysis.edits``); the verbs are their methods, the options keywords.
 - ``Edit``: a change of the states at one place, in force while its ``with`` block runs.
 
 The stored analyses (``m1.json``, ``dual.json``) are written with these objects
-(``analysis.retrieval``, ``analysis.dual``), so a stored number is what the API returns.
+(``analysis.retrieval``, ``analysis.stored.dual``), so a stored number is what the API returns.
 
 Shapes: ``N`` sequences, ``P`` analysed positions (every position; E2: its separators), ``D``
 width, ``K`` major tasks.
@@ -36,20 +36,21 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from taskgeom.analysis.edits import Edit, Place
+from taskgeom.analysis.reading.edits import Edit
+from taskgeom.hooks import Place
 from taskgeom.analysis.geometry import Geometry
-from taskgeom.analysis import projection
-from taskgeom.analysis.heldout import Kind, Split, sample, sample_tasks, unsupported
-from taskgeom.analysis.orthogonal import BATCH_SIZE, orthogonal_searches
-from taskgeom.analysis.projection import ProjectionR2
-from taskgeom.analysis.sequences import Sequences
-from taskgeom.analysis.states import LayerStreams, stream_layers
-from taskgeom.analysis.subspace import direction_ablation
-from taskgeom.analysis.task_vectors import late_window
-from taskgeom.analysis.variants import variant as named_variant
-from taskgeom.errors import AnalysisError
-from taskgeom.config import DEFAULT_PROFILE, RunConfig
-from taskgeom.runs import Run
+from taskgeom.analysis.reading import projection
+from taskgeom.analysis.reading.heldout import Kind, Split, sample, sample_tasks, unsupported
+from taskgeom.analysis.measures.orthogonal import BATCH_SIZE, orthogonal_searches
+from taskgeom.analysis.reading.projection import ProjectionR2
+from taskgeom.analysis.reading.sequences import Sequences
+from taskgeom.analysis.reading.states import LayerStreams, stream_layers
+from taskgeom.analysis.measures.subspace import direction_ablation
+from taskgeom.analysis.measures.task_vectors import late_window
+from taskgeom.analysis.measures.variants import variant as named_variant
+from taskgeom.errors import AnalysisError, RunDirError
+from taskgeom.settings.config import DEFAULT_PROFILE, RunConfig
+from taskgeom.runs.folders import Run
 from taskgeom.tasks import Batch, TaskFamily, TaskPool
 
 DEFAULT_SITES = ("resid_mid", "resid_post")
@@ -146,7 +147,7 @@ class StudyRun:
     def projection_r2(self, ood: Sequences, major: Sequences, place: tuple[int, str] | None = None, *,
                       variant: str | None = None) -> ProjectionR2:
         """Projection R^2 of the OOD tasks of ``ood`` on the major tasks of ``major`` as the study's
-        Fig. 4 measures it (``analysis.projection``; whole tasks from ``heldout_tasks``) at ``place``
+        Fig. 4 measures it (``analysis.reading.projection``; whole tasks from ``heldout_tasks``) at ``place``
         (default: the protocol's, ``projection.place``); or under a ``variant`` of docs/protocol.md#variants:
         ``per-sequence-r2`` (each OOD state of the late window, centred by mu_t + nu(x_t) and
         regressed on theta_(k, x_t), with the geometry fitted on ``major`` at the place),
@@ -272,11 +273,15 @@ class StudyRun:
 
 def open_run(path: Path | str, recipe: str | None = None, profile: str = DEFAULT_PROFILE, overrides: Sequence[str] = (),
              out: Path | str | None = None) -> StudyRun:
-    """A finished run directory for study; with ``recipe``, a Hugging Face model directory read as
-    a model of that recipe's task (``pretrained.open_pretrained``: profile, dotted overrides, ``out`` for
-    what the analyses write)."""
-    if recipe is None:
+    """A finished run directory for study; or a Hugging Face model directory (a ``config.json``
+    without taskgeom's ``run.json``) read as a model of ``recipe``'s task (``pretrained.open_pretrained``:
+    profile, dotted overrides, ``out`` for what the analyses write). A run directory has its own
+    config: ``recipe``, ``overrides`` or ``out`` with one is a RunDirError."""
+    path = Path(path)
+    if (path / "run.json").is_file() or (recipe is None and not (path / "config.json").is_file()):
+        if recipe or overrides or out:
+            raise RunDirError(f"{path} is a taskgeom run directory, which has its own config: analyse it without --recipe, --set and --out")
         return StudyRun(Run.open(path))
-    from taskgeom.pretrained import open_pretrained
+    from taskgeom.runs.pretrained import open_pretrained
 
     return StudyRun(open_pretrained(path, recipe, profile, list(overrides), out))

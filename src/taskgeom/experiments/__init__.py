@@ -8,19 +8,19 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from taskgeom.analysis.task_vectors import check_major_tasks
-from taskgeom.claims import over_seeds, with_preconditions
+from taskgeom.analysis.measures.task_vectors import check_major_tasks
+from taskgeom.claims.rules import over_seeds, with_preconditions
 from taskgeom.experiments.base import Context, Experiment, Extra, shipped_studies
 from taskgeom.experiments.bayes_optimum import bayes_optimum
 from taskgeom.experiments.dual_modes import dual_modes
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.m1 import m1
 from taskgeom.experiments.schedule import TrainTask, train_all
-from taskgeom.config import ConfigError
+from taskgeom.settings.config import ConfigError
 from taskgeom.progress import console
-from taskgeom.recipes import Study, experiment_function
+from taskgeom.settings.recipes import Study, experiment_function
 from taskgeom.report.manifest import MANIFEST, manifest
-from taskgeom.storage import atomic_write_json
+from taskgeom.runs.storage import atomic_write_json
 
 EXPERIMENTS = {"bayes_optimum": bayes_optimum, "m1": m1, "dual_modes": dual_modes}
 

@@ -10,16 +10,16 @@ from typing import Callable, ContextManager
 
 import torch
 
-from taskgeom.claims import Claim
-from taskgeom.config import DEFAULT_PROFILE, RunConfig
+from taskgeom.claims.rules import Claim
+from taskgeom.settings.config import DEFAULT_PROFILE, RunConfig
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.schedule import TrainTask
-from taskgeom.fits import check_training_fits
+from taskgeom.training.fits import check_training_fits
 from taskgeom.progress import step_bar
-from taskgeom.recipes import Study, load_recipe, load_study, recipe_names
-from taskgeom.runs import Run
-from taskgeom.timing import Profile
-from taskgeom.train import train
+from taskgeom.settings.recipes import Study, load_recipe, load_study, recipe_names
+from taskgeom.runs.folders import Run
+from taskgeom.training.timing import Timings
+from taskgeom.training.train import train
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Context:
     measured: list[tuple[int, Claim]] = field(default_factory=list)
     claims: list[Claim] = field(default_factory=list)
     figures: list[Figure] = field(default_factory=list)
-    timings: Profile = field(default_factory=Profile)  # where the time goes (timings.json)
+    timings: Timings = field(default_factory=Timings)  # where the time goes (timings.json)
     experiment: str = ""  # the experiment running now
     made_by: dict[str, str] = field(default_factory=dict)  # claim id -> the experiment that checked it
     used: dict[str, None] = field(default_factory=dict)  # the run directories (names) the experiments used, in order

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from taskgeom.claims import check
-from taskgeom.evaluate import evaluate_run
+from taskgeom.claims.catalog import spec
+from taskgeom.training.evaluate import evaluate_run
 from taskgeom.experiments.base import Context
 from taskgeom.report.figures import plot_loss_by_position
-
-# Excess loss over the ID-Bayes predictor, nats/token averaged over positions on held-out
-# major-task sequences: at most this much counts as reaching the Bayes optimum.
-MAX_EXCESS_NATS = 0.02
 
 
 
@@ -23,10 +19,9 @@ def bayes_optimum(ctx: Context) -> None:
             with ctx.stage(f"evaluate {run.path.name}"):
                 table = pd.DataFrame(evaluate_run(run))
             excess = table.query("set == 'major' and metric == 'excess'")["value"].mean()
-            ctx.claim(seed, check(
-                f"{experiment}.bayes_optimal", experiment,
-                "excess loss over the ID-Bayes predictor on held-out major-task sequences (nats/token, mean over positions), k = -1",
-                excess, "<=", MAX_EXCESS_NATS, ctx.profile))
+            ctx.claim(seed, spec("bayes_optimum", "bayes_optimal").judge(
+                experiment, "excess loss over the ID-Bayes predictor on held-out major-task sequences (nats/token, mean over positions), "
+                "k = -1", excess, ctx.profile))
             if seed == ctx.seeds[0]:  # one seed's curves illustrate; the claim reads every seed
                 plot_loss_by_position(table, ctx.figure(f"{experiment}_loss_by_position.png",
                                       f"{experiment.upper()}: per-position loss of the model against the ID-Bayes and OOD-optimal "

@@ -1,7 +1,7 @@
 """The dual modes across task diversity (docs/concepts.md#m2-the-nearly-orthogonal-subspace): projection R^2, the double
 dissociation, the predictor transition and Theorem 2, for the recipes that declare ``dual_modes``
-at the profile (E1 and E3; E2 at paper), measured where docs/protocol.md pins them (``analysis.dual``). Projection R^2 claims read the study's Fig. 4 statistic
-(``analysis.projection``), with its place, task counts, interquartile range, linear-code reference
+at the profile (E1 and E3; E2 at paper), measured where docs/protocol.md pins them (``analysis.stored.dual``). Projection R^2 claims read the study's Fig. 4 statistic
+(``analysis.reading.projection``), with its place, task counts, interquartile range, linear-code reference
 and the ``per-sequence-r2`` variant in their parts; every share of in-context gain carries its
 parts (clean, ablated and first losses, the gain in nats, and ``unreliable`` when the gain is below
 ``MIN_RELIABLE_GAIN``), and a claim on a share of a gain that is not positive is ``n/a`` with that
@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import pandas as pd
 
-from taskgeom.analysis.ablations import N_RANDOM_CONTROLS
-from taskgeom.analysis.rows import FIELDS
-from taskgeom.analysis.shares import MIN_RELIABLE_GAIN
-from taskgeom.claims import check, gain_parts, not_applicable
-from taskgeom.config import ConfigError, load_measure
+from taskgeom.analysis.stored.ablations import N_RANDOM_CONTROLS
+from taskgeom.analysis.stored.rows import FIELDS
+from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN
+from taskgeom.claims.catalog import evidence, spec
+from taskgeom.claims.rules import gain_parts
+from taskgeom.settings.config import ConfigError, load_measure
 from taskgeom.experiments.base import Context
 from taskgeom.experiments.schedule import TrainTask
 from taskgeom.experiments.sweep import Job, by_step, job_seconds, run_sweep
 from taskgeom.report.dual import (plot_dissociation, plot_projection_r2, plot_projection_r2_steps, plot_rank_curve, plot_theorem2,
                                   plot_transition, rank_curve)
-from taskgeom.report.manifest import DUAL_EVIDENCE
-from taskgeom.storage import atomic_write_text
+from taskgeom.runs.storage import atomic_write_text
 
 def grid(ctx: Context) -> tuple[list[int], tuple[str, ...]]:
     """The sweep's diversities (``--grid``, else the profile's ``measure.grid`` in the recipes, which
@@ -36,17 +36,7 @@ def grid(ctx: Context) -> tuple[list[int], tuple[str, ...]]:
         raise ConfigError(f"the recipes' profiles {ctx.profile!r} name different diversity grids ({grids}); give one with --grid")
     return (next(iter(grids.values())) if grids else []), recipes
 
-# Projection R^2 of OOD states onto S: below this at the highest diversity of the grid ...
-MAX_R2_HIGH_DIVERSITY = 0.2
-# ... and at least this much lower than at k = -1.
-MIN_R2_DROP = 0.4
-# Double dissociation on the highest-diversity model, in percent of the in-context gain removed:
-# the targeted set loses at least this much ...
-MIN_TARGETED_GAIN_REMOVED = 50.0
-# ... the other set less than this ...
-MAX_SPARED_GAIN_REMOVED = 20.0
-# ... and a random direction of the same rank moves neither by more than this.
-MAX_RANDOM_GAIN_REMOVED = 10.0
+DUAL_EVIDENCE = evidence("dual_modes")
 
 
 def _pick(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None = None, summary: bool | None = None) -> pd.DataFrame:
@@ -139,63 +129,54 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int, profile: str) -
     """The dual-mode claims of ``recipe`` from the sweep rows of one seed (its runs at every k)."""
     made = []
 
-    def claim(name, description, value, op, threshold, parts=None, reason=None):
-        """A checked claim, or ``n/a`` with ``reason`` (a share of a gain that is not positive)."""
-        made.append(check(f"{recipe}.{name}", recipe, description, value, op, threshold, profile, parts) if reason is None else
-                    not_applicable(f"{recipe}.{name}", recipe, description, op, threshold, profile, reason, parts))
+    def claim(name, description, value, parts=None):
+        made.append(spec("dual_modes", name).judge(recipe, description, value, profile, parts))
 
     r2_high, r2_low = _value(rows, "projection_r2", high, "ood"), _value(rows, "projection_r2", low, "ood")
     what = "projection R^2 of OOD task means onto the major task means (the study's Fig. 4)"
-    claim("projection_r2_high_diversity", f"{what} at k = {high}", r2_high, "<", MAX_R2_HIGH_DIVERSITY, projection_parts(rows, high))
-    claim("projection_r2_drop", f"{what} at k = {low} minus at k = {high}", r2_low - r2_high, ">=", MIN_R2_DROP,
+    claim("projection_r2_high_diversity", f"{what} at k = {high}", r2_high, projection_parts(rows, high))
+    claim("projection_r2_drop", f"{what} at k = {low} minus at k = {high}", r2_low - r2_high,
           {**{f"k={low}.{name}": v for name, v in projection_parts(rows, low).items()},
            **{f"k={high}.{name}": v for name, v in projection_parts(rows, high).items()}})
     made += ablation_claims(rows, recipe, high, profile)
     if len(rows) and rows["metric"].str.startswith("transition_").any():  # token families only
         final = by_step(rows).sort_values("step").groupby("diversity").last()
-        for name, k, op, word in (("transition_memorising", low, "<", "negative: memorising"),
-                                  ("transition_generalising", high, ">", "positive: generalising")):
+        for name, k, word in (("transition_memorising", low, "negative: memorising"), ("transition_generalising", high, "positive: generalising")):
             parts = ({"kl_to_memorising": final.loc[k, "kl_to_memorising"], "kl_to_generalising": final.loc[k, "kl_to_generalising"]}
                      if k in final.index else None)
             claim(name, f"log(KL_mem / KL_gen) of the final model at k = {k} ({word})",
-                  final["log_ratio"].get(k, float("nan")), op, 0.0, parts)
+                  final["log_ratio"].get(k, float("nan")), parts)
     return made
 
 
 def ablation_claims(rows: pd.DataFrame, recipe: str, high: int, profile: str) -> list:
     """The double dissociation's claims of ``recipe`` (one seed's rows): the share of the major and
     OOD gain that ablating S and V removes, and the random control, each read from the summary
-    over blocks (``analysis.ablations``: the block mean) at k = ``high``, with its parts: the
+    over blocks (``analysis.stored.ablations``: the block mean) at k = ``high``, with its parts: the
     summary's losses and gain, each block's share and their mean."""
     made = []
     for ablation, target, spared in (("ablate_S", "major", "ood"), ("ablate_V", "ood", "major")):
         what = "task subspace S" if ablation == "ablate_S" else "orthogonal directions V"
-        for set_name, op, threshold in ((target, ">=", MIN_TARGETED_GAIN_REMOVED), (spared, "<", MAX_SPARED_GAIN_REMOVED)):
+        for set_name in (target, spared):
             metric = f"gain_removed_{ablation}"
             value = _value(rows, metric, high, set_name, summary=True)
             parts = {**gain_parts(_value(rows, "loss", high, set_name), _value(rows, f"loss_{ablation}", high, set_name, summary=True),
                                   _value(rows, "loss_first", high, set_name)),
                      **_per_block(rows, metric, high, set_name), "block_mean": value}
             description = f"% of {set_name} in-context gain removed by ablating the {what}, mean over blocks (k = {high})"
-            made.append(_claim(f"{recipe}.{ablation}_{set_name}", recipe, description, value, op, threshold, profile, parts,
-                               _reason(rows, metric, high, set_name)))
+            made.append(spec("dual_modes", f"{ablation}_{set_name}").judge(recipe, description, value, profile, parts,
+                                                                             _reason(rows, metric, high, set_name)))
     sets = ("major", "ood")
     stats = {s: _value(rows, "gain_removed_random", high, s, summary=True) for s in sets}
     parts = {part: v for s in sets for part, v in
              {f"{s}_block_mean": stats[s], **_per_block(rows, "gain_removed_random", high, s, f"{s}_")}.items()}
     reasons = [f"{s}: {r}" for s in sets if (r := _reason(rows, "gain_removed_random", high, s))]
-    made.append(_claim(f"{recipe}.random_control", recipe,
+    made.append(spec("dual_modes", "random_control").judge(recipe,
                        f"largest over major and OOD of the mean over blocks of the 75th percentile of |% gain removed| by "
                        f"{N_RANDOM_CONTROLS} random same-rank directions (k = {high})",
-                       float("nan") if any(v != v for v in stats.values()) else max(stats.values()), "<", MAX_RANDOM_GAIN_REMOVED,
+                       float("nan") if any(v != v for v in stats.values()) else max(stats.values()),
                        profile, parts, "; ".join(reasons) or None))
     return made
-
-
-def _claim(claim_id, recipe, description, value, op, threshold, profile, parts=None, reason=None):
-    """A checked claim, or ``n/a`` with ``reason`` (a share of a gain that is not positive)."""
-    return (check(claim_id, recipe, description, value, op, threshold, profile, parts) if reason is None else
-            not_applicable(claim_id, recipe, description, op, threshold, profile, reason, parts))
 
 
 def dual_modes(ctx: Context) -> None:

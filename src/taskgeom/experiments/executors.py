@@ -16,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from taskgeom import kernels
+from taskgeom.settings import kernels
 from taskgeom.errors import EnvironmentRefused, TaskgeomError
 
 Task = Callable[[Any, int], Any]  # fn(item, threads) -> result

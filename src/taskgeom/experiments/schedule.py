@@ -24,21 +24,21 @@ from typing import Iterator
 import pandas as pd
 import torch
 
-from taskgeom.config import RunConfig, parameter_count, training_memory
-from taskgeom.devices import available_memory, resolve_device, torch_threads, usable_cores
+from taskgeom.settings.config import RunConfig, parameter_count, training_memory
+from taskgeom.settings.devices import available_memory, resolve_device, torch_threads, usable_cores
 from taskgeom.errors import RunDirError
 from taskgeom.experiments.executors import Executor, execute
-from taskgeom.fits import check_training_fits
+from taskgeom.training.fits import check_training_fits
 from taskgeom.progress import console, job_bar
-from taskgeom.runs import Run
-from taskgeom.timing import Clock, Profile
+from taskgeom.runs.folders import Run
+from taskgeom.training.timing import Clock, Timings
 
 
 @dataclass(frozen=True)
 class TrainTask:
     """One run to train: its config, run root, device, tracker and the torch thread count it trains
     with (its config's ``train.threads`` when set); ``analyse``: then measure its dual modes
-    (``analysis.dual``) with that thread count, projection R^2 at ``projection_sizes`` (OOD tasks,
+    (``analysis.stored.dual``) with that thread count, projection R^2 at ``projection_sizes`` (OOD tasks,
     sequences per task: its recipe's profile's)."""
 
     config: RunConfig
@@ -92,9 +92,9 @@ def _with_threads(threads: int, work) -> tuple[float, float]:
 def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float]]:
     """Do one unit in this process; returns the (wall, CPU) seconds of its ``train`` and ``analyse``.
     (``_pool_threads``: what ``execute`` passes every task; a unit sets its own thread counts.)"""
-    from taskgeom.analysis.dual import analyze_dual, load_dual
+    from taskgeom.analysis.stored.dual import analyze_dual, load_dual
     from taskgeom.analysis.study import StudyRun
-    from taskgeom.train import train
+    from taskgeom.training.train import train
 
     task, seconds = unit.task, {}
     if unit.train_threads:
@@ -109,7 +109,7 @@ def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float
 def _analysed(path: Path) -> bool:
     """Whether the run at ``path`` has a current dual analysis; a damaged run directory counts as
     not analysed (its experiment reports it)."""
-    from taskgeom.analysis.dual import load_dual
+    from taskgeom.analysis.stored.dual import load_dual
 
     try:
         return (path / "model.safetensors").exists() and load_dual(Run.open(path)) is not None
@@ -192,7 +192,7 @@ def memory_workers(group: list[Unit], available: int | None = None) -> int:
     return max(1, available // max(needs))
 
 
-def train_all(tasks: list[TrainTask], executor: Executor, timings: Profile) -> None:
+def train_all(tasks: list[TrainTask], executor: Executor, timings: Timings) -> None:
     """Train (and analyse, where asked) every run of ``tasks`` with work left on ``executor``'s
     local pool, phase by phase: units using t threads share the machine's cores, ``cores // t`` at
     once (at most the executor's workers), so threads never outnumber cores (oversubscribed torch

@@ -19,14 +19,17 @@ can move it (``Variant.claims``):
 
 Each row: ``{claim, variant, value, status, comparison, threshold, reason, place}``; ``place`` names
 where the value was read ("mean over blocks", or a block or place). A caller judges a claim over
-runs of several seeds with ``claims.verdict``.
+runs of several seeds with ``claims.rules.verdict``.
 
 ``stored_variants(run)`` reads the other variants from the run's stored analyses, without measuring
-anything: the M1 claims P0-P3 (``m1.json``; ``retrieval.claim_values``, the claims' own rule in
+anything: the M1 claims P0-P3 (``m1.json``; ``analysis.stored.m1.claim_values``, the claims' own rule in
 ``experiments.m1.retrieval_claims``) under the protocol and ``selected-place``, ``site-mid``,
 ``pooled-anova``; and projection R^2 at the run's diversity (``dual.json``; the high-diversity
 claim's threshold) under the protocol and ``per-sequence-r2``. Steering under another place would
 have to be measured again there, and the projection drop needs two runs: neither is listed.
+
+``sensitivity(run_dirs, variants, places)`` is ``taskgeom sensitivity``: every run's rows, then
+``summarise`` (each claim judged over the runs) or ``place_summary`` (the place-dependent values).
 
 ``place_choices`` reads, from a run's stored analyses, the values the place-dependent claims would
 have at every other (layer, site): P0-P2 on the M1 measurement batch (``m1.json``) and projection
@@ -37,17 +40,18 @@ from __future__ import annotations
 
 import pandas as pd
 
-from taskgeom.analysis.ablations import Block, ablation_rows, block_places, find_blocks, v_block
-from taskgeom.analysis.rows import row, stored_rows
-from taskgeom.analysis.shares import share_of_gain
-from taskgeom.analysis.retrieval import claim_values
+from taskgeom.analysis.stored.ablations import Block, ablation_rows, block_places, find_blocks, v_block
+from taskgeom.analysis.stored.rows import row, stored_rows
+from taskgeom.analysis.measures.shares import share_of_gain
+from taskgeom.analysis.stored.m1 import claim_values
 from taskgeom.analysis.study import SELECTION_SEQUENCES, StudyRun
-from taskgeom.analysis.variants import BY_NAME
-from taskgeom.claims import check, verdict
-from taskgeom.errors import AnalysisError
-from taskgeom.experiments.dual_modes import MAX_R2_HIGH_DIVERSITY, ablation_claims
+from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS
+from taskgeom.claims.catalog import spec
+from taskgeom.claims.rules import verdict
+from taskgeom.errors import AnalysisError, TaskgeomError
+from taskgeom.experiments.dual_modes import ablation_claims
 from taskgeom.experiments.m1 import retrieval_claims
-from taskgeom.runs import Run
+from taskgeom.runs.folders import Run
 
 ABLATION_VARIANTS = ("centred-S", "s-with-mean", "v-avoids-tokens", "v-searched-on-ood", "v-best-block")
 STORED_VARIANTS = ("selected-place", "site-mid", "pooled-anova", "per-sequence-r2")  # read from the stored analyses
@@ -123,8 +127,7 @@ def stored_variants(run: Run) -> list[dict]:
         for name, metric in (("protocol", "projection_r2"), ("per-sequence-r2", "projection_r2_per_sequence")):
             if metric in final:
                 r = final[metric]
-                claim = check(f"{recipe}.projection_r2_high_diversity", recipe, metric, r["value"], "<", MAX_R2_HIGH_DIVERSITY,
-                              "sensitivity")
+                claim = spec("dual_modes", "projection_r2_high_diversity").judge(recipe, metric, r["value"], "sensitivity")
                 rows.append(_variant_row(claim, name, f"layer {r['layer']} {r['site']}"))
     return rows
 
@@ -137,7 +140,7 @@ def _variant_row(claim, variant: str, place: str) -> dict:
 def summarise(rows: pd.DataFrame) -> pd.DataFrame:
     """One line per (claim, diversity, variant) of ``ablation_variants``' rows over several runs
     (``run`` a column; seeds, as a rule): the median and range of the value over the runs where
-    the claim applies, the verdict over them (``claims.verdict``: pass on every run, fail on every
+    the claim applies, the verdict over them (``claims.rules.verdict``: pass on every run, fail on every
     run, else unstable), the number of runs and where the value was read."""
     lines = []
     for (claim, k, name), group in rows.groupby(["claim", "diversity", "variant"], sort=False):
@@ -172,3 +175,50 @@ def place_choices(run: Run) -> list[dict]:
         rows += [{"analysis": analysis, "metric": r["metric"], "layer": r["layer"], "site": r["site"], "value": r["value"],
                   "pinned": (r["layer"], r["site"]) == (chosen["layer"], chosen["site"])} for r in values]
     return rows
+
+
+def chosen_variants(asked: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The variants ``taskgeom sensitivity`` lists (default: every one it covers); TaskgeomError for a
+    variant of the data (its runs are other runs) or one it does not cover."""
+    chosen = tuple(asked or (*STORED_VARIANTS, *ABLATION_VARIANTS))
+    data = [v for v in chosen if v in DATA_VARIANTS]
+    if data:
+        raise TaskgeomError(f"--variant: {', '.join(data)} changes the data, so its runs are other runs: train them with `taskgeom "
+                            f"reproduce --variant {data[0]}` and set its claims beside the protocol's with `taskgeom ladder results "
+                            f"results-{data[0]}`")
+    unknown = [v for v in chosen if v not in (*STORED_VARIANTS, *ABLATION_VARIANTS)]
+    if unknown:
+        raise TaskgeomError(f"--variant: sensitivity lists the variants {', '.join((*STORED_VARIANTS, *ABLATION_VARIANTS))}; not "
+                            f"{', '.join(unknown)}")
+    return chosen
+
+
+def sensitivity(run_dirs: list, variants: tuple[str, ...], places: bool = False) -> pd.DataFrame:
+    """Every run's rows, with its run, recipe, diversity and seed: under the protocol and each of
+    ``variants`` (``stored_variants``, and ``ablation_variants`` measured again), or with ``places``
+    the place-dependent values at every layer and site (``place_choices``)."""
+    ablations = tuple(v for v in variants if v in ABLATION_VARIANTS)
+    rows = []
+    for run_dir in run_dirs:
+        run = Run.open(run_dir)
+        if places:
+            measured = place_choices(run)
+        else:
+            measured = [r for r in stored_variants(run) if r["variant"] in ("protocol", *variants)]
+            if ablations:
+                measured += ablation_variants(StudyRun(run), ablations)
+        rows += [{"run": run.path.name, "recipe": run.config.name, "diversity": run.config.task.diversity, "seed": run.config.train.seed,
+                  **row} for row in measured]
+    return pd.DataFrame(rows)
+
+
+def place_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """``place_choices`` rows of several runs summarised per (recipe, diversity, analysis, metric):
+    the value at the place the claims read, the lowest and the highest over all places, each the
+    median over the runs; TaskgeomError when no run had stored analyses."""
+    if table.empty:
+        raise TaskgeomError("none of the runs has analysis/m1.json or analysis/dual.json; run `taskgeom analyze` or a sweep first")
+    keys = ["recipe", "diversity", "analysis", "metric"]
+    per_run = table.groupby([*keys, "run"], sort=False)["value"]
+    return pd.DataFrame({"pinned": table[table["pinned"]].groupby([*keys, "run"], sort=False)["value"].first(),
+                         "lowest": per_run.min(), "highest": per_run.max()}).groupby(keys, sort=False).median().reset_index()

@@ -15,15 +15,16 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from taskgeom.config import DEFAULT_PROFILE, MeasureSettings, RunConfig, load_measure
+from taskgeom.analysis.measures.task_vectors import check_major_tasks
+from taskgeom.settings.config import DEFAULT_PROFILE, MeasureSettings, RunConfig, load_measure
 from taskgeom.errors import RunLockedError, TaskgeomError
 from taskgeom.experiments.executors import Executor, execute
-from taskgeom.fits import check_training_fits
+from taskgeom.training.fits import check_training_fits
 from taskgeom.progress import console, job_bar
-from taskgeom.recipes import load_recipe, recipe_path
-from taskgeom.runs import Run
-from taskgeom.storage import atomic_write_text
-from taskgeom.timing import Clock
+from taskgeom.settings.recipes import load_recipe, recipe_path
+from taskgeom.runs.folders import Run
+from taskgeom.runs.storage import atomic_write_text
+from taskgeom.training.timing import Clock
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,9 @@ class Job:
 def run_job(job: Job, threads: int = 0) -> list[dict]:
     """Train (or resume) and analyse one run; returns its tidy dual-mode rows, or one row with
     status ``failed`` and the error."""
-    from taskgeom.analysis.dual import analyze_dual, load_dual
+    from taskgeom.analysis.stored.dual import analyze_dual, load_dual
     from taskgeom.analysis.study import StudyRun
-    from taskgeom.train import train
+    from taskgeom.training.train import train
 
     try:
         if threads:
@@ -105,6 +106,17 @@ def job_seconds(table: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=columns)
     ok = table[table["status"] == "ok"]
     return ok.drop_duplicates(["recipe", "diversity", "seed"])[columns].reset_index(drop=True)
+
+
+def check_jobs(jobs: list[Job], local: bool = True) -> None:
+    """Validate every job's config before any work starts: its major tasks span a task subspace and,
+    when it trains on this machine (``local``), it fits the device (a Ray task's node and device are
+    known only there)."""
+    for job in jobs:
+        settings = job.config()
+        check_major_tasks(settings.task.n_major, f"sweep of {job.recipe} (k = {job.diversity}, seed {job.seed})")
+        if local:
+            check_training_fits(settings, job.device)
 
 
 def run_sweep(jobs: list[Job], executor: Executor = Executor(), out: Path | None = None) -> pd.DataFrame:

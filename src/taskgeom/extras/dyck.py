@@ -31,28 +31,21 @@ from typing import Literal
 import pandas as pd
 import torch
 
-from taskgeom.analysis.anova import two_way
-from taskgeom.analysis.edits import Place
-from taskgeom.analysis.probes import Kind, linear_probe
-from taskgeom.analysis.states import collect
-from taskgeom.analysis.task_vectors import late_window
-from taskgeom.claims import check
+from taskgeom.analysis.measures.anova import two_way
+from taskgeom.hooks import Place
+from taskgeom.analysis.measures.linear_probes import Kind, linear_probe
+from taskgeom.analysis.reading.states import collect
+from taskgeom.analysis.measures.task_vectors import late_window
+from taskgeom.claims.catalog import spec
 from taskgeom.experiments.base import Context
 from taskgeom.extras.dyck_figures import plot_p0_comparison, plot_prefix_probes
-from taskgeom.hooks import Site
-from taskgeom.recipes import Study
+from taskgeom.settings.recipes import Study
 from taskgeom.report.interactive import Evidence, lines
-from taskgeom.runs import Run
-from taskgeom.storage import atomic_write_json
+from taskgeom.runs.folders import Run
+from taskgeom.runs.storage import atomic_write_json
 from taskgeom.tasks import Batch
 from taskgeom.tasks.dyck import Dyck
 
-# The claim: E4's within-cell share at its M1 block is at least this many times the larger of E1's
-# and E3's at theirs.
-P0_FACTOR = 3.0
-# A probe recovers its target when it beats its shuffled-label control by at least this much
-# (held-out accuracy points for the brackets j back, R^2 for the depth).
-PROBE_MARGIN = 0.10
 PROBE_DIVERSITY = 8  # k of the high-diversity model the probes read (2**k minor tasks)
 MAX_BACK = 7  # probes for the planted bracket j back, j = 1..MAX_BACK
 N_SEQUENCES = 256  # sequences per probe analysis
@@ -167,7 +160,7 @@ def probe_targets(family: Dyck, tokens: torch.Tensor) -> tuple[torch.Tensor, dic
 
 
 def probe_rows(
-    states: Iterable[tuple[Site, torch.Tensor]],
+    states: Iterable[tuple[Place, torch.Tensor]],
     targets: dict[str, tuple[Kind, torch.Tensor]],
     mask: torch.Tensor,
     which: str,
@@ -260,17 +253,17 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int) -> 
     probe_layer = claim_layer(diverse)
     weakest = weakest_probe(probes["pool"], probe_layer)
     of_references = " and ".join(f"{ref.upper()}'s" for ref in references)  # E1's and E3's
-    ctx.claim(seed, check(
-        f"{name}.P0_failure", name,
+    ctx.claim(seed, spec("e4", "P0_failure").judge(
+        name,
         f"E4's within-cell share at its M1 block ({CLAIM_SITE}; per late position, median; the smaller of its two groupings, "
         f"bracket phase) divided by the larger of {of_references} (task, token) share at their M1 block; k = -1",
-        e4_share / reference_share, ">=", P0_FACTOR, ctx.profile,
+        e4_share / reference_share, ctx.profile,
         parts={"e4_share": e4_share, "reference_share": reference_share, "layer": layer, "site": CLAIM_SITE,
-               **{f"{ref}_share": shares[ref][at[ref]] for ref in references}}), check(
-        f"{name}.prefix_probe", name,
+               **{f"{ref}_share": shares[ref][at[ref]] for ref in references}}), spec("e4", "prefix_probe").judge(
+        name,
         f"smallest over targets (bracket j back, j = 1..{MAX_BACK}, and depth) of the probe score at the M1 block ({CLAIM_SITE}) "
         f"minus its shuffled-label control, in-distribution (pool) sequences, k = {PROBE_DIVERSITY}",
-        weakest["gain"], ">=", PROBE_MARGIN, ctx.profile,
+        weakest["gain"], ctx.profile,
         parts={"score": weakest["score"], "control": weakest["control"], "target": weakest["target"], "layer": probe_layer,
                "site": CLAIM_SITE, "untrained_gain": weakest_probe([r for r in untrained if r["set"] == "pool"], probe_layer)["gain"]}))
     return {"p0": p0_rows, "probes": probes["pool"], "probes_ood": probes["ood"], "probes_untrained": untrained}

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import pandas as pd
 
-from taskgeom.claims import check
-from taskgeom.evaluate import evaluate_run
+from taskgeom.claims.catalog import spec
+from taskgeom.training.evaluate import evaluate_run
 from taskgeom.experiments.base import Context
-from taskgeom.recipes import Study
+from taskgeom.settings.recipes import Study
 from taskgeom.report.figures import plot_loss_by_position
-
-MAX_RELATIVE_EXCESS = 0.10  # the "within 10% of the dMMSE predictor"
 
 
 def late_means(table: pd.DataFrame, n_examples: int) -> pd.DataFrame:
@@ -53,14 +51,14 @@ def claims(means: pd.DataFrame, profile: str, e: str = "e2") -> list:
     g = (ood["bayes_id_loss"] - ood["loss"]) / (ood["bayes_id_loss"] - ood["bayes_ood_loss"])
     parts = {"mse_model": ood["loss"], "mse_dmmse": ood["bayes_id_loss"], "mse_ridge": ood["bayes_ood_loss"]}
     return [
-        check(f"{e}.bayes_optimal", e, "model MSE / dMMSE MSE - 1 on held-out major-task prompts, last half of the examples, k = -1",
-              major["loss"] / major["bayes_id_loss"] - 1, "<=", MAX_RELATIVE_EXCESS, profile,
-              {"mse_model": major["loss"], "mse_dmmse": major["bayes_id_loss"]}),
-        check(f"{e}.ood_between", e,
-              "|g - 1/2| for g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
-              "(<= 1/2: the model's error lies between dMMSE's and ridge's)", abs(g - 0.5), "<=", 0.5, profile, parts),
-        check(f"{e}.ood_near_dmmse", e,
-              "g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
-              "(<= 1/2: closer to dMMSE than to ridge at low diversity)", g, "<=", 0.5, profile, parts),
+        spec("e2", "bayes_optimal").judge(
+            e, "model MSE / dMMSE MSE - 1 on held-out major-task prompts, last half of the examples, k = -1",
+            major["loss"] / major["bayes_id_loss"] - 1, profile, {"mse_model": major["loss"], "mse_dmmse": major["bayes_id_loss"]}),
+        spec("e2", "ood_between").judge(
+            e, "|g - 1/2| for g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
+               "(<= 1/2: the model's error lies between dMMSE's and ridge's)", abs(g - 0.5), profile, parts),
+        spec("e2", "ood_near_dmmse").judge(
+            e, "g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
+               "(<= 1/2: closer to dMMSE than to ridge at low diversity)", g, profile, parts),
     ]
 

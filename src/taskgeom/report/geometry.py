@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from taskgeom.analysis.steering import KINDS, Steering  # noqa: E402
+from taskgeom.analysis.reading.steering import KINDS, Steering  # noqa: E402
 from taskgeom.report.figures import save  # noqa: E402
 
 _CORNERS = np.array([[0.0, 0.0], [1.0, 0.0], [0.5, math.sqrt(3) / 2]])  # the 2-simplex drawn flat
@@ -26,7 +26,7 @@ def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: tor
     each task whose posterior is least certain (mean entropy over the first quarter), drawn in the
     2-simplex. Right: what P3 reads, the TV between the per-task mean beta_t and mean alpha_t
     (mean over the tasks), beside the per-position median per-state TV and KL(alpha || beta) with
-    interquartile bands. alpha, beta: [N, T, K]; task: [N]; table: rows of ``retrieval.analyze``
+    interquartile bands. alpha, beta: [N, T, K]; task: [N]; table: rows of ``analysis.stored.m1.analyze``
     at P3's place."""
     K = alpha.shape[-1]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
@@ -188,7 +188,7 @@ FIGURES = ("simplex", "layers", "positions", "steering")
 
 
 def plot_retrieval(result, paths: dict[str, Path], seeds: pd.DataFrame | None = None) -> None:
-    """The M1 figures of a ``retrieval.Result``; paths: {name in FIGURES: PNG path}. ``seeds``: the
+    """The M1 figures of a ``analysis.stored.m1.Result``; paths: {name in FIGURES: PNG path}. ``seeds``: the
     rows of every seed's result (with a ``seed`` column), for the per-layer figure's median and band."""
     table = pd.DataFrame(result.rows)
     layer, site = result.place

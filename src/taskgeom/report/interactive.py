@@ -16,7 +16,11 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
-from taskgeom.report.manifest import DUAL_EVIDENCE, DUAL_EXPERIMENT, M1_EVIDENCE
+from taskgeom.claims.catalog import evidence
+from taskgeom.report.manifest import DUAL_EXPERIMENT
+
+# The claims each kind of figure is evidence for, as names after the recipe (``e1.`` + ``P0``)
+M1_EVIDENCE, DUAL_EVIDENCE = evidence("m1"), evidence("dual_modes")
 
 COLORS = qualitative.Plotly  # '#rrggbb' strings
 _LAYOUT = {"template": "plotly_white", "height": 380, "margin": {"l": 60, "r": 20, "t": 50, "b": 50}}

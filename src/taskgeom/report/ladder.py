@@ -18,7 +18,7 @@ from taskgeom.errors import TaskgeomError  # noqa: E402
 from taskgeom.report.figures import save  # noqa: E402
 from taskgeom.report.manifest import read_json, read_manifest  # noqa: E402
 from taskgeom.report.markdown import STATUS_TEXT, machine_line, number  # noqa: E402
-from taskgeom.storage import atomic_write_text  # noqa: E402
+from taskgeom.runs.storage import atomic_write_text  # noqa: E402
 
 _COLOURS = {"pass": "tab:green", "fail": "tab:red", "n/a": "tab:gray"}
 

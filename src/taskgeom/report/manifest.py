@@ -24,20 +24,13 @@ from pathlib import Path
 
 import torch
 
-from taskgeom import kernels
+from taskgeom.settings import kernels
 from taskgeom.version import __version__
 from taskgeom.errors import TaskgeomError
 
 MANIFEST = "reproduction.json"
 FORMAT = 4  # 2: the run directories used ("runs"); 3: seeds, the machine's kernels and the models' sha256; 4: the recipes' sections
 DUAL_EXPERIMENT = "dual_modes"
-# The claims each kind of figure (PNG or interactive) is evidence for, as suffixes of their ids
-# (``e1.`` + ``P0``): M1's per family, the dual modes' per recipe of the sweep.
-M1_EVIDENCE = {"simplex": ("P3", "P3.shrinks"), "layers": ("P0", "P1", "P2", "P2.vs_random"), "positions": ("P2",),
-               "steering": ("steering",)}
-DUAL_EVIDENCE = {"projection": ("projection_r2_high_diversity", "projection_r2_drop"),
-                 "dissociation": ("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major", "random_control"),
-                 "rank": ("ablate_V_ood",), "transition": ("transition_memorising", "transition_generalising")}
 DUAL_SECTION, OTHER_SECTION = "dual", "other"  # the sections beside the recipes'
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from taskgeom.claims import NOT_BAYES_OPTIMAL
+from taskgeom.claims.rules import NOT_BAYES_OPTIMAL
 from taskgeom.report.manifest import read_json, read_manifest
 
 STATUS_TEXT = {"pass": "pass", "fail": "**FAIL**", "unstable": "*unstable*", "n/a": "n/a"}

@@ -21,7 +21,7 @@ import yaml
 
 from taskgeom.errors import TaskgeomError
 from taskgeom.report.manifest import read_json
-from taskgeom.storage import atomic_write_bytes, atomic_write_text
+from taskgeom.runs.storage import atomic_write_bytes, atomic_write_text
 
 LEADING = ["run", "recipe", "diversity", "seed", "analysis"]
 INTEGER_FIELDS = ("layer", "position", "task", "step", "version")

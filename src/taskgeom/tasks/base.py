@@ -18,10 +18,10 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
-from taskgeom.devices import to_device
+from taskgeom.settings.devices import to_device
 from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
-from taskgeom.settings import TaskSettings
+from taskgeom.settings.fields import TaskSettings
 
 Subset = Literal["all", "major", "minor"]
 
@@ -95,7 +95,7 @@ def n_minor_for_diversity(k: int) -> int:
 
 @dataclass(frozen=True)
 class TaskProbe:
-    """What a family's probe regresses on (``TaskFamily.task_probe``; the fit is ``analysis.probe``):
+    """What a family's probe regresses on (``TaskFamily.task_probe``; the fit is ``analysis.measures.task_probe``):
     ``window``: the fit positions as fractions [start, stop) of the analysed positions; ``logits``:
     the model's own logits as a nuisance block; ``positions``: the position one-hot; ``pool_posterior``:
     ``pi`` is the posterior over the whole training pool restricted to the majors (else over the

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from taskgeom.rng import generator
-from taskgeom.settings import Int, PositiveFloat, Real, TokenTaskSettings
+from taskgeom.settings.fields import Int, PositiveFloat, Real, TokenTaskSettings
 from taskgeom.tasks.base import TaskProbe, TokenFamily
 
 Majors = Literal["dirichlet", "prior", "disjoint"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from taskgeom.settings import Int, PositiveInt, Real, TokenTaskSettings
+from taskgeom.settings.fields import Int, PositiveInt, Real, TokenTaskSettings
 from taskgeom.tasks.base import TaskPool, TokenFamily
 
 OPEN, CLOSE = 0, 1

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from taskgeom.settings import Int, PositiveFloat, TokenTaskSettings
+from taskgeom.settings.fields import Int, PositiveFloat, TokenTaskSettings
 from taskgeom.tasks.base import TaskProbe, TokenFamily
 
 

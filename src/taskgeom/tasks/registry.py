@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import create_model
 
 from taskgeom.errors import TaskgeomError
-from taskgeom.settings import TaskSettings
+from taskgeom.settings.fields import TaskSettings
 from taskgeom.tasks.base import TaskFamily
 
 ENTRY_POINT_GROUP = "taskgeom.families"
@@ -38,7 +38,7 @@ def register(family: type[TaskFamily], source: str = "taskgeom") -> type[TaskFam
         raise FamilyError(f"{source}: family {family.__name__} needs a class attribute name, an identifier (got {name!r})")
     settings = getattr(family, "Settings", None)
     if not (isinstance(settings, type) and issubclass(settings, TaskSettings)):
-        raise FamilyError(f"{source}: family {name!r} needs a class attribute Settings, a subclass of taskgeom.settings.TaskSettings")
+        raise FamilyError(f"{source}: family {name!r} needs a class attribute Settings, a subclass of taskgeom.settings.fields.TaskSettings")
     if name in FAMILIES and FAMILIES[name] is not family:
         raise FamilyError(f"family {name!r} is registered twice: by {_SOURCES[name]} and by {source}; uninstall one of them")
     FAMILIES[name], _SOURCES[name] = family, source

@@ -22,7 +22,7 @@ import torch
 from pydantic import Field
 
 from taskgeom.rng import generator
-from taskgeom.settings import Int, PositiveFloat, PositiveInt, TaskSettings
+from taskgeom.settings.fields import Int, PositiveFloat, PositiveInt, TaskSettings
 from taskgeom.tasks.base import Batch, TaskFamily, TaskPool, TaskProbe
 
 Layout = Literal["separator", "pair"]

@@ -1,0 +1,166 @@
+"""The S and V ablations of the double dissociation at every block (docs/protocol.md, "S
+ablation", "Orthogonal search", "Shares of in-context gain", "Random control"), as rows of
+``dual.json`` (layout of ``rows``).
+
+At each block's ``resid_mid`` (``block_places``): S is the probe's (``Geometry.probe``, fitted
+there on the ``geometry`` split), V the orthogonal search's (rank 1, on minor sequences), and
+``N_RANDOM_CONTROLS`` random directions of V's rank are drawn inside the complement V lives in.
+Each is ablated at that block alone and measured on the ``loss`` split (major, minor, OOD):
+
+- per block (``layer`` the block): ``loss_ablate_S``, ``gain_removed_ablate_S``, the same for V,
+  ``gain_removed_random_draw{i}`` for each random draw and ``gain_removed_random``, the control's
+  statistic there: the 75th percentile of |share| over the draws (``control_statistic``), with the
+  draws' [min, max] share as its band;
+- the summary (``layer`` None, ``site`` the blocks' site): the mean over blocks of each per-block
+  row (a share of the mean ablated loss, which is the mean of the shares since the clean losses
+  are the same), or under ``v-best-block`` (docs/protocol.md#variants) V's and the control's rows of one block.
+
+The claims read the summary; the random-control claim reads the largest summary statistic over
+the major and OOD sets (``experiments.dual_modes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from taskgeom.hooks import Place
+from taskgeom.analysis.geometry import Geometry
+from taskgeom.analysis.stored.rows import row
+from taskgeom.analysis.measures.shares import Share, share_of_gain
+from taskgeom.analysis.study import Sequences, StudyRun
+from taskgeom.analysis.measures.subspace import complement_basis, random_directions
+from taskgeom.errors import AnalysisError
+from taskgeom.rng import generator
+
+N_RANDOM_CONTROLS = 5
+CONTROL_QUANTILE = 0.75
+BLOCK_SITE = "resid_mid"
+
+
+def block_places(run: StudyRun) -> list[Place]:
+    """Where the ablations and the search act: resid_mid (else resid_post) of every block."""
+    site = BLOCK_SITE if BLOCK_SITE in run.directory.sites else "resid_post"
+    return [Place(layer, site) for layer in range(run.config.model.n_layers)]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block's ablations: ``geometry`` at its place (S: ``geometry.probe``), V: [D, r] and the
+    random controls: ``N_RANDOM_CONTROLS`` x [D, r] inside the complement V was searched in."""
+
+    geometry: Geometry
+    v: torch.Tensor
+    controls: tuple[torch.Tensor, ...]
+
+    @property
+    def place(self) -> Place:
+        return self.geometry.place
+
+
+def find_blocks(run: StudyRun, geometries: Sequence[Geometry], *, rank: int = 1, steps: int = 200,
+                variant: str | None = None) -> list[Block]:
+    """V (the searches in lockstep) and the random controls at each geometry's place; ``variant``:
+    a section-8 variant of the search (``v-avoids-tokens``, ``v-searched-on-ood``) or None."""
+    found = run.orthogonal_search([(g, rank) for g in geometries], steps=steps, variant=variant)
+    gen = generator(run.seed, 0, "dual-random")
+    return [Block(g, v, tuple(random_directions(complement_basis(g.avoid(variant)), rank, gen) for _ in range(N_RANDOM_CONTROLS)))
+            for g, v in zip(geometries, found)]
+
+
+def control_statistic(values: Sequence[float | None]) -> float | None:
+    """The random control of one set at one block: the ``CONTROL_QUANTILE`` quantile (linear
+    interpolation) of |share| over the draws; None when a share is None (no gain to remove)."""
+    if any(v is None for v in values):
+        return None
+    return float(torch.quantile(torch.tensor(values, dtype=torch.float64).abs(), CONTROL_QUANTILE))
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    return None if any(v is None for v in values) else sum(values) / len(values)
+
+
+def ablation_rows(run: StudyRun, blocks: Sequence[Block], sets: dict[str, Sequences], clean: dict[str, torch.Tensor], *,
+                  v_block: int | None = None, variant: str | None = None) -> list[dict]:
+    """The per-block and summary rows (module docstring) on each set {name: sequences} of the
+    ``loss`` split, whose clean per-prediction losses are ``clean`` {name: [P - 1]}; ``v_block``:
+    the index of the block whose V and control rows are the summary (``v-best-block``), else the mean;
+    ``variant``: ``s-with-mean`` ablates that variant's S (``Geometry.s_basis``), any other the protocol's."""
+    s_variant = variant if variant == "s-with-mean" else None
+    if not blocks:
+        raise AnalysisError("the ablations need at least one block")
+    if v_block is not None and not 0 <= v_block < len(blocks):
+        raise AnalysisError(f"v_block must index one of the {len(blocks)} blocks, got {v_block}")
+    summary = (None, blocks[0].place.site)
+    rows = []
+    for name, sequences in sets.items():
+        where = {"batch": "loss", "set": name}
+        ablated: dict[str, list[torch.Tensor]] = {"ablate_S": [], "ablate_V": []}
+        controls: list[tuple[float | None, Share]] = []
+        for block in blocks:
+            for label, edit in (("ablate_S", block.geometry.ablate(s_variant)), ("ablate_V", run.ablate(block.v, block.place))):
+                with edit:
+                    losses = run.loss(sequences, per_position=True)
+                ablated[label].append(losses)
+                share = share_of_gain(losses, clean[name])
+                rows += [row(f"loss_{label}", losses[1:].mean(), place=block.place, **where),
+                         row(f"gain_removed_{label}", share.value, place=block.place, share=share, **where)]
+            draws = []
+            for i, directions in enumerate(block.controls):
+                with run.ablate(directions, block.place):
+                    draws.append(share_of_gain(run.loss(sequences, per_position=True), clean[name]))
+                rows.append(row(f"gain_removed_random_draw{i}", draws[-1].value, place=block.place, share=draws[-1], **where))
+            values = [d.value for d in draws]
+            controls.append((control_statistic(values), draws[0]))
+            band = None if None in values else [min(values), max(values)]
+            rows.append(row("gain_removed_random", controls[-1][0], band, place=block.place, share=draws[0], **where))
+        for label, losses in ablated.items():
+            chosen = [losses[v_block]] if label == "ablate_V" and v_block is not None else losses
+            mean = torch.stack(chosen).mean(0)
+            share = share_of_gain(mean, clean[name])
+            rows += [row(f"loss_{label}", mean[1:].mean(), place=summary, **where),
+                     row(f"gain_removed_{label}", share.value, place=summary, share=share, **where)]
+        chosen = [controls[v_block]] if v_block is not None else controls
+        stats = [stat for stat, _ in chosen]
+        band = None if None in stats else [min(stats), max(stats)]
+        rows.append(row("gain_removed_random", _mean(stats), band, place=summary, share=chosen[0][1], **where))
+    return rows
+
+
+def rank_rows(run: StudyRun, blocks: Sequence[Block], ranks: Sequence[int], ood: Sequences, clean: torch.Tensor, *,
+              steps: int = 200) -> list[dict]:
+    """The rank curve: the share of OOD gain removed by V of rank r (searched afresh for r other
+    than the blocks' own rank) at each block, and its mean over blocks (``layer`` None)."""
+    own = blocks[0].v.shape[1]
+    others = [r for r in ranks if r != own]
+    searched = iter(run.orthogonal_search([(b.geometry, r) for b in blocks for r in others], steps=steps))
+    found = {(i, r): next(searched) for i in range(len(blocks)) for r in others}
+    where = {"batch": "loss", "set": "ood"}
+    rows = []
+    for r in ranks:
+        per_block = []
+        for i, block in enumerate(blocks):
+            with run.ablate(block.v if r == own else found[(i, r)], block.place):
+                per_block.append(run.loss(ood, per_position=True))
+            share = share_of_gain(per_block[-1], clean)
+            rows += [row(f"loss_ablate_V_rank{r}", per_block[-1][1:].mean(), place=block.place, **where),
+                     row(f"gain_removed_ablate_V_rank{r}", share.value, place=block.place, share=share, **where)]
+        mean = torch.stack(per_block).mean(0)
+        share = share_of_gain(mean, clean)
+        rows += [row(f"loss_ablate_V_rank{r}", mean[1:].mean(), place=(None, blocks[0].place.site), **where),
+                 row(f"gain_removed_ablate_V_rank{r}", share.value, place=(None, blocks[0].place.site), share=share, **where)]
+    return rows
+
+
+def v_block(run: StudyRun, blocks: Sequence[Block], n_seq: int) -> int:
+    """The index of the block whose V raises the OOD loss most on the ``search-select`` split
+    (``v-best-block``, docs/protocol.md#variants): compared by the ablated loss itself (the clean loss is the same
+    for every block, and a share flips sign with the gain)."""
+    select = run.heldout("ood", n_seq, split="search-select")
+    losses = []
+    for block in blocks:
+        with run.ablate(block.v, block.place):
+            losses.append(run.loss(select))
+    return max(range(len(blocks)), key=losses.__getitem__)

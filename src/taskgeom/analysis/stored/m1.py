@@ -1,0 +1,286 @@
+"""The M1 analysis of one finished run (``taskgeom analyze``, the M1 experiment): P0-P3 at every
+requested layer and site, steering at the claims' place, as the rows of ``analysis/m1.json``
+(``rows``' layout; batch: the split, ``select`` or ``measure``). It is written with the objects of
+``analysis.study``, so each stored number is what they return.
+
+**The place** (docs/protocol.md): the M1 claims read a fixed block at ``resid_post``, the
+study's block at the same relative depth (``claim_places``: the family's ``m1_block``, P3 its
+``p3_block``; E1, E3 block 3 of 6, E2 block 10 of 16 and P3 block 9). Nothing measured chooses
+it. The full table (P0-P3 at every layer and site) is written on the measurement batch; P3's
+per-position rows at P3's place only. The selection batch's P0-P2 table and the place of best
+R^2_task on it (``place.selected``, with ``place.runner_up``) remain for the ``selected-place``
+variant (docs/protocol.md#variants). ``claim_values`` reads the claims' values from the rows under the
+protocol or a named variant, so the claims and ``taskgeom sensitivity`` read one function.
+
+Rows (measurement batch, every place): ``p0.cell_r2``, ``p0.within_share``, ``p1.additive_share``
+(medians over the late window, the last quarter of positions, of the layout fitted at each
+position; also per position), ``p1.additive_share_last`` (the last position), the
+``pooled-anova`` variant's ``*_pooled``; ``p2.r2_task`` (also per position), ``p2.r2_task_exact``,
+``p2.r2_random``, E2's ``p2.r2_additive`` (also per position); ``p3.tv_mean_beta`` (the claim:
+the TV of the per-task mean curves, averaged over the tasks and the last quarter; per position
+and per task at P3's place), the per-state ``p3.tv`` / ``p3.kl`` medians by quarter (per position
+and task at P3's place) and P3.shrinks' parts on the mean curves.
+
+The families differ in one place, ``heldout.family_inputs``: the token families (E1, E3, E4) take the
+current token as x_t, a two-way layout over (task, token) for P0/P1, the posterior after each token
+for P3 and KL to the target mixture for steering; E2 (regression) is read at its prediction
+positions, where the model predicts y_i: x_t is that example's x with a linear token effect
+``nu(x) = A x`` (the ANCOVA of ``properties.by_position``), alpha the posterior given the earlier
+examples, and steering compares the prediction of y_i by RMSE. E2's analysis batches are
+paired: all K tasks share the same x sequences, so the x effects cancel when task means are
+subtracted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from taskgeom.analysis.measures.properties import MeanAlignment, quantiles, too_few_uncertain
+from taskgeom.analysis.stored.rows import row
+from taskgeom.analysis.reading.steering import KINDS, Steering, steering_place
+from taskgeom.hooks import Place
+from taskgeom.analysis.geometry import Alignment, Geometry
+from taskgeom.analysis.study import DEFAULT_SITES, StudyRun
+from taskgeom.analysis.measures.task_vectors import check_major_tasks
+from taskgeom.analysis.measures.variants import variant as named_variant
+from taskgeom.errors import AnalysisError
+from taskgeom.runs.storage import atomic_write_json
+
+
+@dataclass(frozen=True)
+class Result:
+    """rows: the m1.json rows; place: where the M1 claims read (``claim_places``); p3_place: P3's;
+    selected: the place of best R^2_task on the selection batch (the ``selected-place`` variant)
+    and runner_up (None when only one was measured); alpha, beta: [N, P, K] posterior and fitted
+    coefficients at p3_place (measurement batch); mean: P3's per-task mean curves there; task: [N];
+    steering: at ``place``; summary: {metric: value} of the non-positional measurement rows at
+    ``place``; window: the late analysed positions."""
+
+    experiment: str
+    rows: list[dict]
+    place: Place
+    p3_place: Place
+    selected: Place
+    runner_up: Place | None
+    task: torch.Tensor
+    alpha: torch.Tensor
+    beta: torch.Tensor
+    mean: MeanAlignment
+    steering: Steering
+    summary: dict[str, float]
+    window: slice
+    effect: str = "current token"
+
+
+def claim_places(run: StudyRun) -> tuple[Place, Place]:
+    """(the M1 claims' place, P3's): the study's blocks (the family's ``m1_block`` and
+    ``p3_block``) at the same relative depth of this model, at ``resid_post`` (docs/protocol.md)."""
+    n_layers, family = run.config.model.n_layers, run.family
+    return steering_place(family, n_layers), Place.at_depth(*family.p3_block, n_layers)  # steering reads the M1 place
+
+
+def check_request(run: StudyRun, layers: tuple[int, ...] | None = None, sites: tuple[str, ...] | None = None,
+                  n_sequences: int = 512, window: float = 0.25) -> list[Place]:
+    """The places to analyse; AnalysisError (before any work) for what the run cannot give.
+    layers: None for all; sites: those measured (None: those of DEFAULT_SITES the model has); both
+    must include the claims' places (``claim_places``); window: the late fraction of positions
+    where the claims read P0-P3 (the task vectors' window is the family's ``vector_window``)."""
+    n_layers = run.config.model.n_layers
+    if layers is not None and not layers:
+        raise AnalysisError(f"layers (none) do not exist; the model has layers 0..{n_layers - 1}")
+    sites = sites or tuple(s for s in DEFAULT_SITES if s in run.directory.sites)
+    places = run.places(sites, layers)
+    missing = [tuple(p) for p in dict.fromkeys(claim_places(run)) if p not in places]
+    if missing:
+        raise AnalysisError(f"the M1 claims read (layer, site) {missing} (docs/protocol.md); measure them too")
+    check_major_tasks(run.pool.n_major, f"analysing {run.path}")
+    if n_sequences < 4 * run.pool.n_major:
+        raise AnalysisError(f"n_sequences must be at least 4 per major task ({4 * run.pool.n_major}), got {n_sequences}")
+    if not 0 < window <= 0.5:
+        raise AnalysisError(f"window must lie in (0, 0.5], got {window}")
+    return places
+
+
+def place_rows(geometry: Geometry, per_position: bool) -> list[dict]:
+    """P0-P2 of one place on its batch (module docstring; and per position)."""
+    pooled, p2, where = geometry.pooled, geometry.p2, {"place": geometry.place, "batch": geometry.sequences.split.value, "set": "major"}
+    r2_random = p2.r2_random.double()
+    rows = [
+        row("p0.within_share", 1 - geometry.p0, **where),
+        row("p0.cell_r2", geometry.p0, **where),
+        row("p1.additive_share", geometry.p1, **where),
+        row("p1.additive_share_last", geometry.p1_last, **where),
+        row("p0.within_share_pooled", pooled.within_share, **where),
+        row("p0.cell_r2_pooled", pooled.cell_r2, **where),
+        row("p1.additive_share_pooled", pooled.additive_share, **where),
+        row("p2.r2_task", p2.r2_task, **where),
+        row("p2.r2_task_exact", p2.r2_exact, **where),
+        row("p2.r2_random", r2_random.mean() if len(r2_random) else float("nan"),
+            (r2_random.min(), r2_random.max()) if len(r2_random) else None, **where),
+    ]
+    curves = {"p2.r2_task": p2.r2_by_position, "p0.cell_r2": geometry.shares.cell_r2, "p1.additive_share": geometry.shares.additive_share}
+    if geometry.r2_additive is not None:
+        rows.append(row("p2.r2_additive", geometry.r2_additive[0], **where))
+        curves["p2.r2_additive"] = geometry.r2_additive[1]
+    if per_position:
+        rows += [row(metric, value, position=t, **where) for metric, curve in curves.items() for t, value in enumerate(curve.tolist())]
+    return rows
+
+
+def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tuple[str, ...] | None = None,
+            n_sequences: int = 512, window: float = 0.25, n_random: int = 8) -> Result:
+    """The M1 geometry of a finished run (options: ``check_request``; ``n_random``: P2's random
+    subspaces); RunDirError if unfinished, AnalysisError for a bad request. Steering is measured at
+    the claims' place (``steering.steering_place``) on the measurement batch."""
+    places = check_request(run, layers, sites, n_sequences, window)
+    place, p3_place = claim_places(run)
+    options = {"window": window, "n_random": n_random}
+    selection = run.select_place(run.heldout("major", n_sequences, split="select"), places, **options)  # the selected-place variant
+    rows: list[dict] = []
+    for geometry in selection.geometries:
+        rows += place_rows(geometry, per_position=False)
+    r2 = {g.place: g.p2.r2_task for g in selection.geometries}
+    for label, chosen in (("place.selected", selection.best), ("place.runner_up", selection.runner_up)):
+        if chosen is not None:
+            rows.append(row(label, r2[chosen], place=chosen, batch="select", set="major"))
+    selected, runner_up = selection.best, selection.runner_up
+    del selection  # its states, before the measurement batch's
+
+    measure = run.heldout("major", n_sequences, split="measure")
+    kept = {}
+    for geometry in run.geometries(measure, places, **options):
+        rows += place_rows(geometry, per_position=True)
+        rows += alignment_rows(geometry.place, geometry.p3, measure.batch.task, per_position=geometry.place == p3_place)
+        if geometry.place in (place, p3_place):
+            kept[geometry.place] = geometry
+    rows += [row(label, 1.0, place=at, batch="measure", set="major") for label, at in (("place.m1", place), ("place.p3", p3_place))]
+    steering = kept[place].steer("dirichlet")
+    rows += steering_rows(steering)
+
+    summary = {r["metric"]: r["value"] for r in rows
+               if r["batch"] == "measure" and (r["layer"], r["site"]) == place and r["position"] is None and r["task"] is None}
+    p3 = kept[p3_place]
+    return Result(run.config.name, rows, place, p3_place, selected, runner_up, measure.batch.task, measure.alpha.float(), p3.beta,
+                  p3.p3.mean, steering, summary, p3.window, measure.inputs.effect)
+
+
+def alignment_rows(place: Place, p3: Alignment, task: torch.Tensor, per_position: bool = True) -> list[dict]:
+    """P3 at ``place`` of the measurement batch of tasks task: [N]: the claim's ``p3.tv_mean_beta``
+    (the TV of the per-task mean curves, mean over the tasks and the last quarter of positions);
+    the per-state TV and KL over the first and last quarter of positions (median over all their
+    states); P3.shrinks' parts on the mean curves (mean TV over the first and last quarter of the
+    uncertain positions, and how many there are). With ``per_position``: ``p3.tv_mean_beta`` per
+    position (mean over the tasks, then each task's, ``task`` set) and the per-state TV and KL per
+    position (median with interquartile band over sequences: all major sequences, then those of
+    each task)."""
+    where = {"place": place, "batch": "measure", "set": "major"}
+    rows = [row("p3.tv_mean_beta", p3.tv_mean_beta, **where)]
+    if per_position:
+        curves = p3.mean.tv
+        rows += [row("p3.tv_mean_beta", value, position=t, **where) for t, value in enumerate(curves.mean(0).tolist())]
+        rows += [row("p3.tv_mean_beta", value, position=t, task=k, **where)
+                 for k, curve in enumerate(curves.tolist()) for t, value in enumerate(curve)]
+    for metric in ("tv", "kl"):
+        values = getattr(p3, metric)
+        if per_position:
+            for k in [None, *range(int(task.max()) + 1)]:
+                med, low, high = quantiles(values if k is None else values[task == k], dim=0)
+                rows += [row(f"p3.{metric}", med[t], (low[t], high[t]), position=t, task=k, **where) for t in range(values.shape[1])]
+        for part in ("first", "last"):
+            med, low, high = p3.quarter(metric, part)
+            rows.append(row(f"p3.{metric}_{part}_quarter", med, (low, high), **where))
+    shrink = p3.shrinkage
+    rows += [row("p3.uncertain_positions", len(shrink.positions), **where),
+             row("p3.tv_first_uncertain", shrink.tv_first, **where),
+             row("p3.tv_last_uncertain", shrink.tv_last, **where)]
+    return rows
+
+
+M1_CLAIMS = ("P0", "P1", "P2", "P2.vs_random", "P3", "P3.shrinks")
+
+
+class Reading(NamedTuple):
+    """One M1 claim's value read from m1.json rows, its parts (the place it read: ``layer``,
+    ``site``; the numbers it is made of) and, for a claim that does not apply (value NaN), why."""
+
+    value: float
+    parts: dict
+    reason: str | None = None
+
+
+def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Reading]:
+    """{claim suffix of M1_CLAIMS: Reading} from a run's m1.json ``rows`` under the protocol
+    (``variant`` None or "protocol") or a named variant (``analysis.variants``): ``selected-place``
+    reads every claim at the place of best R^2_task on the selection batch; ``site-mid`` at
+    resid_mid of the protocol's blocks; ``pooled-anova`` reads P0/P1 pooled over the late window.
+    A variant that does not move these claims reads them as the protocol does (``e1-v6`` and
+    ``separator`` are other runs: pass their rows). AnalysisError when the rows lack a value."""
+    chosen = named_variant(variant)
+    name = chosen.name if chosen is not None and {c.split(".")[0] for c in M1_CLAIMS} & set(chosen.claims) else None
+    place, p3_place = _place(rows, "place.m1", "measure"), _place(rows, "place.p3", "measure")
+    if name == "selected-place":
+        place = p3_place = _place(rows, "place.selected", "select")
+    elif name == "site-mid":
+        place, p3_place = Place(place.layer, "resid_mid"), Place(p3_place.layer, "resid_mid")
+    table = {(r["metric"], r["layer"], r["site"]): r["value"] for r in rows
+             if r["batch"] == "measure" and r["position"] is None and r["task"] is None}
+
+    def at(metric: str, where: Place = place) -> float:
+        if (metric, *where) not in table:
+            raise AnalysisError(f"the m1.json rows hold no {metric} at layer {where.layer} ({where.site}); analyse the run again")
+        value = table[(metric, *where)]
+        return math.nan if value is None else value
+
+    placed, p3_placed = {"layer": place.layer, "site": place.site}, {"layer": p3_place.layer, "site": p3_place.site}
+    pooled = "_pooled" if name == "pooled-anova" else ""
+    r2_task, r2_random = at("p2.r2_task"), at("p2.r2_random")
+    p1_parts = placed if pooled else {**placed, "last_position": at("p1.additive_share_last")}
+    if ("p2.r2_additive", *place) in table:  # E2: the study's r2_additive, R^2_task beside
+        p2 = Reading(at("p2.r2_additive"), {**placed, "r2_task": r2_task})
+    else:
+        p2 = Reading(r2_task, placed)
+    count = int(at("p3.uncertain_positions", p3_place))
+    first, last = at("p3.tv_first_uncertain", p3_place), at("p3.tv_last_uncertain", p3_place)
+    shrink_parts = {"tv_first": first, "tv_last": last, "uncertain_positions": count, **p3_placed}
+    reason = too_few_uncertain(count)
+    return {
+        "P0": Reading(at(f"p0.cell_r2{pooled}"), placed),
+        "P1": Reading(at(f"p1.additive_share{pooled}"), p1_parts),
+        "P2": p2,
+        "P2.vs_random": Reading(r2_task - r2_random, {"r2_task": r2_task, "r2_random": r2_random, **placed}),
+        "P3": Reading(at("p3.tv_mean_beta", p3_place), {"tv_per_state_last_quarter": at("p3.tv_last_quarter", p3_place), **p3_placed}),
+        "P3.shrinks": Reading(math.nan if reason else last / first, shrink_parts, reason),
+    }
+
+
+def _place(rows: list[dict], label: str, batch: str) -> Place:
+    """The place of the row ``label`` (``place.m1``, ``place.p3``, ``place.selected``) of ``batch``."""
+    found = [r for r in rows if r["metric"] == label and r["batch"] == batch]
+    if not found:
+        raise AnalysisError(f"the m1.json rows have no {label} row; analyse the run again")
+    return Place(int(found[0]["layer"]), found[0]["site"])
+
+
+def steering_rows(steering: Steering) -> list[dict]:
+    """At the steering's place: steering.{measure}_{kind} (measure kl, or rmse for E2; kind one of
+    unsteered, steered, mode, random): the mean over the (sequence, point) pairs with their
+    interquartile band; and what was steered: the number of sequences and target points, the first
+    and last edited position and how many were edited (one forward pass each)."""
+    where = {"place": steering.place, "batch": "measure", "set": "major"}
+    rows = []
+    for kind in KINDS:
+        _, low, high = quantiles(getattr(steering, kind).reshape(-1))
+        rows.append(row(f"steering.{steering.measure}_{kind}", steering.mean(kind), (low, high), **where))
+    rows += [row("steering.n_sequences", steering.n_sequences, **where), row("steering.n_points", steering.n_points, **where),
+             row("steering.position_first", steering.positions[0], **where), row("steering.position_last", steering.positions[-1], **where),
+             row("steering.n_positions", len(steering.positions), **where)]
+    return rows
+
+
+def write(run: StudyRun, result: Result) -> None:
+    """Save the rows to ``analysis/m1.json`` (``pandas.read_json`` reads it in one call)."""
+    atomic_write_json(run.path / "analysis" / "m1.json", result.rows)

@@ -1,0 +1,53 @@
+"""The one row layout of the stored analyses, ``analysis/m1.json`` and ``analysis/dual.json``:
+tidy records that ``pandas.read_json`` loads in one call, each with every field of ``FIELDS``
+(None where it does not apply):
+
+``metric``, ``value`` (None for a share of a gain that is not positive), ``band`` ([low, high] or
+None), ``layer`` and ``site`` (the place), ``batch`` (the held-out split: ``select``, ``measure``,
+``geometry``, ``loss``, ``search-select``), ``set`` (``major``, ``minor``, ``ood``), ``step`` (a
+training snapshot; None for the final model), ``position`` and ``task`` (None unless per position
+or per major task), ``gain``, ``unreliable`` and ``reason`` (a share of in-context gain only:
+``shares.Share``), ``version`` (``ROW_VERSION``).
+
+A stored file whose rows are of another version is not read (``stored_rows`` gives None): the
+analysis is measured again, the run is not retrained.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+from taskgeom.analysis.measures.shares import Share
+from taskgeom.runs.folders import Run
+
+# 4: m1.json and dual.json share one layout; shares carry their gain (null when not positive).
+# 5: m1.json's P0/P1 per position (medians over the late window), P3 on mean beta, the claims' place rows.
+#    and the ablations per block at resid_mid with their mean over blocks (layer null), S from the probe.
+#    and dual.json's projection_r2 is the study's Fig. 4 statistic (per-task means, fixed place).
+# 6: dual.json's S from the study's own probe (its dropped columns; docs/protocol.md, "S ablation"), Fig. 4 at
+#    128 x 128 with E1's block one position shorter.
+ROW_VERSION = 6
+FIELDS = ("metric", "value", "band", "layer", "site", "batch", "set", "step", "position", "task", "gain", "unreliable", "reason",
+          "version")
+
+
+def row(metric: str, value: float | None, band: Sequence[float] | None = None, *, place: tuple[int, str] | None = None,
+        batch: str | None = None, set: str | None = None, step: int | None = None, position: int | None = None,
+        task: int | None = None, share: Share | None = None) -> dict:
+    """One stored row (module docstring); ``share``: the share of gain this row is (or is of)."""
+    layer, site = place if place is not None else (None, None)
+    extra = share.fields() if share is not None else {"gain": None, "unreliable": None, "reason": None}
+    return {"metric": metric, "value": None if value is None else float(value),
+            "band": None if band is None else [float(band[0]), float(band[1])], "layer": layer, "site": site, "batch": batch,
+            "set": set, "step": step, "position": position, "task": task, **extra, "version": ROW_VERSION}
+
+
+def stored_rows(run: Run, analysis: str) -> list[dict] | None:
+    """The rows of ``analysis/{analysis}.json`` of ``run``, or None when absent or written under
+    another ``ROW_VERSION`` (then measured again)."""
+    path = run.path / "analysis" / f"{analysis}.json"
+    if not path.exists():
+        return None
+    rows = json.loads(path.read_text(encoding="utf-8"))
+    return rows if rows and all(isinstance(r, dict) and r.get("version") == ROW_VERSION for r in rows) else None

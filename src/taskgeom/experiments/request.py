@@ -1,0 +1,140 @@
+"""What ``taskgeom reproduce`` is asked to do (``Request``), checked and resolved before anything
+runs: the recipes (the shipped ones and ``--recipe`` files, narrowed by ``--recipes`` and
+``--only``), the experiments, a data variant's recipes and settings; then either its plan
+(``plan_text``: the runs it would train and the time they would take here) or the reproduction
+itself (``run``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS
+from taskgeom.errors import TaskgeomError
+from taskgeom import experiments
+from taskgeom.experiments.base import Context, Experiment, shipped_studies
+from taskgeom.experiments.executors import Executor
+from taskgeom.settings.config import DEFAULT_PROFILE
+from taskgeom.settings.recipes import Study, load_study
+
+
+@dataclass(frozen=True)
+class Request:
+    """``taskgeom reproduce``'s options, parsed: ``recipes`` comma-separated as typed, ``only``
+    experiment or recipe names, ``settings`` the ``--set`` overrides, ``variant`` a data variant."""
+
+    profile: str = DEFAULT_PROFILE
+    seeds: tuple[int, ...] = (0, 1, 2)
+    out: Path | None = None
+    only: tuple[str, ...] = ()
+    recipes: str | None = None
+    recipe_files: tuple[Path, ...] = ()
+    grid: tuple[int, ...] | None = None
+    settings: tuple[str, ...] = ()
+    variant: str | None = None
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A request made concrete: the output folder, the studies, the experiments chosen, the settings."""
+
+    out: Path
+    studies: tuple[Study, ...]
+    experiments: dict[str, Experiment]
+    settings: tuple[str, ...]
+
+
+def resolve(request: Request) -> Resolved:
+    """The request's output folder (default ``results``, or ``results-VARIANT``), studies, experiments
+    and settings; TaskgeomError naming the option at fault."""
+    recipes, settings = request.recipes, tuple(request.settings)
+    if any(setting.split("=", 1)[0].strip() == "train.seed" for setting in settings):
+        raise TaskgeomError("--set train.seed: reproduce trains every setting on each seed of --seeds; say --seeds instead")
+    if request.variant is not None:
+        recipes, settings = data_variant(request.variant, recipes, settings)
+    out = request.out or default_out(request.variant)
+    studies, named = choose_studies(request.recipe_files, recipes, request.only, request.profile)
+    chosen = {name: run for name, run in experiments.declared(studies, request.profile).items() if not named or name in named}
+    return Resolved(out, studies, chosen, settings)
+
+
+def default_out(variant: str | None) -> Path:
+    """The output folder when none is given: ``results``, or ``results-VARIANT`` for a data variant."""
+    return Path("results" if variant is None else f"results-{variant}")
+
+
+def data_variant(name: str, recipes: str | None, settings: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    """(the recipes, the ``--set`` settings) that train the data variant ``name`` (docs/protocol.md#variants): its own
+    recipes (``--recipes`` may only name those) and its overrides before the user's; TaskgeomError for a
+    variant of the measurement or an unknown name."""
+    if name not in DATA_VARIANTS:
+        kind = "measures the same runs another way: list it with `taskgeom sensitivity`" if name in BY_NAME else "is no variant"
+        raise TaskgeomError(f"--variant: {name!r} {kind}; the variants of the data are {', '.join(DATA_VARIANTS)}")
+    chosen = BY_NAME[name]
+    asked = [r.strip() for r in recipes.split(",")] if recipes else list(chosen.claims)
+    if set(asked) - set(chosen.claims):
+        raise TaskgeomError(f"--recipes: {name} changes the recipes {', '.join(chosen.claims)} alone, not "
+                            f"{', '.join(sorted(set(asked) - set(chosen.claims)))}")
+    return ",".join(asked), (*chosen.overrides, *settings)
+
+
+def choose_studies(files: tuple[Path, ...], recipes: str | None, only: tuple[str, ...], profile: str) -> tuple[tuple[Study, ...], list[str]]:
+    """(the studies ``reproduce`` measures, the experiments named by ``--only``): the shipped recipes
+    and ``--recipe`` files, those of ``--recipes`` or of the recipe names among ``--only`` (a name
+    that is an experiment's is the experiment) alone when given; TaskgeomError for an unknown name,
+    a recipe name given twice, or a recipe without ``profile``."""
+    for path in files:
+        if not path.is_file():
+            raise TaskgeomError(f"--recipe {path}: no such file")
+    everything = [*shipped_studies(), *(load_study(path) for path in files)]
+    names = [study.name for study in everything]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise TaskgeomError(f"--recipe: recipes named {twice} twice (a recipe's name is its file's stem); rename the file")
+    wanted = None if recipes is None else [r.strip() for r in recipes.split(",") if r.strip()]
+    if wanted is not None and (not wanted or set(wanted) - set(names)):
+        raise TaskgeomError(f"--recipes: unknown recipes {sorted(set(wanted) - set(names))}; available: {names}")
+    known = set(experiments.EXPERIMENTS) | {name for study in everything for name in study.experiments}
+    unknown = sorted(set(only) - set(names) - known)
+    if unknown:
+        raise TaskgeomError(f"--only: unknown experiments or recipes {unknown}; experiments: {sorted(known)}, recipes: {names}")
+    by_recipe = [name for name in only if name not in known]
+    if by_recipe:
+        wanted = [name for name in (wanted or names) if name in by_recipe]
+    studies = tuple(study for study in everything if wanted is None or study.name in wanted)
+    for study in studies:
+        if profile not in study.profiles:
+            raise TaskgeomError(f"unknown profile {profile!r} for recipe {study.name}; it defines {list(study.profiles)}")
+    return studies, [name for name in only if name in known]
+
+
+def plan_text(request: Request, executor: Executor, device: str, tracker: str, csv: bool = False) -> str:
+    """The runs the request would train (``schedule.plan_table``: steps, parameters, tokens, FLOPs),
+    as CSV or as a table with its totals and the wall time estimated on this machine."""
+    from taskgeom.experiments.schedule import plan_table
+    from taskgeom.report.manifest import cpu_model
+    from taskgeom.settings.devices import usable_cores
+    from taskgeom.training.timing import estimate_wall, matmul_rate
+
+    resolved = resolve(request)
+    ctx = Context(resolved.out, request.profile, tuple(request.seeds), executor, device, tracker, resolved.settings, resolved.studies,
+                  request.grid and tuple(request.grid))
+    table = plan_table(experiments.planned_runs(ctx, resolved.experiments))
+    if csv:
+        return table.to_csv(index=False)
+    rate, workers = matmul_rate(), min(executor.workers, usable_cores())
+    return (f"{table.to_string(index=False)}\n"
+            f"{len(table)} runs, {table['steps'].sum():,} steps, {table['tokens'].sum():.3g} tokens, "
+            f"{table['flops'].sum():.3g} training FLOPs (6 x parameters x tokens)\n"
+            f"estimated wall time here: {estimate_wall(list(table['flops']), rate, workers) / 60:.0f} min on {workers} "
+            f"worker(s) ({cpu_model()}, {usable_cores()} usable cores, matrix-multiply probe {rate / 1e9:.0f} GFLOP/s a "
+            f"thread); fitted on one measured reproduction (a 2-core AVX2 EPYC: 50 min estimated, 53 measured), "
+            f"on another CPU it may be off by a half\n")
+
+
+def run(request: Request, executor: Executor, device: str, tracker: str) -> Context:
+    """Reproduce what the request asks (``experiments.reproduce``), the executor checked first."""
+    resolved = resolve(request)
+    executor.check()  # Ray importable and its address answering, before any training
+    return experiments.reproduce(resolved.out, request.profile, resolved.experiments, executor, device, tracker, resolved.settings,
+                     tuple(request.seeds), resolved.studies, request.grid)

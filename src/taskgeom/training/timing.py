@@ -1,0 +1,119 @@
+"""Where a reproduction spends its time: wall and CPU seconds per experiment, per training run and
+per analysis stage, written to ``timings.json`` and shown in the report.
+
+CPU seconds are ``time.process_time`` of the process that did the work: stages run in a sweep's
+worker processes (or Ray tasks) are timed there and added with ``Timings.add``; an experiment's CPU
+total is its own process's time plus that of its workers' stages.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+
+class Clock:
+    """Wall and CPU seconds (of this process) since it started, or since the last ``lap``."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def lap(self) -> tuple[float, float]:
+        """(wall, CPU) seconds since the last lap, and a new lap starts."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = (wall - self.wall, cpu - self.cpu)
+        self.wall, self.cpu = wall, cpu
+        return out
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One timed piece of work: ``where`` is ``main`` (the reproducing process) or ``worker``."""
+
+    experiment: str
+    stage: str
+    wall_s: float
+    cpu_s: float
+    where: str = "main"
+
+
+@dataclass
+class Timings:
+    """The stages of one reproduction, in the order they ended, and each experiment's totals."""
+
+    stages: list[Stage] = field(default_factory=list)
+    experiments: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @contextmanager
+    def stage(self, experiment: str, name: str) -> Iterator[None]:
+        """Time the block as stage ``name`` of ``experiment`` (in this process)."""
+        clock = Clock()
+        try:
+            yield
+        finally:
+            wall, cpu = clock.lap()
+            self.stages.append(Stage(experiment, name, round(wall, 2), round(cpu, 2)))
+
+    def add(self, experiment: str, name: str, wall_s: float, cpu_s: float, where: str = "worker") -> None:
+        """A stage timed by the work itself: in a worker process (its CPU is added to the
+        experiment's), or ``main`` (this process: already in the experiment's CPU)."""
+        self.stages.append(Stage(experiment, name, round(wall_s, 2), round(cpu_s, 2), where))
+
+    @contextmanager
+    def experiment(self, name: str) -> Iterator[None]:
+        """Time a whole experiment: its wall seconds, and the CPU seconds of this process plus those
+        of the worker stages recorded meanwhile."""
+        clock, first = Clock(), len(self.stages)
+        try:
+            yield
+        finally:
+            wall, cpu = clock.lap()
+            workers = sum(s.cpu_s for s in self.stages[first:] if s.where == "worker")
+            self.experiments[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu + workers, 1)}
+
+    def as_dict(self) -> dict:
+        """``timings.json``: {"experiments": {name: {wall_s, cpu_s}}, "total": {wall_s, cpu_s},
+        "stages": [{experiment, stage, wall_s, cpu_s, where}]}."""
+        total = {key: round(sum(e[key] for e in self.experiments.values()), 1) for key in ("wall_s", "cpu_s")}
+        return {"experiments": self.experiments, "total": total, "stages": [asdict(s) for s in self.stages]}
+
+
+# ---- what a plan will take on this machine ---------------------------------------------------------
+
+# [measured] CPU seconds of a whole reproduction (training, evaluation, analyses) per second its
+# training FLOPs (6 x parameters x tokens) would take at one thread's float32 matrix-multiply rate.
+# The quick three-seed reproduction at 6270225 (the study's protocol and settings), from a fresh
+# clone on a 2-core AMD EPYC with AVX2 only, kernels pinned: 6,050 CPU-s (52 min 55 s wall, 190% of
+# two cores) for 1.28e14 FLOPs, the probe 76 GFLOP/s a thread: 3.59. Under the earlier conventions
+# (f2dc61a) a 2-core AVX-512 EPYC gave 2.39 (probe 113 GFLOP/s): how a CPU's training keeps up with
+# its matrix multiply differs, so an estimate on another CPU may be off by a half.
+CPU_SECONDS_PER_FLOP_SECOND = 3.59
+
+
+def matmul_rate(seconds: float = 0.5, n: int = 512) -> float:
+    """FLOP/s of torch's float32 ``n x n`` matrix multiply on one thread, for about ``seconds`` of
+    wall time (the probe every estimate of ``estimate_wall`` is scaled by). Per CPU second of this
+    process, so that a machine busy with other work reads its own speed, not its load."""
+    import torch
+
+    from taskgeom.settings.devices import torch_threads
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    with torch_threads(1):
+        a @ b  # warm up
+        count, start, cpu = 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            count += 1
+        spent = time.process_time() - cpu
+    return 2 * n ** 3 * count / max(spent, 1e-9)
+
+
+def estimate_wall(flops: list[float], rate: float, workers: int) -> float:
+    """Wall seconds that runs of ``flops`` training FLOPs each take on ``workers`` one-thread
+    workers of a machine whose probe gives ``rate`` FLOP/s (``CPU_SECONDS_PER_FLOP_SECOND`` for the
+    analyses and overheads): their CPU seconds over the workers, and no less than the longest run."""
+    cpu = [CPU_SECONDS_PER_FLOP_SECOND * f / rate for f in flops]
+    return max(sum(cpu) / max(1, workers), max(cpu, default=0.0))
