@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 import taskgeom.experiments
-from taskgeom.claims.rules import (MIN_RELIABLE_GAIN, NOT_BAYES_OPTIMAL, Claim, check, counts, exit_code, gain_parts, not_applicable, over_seeds,
+from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN
+from taskgeom.claims.rules import (NOT_BAYES_OPTIMAL, Claim, check, counts, exit_code, gain_parts, not_applicable, over_seeds,
                              summary, verdict, with_preconditions)
 from taskgeom.cli import app
 from taskgeom.experiments import reproduce

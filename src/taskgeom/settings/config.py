@@ -240,11 +240,15 @@ class Recipe:
     measures: dict[str, MeasureSettings]
     study: Any
 
-    def settings(self, profile: str = DEFAULT_PROFILE) -> dict:
-        """``base`` merged with ``profiles[profile]``, less its ``measure`` section."""
+    def _known(self, profile: str) -> str:
+        """``profile``, or ConfigError naming the profiles the recipe defines."""
         if profile not in self.profiles:
             raise ConfigError(f"{self.path}: unknown profile {profile!r}; available: {sorted(map(str, self.profiles))}")
-        settings = merge(self.base, self.profiles[profile])
+        return profile
+
+    def settings(self, profile: str = DEFAULT_PROFILE) -> dict:
+        """``base`` merged with ``profiles[profile]``, less its ``measure`` section."""
+        settings = merge(self.base, self.profiles[self._known(profile)])
         settings.pop("measure", None)
         return settings
 
@@ -254,8 +258,7 @@ class Recipe:
 
     def measure(self, profile: str = DEFAULT_PROFILE) -> MeasureSettings:
         """The ``measure:`` section of ``profile`` (its defaults where the profile has none)."""
-        self.settings(profile)  # an unknown profile named as such
-        return self.measures[profile].model_copy(deep=True)
+        return self.measures[self._known(profile)].model_copy(deep=True)
 
 
 def read_recipe(path: str | Path) -> Recipe:
