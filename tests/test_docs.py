@@ -139,12 +139,13 @@ def test_every_file_of_the_repository_the_docs_name_is_in_it():
     assert len(named) >= 10 and missing == [] and ignored == "", (missing, ignored)
 
 
-def test_the_published_quick_table_is_what_its_manifests_print():
-    """``taskgeom report docs/results/quick --markdown``, the counts, the table and the unstable
+@pytest.mark.parametrize("name", ["quick", "deep"])
+def test_the_published_tables_are_what_their_manifests_print(name):
+    """``taskgeom report docs/results/NAME --markdown``, the counts, the table and the unstable
     claims' parts, stands on the Results page as printed."""
     from taskgeom.report.markdown import claims_markdown
 
-    assert claims_markdown(ROOT / "docs" / "results" / "quick") in (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    assert claims_markdown(ROOT / "docs" / "results" / name) in (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
 
 
 def test_the_protocols_thresholds_table_is_the_catalogs_and_the_published_claims_were_judged_by_it():

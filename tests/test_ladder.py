@@ -82,10 +82,35 @@ def test_the_ladder_table_is_each_rung_s_per_seed_values(tiny_reproduction, tmp_
     recipes = {c["id"].split(".")[0] for c in _claims(low) if c["status"] != "n/a"}
     assert all((out / f"ladder_{recipe}.png").stat().st_size > 0 for recipe in recipes)
     curve = pd.read_csv(low / "tables" / "rank_curve.csv")  # the rank curve at the highest k, by hand
-    top = curve[curve["diversity"] == curve["diversity"].max()]
-    first = top[(top["recipe"] == "e1") & (top["rank"] == 1)]["value"]
-    line = next(x for x in result.output.splitlines() if x.startswith("| e1 | small |"))
-    assert line.split(" | ")[2] == _stats(first.tolist())
+    top = curve[(curve["diversity"] == curve["diversity"].max()) & curve["layer"].isna() & (curve["recipe"] == "e1")]
+    first = top[top["rank"] == 1]["value"]
+    reliable = first[first.notna() & ~top.loc[first.index, "unreliable"].eq(True)].tolist()  # as the claims count seeds
+    lines = [x for x in result.output.splitlines() if x.startswith("| e1 | small |")]
+    assert [line.split(" | ")[2] for line in lines] == ([_stats(reliable)] if reliable else [])
+
+
+def test_the_ladders_rank_curve_counts_only_the_seeds_whose_gain_is_reliable(tiny_reproduction, tmp_path):
+    """A seed whose OOD gain is below the reliability floor is n/a in the claims; the ladder's rank
+    curve leaves it out too, and a rung with no reliable seed has no row."""
+    mixed, none = tmp_path / "mixed", tmp_path / "none"
+    shutil.copytree(tiny_reproduction, mixed)
+    shutil.copytree(tiny_reproduction, none)
+    path = mixed / "tables" / "rank_curve.csv"
+    curve = pd.read_csv(path)
+    e1 = curve["recipe"] == "e1"
+    seeds = sorted(curve.loc[e1, "seed"].unique())
+    assert len(seeds) > 1
+    curve.loc[e1, "value"] = curve.loc[e1, "seed"].map({seed: 10.0 * (i + 1) for i, seed in enumerate(seeds)})
+    curve.loc[e1, "unreliable"] = curve.loc[e1, "seed"] == seeds[-1]  # the last seed: 10 x its number, to be left out
+    curve.to_csv(path, index=False)
+    unreliable = pd.read_csv(none / "tables" / "rank_curve.csv").assign(unreliable=True)
+    unreliable.to_csv(none / "tables" / "rank_curve.csv", index=False)
+    result = CliRunner().invoke(app, ["ladder", f"mixed={mixed}", f"none={none}", "--out", str(tmp_path / "ladder")])
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if x.startswith("| e1 | mixed |"))
+    kept = [10.0 * (i + 1) for i in range(len(seeds) - 1)]
+    assert line.split(" | ")[2] == _stats(kept)
+    assert not any(x.startswith("| e1 | none |") for x in result.output.splitlines())
 
 
 def test_the_ladder_refuses_a_folder_that_is_not_a_reproduction(tmp_path):

@@ -52,14 +52,17 @@ def ladder_rows(named: dict[str, Path]) -> pd.DataFrame:
 
 def rank_curves(named: dict[str, Path]) -> pd.DataFrame:
     """The OOD gain removed by V of each rank (mean over blocks) at the highest diversity of each
-    rung: median, min and max over the seeds, per (rung, recipe, rank); from each folder's
+    rung: median, min and max over the seeds whose share is reliable (as the claims count them: a
+    null or unreliable share is n/a for its seed), per (rung, recipe, rank); from each folder's
     tables/rank_curve.csv."""
     frames = []
     for rung, folder in named.items():
         path = folder / "tables" / "rank_curve.csv"
         if path.is_file():
             curve = pd.read_csv(path)
-            curve = curve[curve["layer"].isna()]  # the mean over blocks
+            curve = curve[curve["layer"].isna() & curve["value"].notna()]  # the mean over blocks, where the gain is positive
+            if "unreliable" in curve:
+                curve = curve[~curve["unreliable"].eq(True)]
             high = curve[curve["diversity"] == curve.groupby("recipe")["diversity"].transform("max")]
             frames.append(high.groupby(["recipe", "diversity", "rank"])["value"].agg(["median", "min", "max"]).reset_index()
                           .assign(rung=rung))
@@ -93,7 +96,8 @@ def ladder_markdown(named: dict[str, Path], rows: pd.DataFrame, curves: pd.DataF
         cells = [_cell(mine[mine["rung"] == rung]) for rung in named]
         lines.append(f"| `{claim}` | {first['comparison']} {number(first['threshold'])} | " + " | ".join(cells) + " |")
     if len(curves):
-        lines += ["", "% of OOD in-context gain removed by ablating V of rank r (highest diversity; median [min, max] over seeds):", "",
+        lines += ["", "% of OOD in-context gain removed by ablating V of rank r (highest diversity; median [min, max] over the seeds "
+                  "whose gain is reliable, as the claims count them; a recipe and rung with none is left out):", "",
                   "| recipe | rung | " + " | ".join(f"r = {r}" for r in sorted(curves["rank"].unique())) + " |",
                   "|---|---|" + "---|" * curves["rank"].nunique()]
         for (recipe, rung), part in curves.groupby(["recipe", "rung"], sort=False):
