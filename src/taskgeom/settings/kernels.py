@@ -66,7 +66,7 @@ def choose(native: bool = False, environ: dict[str, str] | None = None, machine:
         return Kernels("native", f"this CPU is {machine}, not x86-64: bits will differ from the published ones", {})
     if flags is not None and "avx2" not in flags:
         return Kernels("native", "this CPU has no AVX2: bits will differ from the published ones", {})
-    return Kernels("pinned", "ATen, MKL and oneDNN pinned to AVX2: the published bits on AMD x86-64 CPUs with AVX2 (an Intel Xeon trained others)", dict(PINS))
+    return Kernels("pinned", "ATen, MKL and oneDNN pinned to AVX2: AMD EPYC CPUs train the same bits as each other, an Intel Xeon others", dict(PINS))
 
 
 def use_portable_kernels(native: bool = False) -> Kernels:
