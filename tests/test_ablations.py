@@ -261,3 +261,28 @@ def test_the_sensitivity_summary_judges_each_claim_over_the_runs():
     summary = summarise(rows).set_index("variant")
     assert summary.loc["protocol", ["median", "min", "max", "verdict", "runs"]].tolist() == [60.0, 40.0, 70.0, "unstable", 3]
     assert summary.loc["v-best-block", ["median", "verdict", "runs"]].tolist() == [80.0, "pass", 2]  # an n/a run counts neither way
+
+
+def test_sensitivity_measures_the_protocol_again_as_the_claims_did(tiny_reproduction):
+    """On a reproduction's runs at the highest k, with the thread count its sweep analysed them with
+    (timings.json), the protocol's rows that ``sensitivity`` measures again are claims.json's values
+    bit for bit, seed by seed."""
+    import json
+    import re
+
+    from taskgeom.experiments.sensitivity import sensitivity
+
+    claims = {c["id"]: {s["seed"]: s["value"] for s in c["seeds"]} for c in json.loads((tiny_reproduction / "claims.json").read_text())}
+    stages = json.loads((tiny_reproduction / "timings.json").read_text())["stages"]
+    threads = {m[1]: int(m[2]) for s in stages if (m := re.match(r"analyse (\S+) \((\d+) threads\)", s["stage"]))}
+    runs = [Run.open(p) for p in sorted((tiny_reproduction / "runs").glob("e1-*")) if (p / "model.safetensors").exists()]
+    top = max(r.config.task.diversity for r in runs)
+    compared = []
+    for run in (r for r in runs if r.config.task.diversity == top):
+        table = sensitivity([run.path], ("s-with-mean",), threads=threads[run.path.name])
+        for line in table[table["variant"] == "protocol"].itertuples():
+            expected = claims[line.claim][run.config.train.seed]
+            assert (line.value == expected) or (expected is None and np.isnan(line.value)), (line.claim, line.value, expected)
+            compared.append(line.claim)
+    ablations = {f"e1.{name}" for name in ("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major", "random_control")}
+    assert all(compared.count(claim) == 2 for claim in ablations)  # measured again on each of the two seeds

@@ -481,6 +481,9 @@ def sensitivity(
     places: bool = typer.Option(False, "--places", help="Instead: the place-dependent values at every layer and site, read from the "
                                 "runs' stored m1.json and dual.json: P0-P2 and projection R^2 at the place the claims read, and the "
                                 "lowest and highest over all places (median over the runs)."),
+    threads: int = typer.Option(1, help="torch threads for what is measured again (0: torch's default). The V search's result depends "
+                                "on it; 1, the thread count of a reproduction's sweep analyses (its --cpus-per-run, 1 by default), "
+                                "gives the protocol the values of its claims.json bit for bit."),
 ) -> None:
     """For each claim it covers, its value and verdict under the study's protocol (docs/protocol.md) and under each applicable earlier convention (its variants, docs/protocol.md#variants), on the same runs: the
     M1 claims P0-P3 (runs at k = -1, from their m1.json), projection R^2 at each run's diversity
@@ -489,7 +492,7 @@ def sensitivity(
     else unstable), its value the median over them. Reports; the claims keep the protocol."""
     from taskgeom.experiments.sensitivity import chosen_variants, place_summary, sensitivity as measure, summarise
 
-    table = measure(run_dirs, chosen_variants(tuple(variant or ())), places)
+    table = measure(run_dirs, chosen_variants(tuple(variant or ())), places, threads)
     if csv:
         typer.echo(table.to_csv(index=False), nl=False)
     elif places:

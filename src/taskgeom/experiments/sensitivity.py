@@ -28,8 +28,12 @@ anything: the M1 claims P0-P3 (``m1.json``; ``analysis.stored.m1.claim_values``,
 claim's threshold) under the protocol and ``per-sequence-r2``. Steering under another place would
 have to be measured again there, and the projection drop needs two runs: neither is listed.
 
-``sensitivity(run_dirs, variants, places)`` is ``taskgeom sensitivity``: every run's rows, then
+``sensitivity(run_dirs, variants, places, threads)`` is ``taskgeom sensitivity``: every run's rows, then
 ``summarise`` (each claim judged over the runs) or ``place_summary`` (the place-dependent values).
+What it measures again it measures with ``threads`` torch threads, because the V search's result
+depends on the thread count: with one, a reproduction's sweep analyses' count (``--cpus-per-run``,
+1 by default), the protocol's rows are ``claims.json``'s bit for bit; with two, E3's quick
+``ablate_V_major`` moves from 1.35 to 2.13 on seed 0 (docs/results.md).
 
 ``place_choices`` reads, from a run's stored analyses, the values the place-dependent claims would
 have at every other (layer, site): P0-P2 on the M1 measurement batch (``m1.json``) and projection
@@ -52,6 +56,7 @@ from taskgeom.errors import AnalysisError, TaskgeomError
 from taskgeom.experiments.dual_modes import ablation_claims
 from taskgeom.experiments.m1 import retrieval_claims
 from taskgeom.runs.folders import Run
+from taskgeom.settings.devices import torch_threads
 
 ABLATION_VARIANTS = ("centred-S", "s-with-mean", "v-avoids-tokens", "v-searched-on-ood", "v-best-block")
 STORED_VARIANTS = ("selected-place", "site-mid", "pooled-anova", "per-sequence-r2")  # read from the stored analyses
@@ -193,10 +198,11 @@ def chosen_variants(asked: tuple[str, ...] = ()) -> tuple[str, ...]:
     return chosen
 
 
-def sensitivity(run_dirs: list, variants: tuple[str, ...], places: bool = False) -> pd.DataFrame:
+def sensitivity(run_dirs: list, variants: tuple[str, ...], places: bool = False, threads: int = 1) -> pd.DataFrame:
     """Every run's rows, with its run, recipe, diversity and seed: under the protocol and each of
-    ``variants`` (``stored_variants``, and ``ablation_variants`` measured again), or with ``places``
-    the place-dependent values at every layer and site (``place_choices``)."""
+    ``variants`` (``stored_variants``, and ``ablation_variants`` measured again with ``threads`` torch
+    threads, 0: as torch has it), or with ``places`` the place-dependent values at every layer and
+    site (``place_choices``)."""
     ablations = tuple(v for v in variants if v in ABLATION_VARIANTS)
     rows = []
     for run_dir in run_dirs:
@@ -206,7 +212,8 @@ def sensitivity(run_dirs: list, variants: tuple[str, ...], places: bool = False)
         else:
             measured = [r for r in stored_variants(run) if r["variant"] in ("protocol", *variants)]
             if ablations:
-                measured += ablation_variants(StudyRun(run), ablations)
+                with torch_threads(threads):
+                    measured += ablation_variants(StudyRun(run), ablations)
         rows += [{"run": run.path.name, "recipe": run.config.name, "diversity": run.config.task.diversity, "seed": run.config.train.seed,
                   **row} for row in measured]
     return pd.DataFrame(rows)
