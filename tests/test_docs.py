@@ -207,3 +207,45 @@ def test_code_blocks_fit_the_page_and_claim_ids_stay_whole_at_1280_px(site, brow
         assert [text for text, lines in cells if lines != 1] == []
     finally:
         browser.set_window_size(1300, 1800)
+
+
+E3_TRAINING = {"deep": "deep", "deep-e3-4x": "deep-e3-4x"}  # rung: docs/results/<name>, beside docs/ladder-e3-4x/places_<rung>.csv
+BY_BLOCK = {"p0.cell_r2": "P0", "p1.additive_share": "P1", "p2.r2_task": "P2"}
+
+
+def by_block_table() -> str:
+    """E3's P0-P2 at resid_post of every block, median [min, max] over the seeds, at both rungs of
+    docs/ladder-e3-4x (from ``taskgeom sensitivity --places --csv``), as the scale-ladder page has it."""
+    import pandas as pd
+
+    cells = {}
+    for rung in E3_TRAINING:
+        places = pd.read_csv(ROOT / "docs" / "ladder-e3-4x" / f"places_{rung}.csv")
+        places = places[(places["analysis"] == "m1") & (places["site"] == "resid_post")]
+        for (metric, layer), values in places.groupby(["metric", "layer"])["value"]:
+            cells[metric, rung, layer] = f"{values.median():.3g} [{values.min():.3g}, {values.max():.3g}]"
+    columns = [(metric, rung) for metric in BY_BLOCK for rung in E3_TRAINING]
+    lines = ["| block | " + " | ".join(f"{BY_BLOCK[m]}, {r}" for m, r in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    layers = sorted({layer for _, _, layer in cells})
+    return "\n".join(lines + [f"| {layer} | " + " | ".join(cells[m, r, layer] for m, r in columns) + " |" for layer in layers])
+
+
+def test_the_e3_training_section_is_its_manifests_and_the_places_of_the_same_runs():
+    """The scale-ladder page's E3 rows are `taskgeom ladder`'s, its per-block table is the places
+    CSVs', and those CSVs hold the runs the claims judged: at the block the claims read (3 of 6,
+    resid_post) each seed's P0-P2 is claims.json's."""
+    import json
+
+    import pandas as pd
+
+    page = (ROOT / "docs" / "scale-ladder.md").read_text(encoding="utf-8")
+    ladder = (ROOT / "docs" / "ladder-e3-4x" / "ladder.md").read_text(encoding="utf-8").splitlines()
+    rows = [line for line in page.splitlines() if line.startswith("| `e3.")]
+    assert rows and all(row in ladder for row in rows)
+    assert by_block_table() in page
+    for rung, name in E3_TRAINING.items():
+        claims = {c["id"]: c for c in json.loads((ROOT / "docs" / "results" / name / "claims.json").read_text())}
+        places = pd.read_csv(ROOT / "docs" / "ladder-e3-4x" / f"places_{rung}.csv")
+        for metric, claim in BY_BLOCK.items():
+            read = places[(places["metric"] == metric) & (places["layer"] == 3) & (places["site"] == "resid_post")]
+            assert dict(zip(read["seed"], read["value"])) == pytest.approx({s["seed"]: s["value"] for s in claims[f"e3.{claim}"]["seeds"]}, rel=1e-12)

@@ -200,7 +200,7 @@ def test_the_install_text_says_what_pip_fetches_and_where_the_cpu_wheel_is():
     assert all("--device" in texts[f"taskgeom {name} --help"] for name in ("train", "sweep", "reproduce"))
 
 
-PUBLISHED = ("quick", "deep", "standard", "quick-cc12df1", "wide", "long-e1")  # docs/results/<name>: the published reproductions, in the Practicalities page's order
+PUBLISHED = ("quick", "deep", "standard", "deep-e3-4x", "quick-cc12df1", "wide", "long-e1")  # docs/results/<name>: the published reproductions, in the Practicalities page's order
 
 
 def duration(seconds: float) -> str:
@@ -225,8 +225,9 @@ def published_times() -> list[dict[str, str]]:
         grid = manifest["grid"]
         rows.append({
             "manifests": f"`docs/results/{name}/`",
-            "profile": f"`{manifest['profile']}`",
+            "profile": f"`{manifest['profile']}`" + "".join(f", `{o}`" for o in manifest["overrides"]),
             "recipes": ", ".join(manifest["recipes"]),
+            "experiments": ", ".join(manifest["experiments"]),
             "k": "the profile's" if grid is None else ", ".join(map(str, grid)),
             "seeds": ", ".join(map(str, manifest["seeds"])),
             "runs": str(len(manifest["runs"])),
@@ -243,7 +244,7 @@ def published_times() -> list[dict[str, str]]:
 
 def times_table() -> str:
     rows = published_times()
-    header = ["manifests", "profile", "recipes", "k", "seeds", "runs", "wall", "wall s", "CPU s", "training wall s", "machine", "commit"]
+    header = ["manifests", "profile", "recipes", "experiments", "k", "seeds", "runs", "wall", "wall s", "CPU s", "training wall s", "machine", "commit"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(row[key] for key in header) + " |" for row in rows])
 
