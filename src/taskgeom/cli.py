@@ -482,7 +482,7 @@ def sensitivity(
                                 "runs' stored m1.json and dual.json: P0-P2 and projection R^2 at the place the claims read, and the "
                                 "lowest and highest over all places (median over the runs)."),
     threads: int = typer.Option(1, help="torch threads for what is measured again (0: torch's default). The V search's result depends "
-                                "on it; 1, the thread count of a reproduction's sweep analyses (its --cpus-per-run, 1 by default), "
+                                "on it; 1, the thread count of a reproduction's sweep analyses (its --cpus-per-run, 1 with the default --workers), "
                                 "gives the protocol the values of its claims.json bit for bit."),
 ) -> None:
     """For each claim it covers, its value and verdict under the study's protocol (docs/protocol.md) and under each applicable earlier convention (its variants, docs/protocol.md#variants), on the same runs: the

@@ -32,7 +32,7 @@ have to be measured again there, and the projection drop needs two runs: neither
 ``summarise`` (each claim judged over the runs) or ``place_summary`` (the place-dependent values).
 What it measures again it measures with ``threads`` torch threads, because the V search's result
 depends on the thread count: with one, a reproduction's sweep analyses' count (``--cpus-per-run``,
-1 by default), the protocol's rows are ``claims.json``'s bit for bit; with two, E3's quick
+1 with the default ``--workers``), the protocol's rows are ``claims.json``'s bit for bit; with two, E3's quick
 ``ablate_V_major`` moves from 1.35 to 2.13 on seed 0 (docs/results.md).
 
 ``place_choices`` reads, from a run's stored analyses, the values the place-dependent claims would
