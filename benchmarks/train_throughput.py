@@ -21,15 +21,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from taskgeom.settings.recipes import load_recipe
 from taskgeom.runs.folders import Run
+from taskgeom.settings.recipes import load_recipe
 
 
 def hf_gpt2(cfg, vocab_size: int) -> torch.nn.Module:
     """A stock GPT2LMHeadModel of ``cfg``'s sizes (the config taskgeom's ``model.arch: gpt2`` uses)."""
     from transformers import GPT2LMHeadModel
 
-    from taskgeom.runs.hf import hf_config
+    from taskgeom.models.hf import hf_config
 
     return GPT2LMHeadModel(hf_config(cfg.model_copy(update={"arch": "gpt2"}), vocab_size))
 

@@ -9,8 +9,9 @@ import shutil
 import pytest
 import torch
 
-from taskgeom.settings.config import RunConfig, build_config
+from taskgeom.settings.config import RunConfig
 from taskgeom.settings.kernels import use_portable_kernels
+from taskgeom.settings.recipes import build_config
 
 # The kernels the CLI would choose, before any test computes: in-process runs and the pool workers
 # and Ray tasks the tests start then train the same bits.

@@ -14,9 +14,9 @@ from taskgeom.analysis.stored.dual import loss_sets
 from taskgeom.analysis.measures.task_probe import fit_probe, fit_rows, probe_basis_with_mean
 from taskgeom.analysis.study import StudyRun
 from taskgeom.claims.rules import over_seeds
-from taskgeom.settings.config import build_config
+from taskgeom.settings.recipes import build_config
 from taskgeom.errors import AnalysisError
-from taskgeom.experiments.dual_modes import ablation_claims
+from taskgeom.claims.dual_modes import ablation_claims
 from taskgeom.runs.folders import Run
 from taskgeom.tasks import TaskProbe
 from taskgeom.training.train import train
@@ -205,7 +205,7 @@ def test_the_random_control_is_the_75th_percentile_of_the_draws_by_hand(measured
             assert stored["band"].iloc[0] == [min(draws), max(draws)]
             per_block.append(by_hand)
         stats[set_name] = float(np.mean(per_block))
-    claims = {c.id: c for c in ablation_claims(rows, "e1", 2, "quick")}
+    claims = {c.id: c for c in ablation_claims(rows, "e1", 2)}
     control = claims["e1.random_control"]
     assert control.value == pytest.approx(max(stats["major"], stats["ood"]), rel=1e-12)  # the claim's sets: major and OOD
     assert control.parts["ood_block_mean"] == pytest.approx(stats["ood"], rel=1e-12) and "ood_block1" in control.parts
@@ -215,7 +215,7 @@ def test_the_random_control_is_the_75th_percentile_of_the_draws_by_hand(measured
 def test_the_claims_read_the_block_mean_and_carry_each_block(measured):
     blocks, rows = measured
     rows = rows.assign(diversity=2, step=np.nan)
-    claims = {c.id: c for c in ablation_claims(rows, "e1", 2, "quick")}
+    claims = {c.id: c for c in ablation_claims(rows, "e1", 2)}
     for ablation, set_name in (("ablate_S", "major"), ("ablate_S", "ood"), ("ablate_V", "ood"), ("ablate_V", "major")):
         claim = claims[f"e1.{ablation}_{set_name}"]
         at = rows[(rows["metric"] == f"gain_removed_{ablation}") & (rows["set"] == set_name)]
@@ -234,7 +234,7 @@ def test_a_claim_whose_only_applicable_seed_is_unreliable_is_not_applicable(meas
     null = rows.assign(value=rows["value"].where(~(ood & rows["metric"].str.startswith("gain_removed"))),
                        reason=rows["reason"].where(~ood, "the in-context gain L_0 - L = -0.01 is not positive"))
     reliable = rows.assign(unreliable=rows["unreliable"].where(~ood, False), gain=rows["gain"].where(~ood, 1.0))
-    claim_of = lambda table: next(c for c in ablation_claims(table, "e1", 2, "quick") if c.id == "e1.ablate_V_ood")  # noqa: E731
+    claim_of = lambda table: next(c for c in ablation_claims(table, "e1", 2) if c.id == "e1.ablate_V_ood")  # noqa: E731
 
     seed0 = claim_of(unreliable)
     assert seed0.status == "n/a" and "below 0.05 nats" in seed0.reason and "unreliable" in seed0.reason

@@ -132,15 +132,16 @@ def test_missing_run_directory_exits_2(tmp_path):
 
 
 def test_the_claims_read_the_studys_block_and_each_variant_reads_its_own(trained):
-    from taskgeom.analysis.stored.m1 import analyze, claim_values
+    from taskgeom.analysis.stored.m1 import analyze
+    from taskgeom.claims.m1 import claim_values
     from taskgeom.analysis.study import StudyRun
     from taskgeom.analysis.reading.steering import KINDS
     from taskgeom.errors import AnalysisError
     from taskgeom.claims.catalog import spec
-    from taskgeom.experiments.m1 import claims as m1_claims
+    from taskgeom.claims.m1 import claims as m1_claims
 
     result = analyze(StudyRun(trained), n_sequences=48, n_random=2)
-    claims = {c.id: c for c in m1_claims(result, "quick")}
+    claims = {c.id: c for c in m1_claims(result)}
     assert list(claims) == ["e1.P0", "e1.P1", "e1.P2", "e1.P2.vs_random", "e1.P3", "e1.P3.shrinks", "e1.steering"]
     assert result.place == result.p3_place == (1, "resid_post")  # study block 3 of 6 in 2 blocks: ceil(4 * 2 / 6) - 1
     assert all((c.parts["layer"], c.parts["site"]) == (1, "resid_post") for c in claims.values())
@@ -185,8 +186,8 @@ def test_analyze_e2_regression_run(tmp_path):
     steering reports the RMSE of the prediction of y_i; the m1 claims read them."""
     from taskgeom.analysis.stored.m1 import analyze
     from taskgeom.analysis.study import StudyRun
-    from taskgeom.settings.config import build_config
-    from taskgeom.experiments.m1 import claims as m1_claims
+    from taskgeom.settings.recipes import build_config
+    from taskgeom.claims.m1 import claims as m1_claims
 
     raw = {"name": "e2", "task": {"family": "regression", "d": 2, "n_examples": 4},
            "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 12},
@@ -207,7 +208,7 @@ def test_analyze_e2_regression_run(tmp_path):
 
     analysed = analyze(StudyRun(run), n_sequences=48, n_random=2)
     assert analysed.alpha.shape == (48, 4, 3) and torch.allclose(analysed.alpha.sum(-1), torch.ones(48, 4))
-    claims = {c.id: c for c in m1_claims(analysed, "quick")}
+    claims = {c.id: c for c in m1_claims(analysed)}
     assert list(claims) == ["e2.P0", "e2.P1", "e2.P2", "e2.P2.vs_random", "e2.P3", "e2.P3.shrinks", "e2.steering"]
     parts = claims["e2.steering"].parts
     assert claims["e2.steering"].value == pytest.approx(max(2 * parts["steered"] / parts["unsteered"], parts["steered"] / parts["mode"]))

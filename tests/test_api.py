@@ -18,7 +18,7 @@ import torch
 import taskgeom as tg
 from taskgeom.analysis.reading.steering import KINDS, steering_place
 from taskgeom.errors import AnalysisError, TaskgeomError
-from taskgeom.experiments.m1 import steering_claim
+from taskgeom.claims.m1 import steering_claim
 from taskgeom.hooks import capture, intervene
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
     steering_at = steering_place(run.family, run.config.model.n_layers)  # the stored steering: the study's place, its own draws
     drawn = run.geometry(namespace["major"], steering_at).steer("dirichlet")
     stored_steering = claims.loc["e3.steering", "seeds"][0]
-    assert stored_steering["value"] == steering_claim(drawn, "e3", "quick").value
+    assert stored_steering["value"] == steering_claim(drawn, "e3").value
     for kind in KINDS:
         row = one(m1, f"steering.kl_{kind}", layer=steering_at.layer, site=steering_at.site)
         assert row["value"] == drawn.mean(kind) == stored_steering["parts"][kind], kind

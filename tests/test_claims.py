@@ -13,22 +13,22 @@ from typer.testing import CliRunner
 
 import taskgeom.experiments
 from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN
-from taskgeom.claims.rules import (NOT_BAYES_OPTIMAL, Claim, check, counts, exit_code, gain_parts, not_applicable, over_seeds,
-                             summary, verdict, with_preconditions)
+from taskgeom.claims.catalog import with_preconditions
+from taskgeom.claims.rules import NOT_BAYES_OPTIMAL, Claim, check, counts, exit_code, gain_parts, not_applicable, over_seeds, summary, verdict
 from taskgeom.cli import app
 from taskgeom.experiments import reproduce
 
 
 def passing() -> Claim:
-    return check("e1.P0", "e1", "cell R^2", 0.9, ">=", 0.8, "quick")
+    return check("e1.P0", "e1", "cell R^2", 0.9, ">=", 0.8)
 
 
 def failing() -> Claim:
-    return check("e1.P1", "e1", "additive share", 0.5, ">=", 0.8, "quick")
+    return check("e1.P1", "e1", "additive share", 0.5, ">=", 0.8)
 
 
 def na() -> Claim:
-    return not_applicable("e1.P3.shrinks", "e1", "TV last / first quarter", "<", 1.0, "quick",
+    return not_applicable("e1.P3.shrinks", "e1", "TV last / first quarter", "<", 1.0,
                           "fewer than 5 uncertain positions", parts={"uncertain_positions": 2})
 
 
@@ -38,7 +38,7 @@ def na() -> Claim:
     (math.nan, ">=", 0.8, "fail"), (math.nan, "<", 0.8, "fail"),
 ])
 def test_check_status(value, comparison, threshold, status):
-    claim = check("x", "e1", "d", value, comparison, threshold, "quick")
+    claim = check("x", "e1", "d", value, comparison, threshold)
     assert claim.status == status and claim.passed == (status == "pass")
     assert claim.parts is None and claim.reason is None
 
@@ -56,7 +56,7 @@ def test_a_claim_cannot_contradict_itself():
     with pytest.raises(ValueError, match="status must be one of"):
         Claim("x", "e1", "d", 1.0, 0.5, False, "quick", ">=", "skipped")
     with pytest.raises(ValueError, match="needs a reason"):
-        not_applicable("x", "e1", "d", "<", 1.0, "quick", "")
+        not_applicable("x", "e1", "d", "<", 1.0, "")
 
 
 @pytest.mark.parametrize(("claims", "code"), [
@@ -73,8 +73,8 @@ def test_summary_counts_each_status():
 
 def _seeded(values: dict[int, float | None], threshold: float = 0.9) -> list[tuple[int, Claim]]:
     """One claim e1.P0 >= threshold per seed; a value of None is an n/a seed."""
-    return [(seed, check("e1.P0", "e1", "cell R^2", value, ">=", threshold, "quick", {"layer": seed}) if value is not None else
-             not_applicable("e1.P0", "e1", "cell R^2", ">=", threshold, "quick", f"nothing to measure on seed {seed}"))
+    return [(seed, check("e1.P0", "e1", "cell R^2", value, ">=", threshold, {"layer": seed}) if value is not None else
+             not_applicable("e1.P0", "e1", "cell R^2", ">=", threshold, f"nothing to measure on seed {seed}"))
             for seed, value in values.items()]
 
 
@@ -115,10 +115,10 @@ def test_each_m1_claim_carries_its_model_s_bayes_optimum_per_seed_and_the_verdic
     from taskgeom.report.markdown import by_recipe, verdict_text
 
     optimal = {0: 0.01, 1: 0.3}  # seed 1's model is not Bayes-optimal (threshold 0.02)
-    measured = [(seed, check("e1.bayes_optimal", "e1", "excess loss", value, "<=", 0.02, "quick")) for seed, value in optimal.items()]
-    measured += [(seed, check("e1.P1", "e1", "additive share", 0.5, ">=", 0.8, "quick")) for seed in optimal]
-    measured += [(seed, check("e3.P1", "e3", "additive share", 0.9, ">=", 0.8, "quick")) for seed in optimal]  # no e3 optimum measured
-    measured += [(seed, check("e1.ablate_S_ood", "e1", "share", 60.0, ">=", 50.0, "quick")) for seed in optimal]  # not an M1 claim
+    measured = [(seed, check("e1.bayes_optimal", "e1", "excess loss", value, "<=", 0.02)) for seed, value in optimal.items()]
+    measured += [(seed, check("e1.P1", "e1", "additive share", 0.5, ">=", 0.8)) for seed in optimal]
+    measured += [(seed, check("e3.P1", "e3", "additive share", 0.9, ">=", 0.8)) for seed in optimal]  # no e3 optimum measured
+    measured += [(seed, check("e1.ablate_S_ood", "e1", "share", 60.0, ">=", 50.0)) for seed in optimal]  # not an M1 claim
     claims = {c.id: c for c in over_seeds(with_preconditions(measured))}
     p1 = claims["e1.P1"]
     assert [row["precondition"] for row in p1.seeds] == [{"claim": "e1.bayes_optimal", "value": 0.01, "status": "pass"},
@@ -128,8 +128,8 @@ def test_each_m1_claim_carries_its_model_s_bayes_optimum_per_seed_and_the_verdic
     table = by_recipe([c.as_dict() for c in claims.values()])
     assert "| `P1` | >= 0.8 | **FAIL** 0.5 † | pass 0.9 |" in table and table[-1].startswith(f"† {NOT_BAYES_OPTIMAL}")
     assert "| `bayes_optimal` | <= 0.02 | *unstable* 0.155 | - |" in table
-    one_seed = over_seeds([(0, check("e1.ablate_S_ood", "e1", "share", 10.0, "<", 20.0, "quick")),
-                           (1, not_applicable("e1.ablate_S_ood", "e1", "share", "<", 20.0, "quick", "unreliable gain"))])
+    one_seed = over_seeds([(0, check("e1.ablate_S_ood", "e1", "share", 10.0, "<", 20.0)),
+                           (1, not_applicable("e1.ablate_S_ood", "e1", "share", "<", 20.0, "unreliable gain"))])
     assert "| `ablate_S_ood` | < 20 | pass 10 (1 of 2 seeds) |" in by_recipe([c.as_dict() for c in one_seed])
     for plain in ("e3.P1", "e1.ablate_S_ood", "e1.bayes_optimal"):
         assert claims[plain].caveat is None and all(row["precondition"] is None for row in claims[plain].seeds), plain
@@ -149,7 +149,7 @@ def test_over_seeds_keeps_the_order_of_claims_and_refuses_a_seed_measured_twice(
     with pytest.raises(ValueError, match="measured twice"):
         over_seeds([(0, passing()), (0, passing())])
     with pytest.raises(ValueError, match="threshold"):
-        over_seeds([(0, passing()), (1, check("e1.P0", "e1", "cell R^2", 0.9, ">=", 0.5, "quick"))])
+        over_seeds([(0, passing()), (1, check("e1.P0", "e1", "cell R^2", 0.9, ">=", 0.5))])
 
 
 def test_gain_parts_against_a_hand_computation():
@@ -169,18 +169,18 @@ def test_gain_parts_unreliable_at_the_boundary():
 
 
 def test_parts_become_plain_python_values():
-    claim = check("x", "e1", "d", 0.5, "<", 1.0, "quick",
+    claim = check("x", "e1", "d", 0.5, "<", 1.0,
                   parts={"n": np.int64(3), "loss": np.float32(0.25), "flag": np.bool_(True), "site": "resid_mid"})
     assert claim.parts == {"n": 3, "loss": 0.25, "flag": True, "site": "resid_mid"}
     assert [type(v) for v in claim.parts.values()] == [int, float, bool, str]
     with pytest.raises(TypeError, match="part 'rows'"):
-        check("x", "e1", "d", 0.5, "<", 1.0, "quick", parts={"rows": [1, 2]})
+        check("x", "e1", "d", 0.5, "<", 1.0, parts={"rows": [1, 2]})
 
 
 def test_as_dict_round_trips_through_json_and_pandas():
-    shared = check("d.S_major", "e3", "% major gain removed", 62.0, ">=", 50.0, "quick",
+    shared = check("d.S_major", "e3", "% major gain removed", 62.0, ">=", 50.0,
                    parts=gain_parts(clean=1.0, ablated=1.31, first=1.5))
-    claims = [passing(), failing(), na(), shared, check("nan", "e1", "d", math.nan, ">=", 0.8, "quick")]
+    claims = [passing(), failing(), na(), shared, check("nan", "e1", "d", math.nan, ">=", 0.8)]
     rows = [c.as_dict() for c in claims]
     text = json.dumps(rows, allow_nan=False)  # strict JSON: no NaN
     assert json.loads(text) == rows
@@ -195,7 +195,7 @@ def test_as_dict_round_trips_through_json_and_pandas():
 
 
 def test_report_shows_status_parts_and_reason(tmp_path):
-    unreliable = check("d.V_ood", "e3", "% OOD gain removed", 80.0, ">=", 50.0, "quick",
+    unreliable = check("d.V_ood", "e3", "% OOD gain removed", 80.0, ">=", 50.0,
                        parts=gain_parts(clean=1.0, ablated=1.03, first=1.04))
     reproduce(tmp_path, "quick", {"fake": lambda ctx: ctx.claim(0, passing(), failing(), na(), unreliable)})
     page = (tmp_path / "report.html").read_text()
@@ -204,6 +204,8 @@ def test_report_shows_status_parts_and_reason(tmp_path):
     assert "class='fail'>FAIL" in page and "class='pass'>pass" in page
     assert "<span class=warn>unreliable</span> ablated_loss&nbsp;=&nbsp;1.03, clean_loss&nbsp;=&nbsp;1," in page  # claims.json sorts keys
     assert "gain&nbsp;=&nbsp;0.04" in page and "uncertain_positions&nbsp;=&nbsp;2" in page
+    assert passing().profile is None  # a claim builder knows no profile: the experiment's context stamps it
+    assert {row["profile"] for row in json.loads((tmp_path / "claims.json").read_text())} == {"quick"}
 
 
 @pytest.mark.parametrize(("claims", "code"), [([passing(), na()], 0), ([passing(), na(), failing()], 1)])
@@ -222,8 +224,8 @@ def test_reproduce_judges_each_claim_over_its_seeds(tmp_path, monkeypatch):
     """Seeds 3, 4, 5: P0 passes on 3 and 5 and fails on 4 (unstable, exit 0); P1 fails on all (exit 1)."""
     def fake(ctx):
         for seed in ctx.seeds:
-            ctx.claim(seed, check("e1.P0", "e1", "cell R^2", {3: 0.95, 4: 0.5, 5: 0.97}[seed], ">=", 0.9, ctx.profile),
-                      check("e1.P1", "e1", "additive share", 0.1 * seed, ">=", 0.9, ctx.profile))
+            ctx.claim(seed, check("e1.P0", "e1", "cell R^2", {3: 0.95, 4: 0.5, 5: 0.97}[seed], ">=", 0.9),
+                      check("e1.P1", "e1", "additive share", 0.1 * seed, ">=", 0.9))
 
     monkeypatch.setattr(taskgeom.experiments, "declared", lambda studies, profile: {"fake": fake})
     result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), "--device", "cpu", "--seeds", "3,4,5"])

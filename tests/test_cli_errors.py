@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from taskgeom.cli import app, classify
-from taskgeom.settings.config import analysis_memory, format_bytes
 from taskgeom.errors import AnalysisError, CheckpointError, EnvironmentRefused, RunDirError, RunLockedError, TrainingDiverged
 from taskgeom.runs.folders import Run
+from taskgeom.training.memory import analysis_memory, format_bytes
 
 RECIPE = "base: {name: r, task: {family: dice, seq_len: 16}, model: {n_layers: 1, d_model: 16, n_heads: 2, d_mlp: 32, max_len: 16}}\n"
 

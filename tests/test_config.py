@@ -7,8 +7,8 @@ import re
 import pytest
 import yaml
 
-from taskgeom.settings.config import LATER_SETTINGS, ConfigError, build_config, load_config
-from taskgeom.settings.recipes import load_recipe, recipe_names
+from taskgeom.settings.config import LATER_SETTINGS, ConfigError
+from taskgeom.settings.recipes import build_config, load_config, load_recipe, recipe_names
 
 BASE = {"name": "x", "task": {"family": "dice"}}
 
@@ -177,8 +177,8 @@ def test_a_recipe_that_is_not_utf8(tmp_path):
 @pytest.mark.parametrize("family", ["dice", "markov", "dyck", "regression"])
 @pytest.mark.parametrize("arch", ["taskgeom", "taskgeom-learned", "gpt2", "llama"])
 def test_parameter_count_matches_the_built_model(family, arch):
-    from taskgeom.settings.config import parameter_count
     from taskgeom.runs.folders import Run
+    from taskgeom.training.memory import parameter_count
 
     if arch in ("gpt2", "llama"):
         if family == "regression":
@@ -196,8 +196,8 @@ def test_parameter_count_matches_the_built_model(family, arch):
 
 
 def test_training_memory_parts_and_the_refusal():
-    from taskgeom.settings.config import MemoryRefused, check_training_memory, parameter_count, training_memory
     from taskgeom.errors import EnvironmentRefused
+    from taskgeom.training.memory import MemoryRefused, check_training_memory, parameter_count, training_memory
 
     cfg = build_config(BASE, ["train.batch_size=8", "train.eval_batch=16", "task.seq_len=32", "model.d_model=64", "model.d_mlp=256",
                               "task.diversity=3"])
@@ -217,7 +217,7 @@ def test_training_memory_parts_and_the_refusal():
 
 
 def test_analysis_memory_grows_with_the_sequences():
-    from taskgeom.settings.config import analysis_memory, format_bytes
+    from taskgeom.training.memory import analysis_memory, format_bytes
 
     cfg = build_config(BASE)
     assert analysis_memory(cfg, 2000) - analysis_memory(cfg, 1000) == analysis_memory(cfg, 1000) - analysis_memory(cfg, 0) > 0
@@ -229,9 +229,8 @@ def test_analysis_memory_grows_with_the_sequences():
 def test_a_profile_s_measure_section_is_read_from_the_recipe(tmp_path):
     """The diversity grid and Fig. 4's sizes are the recipe's, per profile (inherited through
     extends): the study's 128 x 128 at every shipped profile; the grid is left out of the run config."""
-    from taskgeom.settings.config import MeasureSettings, load_measure
     from taskgeom.experiments.sweep import Job
-    from taskgeom.settings.recipes import recipe_path
+    from taskgeom.settings.recipes import MeasureSettings, load_measure, recipe_path
 
     for name in ("e1", "e2", "e3", "e4"):
         for profile in ("quick", "deep", "standard", "wide", "long", "paper"):
@@ -255,8 +254,7 @@ def test_a_profile_s_measure_section_is_read_from_the_recipe(tmp_path):
 def test_a_recipe_is_parsed_once_and_every_profile_s_measure_is_validated_with_it(tmp_path, monkeypatch):
     """load_study, load_config and load_measure read one parse of the file (until it changes); a
     wrong ``measure`` section in any profile is refused when the recipe is read, naming that profile."""
-    from taskgeom.settings.config import load_measure
-    from taskgeom.settings.recipes import load_study
+    from taskgeom.settings.recipes import load_measure, load_study
 
     parses = []
     real_load = yaml.safe_load

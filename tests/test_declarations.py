@@ -51,3 +51,44 @@ def test_no_analysis_asks_a_built_in_family_s_class():
     found = [f"{path.relative_to(SOURCE)}:{number}" for path in SOURCE.rglob("*.py") if path.parent.name != "tasks"
              for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
     assert found == []
+
+
+class Undeclared(Markov):
+    """E3's family without the declarations the analyses read, registered under E3's name."""
+
+    steering_form = projection_window = task_probe = None
+
+
+def test_reproduce_refuses_a_family_without_what_its_experiments_read_before_training(monkeypatch, tmp_path):
+    from taskgeom import experiments
+    from taskgeom.settings.config import ConfigError
+    from taskgeom.settings.recipes import load_study
+    from taskgeom.tasks import registry
+
+    assert experiments.undeclared(Undeclared) == {"steering_form": "m1", "projection_window": "dual_modes", "task_probe": "dual_modes"}
+    assert experiments.undeclared(Markov) == {} and experiments.undeclared(Undeclared, ("bayes_optimum",)) == {}
+    registry.load_plugins()
+    monkeypatch.setitem(registry.FAMILIES, "markov", Undeclared)
+    out = tmp_path / "results"
+    with pytest.raises(ConfigError, match=r"experiment m1 reads what the 'markov' family \(recipe e3\) declares no steering_form"):
+        experiments.reproduce(out, "quick", {"m1": experiments.m1}, studies=(load_study("e3"),))
+    with pytest.raises(ConfigError, match="declares no projection_window, task_probe"):
+        experiments.reproduce(out, "quick", {"dual_modes": experiments.dual_modes}, studies=(load_study("e3"),))
+    assert not out.exists()  # refused before anything was written or trained
+
+
+def test_train_says_once_what_the_family_does_not_declare(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from taskgeom.cli import app
+    from taskgeom.tasks import registry
+
+    registry.load_plugins()
+    monkeypatch.setitem(registry.FAMILIES, "markov", Undeclared)
+    small = ["--set", "train.steps=2", "--set", "train.eval_every=2", "--set", "train.checkpoint_every=2"]
+    result = CliRunner().invoke(app, ["train", "e3", *small, "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    note = "note: the 'markov' family declares no steering_form, projection_window, task_probe, which m1, dual_modes read"
+    assert result.output.count(note) == 1
+    monkeypatch.setitem(registry.FAMILIES, "markov", Markov)
+    assert "note:" not in CliRunner().invoke(app, ["train", "e3", *small, "--out", str(tmp_path)]).output

@@ -12,8 +12,7 @@ import torch
 from taskgeom import tasks
 from taskgeom.rng import generator
 from taskgeom.tasks.base import TaskPool
-from taskgeom.tasks.dyck import OPEN
-from taskgeom.tasks.dyck import completion_counts, open_probability
+from taskgeom.tasks.dyck import OPEN, completion_counts, open_probability
 
 torch.set_num_threads(1)
 
@@ -273,8 +272,8 @@ def test_family_rejects_bad_settings():
 
 
 def test_e4_recipe_builds_the_family(tmp_path):
-    from taskgeom.settings.recipes import load_recipe
     from taskgeom.runs.folders import Run
+    from taskgeom.settings.recipes import load_recipe
 
     for profile, seq_len in (("quick", 96), ("paper", 192)):  # the study's vocabulary of 8 in every profile (docs/protocol.md#the-studys-settings-the-paper-profile)
         config = load_recipe("e4", profile)
@@ -288,9 +287,9 @@ def test_within_shares_are_zero_for_token_cells_of_the_embedding_and_one_for_a_s
     """At layer 0's input (token embedding, rotary positions add nothing) the state is a function
     of the current token, so (anything, token) cells hold no variance; one cell holds all of it."""
     from taskgeom.analysis.reading.states import collect
-    from taskgeom.settings.config import ModelConfig
     from taskgeom.extras.dyck import within_shares
-    from taskgeom.model import Transformer
+    from taskgeom.models import Transformer
+    from taskgeom.settings.config import ModelConfig
 
     fam = tasks.make("dyck", n_pairs=4)
     tokens = fam.sample_ood(32, 24, seed=1).tokens

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from taskgeom.claims.catalog import spec
-from taskgeom.extras.dyck import (MAX_BACK, prefix_probes, probe_batch, probe_rows, probe_targets,
-                                      weakest_probe)
+from taskgeom.claims.e4 import weakest_probe
+from taskgeom.extras.dyck import MAX_BACK, prefix_probes, probe_batch, probe_rows, probe_targets
 from taskgeom.settings.recipes import load_recipe
 from taskgeom.extras.dyck_figures import plot_prefix_probes
 from taskgeom.rng import generator

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from taskgeom import tasks
-from taskgeom.settings.config import build_config
 from taskgeom.settings.fields import TaskSettings
+from taskgeom.settings.recipes import build_config
 
 # A family of its own: E3's chains under another name, with one setting of its own.
 PLUGIN = '''
@@ -76,7 +76,7 @@ def test_registering_a_name_twice_is_refused():
 
 def test_a_plugin_family_validates_builds_and_trains(tmp_path):
     env = plugin(tmp_path, "chainfam", "chain = chainfam:Chain", PLUGIN.format(name="chain"))
-    done = run(env, "from taskgeom.settings.config import build_config, ConfigError\n"
+    done = run(env, "from taskgeom.settings.config import ConfigError\nfrom taskgeom.settings.recipes import build_config\n"
                     "c = build_config({'name': 'x', 'task': {'family': 'chain', 'seq_len': 8}})\n"
                     "print(type(c.family).__name__, c.family.vocab_size, c.task.vocab_size, c.digest())\n"
                     "try:\n    build_config({'name': 'x', 'task': {'family': 'chain', 'alpha': 2.0}})\n"

@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from taskgeom.analysis.measures.properties import alignment, interpolation, shrinkage, stability, KL_FLOOR
-from taskgeom.analysis.reading.states import collect, stream_layers
 from conftest import planted_paths
-from taskgeom.settings.config import ModelConfig
+from taskgeom.analysis.measures.properties import KL_FLOOR, alignment, interpolation, shrinkage, stability
+from taskgeom.analysis.reading.states import collect, stream_layers
 from taskgeom.hooks import capture
-from taskgeom.model import SITES, Transformer
+from taskgeom.models import SITES, Transformer
+from taskgeom.settings.config import ModelConfig
 
 K, V, D, T, REPEATS = 3, 4, 12, 16, 8  # REPEATS: a multiple of V, so tokens are balanced per task
 
@@ -119,9 +119,9 @@ def test_streamed_states_equal_one_full_forward():
 
 def test_selection_and_measurement_sequences_are_held_out_and_independent(tmp_path):
     from taskgeom.analysis.study import StudyRun
-    from taskgeom.training.evaluate import eval_sets
-    from taskgeom.settings.recipes import load_recipe
     from taskgeom.runs.folders import Run
+    from taskgeom.settings.recipes import load_recipe
+    from taskgeom.training.evaluate import eval_sets
 
     run = Run.create(load_recipe("e1", "quick", ["task.diversity=1", "train.eval_batch=16"]), tmp_path)
     study = StudyRun(run)

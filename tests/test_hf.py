@@ -11,17 +11,18 @@ from typer.testing import CliRunner
 
 transformers = pytest.importorskip("transformers")
 
-from taskgeom.runs import hf  # noqa: E402
-from taskgeom.runs import pretrained
+from taskgeom.analysis.reading.states import LayerStreams  # noqa: E402
 from taskgeom.analysis.stored.m1 import analyze, check_request  # noqa: E402
 from taskgeom.analysis.study import StudyRun, open_run  # noqa: E402
-from taskgeom.analysis.reading.states import LayerStreams  # noqa: E402
 from taskgeom.cli import app  # noqa: E402
-from taskgeom.settings.config import ConfigError, ModelConfig, build_config  # noqa: E402
 from taskgeom.errors import AnalysisError, TaskgeomError  # noqa: E402
 from taskgeom.hooks import capture, intervene  # noqa: E402
-from taskgeom.settings.recipes import load_recipe  # noqa: E402
+from taskgeom.models import hf  # noqa: E402
+from taskgeom.models import pretrained  # noqa: E402
 from taskgeom.runs.folders import Run  # noqa: E402
+from taskgeom.settings.config import ConfigError, ModelConfig  # noqa: E402
+from taskgeom.settings.recipes import build_config  # noqa: E402
+from taskgeom.settings.recipes import load_recipe  # noqa: E402
 from taskgeom.training.train import train  # noqa: E402
 
 SMALL = ModelConfig(n_layers=3, d_model=32, n_heads=2, d_mlp=64, max_len=16)
@@ -282,10 +283,10 @@ def test_m1_of_the_loaded_copy_equals_the_runs_own(trained, exported):
 def test_the_tiny_gpt2_has_the_m1_geometry(trained):
     """Not a tautology of the round trip: 200 steps of our trainer give a GPT-2 whose late states
     are task + token cells (P0, P1), lie on the task simplex (P2, P3) and steer (ratio >= 3)."""
-    from taskgeom.experiments.m1 import claims
+    from taskgeom.claims.m1 import claims
 
     result = analyze(StudyRun(trained), n_sequences=N_SEQUENCES)
-    passed = {c.id: c.passed for c in claims(result, "quick")}
+    passed = {c.id: c.passed for c in claims(result)}
     assert result.summary["p0.within_share"] < 0.01
     assert all(passed[f"e1.{name}"] for name in ("P0", "P1", "P2", "P2.vs_random", "P3", "steering")), passed
 

@@ -127,20 +127,27 @@ def test_a_planted_cycle_is_found(tmp_path):
     assert describe(by_hand, ["d", "e", "d"]) == "d (line 5) -> e (line 6) -> d"
 
 
-# The layering rule (the data flow of DESIGN.md), bottom to top: the foundation (the families, settings,
-# the model and its hooks, run folders, training) knows nothing of the analyses. The analyses read upwards
-# in four rooms: the measures (computations on states: P0-P3 fits, subspaces, shares), reading a run
-# (held-out splits, places and edits, states, steering, projection R^2), the facade (a run and its
-# geometry), the stored analyses (m1.json, dual.json). Above them the claims (their rules and their
-# catalog), then the report and the results facade, the experiments, the recipes' own experiments
-# (extras), and on top the command line and the package's facade. A module imports only modules of its
-# own layer or below.
-LAYERS = {"analysis.measures": 1.0, "analysis.reading": 1.1, "analysis.geometry": 1.2, "analysis.study": 1.2, "analysis.stored": 1.3,
+# The layering rule (docs/adding-a-family.md, "Where code goes: the layers"), bottom to top, as the data
+# flows. The foundation (0.x) knows nothing of the analyses, and reads upwards in its own sub-layers:
+# errors, randomness, hooks and progress bars (0); the building blocks of every settings model (fields,
+# the run config's and each family's) and the machine (devices, kernels) (0.1); the task families, each
+# carrying its settings model (0.2); the run config's schema, whose task section is the union of the
+# registered families' settings, and the recipes that make configs (0.3); the models (0.4); run folders
+# (0.5); training, and Hugging Face model directories read as runs (models.pretrained) (0.6). The
+# analyses read upwards in four rooms: the measures (computations on states: P0-P3 fits, subspaces,
+# shares), reading a run (held-out splits, places and edits, states, steering, projection R^2), the
+# facade (a run and its geometry), the stored analyses (m1.json, dual.json). Above them the claims
+# (their rules and their catalog), then the report and the results facade, the experiments, the
+# recipes' own experiments (extras), and on top the command line and the package's facade. A module
+# imports only modules of its own layer or below.
+LAYERS = {"settings": 0.1, "tasks": 0.2, "settings.config": 0.3, "settings.recipes": 0.3, "models": 0.4, "runs": 0.5,
+          "models.pretrained": 0.6, "training": 0.6,
+          "analysis.measures": 1.0, "analysis.reading": 1.1, "analysis.geometry": 1.2, "analysis.study": 1.2, "analysis.stored": 1.3,
           "claims": 2, "report": 3, "results": 3, "experiments": 4, "extras": 5, "cli": 6, "__main__": 6}
 
 
 def layer(module: str) -> float:
-    """The layer of a module of taskgeom: that of its longest prefix in LAYERS (0 for the foundation, 6 for the facade)."""
+    """The layer of a module of taskgeom: that of its longest prefix in LAYERS (0 for the rest of the foundation, 6 for the facade)."""
     parts = module.split(".")[1:]
     if not parts:
         return 6
@@ -155,12 +162,14 @@ def test_no_module_imports_one_above_it():
     upward = [f"{module} ({layer(module)}) -> {target} ({layer(target)}), line {line}"
               for module, edges in graph.items() for target, line in edges.items() if layer(target) > layer(module)]
     assert upward == []
-    assert layer("taskgeom.settings.config") == 0 and layer("taskgeom.analysis.measures.shares") == 1.0
+    assert layer("taskgeom.errors") == layer("taskgeom.hooks") == 0 and layer("taskgeom.analysis.measures.shares") == 1.0
+    assert layer("taskgeom.settings.fields") < layer("taskgeom.tasks.registry") < layer("taskgeom.settings.config") < layer("taskgeom.models")
+    assert layer("taskgeom.models.hf") < layer("taskgeom.runs.folders") < layer("taskgeom.models.pretrained") == layer("taskgeom.training.train")
     assert layer("taskgeom.claims.catalog") == 2 and layer("taskgeom.experiments.sensitivity") == 4 and layer("taskgeom") == 6
 
 
 def test_no_folder_holds_more_than_thirteen_modules():
-    """A folder of the package holds about a dozen modules at most (DESIGN.md: rooms a reader can find)."""
+    """A folder of the package holds about a dozen modules at most (docs/adding-a-family.md, "Where code goes: the layers")."""
     crowded = {str(folder.relative_to(PACKAGE)): n for folder in [PACKAGE, *PACKAGE.rglob("*/")] if folder.name != "__pycache__"
                and (n := len([p for p in folder.glob("*.py") if p.name != "__init__.py"])) > 13}
     assert crowded == {}

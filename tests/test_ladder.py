@@ -81,6 +81,10 @@ def test_the_ladder_table_is_each_rung_s_per_seed_values(tiny_reproduction, tmp_
     assert len(long) == 2 * sum(len(c["seeds"]) for c in _claims(low)) and set(long["rung"]) == {"small", "big"}
     recipes = {c["id"].split(".")[0] for c in _claims(low) if c["status"] != "n/a"}
     assert all((out / f"ladder_{recipe}.png").stat().st_size > 0 for recipe in recipes)
+    verdicts = pd.read_csv(out / "verdicts.csv", keep_default_na=False, na_values=[""]).set_index(["claim", "profile"])
+    assert len(verdicts) == 2 * len(_claims(low)) and (out / "verdicts.png").stat().st_size > 0  # the grid, every claim at each rung
+    assert verdicts.loc[(moved["id"], "big"), "median"] == pytest.approx(moved["median"], rel=1e-12)
+    assert verdicts.loc[(moved["id"], "big"), "status"] == moved["status"]
     curve = pd.read_csv(low / "tables" / "rank_curve.csv")  # the rank curve at the highest k, by hand
     top = curve[(curve["diversity"] == curve["diversity"].max()) & curve["layer"].isna() & (curve["recipe"] == "e1")]
     first = top[top["rank"] == 1]["value"]

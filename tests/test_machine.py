@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from taskgeom.settings import kernels
 from taskgeom.cli import app
+from taskgeom.settings import kernels
 from taskgeom.settings.devices import default_workers, usable_cores
 
 AVX2_FLAGS = {"sse2", "avx", "avx2", "fma"}
@@ -91,8 +91,8 @@ def test_a_cgroup_quota_bounds_the_usable_cores(tmp_path):
 
 def test_the_schedule_runs_no_more_at_once_than_memory_allows(tmp_path):
     from conftest import tiny_config
-    from taskgeom.settings.config import training_memory
     from taskgeom.experiments.schedule import TrainTask, Unit, memory_workers
+    from taskgeom.training.memory import training_memory
 
     config = tiny_config()
     units = [Unit(TrainTask(config, str(tmp_path), "cpu", "none", 1), 1, 0) for _ in range(4)]
@@ -154,8 +154,8 @@ def test_a_short_quick_e1_training_gives_the_published_bits(tmp_path):
 
     from safetensors.torch import load_file
 
-    from taskgeom.settings.recipes import load_recipe
     from taskgeom.runs.folders import Run
+    from taskgeom.settings.recipes import load_recipe
     from taskgeom.training.train import train
 
     if os.environ.get(kernels.CHOICE_VARIABLE) != "pinned":

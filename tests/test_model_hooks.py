@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from taskgeom.analysis.reading.states import LayerStreams
-from taskgeom.settings.config import ModelConfig
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import capture, intervene
-from taskgeom.model import SITES, Transformer
+from taskgeom.models import SITES, Transformer
+from taskgeom.settings.config import ModelConfig
 
 
 # (positions, MLP activation, final norm): the last is the study's E1/E3/E4 model (docs/protocol.md#the-studys-settings-the-paper-profile)
@@ -24,7 +24,8 @@ def model(request):
 def test_the_mlp_activation_and_the_final_norm_are_settings():
     """SiLU in the MLP; without a final norm the unembedding reads the residual stream, and the
     model's parameters are the ones config.parameter_count counts."""
-    from taskgeom.settings.config import build_config, parameter_count
+    from taskgeom.settings.recipes import build_config
+    from taskgeom.training.memory import parameter_count
 
     for activation, final_norm in (("silu", False), ("gelu", True)):
         config = build_config({"name": "m", "task": {"family": "dice", "seq_len": 8},
@@ -155,7 +156,7 @@ def test_layer_streams_refuse_an_edited_prefix_and_other_tokens(model):
 def test_rotary_gives_the_half_split_formula_bit_for_bit():
     """Rotary's whole-head form: values and input gradients equal to the textbook
     (x1 cos - x2 sin, x1 sin + x2 cos), exactly."""
-    from taskgeom.model import Rotary
+    from taskgeom.models.transformer import Rotary
 
     head_dim, T = 16, 12
     inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)

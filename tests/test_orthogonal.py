@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from taskgeom.analysis.measures.orthogonal import (BATCH_SIZE, avoid_basis, initial_coordinates, orthogonal_searches, token_subspace)
-from taskgeom.analysis.reading.states import LayerStreams
+from taskgeom.analysis.measures.orthogonal import BATCH_SIZE, avoid_basis, initial_coordinates, orthogonal_searches, token_subspace
 from taskgeom.analysis.measures.subspace import complement_basis
-from taskgeom.settings.config import ModelConfig
-from taskgeom.model import HookPoint, Transformer
+from taskgeom.analysis.reading.states import LayerStreams
+from taskgeom.models.transformer import HookPoint, Transformer
 from taskgeom.rng import generator
+from taskgeom.settings.config import ModelConfig
 from taskgeom.tasks import make
 
 D, T = 16, 4

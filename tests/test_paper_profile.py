@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from taskgeom.settings.config import parameter_count
 from taskgeom.experiments import Context, planned_runs
 from taskgeom.experiments.schedule import plan_table
 from taskgeom.runs.folders import Run
+from taskgeom.training.memory import parameter_count
 from taskgeom.training.train import train
 
 

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from taskgeom import tasks
-from taskgeom.settings.config import ConfigError, ModelConfig, build_config
-from taskgeom.training.evaluate import evaluate_run
 from taskgeom.hooks import capture
-from taskgeom.model import Transformer
+from taskgeom.models import Transformer
 from taskgeom.runs.folders import Run
+from taskgeom.settings.config import ConfigError, ModelConfig
+from taskgeom.settings.recipes import build_config
 from taskgeom.tasks import Batch, TaskPool
+from taskgeom.training.evaluate import evaluate_run
 from taskgeom.training.train import train
 
 torch.set_num_threads(1)
@@ -180,7 +181,7 @@ def test_pair_layout_reads_the_prediction_at_x():
 
 
 def test_late_means_average_the_last_half_of_the_examples():
-    from taskgeom.extras.regression import late_means
+    from taskgeom.claims.e2 import late_means
 
     rows = [{"set": s, "position": i, "metric": "loss", "value": float(10 * i + (s == "ood"))} for s in ("major", "ood") for i in range(6)]
     means = late_means(pd.DataFrame(rows), 6)

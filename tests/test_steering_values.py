@@ -14,9 +14,9 @@ from taskgeom.analysis.stored.m1 import steering_rows
 from taskgeom.analysis.reading.steering import (Steering, TokenReadout, clip_positions, kl_rows, position_task_vectors, random_edit,
                                         steering_place)
 from taskgeom.analysis.study import StudyRun
-from taskgeom.settings.config import build_config
+from taskgeom.settings.recipes import build_config
 from taskgeom.errors import AnalysisError
-from taskgeom.experiments.m1 import steering_claim
+from taskgeom.claims.m1 import steering_claim
 from taskgeom.hooks import Place, capture
 from taskgeom.runs.folders import Run
 from taskgeom.tasks import make
@@ -269,7 +269,7 @@ def test_steering_rows_are_means_with_quartile_bands_and_what_was_steered():
     ("rmse", 0.75, 0.5, 0.75, 4 / 3, "fail"),
 ])
 def test_the_claim_passes_at_most_a_third_of_unsteered_and_below_the_mode_task(measure, unsteered, steered, mode, value, status):
-    claim = steering_claim(fabricated(measure, [unsteered] * 2, [steered] * 2, [mode] * 2), "e1", "quick")
+    claim = steering_claim(fabricated(measure, [unsteered] * 2, [steered] * 2, [mode] * 2), "e1")
     assert claim.value == pytest.approx(value, rel=1e-12) and claim.status == status and claim.threshold == 1.0
     assert claim.parts == {"unsteered": unsteered, "steered": steered, "mode": mode, "random": 1.0, "layer": 3, "site": "resid_post",
                            "position_first": 25, "position_last": 27, "n_positions": 3, "n_sequences": 2, "n_points": 2, "form": "task"}

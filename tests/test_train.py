@@ -15,17 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from conftest import tiny_config
-from safetensors.torch import save_file
-
-from taskgeom.training import train as train_module
 from taskgeom.cli import app
 from taskgeom.errors import CheckpointError, RunDirError, TrainingDiverged
 from taskgeom.runs.folders import Run
 from taskgeom.runs.storage import CHECKPOINT_FORMAT
+from taskgeom.training import train as train_module
 from taskgeom.training.train import learning_rate, train
 
 runner = CliRunner()
@@ -458,7 +456,7 @@ def test_grad_clip_null_trains_unclipped():
 def test_the_step_trains_the_textbook_model_bit_for_bit(monkeypatch):
     """The trainer's speed-ups change no float: a few steps of the quick E1 model give weights
     equal, exactly, to the textbook step's."""
-    from taskgeom.model import Attention
+    from taskgeom.models.transformer import Attention
     from taskgeom.settings.recipes import load_recipe
 
     run = Run("unused", load_recipe("e1"))

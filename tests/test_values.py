@@ -269,7 +269,7 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
 
 def _raiser(error: Exception):
     def experiment(ctx: Context) -> None:
-        ctx.claim(0, check("x.ok", "x", "a claim before the error", 1.0, ">=", 0.5, ctx.profile))
+        ctx.claim(0, check("x.ok", "x", "a claim before the error", 1.0, ">=", 0.5))
         raise error
 
     return experiment
@@ -312,7 +312,7 @@ def test_reproduce_exit_code_says_what_stopped_it(tmp_path, monkeypatch, error, 
 def test_claim_values_read_each_claim_at_its_place_under_the_protocol_and_the_variants():
     """Planted m1.json rows: every metric's value encodes (metric, layer, site), so a value read at
     the wrong place or from the wrong metric shows. E2-like: P3 reads its own block (9 of 16)."""
-    from taskgeom.analysis.stored.m1 import claim_values
+    from taskgeom.claims.m1 import claim_values
     from taskgeom.analysis.stored.rows import row
 
     metrics = ["p0.cell_r2", "p0.cell_r2_pooled", "p1.additive_share", "p1.additive_share_pooled", "p1.additive_share_last",

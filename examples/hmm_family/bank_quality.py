@@ -12,8 +12,8 @@ import argparse
 import torch
 
 from hmm_family.family import HMM, forward
-from taskgeom.settings.config import load_config
 from taskgeom.report.manifest import cpu_model
+from taskgeom.settings.recipes import load_config
 
 RECIPE = __file__.replace("bank_quality.py", "hmm.yaml")
 

@@ -16,24 +16,28 @@ The public API, ``import taskgeom as tg`` (docs/python-api.md walks through a st
   written with the objects above.
 - ``tg.results(folder)`` -> ``tg.Results``: a reproduction's claims and every analysis row.
 - ``tg.tasks``: the latent-task families (``tasks.make``).
+- ``tg.pin_kernels()``: torch's CPU kernels pinned as every ``taskgeom`` command pins them, so a
+  session computes the published bits; call it first, before torch computes anything.
 """
 
-from taskgeom.version import __version__
-from taskgeom import tasks  # first: the modules below import it
-from taskgeom.analysis.stored.dual import analyze_dual
-from taskgeom.analysis.reading.heldout import Split
-from taskgeom.analysis.stored.m1 import Result as M1Result, analyze as analyze_m1
-from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN, Share, share_of_gain
-from taskgeom.analysis.reading.steering import Steering
-from taskgeom.analysis.reading.edits import Edit
-from taskgeom.hooks import Place
+from taskgeom import tasks
 from taskgeom.analysis.geometry import Alignment, Geometry
+from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN, Share, share_of_gain
+from taskgeom.analysis.reading.edits import Edit
+from taskgeom.analysis.reading.heldout import Split
 from taskgeom.analysis.reading.projection import ProjectionR2
+from taskgeom.analysis.reading.steering import Steering
+from taskgeom.analysis.stored.dual import analyze_dual
+from taskgeom.analysis.stored.m1 import Result as M1Result
+from taskgeom.analysis.stored.m1 import analyze as analyze_m1
 from taskgeom.analysis.study import Selection, Sequences, StudyRun, open_run
+from taskgeom.hooks import Place
 from taskgeom.results import Results, results
+from taskgeom.settings.kernels import use_portable_kernels as pin_kernels
+from taskgeom.version import __version__
 
 __all__ = [
     "open_run", "StudyRun", "Split", "Sequences", "Place", "Selection", "Geometry", "Alignment", "Steering", "Edit", "ProjectionR2",
     "share_of_gain", "Share", "MIN_RELIABLE_GAIN", "analyze_m1", "M1Result", "analyze_dual", "results", "Results", "tasks",
-    "__version__",
+    "pin_kernels", "__version__",
 ]

@@ -20,8 +20,8 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
-from taskgeom.settings.config import DEFAULT_PROFILE
 from taskgeom.errors import EnvironmentRefused, TaskgeomError, TrainingDiverged
+from taskgeom.settings.recipes import DEFAULT_PROFILE
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_BUG = 1, 2, 3, 4
 
@@ -141,6 +141,19 @@ def _folder(path: Path, option: str) -> Path:
     return path
 
 
+def _note_undeclared(family_name: str, experiments: tuple[str, ...] | None = None) -> None:
+    """Say once what the analyses (``experiments``; None: every generic one) will read of the family
+    ``family_name`` that it declares none of: training goes on, those analyses will refuse it."""
+    from taskgeom.experiments import DECLARATIONS, undeclared
+    from taskgeom.tasks.registry import family_class
+
+    missing = undeclared(family_class(family_name), DECLARATIONS if experiments is None else experiments)
+    if missing:
+        readers = ", ".join(dict.fromkeys(missing.values()))
+        typer.echo(f"note: the {family_name!r} family declares no {', '.join(missing)}, which {readers} read (TaskFamily, "
+                   "docs/adding-a-family.md): this trains, but those analyses will refuse its runs until the family declares them", err=True)
+
+
 def _check_training(device: str, tracker: str, local: bool = True) -> None:
     """Refuse a bad --device or --tracker before anything is written; on Ray each task resolves
     the device on its own node, so only its spelling is checked here."""
@@ -171,6 +184,7 @@ def train(
 
     _check_training(device, tracker)
     settings = load_recipe(config, profile, set_ or [])
+    _note_undeclared(settings.task.family)
     if run_dir is None:
         _folder(out, "--out")
     else:
@@ -184,9 +198,9 @@ def train(
 def eval_(run_dir: Path = typer.Argument(..., help="A finished run directory.")) -> None:
     """Per-position loss of a trained model against the Bayes predictors: writes
     analysis/eval.json (tidy rows) and figures/loss_by_position.png, prints the means."""
-    from taskgeom.training.evaluate import evaluate_run
     from taskgeom.report.figures import plot_loss_by_position
     from taskgeom.runs.folders import Run
+    from taskgeom.training.evaluate import evaluate_run
 
     run = Run.open(run_dir)
     table = pd.DataFrame(evaluate_run(run))
@@ -230,8 +244,8 @@ def _int_list(text: str, option: str) -> list[int]:
 
 def _executor(kind: str, workers: int | None, address: str | None, cpus_per_run: int | None, gpus_per_run: float):
     """The executor of the options below, ``--workers`` defaulting to ``devices.default_workers``."""
-    from taskgeom.settings.devices import default_workers
     from taskgeom.experiments.executors import Executor
+    from taskgeom.settings.devices import default_workers
 
     return Executor(kind, default_workers(cpus_per_run) if workers is None else workers, address, cpus_per_run, gpus_per_run)
 
@@ -279,6 +293,8 @@ def sweep(
     _folder(out, "--out")
     jobs = [Job(config, k, s, profile, str(out), tuple(set_ or []), device, tracker) for k in ks for s in seed_list]
     check_jobs(jobs, local=where.kind == "local")
+    if jobs:
+        _note_undeclared(jobs[0].config().task.family, ("dual_modes",))  # the sweep analyses its runs' dual modes
     where.check()  # Ray importable and its address answering
     table = run_sweep(jobs, where, out)
     typer.echo(summary(table).round(4).to_string(index=False))
@@ -317,8 +333,8 @@ def _check_analysis_memory(settings, sequences: int) -> None:
     """Refuse (exit 3), before any work, an analysis whose batches cannot fit in this machine's memory."""
     import torch
 
-    from taskgeom.settings.config import analysis_memory, check_memory
     from taskgeom.settings.devices import available_memory, describe
+    from taskgeom.training.memory import analysis_memory, check_memory
 
     cpu = torch.device("cpu")  # the analysis runs on the CPU
     check_memory(analysis_memory(settings, max(sequences, 0)), available_memory(cpu), describe(cpu),
@@ -332,7 +348,7 @@ def export_hf(
 ) -> None:
     """Write a run's model as a Hugging Face model directory that AutoModelForCausalLM.from_pretrained
     loads (and `taskgeom analyze OUT --recipe ...` analyses); prints OUT."""
-    from taskgeom.runs.pretrained import save_pretrained
+    from taskgeom.models.pretrained import save_pretrained
     from taskgeom.runs.folders import Run
 
     _folder(out, "OUT")
@@ -456,12 +472,14 @@ def compare(
 def ladder(
     folders: List[str] = typer.Argument(..., help="Results folders written by `taskgeom reproduce`, one per rung, in the ladder's "
                                         "order; NAME=PATH names a rung (default: its profile)."),
-    out: Path = typer.Option(Path("ladder"), help="Folder to write ladder.md, ladder.csv, rank_curves.csv and ladder_*.png."),
+    out: Path = typer.Option(Path("ladder"), help="Folder to write ladder.md, ladder.csv, rank_curves.csv, ladder_*.png, "
+                             "verdicts.png and verdicts.csv."),
 ) -> None:
     """Tabulate claims across results folders: the scale ladder (one folder per rung) or a claims x
     profile table. Writes each claim's median \\[min, max] and verdict over the seeds at every rung,
-    the long per-seed rows (ladder.csv, for pandas), the V-ablation rank curves and one panel per
-    claim; prints the Markdown."""
+    the long per-seed rows (ladder.csv, for pandas), the V-ablation rank curves, one panel per
+    claim and the verdict grid (verdicts.png: every claim at every rung, coloured by its verdict,
+    its median in the cell; verdicts.csv, the table it shows); prints the Markdown."""
     from taskgeom.report.ladder import write_ladder
 
     _folder(out, "--out")
@@ -490,7 +508,9 @@ def sensitivity(
     (dual.json), and the double dissociation (S and V ablations and the random control, measured
     again). A claim's verdict is judged over the runs given (pass on every run, fail on every run,
     else unstable), its value the median over them. Reports; the claims keep the protocol."""
-    from taskgeom.experiments.sensitivity import chosen_variants, place_summary, sensitivity as measure, summarise
+    from taskgeom.experiments.sensitivity import chosen_variants, place_summary
+    from taskgeom.experiments.sensitivity import sensitivity as measure
+    from taskgeom.experiments.sensitivity import summarise
 
     table = measure(run_dirs, chosen_variants(tuple(variant or ())), places, threads)
     if csv:

@@ -1,6 +1,6 @@
 """Context managers that capture or rewrite residual-stream sites; hooks leave on exit, even on error.
 
-A ``Place`` is ``(layer, site)`` with ``site`` one of the model's ``sites`` (``model.SITES`` for ours): where states are
+A ``Place`` is ``(layer, site)`` with ``site`` one of the model's ``sites`` (``models.SITES``, every model's): where states are
 read or edited, here and in every analysis. Captured tensors are detached ``[B, T, D]`` (or ``[B, len(positions), D]`` when
 positions are given).
 """

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from hmm_family import HMM
-from taskgeom.settings.config import ConfigError, load_config
+from taskgeom.settings.config import ConfigError
+from taskgeom.settings.recipes import load_config
 from taskgeom.tasks import TaskPool
 from taskgeom.tasks.registry import build_family
 

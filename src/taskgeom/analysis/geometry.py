@@ -15,22 +15,22 @@ from typing import Literal, Sequence
 
 import torch
 
-from taskgeom.analysis.reading.edits import Edit
-from taskgeom.hooks import Place
-from taskgeom.analysis.measures.orthogonal import avoid_basis, token_subspace
 from taskgeom.analysis.measures.anova import Layout, Shares
-from taskgeom.analysis.reading.heldout import family_inputs
-from taskgeom.analysis.measures.task_probe import ProbeFit, fit_probe, fit_rows, n_anchors, probe_basis_with_mean
-from taskgeom.analysis.measures.properties import (Fit, Interpolation, MeanAlignment, Shrinkage, additive_r2, alignment, by_position, interpolation,
-                                          mean_alignment, pooled, quantiles, shrinkage)
+from taskgeom.analysis.measures.orthogonal import avoid_basis, token_subspace
+from taskgeom.analysis.measures.properties import (Fit, Interpolation, MeanAlignment, Shrinkage, additive_r2, alignment, by_position,
+                                                   interpolation, mean_alignment, pooled, quantiles, shrinkage)
 from taskgeom.analysis.measures.simplex import project_simplex
-from taskgeom.analysis.reading.sequences import Sequences, StudiedRun
-from taskgeom.analysis.reading.steering import (STUDY_POSITIONS, Steering, SteeringForm, check_form, clip_positions, dirichlet_points, position_task_vectors,
-                                        steer, study_form, subspace_edit, task_edit)
 from taskgeom.analysis.measures.subspace import direction_ablation, projection_r2, task_ablation
+from taskgeom.analysis.measures.task_probe import ProbeFit, fit_probe, fit_rows, n_anchors, probe_basis_with_mean
 from taskgeom.analysis.measures.task_vectors import fraction_window
 from taskgeom.analysis.measures.variants import variant as named_variant
+from taskgeom.analysis.reading.edits import Edit
+from taskgeom.analysis.reading.heldout import family_inputs
+from taskgeom.analysis.reading.sequences import Sequences, StudiedRun
+from taskgeom.analysis.reading.steering import (STUDY_POSITIONS, Steering, SteeringForm, check_form, clip_positions, dirichlet_points,
+                                                position_task_vectors, steer, study_form, subspace_edit, task_edit)
 from taskgeom.errors import AnalysisError
+from taskgeom.hooks import Place
 from taskgeom.rng import generator
 
 Form = Literal["token", "plain"]
@@ -173,7 +173,7 @@ class Geometry:
     def steer(self, to: torch.Tensor | Sequence[float] | Literal["dirichlet"] = "dirichlet", *, points: int = 1,
               positions: Sequence[int] | None = None, form: SteeringForm | None = None) -> Steering:
         """Steer these sequences at this place toward points of the simplex, one position per
-        forward pass (docs/protocol.md; ``analysis.steering``): ``to`` a point [K] for every
+        forward pass (docs/protocol.md; ``analysis.reading.steering``): ``to`` a point [K] for every
         sequence, [N, K] one per sequence, or ``"dirichlet"``: ``points`` Dirichlet(1) draws per
         sequence, independent of its true task (the stored analysis, one each); ``positions``: the
         analysed positions to edit (default the study's, E1 25-39, E2 and E3 0-39), clipped to the
@@ -243,7 +243,7 @@ class Geometry:
     @cached_property
     def probe_with_mean(self) -> torch.Tensor:
         """[D, K] S of the variant ``s-with-mean``: the minimum-norm probe with every posterior column
-        over the late window, which also holds the mean state (``probe.probe_basis_with_mean``)."""
+        over the late window, which also holds the mean state (``analysis.measures.task_probe.probe_basis_with_mean``)."""
         inputs = self.sequences.inputs
         return probe_basis_with_mean(self.states, self.sequences.alpha, inputs.current, inputs.vocab, self.window)
 
@@ -285,7 +285,7 @@ class Geometry:
 
     @cached_property
     def token_directions(self) -> torch.Tensor:
-        """[D, m] the token subspace: the directions holding 90% of the token effects' variance (``orthogonal.token_subspace``)."""
+        """[D, m] the token subspace: the directions holding 90% of the token effects' variance (``analysis.measures.orthogonal.token_subspace``)."""
         return token_subspace(self.token_effects.float(), centre=self.run.family.centred_token_effects)
 
     @cached_property

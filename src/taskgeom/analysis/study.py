@@ -1,6 +1,6 @@
 """The researcher's objects (``import taskgeom as tg``): a run, its held-out sequences
-(``analysis.sequences``), a place, the geometry there (``analysis.geometry``) and the edits made
-there (``analysis.edits``); the verbs are their methods, the options keywords.
+(``analysis.reading.sequences``), a place, the geometry there (``analysis.geometry``) and the edits
+made there (``analysis.reading.edits``); the verbs are their methods, the options keywords.
 
 - ``StudyRun`` (``tg.open_run(path)``): the model, family, pool and config of a finished run;
   ``heldout`` sequences of a named ``Split`` (``heldout_tasks``: whole tasks); ``cache`` states at
@@ -17,7 +17,7 @@ there (``analysis.edits``); the verbs are their methods, the options keywords.
 - ``Edit``: a change of the states at one place, in force while its ``with`` block runs.
 
 The stored analyses (``m1.json``, ``dual.json``) are written with these objects
-(``analysis.retrieval``, ``analysis.stored.dual``), so a stored number is what the API returns.
+(``analysis.stored.m1``, ``analysis.stored.dual``), so a stored number is what the API returns.
 
 Shapes: ``N`` sequences, ``P`` analysed positions (every position; E2: its separators), ``D``
 width, ``K`` major tasks.
@@ -36,21 +36,22 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from taskgeom.analysis.reading.edits import Edit
-from taskgeom.hooks import Place
 from taskgeom.analysis.geometry import Geometry
-from taskgeom.analysis.reading import projection
-from taskgeom.analysis.reading.heldout import Kind, Split, sample, sample_tasks, unsupported
 from taskgeom.analysis.measures.orthogonal import BATCH_SIZE, orthogonal_searches
-from taskgeom.analysis.reading.projection import ProjectionR2
-from taskgeom.analysis.reading.sequences import Sequences
-from taskgeom.analysis.reading.states import LayerStreams, stream_layers
 from taskgeom.analysis.measures.subspace import direction_ablation
 from taskgeom.analysis.measures.task_vectors import late_window
 from taskgeom.analysis.measures.variants import variant as named_variant
+from taskgeom.analysis.reading import projection
+from taskgeom.analysis.reading.edits import Edit
+from taskgeom.analysis.reading.heldout import Kind, Split, sample, sample_tasks, unsupported
+from taskgeom.analysis.reading.projection import ProjectionR2
+from taskgeom.analysis.reading.sequences import Sequences
+from taskgeom.analysis.reading.states import LayerStreams, stream_layers
 from taskgeom.errors import AnalysisError, RunDirError
-from taskgeom.settings.config import DEFAULT_PROFILE, RunConfig
+from taskgeom.hooks import Place
 from taskgeom.runs.folders import Run
+from taskgeom.settings.config import RunConfig
+from taskgeom.settings.recipes import DEFAULT_PROFILE
 from taskgeom.tasks import Batch, TaskFamily, TaskPool
 
 DEFAULT_SITES = ("resid_mid", "resid_post")
@@ -139,7 +140,7 @@ class StudyRun:
         return Sequences(self, kind, split, sample(self.family, self.pool, kind, n, split, self.config.task.seq_len, self.seed))
 
     def heldout_tasks(self, kind: Kind, per_task: int, *, n_tasks: int | None = None, split: Split | str = "projection") -> Sequences:
-        """Whole held-out tasks of ``split``, ``per_task`` sequences each (``heldout.sample_tasks``):
+        """Whole held-out tasks of ``split``, ``per_task`` sequences each (``analysis.reading.heldout.sample_tasks``):
         ``n_tasks`` fresh OOD tasks, or every major task; the same arguments give the same sequences."""
         batch = sample_tasks(self.family, self.pool, kind, per_task, split, self.config.task.seq_len, self.seed, n_tasks)
         return Sequences(self, kind, Split.of(split), batch)
@@ -148,7 +149,7 @@ class StudyRun:
                       variant: str | None = None) -> ProjectionR2:
         """Projection R^2 of the OOD tasks of ``ood`` on the major tasks of ``major`` as the study's
         Fig. 4 measures it (``analysis.reading.projection``; whole tasks from ``heldout_tasks``) at ``place``
-        (default: the protocol's, ``projection.place``); or under a ``variant`` of docs/protocol.md#variants:
+        (default: the protocol's, ``analysis.reading.projection.place``); or under a ``variant`` of docs/protocol.md#variants:
         ``per-sequence-r2`` (each OOD state of the late window, centred by mu_t + nu(x_t) and
         regressed on theta_(k, x_t), with the geometry fitted on ``major`` at the place),
         ``site-mid`` (the protocol at resid_mid of the same block) or ``selected-place`` (the
@@ -274,7 +275,7 @@ class StudyRun:
 def open_run(path: Path | str, recipe: str | None = None, profile: str = DEFAULT_PROFILE, overrides: Sequence[str] = (),
              out: Path | str | None = None) -> StudyRun:
     """A finished run directory for study; or a Hugging Face model directory (a ``config.json``
-    without taskgeom's ``run.json``) read as a model of ``recipe``'s task (``pretrained.open_pretrained``:
+    without taskgeom's ``run.json``) read as a model of ``recipe``'s task (``models.pretrained.open_pretrained``:
     profile, dotted overrides, ``out`` for what the analyses write). A run directory has its own
     config: ``recipe``, ``overrides`` or ``out`` with one is a RunDirError."""
     path = Path(path)
@@ -282,6 +283,6 @@ def open_run(path: Path | str, recipe: str | None = None, profile: str = DEFAULT
         if recipe or overrides or out:
             raise RunDirError(f"{path} is a taskgeom run directory, which has its own config: analyse it without --recipe, --set and --out")
         return StudyRun(Run.open(path))
-    from taskgeom.runs.pretrained import open_pretrained
+    from taskgeom.models.pretrained import open_pretrained
 
     return StudyRun(open_pretrained(path, recipe, profile, list(overrides), out))

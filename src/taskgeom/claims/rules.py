@@ -9,6 +9,10 @@ A claim is measured once per training seed and judged over them (``over_seeds``)
 before measuring: ``pass`` when every seed that applies passes, ``fail`` when every one fails,
 ``unstable`` when they disagree, ``n/a`` when no seed applies. Its ``value`` is then the median
 over the seeds that apply, beside their minimum, maximum and each seed's own value, status and parts.
+
+A ``Spec`` is one claim of the catalog (its name, threshold and comparison); the module of the
+experiment that measures it (``claims.m1``, ``claims.dual_modes``, ...) describes, reads and judges
+it with ``Spec.judge``. A claim carries no profile until the experiment that returns it stamps one.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import math
 import numbers
 import statistics
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Iterable, Literal, Optional, Union
 
 from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN, unreliable_gain
@@ -27,8 +31,6 @@ Status = Literal["pass", "fail", "unstable", "n/a"]
 STATUSES: tuple[str, ...] = ("pass", "fail", "unstable", "n/a")
 Part = Union[float, int, bool, str]
 
-# The claims of the M1 geometry (per recipe), read on the k = -1 run whose ``bayes_optimal`` is their precondition
-M1_CLAIMS = ("P0", "P1", "P2", "P2.vs_random", "P3", "P3.shrinks", "steering")
 NOT_BAYES_OPTIMAL = "on a model that is not Bayes-optimal"
 _OPS = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b, "<": lambda a, b: a < b, ">": lambda a, b: a > b}
 
@@ -37,7 +39,8 @@ _OPS = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b, "<": lambda a, b: 
 class Claim:
     """One row of claims.json. ``passed`` is true only for status ``pass``; ``parts`` are the numbers
     a ratio or share is made of (or None); ``reason`` says why an ``n/a`` claim does not apply.
-    A claim judged over seeds (``over_seeds``) has ``seeds``, one row per seed ({seed, value, status,
+    ``profile``: the profile measured, which the experiment stamps on the claims it returns (None
+    until then). A claim judged over seeds (``over_seeds``) has ``seeds``, one row per seed ({seed, value, status,
     parts, reason, precondition}), and the ``median``, ``min`` and ``max`` of their values (``value`` is the median).
     ``precondition``: on a seed's claim of the M1 geometry, its model's ``bayes_optimal`` claim at that
     seed ({claim, value, status}); ``caveat``: on a judged claim, why a reader should read its verdict
@@ -49,7 +52,7 @@ class Claim:
     value: float
     threshold: float
     passed: bool
-    profile: str
+    profile: Optional[str]
     comparison: str
     status: Status
     parts: Optional[dict[str, Part]] = None
@@ -78,22 +81,46 @@ class Claim:
         return standard_json(asdict(self))
 
 
+@dataclass(frozen=True)
+class Spec:
+    """One claim: ``name`` (its id after the recipe), the ``experiment`` that measures it, the
+    ``recipes`` it is measured for (in words), the ``quantity`` compared (in words), ``comparison``
+    and ``threshold``, and the kinds of figure that show it (``figures``: an M1 or dual-mode figure
+    kind, else a figure's file stem)."""
+
+    name: str
+    experiment: str
+    recipes: str
+    quantity: str
+    comparison: Comparison
+    threshold: float
+    figures: tuple[str, ...] = ()
+
+    def judge(self, recipe: str, description: str, value: float, parts: Optional[dict[str, Part]] = None,
+              reason: Optional[str] = None) -> Claim:
+        """The claim ``{recipe}.{name}`` of one seed: checked against the threshold, or ``n/a`` with ``reason``."""
+        claim_id = f"{recipe}.{self.name}"
+        if reason is not None:
+            return not_applicable(claim_id, recipe, description, self.comparison, self.threshold, reason, parts)
+        return check(claim_id, recipe, description, value, self.comparison, self.threshold, parts)
+
+
 def check(claim_id: str, experiment: str, description: str, value: float, comparison: Comparison, threshold: float,
-          profile: str, parts: Optional[dict[str, Part]] = None) -> Claim:
+          parts: Optional[dict[str, Part]] = None) -> Claim:
     """A Claim with status ``pass`` when ``value <comparison> threshold``, else ``fail`` (NaN never
     passes). ``parts``: the numbers the value is made of, written beside it."""
     value = float(value)
     passed = not math.isnan(value) and bool(_OPS[comparison](value, threshold))
-    return Claim(claim_id, experiment, description, value, float(threshold), passed, profile, comparison,
+    return Claim(claim_id, experiment, description, value, float(threshold), passed, None, comparison,
                  "pass" if passed else "fail", parts)
 
 
 def not_applicable(claim_id: str, experiment: str, description: str, comparison: Comparison, threshold: float,
-                   profile: str, reason: str, parts: Optional[dict[str, Part]] = None) -> Claim:
+                   reason: str, parts: Optional[dict[str, Part]] = None) -> Claim:
     """A Claim with status ``n/a`` (value NaN, not passed, not failed) and why it does not apply."""
     if comparison not in _OPS:
         raise ValueError(f"claim {claim_id}: comparison must be one of {list(_OPS)}, not {comparison!r}")
-    return Claim(claim_id, experiment, description, math.nan, float(threshold), False, profile, comparison,
+    return Claim(claim_id, experiment, description, math.nan, float(threshold), False, None, comparison,
                  "n/a", parts, reason)
 
 
@@ -152,22 +179,6 @@ def over_seeds(measured: Iterable[tuple[int, Claim]]) -> list[Claim]:
         judged.append(Claim(claim_id, first.experiment, first.description, median, first.threshold, status == "pass", first.profile,
                             first.comparison, status, None, reason, per_seed, median, low, high, caveat=caveat))
     return judged
-
-
-def with_preconditions(measured: Iterable[tuple[int, Claim]]) -> list[tuple[int, Claim]]:
-    """The per-seed claims ``(seed, claim)`` with each M1 claim (``M1_CLAIMS`` of a recipe) given its
-    precondition: the same recipe's ``bayes_optimal`` claim at that seed (its k = -1 run, the run the
-    M1 geometry is measured on), where one was measured. The verdict rule does not read it."""
-    measured = list(measured)
-    optimal = {(seed, claim.id.removesuffix(".bayes_optimal")): claim for seed, claim in measured if claim.id.endswith(".bayes_optimal")}
-    annotated = []
-    for seed, claim in measured:
-        recipe, _, name = claim.id.partition(".")
-        pre = optimal.get((seed, recipe)) if name in M1_CLAIMS else None
-        if pre is not None:
-            claim = replace(claim, precondition={"claim": pre.id, "value": pre.value, "status": pre.status})
-        annotated.append((seed, claim))
-    return annotated
 
 
 def counts(claims: Iterable[Claim]) -> dict[str, int]:

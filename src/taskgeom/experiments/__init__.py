@@ -7,22 +7,49 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Iterable
 
 from taskgeom.analysis.measures.task_vectors import check_major_tasks
-from taskgeom.claims.rules import over_seeds, with_preconditions
+from taskgeom.claims.catalog import with_preconditions
+from taskgeom.claims.rules import over_seeds
 from taskgeom.experiments.base import Context, Experiment, Extra, shipped_studies
 from taskgeom.experiments.bayes_optimum import bayes_optimum
 from taskgeom.experiments.dual_modes import dual_modes
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.m1 import m1
 from taskgeom.experiments.schedule import TrainTask, train_all
-from taskgeom.settings.config import ConfigError
 from taskgeom.progress import console
-from taskgeom.settings.recipes import Study, experiment_function
 from taskgeom.report.manifest import MANIFEST, manifest
 from taskgeom.runs.storage import atomic_write_json
+from taskgeom.settings.config import ConfigError
+from taskgeom.settings.recipes import Study, experiment_function
+from taskgeom.tasks import TaskFamily
+from taskgeom.tasks.registry import family_class
 
 EXPERIMENTS = {"bayes_optimum": bayes_optimum, "m1": m1, "dual_modes": dual_modes}
+# What each generic experiment's analyses read of a run's family (``TaskFamily``'s declarations,
+# docs/adding-a-family.md): steering's edit; Fig. 4's block of positions and the S probe's regressors.
+DECLARATIONS = {"m1": ("steering_form",), "dual_modes": ("projection_window", "task_probe")}
+
+
+def undeclared(family: type[TaskFamily], experiments: Iterable[str] = DECLARATIONS) -> dict[str, str]:
+    """{declaration: the experiment that reads it} for what ``experiments`` read that ``family`` declares none of."""
+    return {name: experiment for experiment in experiments for name in DECLARATIONS.get(experiment, ()) if getattr(family, name) is None}
+
+
+def check_declarations(tasks: Iterable[TrainTask], experiment: str) -> None:
+    """ConfigError, before anything is trained, naming every declaration that ``experiment`` reads and
+    the family of one of its runs ``tasks`` lacks (``undeclared``)."""
+    missing = {}
+    for task in tasks:
+        family = family_class(task.config.task.family)
+        for name in undeclared(family, (experiment,)):
+            missing.setdefault(family.name, {})[name] = task.config.name
+    if missing:
+        said = "; ".join(f"the {family!r} family (recipe {', '.join(sorted(set(recipes.values())))}) declares no {', '.join(recipes)}"
+                         for family, recipes in missing.items())
+        raise ConfigError(f"experiment {experiment} reads what {said} (TaskFamily, docs/adding-a-family.md): set it on the family class, "
+                          f"or leave {experiment} out with --only")
 
 
 def declared(studies: tuple[Study, ...], profile: str) -> dict[str, Experiment]:
@@ -76,6 +103,8 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment] | None
     ctx = Context(Path(out), profile, tuple(seeds), executor, device, tracker, tuple(overrides),
                   shipped_studies() if studies is None else tuple(studies), None if diversities is None else tuple(diversities))
     experiments = _declared(ctx) if experiments is None else experiments
+    for name, experiment in experiments.items():  # before anything is written or trained
+        check_declarations(getattr(experiment, "runs", lambda _: [])(ctx), name)
     tasks = planned_runs(ctx, experiments)
     for task in tasks:  # every experiment measures in the task subspace: refuse before anything is written
         check_major_tasks(task.config.task.n_major, f"reproduce ({task.config.name}, k = {task.config.task.diversity})")
@@ -113,4 +142,4 @@ def _evidence_modules(experiments: dict[str, Experiment]) -> list[str]:
     return [name for name in modules if hasattr(importlib.import_module(name), "evidence")]
 
 
-__all__ = ["Context", "EXPERIMENTS", "declared", "planned_runs", "reproduce"]
+__all__ = ["Context", "DECLARATIONS", "EXPERIMENTS", "check_declarations", "declared", "planned_runs", "reproduce", "undeclared"]

@@ -4,20 +4,20 @@ driver above them is the package's (``taskgeom.experiments``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, ContextManager
 
 import torch
 
 from taskgeom.claims.rules import Claim
-from taskgeom.settings.config import DEFAULT_PROFILE, RunConfig
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.schedule import TrainTask
-from taskgeom.training.fits import check_training_fits
 from taskgeom.progress import step_bar
-from taskgeom.settings.recipes import Study, load_recipe, load_study, recipe_names
 from taskgeom.runs.folders import Run
+from taskgeom.settings.config import RunConfig
+from taskgeom.settings.recipes import DEFAULT_PROFILE, Study, load_recipe, load_study, recipe_names
+from taskgeom.training.memory import check_training_fits
 from taskgeom.training.timing import Timings
 from taskgeom.training.train import train
 
@@ -74,8 +74,8 @@ class Context:
         return path
 
     def claim(self, seed: int, *claims: Claim) -> None:
-        """Record ``claims`` as measured on the runs of training seed ``seed``."""
-        self.measured.extend((seed, claim) for claim in claims)
+        """Record ``claims`` as measured on the runs of training seed ``seed``, stamped with this profile."""
+        self.measured.extend((seed, replace(claim, profile=self.profile)) for claim in claims)
 
     def taking_part(self, experiment: str) -> tuple[Study, ...]:
         """The studies (recipes) that declare ``experiment`` at this profile, in their order."""

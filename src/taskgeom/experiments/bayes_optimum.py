@@ -1,15 +1,14 @@
 """The k = -1 runs of the recipes that declare ``bayes_optimum`` (E1, E3) reach the ID-Bayes optimum
-(the foundation's acceptance claim)."""
+(the foundation's acceptance claim, ``claims.bayes_optimum``)."""
 
 from __future__ import annotations
 
 import pandas as pd
 
-from taskgeom.claims.catalog import spec
-from taskgeom.training.evaluate import evaluate_run
+from taskgeom.claims.bayes_optimum import bayes_optimal
 from taskgeom.experiments.base import Context
 from taskgeom.report.figures import plot_loss_by_position
-
+from taskgeom.training.evaluate import evaluate_run
 
 
 def bayes_optimum(ctx: Context) -> None:
@@ -19,9 +18,7 @@ def bayes_optimum(ctx: Context) -> None:
             with ctx.stage(f"evaluate {run.path.name}"):
                 table = pd.DataFrame(evaluate_run(run))
             excess = table.query("set == 'major' and metric == 'excess'")["value"].mean()
-            ctx.claim(seed, spec("bayes_optimum", "bayes_optimal").judge(
-                experiment, "excess loss over the ID-Bayes predictor on held-out major-task sequences (nats/token, mean over positions), "
-                "k = -1", excess, ctx.profile))
+            ctx.claim(seed, bayes_optimal(experiment, excess))
             if seed == ctx.seeds[0]:  # one seed's curves illustrate; the claim reads every seed
                 plot_loss_by_position(table, ctx.figure(f"{experiment}_loss_by_position.png",
                                       f"{experiment.upper()}: per-position loss of the model against the ID-Bayes and OOD-optimal "

@@ -16,8 +16,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from taskgeom.settings import kernels
 from taskgeom.errors import EnvironmentRefused, TaskgeomError
+from taskgeom.settings import kernels
 
 Task = Callable[[Any, int], Any]  # fn(item, threads) -> result
 Finished = Iterator[tuple[Any, Any]]  # (item, result or the exception that killed its process)

@@ -1,28 +1,23 @@
 """M1, Bayesian task retrieval (docs/concepts.md#m1-the-geometry-of-task-retrieval): P0-P3 and causal steering on the k = -1 runs
 of the recipes that declare ``m1`` (E1, E2, E3; the runs ``bayes_optimum`` and E2's own experiment
-read too, whichever comes first trains them). Claims are read as docs/protocol.md pins them: at
-the study's block at the same relative depth, ``resid_post`` (``analysis.stored.m1.claim_places``; the
-parts name the layer and site each claim read), with the values of ``analysis.stored.m1.claim_values``;
-every threshold is the catalog's (``claims.catalog``, docs/protocol.md#thresholds), the same for every family. For
-E2 the analysis reads its prediction positions: P0's "cells" are a per-task intercept and linear
-map of the query x_i (an ANCOVA at each position), P2 reads r2_additive, and steering compares
-predictions of y_i by RMSE instead of next-token laws by KL, one position per forward pass."""
+read too, whichever comes first trains them): each run analysed (``analysis.stored.m1``), its
+claims read from the rows (``claims.m1``), and the figures. For E2 the analysis reads its
+prediction positions: P0's "cells" are a per-task intercept and linear map of the query x_i (an
+ANCOVA at each position), P2 reads r2_additive, and steering compares predictions of y_i by RMSE
+instead of next-token laws by KL, one position per forward pass."""
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 
-from taskgeom.analysis.stored.m1 import Result, analyze, claim_values, write
-from taskgeom.analysis.reading.steering import KINDS, Steering
+from taskgeom.analysis.reading.steering import KINDS
+from taskgeom.analysis.stored.m1 import analyze, write
 from taskgeom.analysis.study import StudyRun
-from taskgeom.claims.catalog import STEERING_FACTOR, evidence, spec
-from taskgeom.claims.rules import M1_CLAIMS, Claim
+from taskgeom.claims.catalog import evidence
+from taskgeom.claims.m1 import claim_values, claims
 from taskgeom.experiments.base import Context
 from taskgeom.report.geometry import FIGURES, plot_retrieval
 
-_CLAIM = {name: spec("m1", name) for name in M1_CLAIMS}  # thresholds and comparisons: claims/catalog.py
 M1_EVIDENCE = evidence("m1")
 
 _CAPTIONS = {
@@ -38,7 +33,6 @@ _CAPTIONS = {
 }
 
 
-
 def m1(ctx: Context) -> None:
     for experiment in (study.name for study in ctx.taking_part("m1")):
         results = {}
@@ -47,7 +41,7 @@ def m1(ctx: Context) -> None:
             with ctx.stage(f"analyse {run.path.name}"):
                 results[seed] = analyze(run)
                 write(run, results[seed])
-            ctx.claim(seed, *claims(results[seed], ctx.profile))
+            ctx.claim(seed, *claims(results[seed]))
         first = ctx.seeds[0]  # its figures illustrate; the per-layer one spans every seed, and the tables hold them all
         captions = {name: _CAPTIONS[name].format(E=experiment.upper()) + ("" if name == "layers" else f" (seed {first})") for name in FIGURES}
         plot_retrieval(results[first], {name: ctx.figure(f"{experiment}_m1_{name}.png", captions[name],
@@ -80,52 +74,3 @@ def analyze_one(run: StudyRun, layers: tuple[int, ...] | None = None, sites: tup
              *(f"  {kind:<24} {steering.mean(kind):.4g}" for kind in KINDS),
              str(run.path / "analysis" / "m1.json")]
     return "\n".join(lines)
-
-
-def claims(result: Result, profile: str) -> list:
-    """The M1 claims of one analysed run, read at the study's blocks on the measurement batch."""
-    return [*retrieval_claims(claim_values(result.rows), result.experiment, profile, result.effect), steering_claim(result.steering, result.experiment, profile)]
-
-
-def retrieval_claims(values: dict, e: str, profile: str, effect: str = "current token") -> list:
-    """The claims P0-P3 of recipe ``e`` from ``analysis.stored.m1.claim_values`` (the protocol's, or a
-    variant's) of one run; ``effect``: the token-effect model in words."""
-    where = "at the study's block at the same relative depth, resid_post (docs/protocol.md); layer and site in the parts"
-    if effect == "current token":
-        p0 = "P0: cell-means R^2 of (task, current token)"
-        p2 = "P2: R^2_task of the simplex fit of h_t - mu_t - nu(x_t) on the task vectors, late window"
-    else:
-        p0 = f"P0: R^2 of a per-task intercept and per-task {effect}"
-        p2 = "P2: r2_additive, the share of the variance of h_t - mu_t explained by the task simplex plus a per-position linear map of x_t, late window"
-    late = "at each position, median over the last quarter of positions"
-    shrink_description = ("P3: on the per-task mean curves, mean TV(mean beta_t, mean alpha_t) over the last quarter of the positions "
-                          "where the mean posterior is uncertain (median over tasks of its largest weight < 0.99) divided by that over their first quarter")
-    descriptions = {
-        "P0": f"{p0}, {late} ({where})",
-        "P1": f"P1: additive (task + {effect}, no interaction) share of the variance P0's model explains, {late} ({where})",
-        "P2": f"{p2} ({where})",
-        "P2.vs_random": f"P2: R^2_task minus R^2 of the same fit on a random subspace of equal dimension ({where})",
-        "P3": "P3: TV between the per-task mean of beta_t (projected onto the simplex) and the mean posterior alpha_t, "
-              f"mean over the tasks and the last quarter of positions ({where}; E2: block 9 of 16)",
-        "P3.shrinks": shrink_description}
-    return [_CLAIM[name].judge(e, description, values[name].value, profile, values[name].parts, values[name].reason)
-            for name, description in descriptions.items()]
-
-
-def steering_claim(steering: Steering, e: str, profile: str) -> Claim:
-    """The steering claim of one run (docs/protocol.md) from its ``Steering``."""
-    factor = STEERING_FACTOR[steering.measure]
-    means = {kind: steering.mean(kind) for kind in KINDS}
-    value = max(_ratio(factor * means["steered"], means["unsteered"]), _ratio(means["steered"], means["mode"]))
-    return _CLAIM["steering"].judge(
-        e, f"steering: max({factor:g} x steered / unsteered, steered / mode task) of the mean {steering.label} over the target points "
-           f"a ~ Dirichlet(1), one position per forward pass (<= 1: steered at most 1/{factor:g} of unsteered and below the mode task's); "
-           f"the study's place", value, profile,
-                 {**means, "layer": steering.place.layer, "site": steering.place.site, "position_first": steering.positions[0],
-                  "position_last": steering.positions[-1], "n_positions": len(steering.positions), "n_sequences": steering.n_sequences,
-                  "n_points": steering.n_points, "form": steering.form})
-
-
-def _ratio(x: float, y: float) -> float:
-    """x / y for readouts x, y >= 0: inf when only y is 0, NaN (never passing) when both are."""
-    return x / y if y > 0 else math.inf if x > 0 else math.nan

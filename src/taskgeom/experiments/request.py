@@ -9,13 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from taskgeom import experiments
 from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS
 from taskgeom.errors import TaskgeomError
-from taskgeom import experiments
 from taskgeom.experiments.base import Context, Experiment, shipped_studies
 from taskgeom.experiments.executors import Executor
-from taskgeom.settings.config import DEFAULT_PROFILE
-from taskgeom.settings.recipes import Study, load_study
+from taskgeom.settings.recipes import DEFAULT_PROFILE, Study, load_study
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""One schedule for all training (issue 14): every run the experiments of a reproduction need is
+"""One schedule for all training: every run the experiments of a reproduction need is
 known before any of them starts (each experiment's ``runs(ctx)``), and the unfinished ones are
 trained first, grouped by thread count so that threads never outnumber cores (a run that uses
 every core alone, then single-thread runs on a process pool, the most expensive first); the
@@ -24,13 +24,13 @@ from typing import Iterator
 import pandas as pd
 import torch
 
-from taskgeom.settings.config import RunConfig, parameter_count, training_memory
-from taskgeom.settings.devices import available_memory, resolve_device, torch_threads, usable_cores
 from taskgeom.errors import RunDirError
 from taskgeom.experiments.executors import Executor, execute
-from taskgeom.training.fits import check_training_fits
 from taskgeom.progress import console, job_bar
 from taskgeom.runs.folders import Run
+from taskgeom.settings.config import RunConfig
+from taskgeom.settings.devices import available_memory, resolve_device, torch_threads, usable_cores
+from taskgeom.training.memory import check_training_fits, parameter_count, training_memory
 from taskgeom.training.timing import Clock, Timings
 
 

@@ -4,7 +4,7 @@ protocol (docs/protocol.md).
 
 ``ablation_variants(run)`` covers the double dissociation (``ablate_S_major``, ``ablate_S_ood``,
 ``ablate_V_ood``, ``ablate_V_major``, ``random_control``) at the run's own diversity: one row per
-(claim, convention) with the claim's value and status (``experiments.dual_modes.ablation_claims``,
+(claim, convention) with the claim's value and status (``claims.dual_modes.ablation_claims``,
 the very rule of the claims) under the protocol and under each variant of ``ABLATION_VARIANTS`` that
 can move it (``Variant.claims``):
 
@@ -22,8 +22,8 @@ where the value was read ("mean over blocks", or a block or place). A caller jud
 runs of several seeds with ``claims.rules.verdict``.
 
 ``stored_variants(run)`` reads the other variants from the run's stored analyses, without measuring
-anything: the M1 claims P0-P3 (``m1.json``; ``analysis.stored.m1.claim_values``, the claims' own rule in
-``experiments.m1.retrieval_claims``) under the protocol and ``selected-place``, ``site-mid``,
+anything: the M1 claims P0-P3 (``m1.json``; ``claims.m1.claim_values``, the claims' own rule in
+``claims.m1.retrieval_claims``) under the protocol and ``selected-place``, ``site-mid``,
 ``pooled-anova``; and projection R^2 at the run's diversity (``dual.json``; the high-diversity
 claim's threshold) under the protocol and ``per-sequence-r2``. Steering under another place would
 have to be measured again there, and the projection drop needs two runs: neither is listed.
@@ -44,17 +44,16 @@ from __future__ import annotations
 
 import pandas as pd
 
+from taskgeom.analysis.measures.shares import share_of_gain
+from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS
 from taskgeom.analysis.stored.ablations import Block, ablation_rows, block_places, find_blocks, v_block
 from taskgeom.analysis.stored.rows import row, stored_rows
-from taskgeom.analysis.measures.shares import share_of_gain
-from taskgeom.analysis.stored.m1 import claim_values
 from taskgeom.analysis.study import SELECTION_SEQUENCES, StudyRun
-from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS
 from taskgeom.claims.catalog import spec
+from taskgeom.claims.dual_modes import ablation_claims
+from taskgeom.claims.m1 import claim_values, retrieval_claims
 from taskgeom.claims.rules import verdict
 from taskgeom.errors import AnalysisError, TaskgeomError
-from taskgeom.experiments.dual_modes import ablation_claims
-from taskgeom.experiments.m1 import retrieval_claims
 from taskgeom.runs.folders import Run
 from taskgeom.settings.devices import torch_threads
 
@@ -105,7 +104,7 @@ def ablation_variants(run: StudyRun, variants: tuple[str, ...] = ABLATION_VARIAN
                                                                                                   ("loss_first", clean[s][0]))]
         table = pd.DataFrame([*variant_rows, *clean_rows]).assign(diversity=k, step=float("nan"))
         prefixes = None if name == "protocol" else BY_NAME[name].claims
-        for claim in ablation_claims(table, recipe, k, "sensitivity"):
+        for claim in ablation_claims(table, recipe, k):
             short = claim.id.split(".", 1)[1]
             if prefixes is None or short.startswith(prefixes):
                 rows.append(_variant_row(claim, name, where))
@@ -120,7 +119,7 @@ def stored_variants(run: Run) -> list[dict]:
     if m1 is not None:
         for name in ("protocol", "selected-place", "site-mid", "pooled-anova"):
             values = claim_values(m1, None if name == "protocol" else name)
-            claims = retrieval_claims(values, recipe, "sensitivity")
+            claims = retrieval_claims(values, recipe)
             if name == "pooled-anova":
                 claims = [c for c in claims if c.id.split(".", 1)[1] in ("P0", "P1")]
             for claim, reading in zip(claims, values.values()):
@@ -132,7 +131,7 @@ def stored_variants(run: Run) -> list[dict]:
         for name, metric in (("protocol", "projection_r2"), ("per-sequence-r2", "projection_r2_per_sequence")):
             if metric in final:
                 r = final[metric]
-                claim = spec("dual_modes", "projection_r2_high_diversity").judge(recipe, metric, r["value"], "sensitivity")
+                claim = spec("dual_modes", "projection_r2_high_diversity").judge(recipe, metric, r["value"])
                 rows.append(_variant_row(claim, name, f"layer {r['layer']} {r['site']}"))
     return rows
 

@@ -16,14 +16,15 @@ import pandas as pd
 import torch
 
 from taskgeom.analysis.measures.task_vectors import check_major_tasks
-from taskgeom.settings.config import DEFAULT_PROFILE, MeasureSettings, RunConfig, load_measure
+from taskgeom.analysis.stored.rows import by_step
 from taskgeom.errors import RunLockedError, TaskgeomError
 from taskgeom.experiments.executors import Executor, execute
-from taskgeom.training.fits import check_training_fits
 from taskgeom.progress import console, job_bar
-from taskgeom.settings.recipes import load_recipe, recipe_path
 from taskgeom.runs.folders import Run
 from taskgeom.runs.storage import atomic_write_text
+from taskgeom.settings.config import RunConfig
+from taskgeom.settings.recipes import DEFAULT_PROFILE, MeasureSettings, load_measure, load_recipe, recipe_path
+from taskgeom.training.memory import check_training_fits
 from taskgeom.training.timing import Clock
 
 
@@ -166,11 +167,3 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
     wide.columns.name = None
     failed = table[table["status"] != "ok"].drop_duplicates(keys)[[k for k in [*keys, "error"] if k in table]]
     return pd.concat([wide, failed], ignore_index=True).sort_values(["recipe", "diversity", "seed"])
-
-
-def by_step(table: pd.DataFrame) -> pd.DataFrame:
-    """One row per (run, training step): projection R^2 and the predictor-transition statistics
-    (``log_ratio``, ``kl_to_memorising``, ``kl_to_generalising``; token families only)."""
-    rows = table[table["step"].notna()]
-    wide = rows.pivot_table(index=["recipe", "diversity", "seed", "step"], columns="metric", values="value").reset_index()
-    return wide.rename(columns=lambda c: c.removeprefix("transition_"))

@@ -32,17 +32,17 @@ import pandas as pd
 import torch
 
 from taskgeom.analysis.measures.anova import two_way
-from taskgeom.hooks import Place
 from taskgeom.analysis.measures.linear_probes import Kind, linear_probe
-from taskgeom.analysis.reading.states import collect
 from taskgeom.analysis.measures.task_vectors import late_window
-from taskgeom.claims.catalog import spec
+from taskgeom.analysis.reading.states import collect
+from taskgeom.claims.e4 import CLAIM_SITE, p0_failure, prefix_probe
 from taskgeom.experiments.base import Context
 from taskgeom.extras.dyck_figures import plot_p0_comparison, plot_prefix_probes
-from taskgeom.settings.recipes import Study
+from taskgeom.hooks import Place
 from taskgeom.report.interactive import Evidence, lines
 from taskgeom.runs.folders import Run
 from taskgeom.runs.storage import atomic_write_json
+from taskgeom.settings.recipes import Study
 from taskgeom.tasks import Batch
 from taskgeom.tasks.dyck import Dyck
 
@@ -54,10 +54,9 @@ P0_SEQUENCES = 1024  # sequences of the P0 layouts [ours]: E4's bracket phase ke
 # families; E2 would need its token factor binned, since x_t is continuous there.
 REFERENCES = ("e1", "e3")
 # Sites measured at every layer, for P0 and for the probes (the tables); the claims and the figures
-# read CLAIM_SITE of the M1 block (docs/protocol.md, "E4").
+# read claims.e4.CLAIM_SITE of the M1 block (docs/protocol.md, "E4").
 P0_SITES = ("resid_mid", "resid_post")
 PROBE_SITES = P0_SITES
-CLAIM_SITE = "resid_post"
 ProbeSet = Literal["pool", "ood"]
 PROBE_SETS: tuple[str, ...] = ("pool", "ood")
 MEASURE_STREAM = "probe"
@@ -191,22 +190,6 @@ def prefix_probes(run: Run, model: torch.nn.Module, which: ProbeSet, n_sequences
     return probe_rows(collect(model, tokens, sites).items(), targets, mask, which, run.config.train.seed)
 
 
-def _gain(row: dict) -> float:
-    value = row["score"] - row["control"]
-    return -math.inf if math.isnan(value) else value
-
-
-def weakest_probe(rows: list[dict], layer: int, site: str = CLAIM_SITE) -> dict:
-    """The target whose probe at (``layer``, ``site``) beats its shuffled-label control by the least:
-    {target, layer, score, control, gain} (gain = score - control). A NaN gain counts as the
-    smallest, so that it reaches the claim (which NaN never passes)."""
-    read = [r for r in rows if r["site"] == site and r["layer"] == layer]
-    if not read:
-        raise ValueError(f"no probe rows at layer {layer}, site {site!r}")
-    row = min(read, key=_gain)
-    return {"target": row["target"], "layer": row["layer"], "score": row["score"], "control": row["control"], "gain": row["score"] - row["control"]}
-
-
 def runs(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> list:
     """The runs ``e4`` trains or reads, for the schedule: the study's at k = -1 and k =
     PROBE_DIVERSITY, and the references at k = -1, each on every seed."""
@@ -246,26 +229,10 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int) -> 
     p0_rows = [{"site": site, "series": name, "layer": layer, "metric": "p0.within_share", "value": share}
                for site, series in p0.items() for name, shares in series.items() for layer, share in enumerate(shares)]
 
-    shares, layer = p0[CLAIM_SITE], claim_layer(majors)
-    e4_share = min(shares["e4_token_due"][layer], shares["e4_last3_due"][layer])
     at = {ref: claim_layer(run) for ref, run in reference_runs.items()}
-    reference_share = max(shares[ref][at[ref]] for ref in references)
-    probe_layer = claim_layer(diverse)
-    weakest = weakest_probe(probes["pool"], probe_layer)
-    of_references = " and ".join(f"{ref.upper()}'s" for ref in references)  # E1's and E3's
-    ctx.claim(seed, spec("e4", "P0_failure").judge(
-        name,
-        f"E4's within-cell share at its M1 block ({CLAIM_SITE}; per late position, median; the smaller of its two groupings, "
-        f"bracket phase) divided by the larger of {of_references} (task, token) share at their M1 block; k = -1",
-        e4_share / reference_share, ctx.profile,
-        parts={"e4_share": e4_share, "reference_share": reference_share, "layer": layer, "site": CLAIM_SITE,
-               **{f"{ref}_share": shares[ref][at[ref]] for ref in references}}), spec("e4", "prefix_probe").judge(
-        name,
-        f"smallest over targets (bracket j back, j = 1..{MAX_BACK}, and depth) of the probe score at the M1 block ({CLAIM_SITE}) "
-        f"minus its shuffled-label control, in-distribution (pool) sequences, k = {PROBE_DIVERSITY}",
-        weakest["gain"], ctx.profile,
-        parts={"score": weakest["score"], "control": weakest["control"], "target": weakest["target"], "layer": probe_layer,
-               "site": CLAIM_SITE, "untrained_gain": weakest_probe([r for r in untrained if r["set"] == "pool"], probe_layer)["gain"]}))
+    untrained_pool = [r for r in untrained if r["set"] == "pool"]
+    ctx.claim(seed, p0_failure(name, p0[CLAIM_SITE], claim_layer(majors), at),
+              prefix_probe(name, probes["pool"], untrained_pool, claim_layer(diverse), MAX_BACK, PROBE_DIVERSITY))
     return {"p0": p0_rows, "probes": probes["pool"], "probes_ood": probes["ood"], "probes_untrained": untrained}
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pandas as pd
 
 from taskgeom.report.interactive import Evidence, evidence
-from taskgeom.report.manifest import figure_section, read_json, read_manifest, section, sections as section_titles
+from taskgeom.report.manifest import figure_section, read_json, read_manifest, section
+from taskgeom.report.manifest import sections as section_titles
 from taskgeom.report.tables import run_config, write_analysis_table
 from taskgeom.runs.storage import atomic_write_text
 

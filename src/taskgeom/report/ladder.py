@@ -1,8 +1,9 @@
 """Claims across results folders (``taskgeom ladder``): the scale ladder, or a claims x profile
 table. Each folder is one rung (its profile, or the name given as ``NAME=PATH``); every claim's
 median, min and max over the seeds at each rung, its verdict there, one panel per claim (value
-against rung, the seeds as dots, the threshold as a line) and the rank curve of the V ablation at
-each rung. Nothing is measured here: the folders' claims.json and tables are read."""
+against rung, the seeds as dots, the threshold as a line), the rank curve of the V ablation at
+each rung, and the verdict grid of every claim at every rung (``report.verdicts``). Nothing is
+measured here: the folders' claims.json and tables are read."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from taskgeom.errors import TaskgeomError  # noqa: E402
 from taskgeom.report.figures import save  # noqa: E402
 from taskgeom.report.manifest import read_json, read_manifest  # noqa: E402
 from taskgeom.report.markdown import STATUS_TEXT, machine_line, number  # noqa: E402
+from taskgeom.report.verdicts import write_verdicts  # noqa: E402
 from taskgeom.runs.storage import atomic_write_text  # noqa: E402
 
 _COLOURS = {"pass": "tab:green", "fail": "tab:red", "n/a": "tab:gray"}
@@ -139,8 +141,8 @@ def plot_ladder(rows: pd.DataFrame, rung_order: list[str], out: Path) -> list[Pa
 
 
 def write_ladder(specs: list[str], out: Path) -> str:
-    """Write ladder.csv (the long rows), rank_curves.csv, ladder.md and the figures into ``out``;
-    return the Markdown."""
+    """Write ladder.csv (the long rows), rank_curves.csv, ladder.md, the panels, and the verdict grid
+    (verdicts.png, and verdicts.csv, the table it shows) into ``out``; return the Markdown."""
     named = rungs(specs)
     rows, curves = ladder_rows(named), rank_curves(named)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,4 +151,5 @@ def write_ladder(specs: list[str], out: Path) -> str:
     text = ladder_markdown(named, rows, curves)
     atomic_write_text(out / "ladder.md", text)
     plot_ladder(rows, list(named), out)
+    write_verdicts(named, out)
     return text

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from taskgeom.errors import TaskgeomError
 from taskgeom.settings import kernels
 from taskgeom.version import __version__
-from taskgeom.errors import TaskgeomError
 
 MANIFEST = "reproduction.json"
 FORMAT = 4  # 2: the run directories used ("runs"); 3: seeds, the machine's kernels and the models' sha256; 4: the recipes' sections

@@ -22,12 +22,11 @@ import torch
 import yaml
 
 from taskgeom import tasks
-from taskgeom.runs import hf
-from taskgeom.settings.config import ConfigError, RunConfig, build_config
 from taskgeom.errors import CheckpointError, RunDirError
-from taskgeom.model import Transformer
-from taskgeom.rng import fold_seed
+from taskgeom.models import build_model, model_class
 from taskgeom.runs.storage import atomic_write_json, atomic_write_text, exclusive_lock, load_module_state, load_tensors, meta_int
+from taskgeom.settings.config import ConfigError, RunConfig
+from taskgeom.settings.recipes import build_config
 from taskgeom.version import __version__
 
 RUN_FORMAT = 1
@@ -100,19 +99,14 @@ class Run:
         return self.family.sample_pool(task.n_major, tasks.n_minor_for_diversity(task.diversity), task.p_minor, seed=self.config.train.seed)
 
     def new_model(self) -> torch.nn.Module:
-        """A freshly initialised model (ours, or for model.arch gpt2 / llama the Hugging Face one
-        behind ``hf.HFCausalLM``); its weights depend on the seed alone."""
-        torch.manual_seed(fold_seed(self.config.train.seed, 0, "init"))
-        if self.config.model.arch != "taskgeom":
-            return hf.build(self.config.model, **self.family.model_io())
-        return Transformer(self.config.model, **self.family.model_io())
+        """A freshly initialised model of the run's config (``models.build_model``); its weights
+        depend on the seed alone."""
+        return build_model(self.config, self.family)
 
     @property
     def sites(self) -> tuple[str, ...]:
         """The hook sites of this run's model (``new_model().sites``), known without building it."""
-        if self.config.model.arch != "taskgeom":
-            return hf.SITES
-        return Transformer.sites
+        return model_class(self.config.model).sites
 
     def load_model(self) -> torch.nn.Module:
         """The finished model; RunDirError if training diverged or has not finished, or if the

@@ -70,8 +70,10 @@ def choose(native: bool = False, environ: dict[str, str] | None = None, machine:
 
 
 def use_portable_kernels(native: bool = False) -> Kernels:
-    """Choose and apply the kernels for this process and the processes it starts; say once, on
-    stderr, when the published bits cannot be had here. Call before torch computes anything."""
+    """Choose and apply the kernels for this process and the processes it starts (``tg.pin_kernels``):
+    pinned to AVX2 unless the user set the variables, or ``native`` (torch picks by this CPU); say
+    once, on stderr, when the published bits cannot be had here. Returns the choice (``Kernels``:
+    its ``mode`` and ``reason``). Call before torch computes anything: torch reads the variables then."""
     choice = choose(native)
     if choice.mode == "native" and os.environ.get(CHOICE_VARIABLE) == "pinned":
         for name in PINS:  # an earlier choice of this process pinned them

@@ -8,8 +8,8 @@ from taskgeom.tasks.base import Batch, TaskFamily, TaskPool, TaskProbe, TokenFam
 from taskgeom.tasks.dice import Dice
 from taskgeom.tasks.dyck import Dyck
 from taskgeom.tasks.markov import Markov
+from taskgeom.tasks.registry import FAMILIES, FamilyError, build_family, families, family_class, register, settings_model
 from taskgeom.tasks.regression import Regression
-from taskgeom.tasks.registry import (FAMILIES, FamilyError, build_family, families, family_class, register, settings_model)
 
 for _family in (Dice, Markov, Regression, Dyck):
     register(_family)

@@ -18,9 +18,9 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
-from taskgeom.settings.devices import to_device
 from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
+from taskgeom.settings.devices import to_device
 from taskgeom.settings.fields import TaskSettings
 
 Subset = Literal["all", "major", "minor"]

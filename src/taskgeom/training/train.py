@@ -26,14 +26,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from taskgeom.runs import index as runindex
-from taskgeom.settings.devices import autocast, resolve_device, torch_threads
 from taskgeom.errors import CheckpointError, TrainingDiverged
-from taskgeom.training.evaluate import eval_sets, summary
+from taskgeom.runs import index as runindex
 from taskgeom.runs.folders import Run
+from taskgeom.runs.storage import atomic_write_text, load_module_state, load_tensors, meta_float, meta_int, save_tensors, standard_json
 from taskgeom.settings.config import RunConfig
-from taskgeom.runs.storage import atomic_write_text, standard_json, load_module_state, load_tensors, meta_float, meta_int, save_tensors
+from taskgeom.settings.devices import autocast, resolve_device, torch_threads
 from taskgeom.tasks import Batch, TaskFamily
+from taskgeom.training.evaluate import eval_sets, summary
 from taskgeom.training.trackers import Tracker, check_tracker, open_tracker
 
 ProgressFn = Callable[[int, int, float], None]
@@ -148,10 +148,10 @@ def train_settings(settings: RunConfig, out: Path, run_dir: Path | None = None, 
     trained, or resumed, with a progress bar, after checking that it fits ``device``; returns the
     run and one line per held-out set (loss, ID-Bayes loss, excess), none when it was already trained."""
     from taskgeom.progress import step_bar
-    from taskgeom.training.fits import check_training_fits
+    from taskgeom.training.memory import check_training_fits
 
     if settings.model.arch != "taskgeom":
-        from taskgeom.runs.hf import require_transformers
+        from taskgeom.models.hf import require_transformers
 
         require_transformers()  # before the run directory is made
     check_training_fits(settings, device)

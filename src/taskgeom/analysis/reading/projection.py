@@ -27,11 +27,11 @@ from typing import Iterator, Sequence
 
 import torch
 
-from taskgeom.hooks import Place
 from taskgeom.analysis.measures.properties import quantiles
 from taskgeom.analysis.reading.sequences import Sequences, StudiedRun
 from taskgeom.analysis.reading.states import stream_layers
 from taskgeom.errors import AnalysisError
+from taskgeom.hooks import Place
 from taskgeom.tasks import Batch, TaskFamily
 
 CHUNK = 512  # sequences per forward pass or estimate while the task means are summed

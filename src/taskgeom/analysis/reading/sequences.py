@@ -14,8 +14,8 @@ from typing import Protocol, Sequence
 import torch
 
 from taskgeom.analysis.reading.edits import Edited
-from taskgeom.hooks import Place
 from taskgeom.analysis.reading.heldout import Inputs, Kind, Split, family_inputs
+from taskgeom.hooks import Place
 from taskgeom.tasks import Batch, TaskFamily, TaskPool
 
 

@@ -16,7 +16,7 @@ Each is ablated at that block alone and measured on the ``loss`` split (major, m
   are the same), or under ``v-best-block`` (docs/protocol.md#variants) V's and the control's rows of one block.
 
 The claims read the summary; the random-control claim reads the largest summary statistic over
-the major and OOD sets (``experiments.dual_modes``).
+the major and OOD sets (``claims.dual_modes``).
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from typing import Sequence
 
 import torch
 
-from taskgeom.hooks import Place
 from taskgeom.analysis.geometry import Geometry
-from taskgeom.analysis.stored.rows import row
 from taskgeom.analysis.measures.shares import Share, share_of_gain
-from taskgeom.analysis.study import Sequences, StudyRun
 from taskgeom.analysis.measures.subspace import complement_basis, random_directions
+from taskgeom.analysis.stored.rows import row
+from taskgeom.analysis.study import Sequences, StudyRun
 from taskgeom.errors import AnalysisError
+from taskgeom.hooks import Place
 from taskgeom.rng import generator
 
 N_RANDOM_CONTROLS = 5

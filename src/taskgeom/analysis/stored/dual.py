@@ -45,19 +45,19 @@ import math
 
 import torch
 
-from taskgeom.analysis.reading import projection
-from taskgeom.analysis.measures.properties import quantiles
-from taskgeom.analysis.stored.ablations import ablation_rows, block_places, find_blocks, rank_rows
-from taskgeom.analysis.measures.linear_probes import linear_probe
-from taskgeom.analysis.stored.rows import row, stored_rows
-from taskgeom.hooks import Place
 from taskgeom.analysis.geometry import Geometry
-from taskgeom.analysis.study import SELECTION_SEQUENCES, Sequences, StudyRun
+from taskgeom.analysis.measures.linear_probes import linear_probe
+from taskgeom.analysis.measures.properties import quantiles
 from taskgeom.analysis.measures.subspace import complement_basis
 from taskgeom.analysis.measures.task_vectors import late_window
 from taskgeom.analysis.measures.theory import clr, participation_ratio, theorem2
 from taskgeom.analysis.measures.transition import reference_predictors, transition_statistic
+from taskgeom.analysis.reading import projection
+from taskgeom.analysis.stored.ablations import ablation_rows, block_places, find_blocks, rank_rows
+from taskgeom.analysis.stored.rows import row, stored_rows
+from taskgeom.analysis.study import SELECTION_SEQUENCES, Sequences, StudyRun
 from taskgeom.errors import AnalysisError
+from taskgeom.hooks import Place
 from taskgeom.runs.folders import Run
 from taskgeom.runs.storage import atomic_write_json
 from taskgeom.tasks import TokenFamily

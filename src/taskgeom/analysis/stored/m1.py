@@ -9,8 +9,8 @@ study's block at the same relative depth (``claim_places``: the family's ``m1_bl
 it. The full table (P0-P3 at every layer and site) is written on the measurement batch; P3's
 per-position rows at P3's place only. The selection batch's P0-P2 table and the place of best
 R^2_task on it (``place.selected``, with ``place.runner_up``) remain for the ``selected-place``
-variant (docs/protocol.md#variants). ``claim_values`` reads the claims' values from the rows under the
-protocol or a named variant, so the claims and ``taskgeom sensitivity`` read one function.
+variant (docs/protocol.md#variants). The claims read their values from these rows in
+``claims.m1.claim_values``.
 
 Rows (measurement batch, every place): ``p0.cell_r2``, ``p0.within_share``, ``p1.additive_share``
 (medians over the late window, the last quarter of positions, of the layout fitted at each
@@ -21,11 +21,11 @@ the TV of the per-task mean curves, averaged over the tasks and the last quarter
 and per task at P3's place), the per-state ``p3.tv`` / ``p3.kl`` medians by quarter (per position
 and task at P3's place) and P3.shrinks' parts on the mean curves.
 
-The families differ in one place, ``heldout.family_inputs``: the token families (E1, E3, E4) take the
+The families differ in one place, ``analysis.reading.heldout.family_inputs``: the token families (E1, E3, E4) take the
 current token as x_t, a two-way layout over (task, token) for P0/P1, the posterior after each token
 for P3 and KL to the target mixture for steering; E2 (regression) is read at its prediction
 positions, where the model predicts y_i: x_t is that example's x with a linear token effect
-``nu(x) = A x`` (the ANCOVA of ``properties.by_position``), alpha the posterior given the earlier
+``nu(x) = A x`` (the ANCOVA of ``analysis.measures.properties.by_position``), alpha the posterior given the earlier
 examples, and steering compares the prediction of y_i by RMSE. E2's analysis batches are
 paired: all K tasks share the same x sequences, so the x effects cancel when task means are
 subtracted.
@@ -33,21 +33,18 @@ subtracted.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from taskgeom.analysis.measures.properties import MeanAlignment, quantiles, too_few_uncertain
-from taskgeom.analysis.stored.rows import row
-from taskgeom.analysis.reading.steering import KINDS, Steering, steering_place
-from taskgeom.hooks import Place
 from taskgeom.analysis.geometry import Alignment, Geometry
-from taskgeom.analysis.study import DEFAULT_SITES, StudyRun
+from taskgeom.analysis.measures.properties import MeanAlignment, quantiles
 from taskgeom.analysis.measures.task_vectors import check_major_tasks
-from taskgeom.analysis.measures.variants import variant as named_variant
+from taskgeom.analysis.reading.steering import KINDS, Steering, steering_place
+from taskgeom.analysis.stored.rows import row
+from taskgeom.analysis.study import DEFAULT_SITES, StudyRun
 from taskgeom.errors import AnalysisError
+from taskgeom.hooks import Place
 from taskgeom.runs.storage import atomic_write_json
 
 
@@ -135,7 +132,7 @@ def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tupl
             n_sequences: int = 512, window: float = 0.25, n_random: int = 8) -> Result:
     """The M1 geometry of a finished run (options: ``check_request``; ``n_random``: P2's random
     subspaces); RunDirError if unfinished, AnalysisError for a bad request. Steering is measured at
-    the claims' place (``steering.steering_place``) on the measurement batch."""
+    the claims' place (``analysis.reading.steering.steering_place``) on the measurement batch."""
     places = check_request(run, layers, sites, n_sequences, window)
     place, p3_place = claim_places(run)
     options = {"window": window, "n_random": n_random}
@@ -198,71 +195,6 @@ def alignment_rows(place: Place, p3: Alignment, task: torch.Tensor, per_position
              row("p3.tv_first_uncertain", shrink.tv_first, **where),
              row("p3.tv_last_uncertain", shrink.tv_last, **where)]
     return rows
-
-
-M1_CLAIMS = ("P0", "P1", "P2", "P2.vs_random", "P3", "P3.shrinks")
-
-
-class Reading(NamedTuple):
-    """One M1 claim's value read from m1.json rows, its parts (the place it read: ``layer``,
-    ``site``; the numbers it is made of) and, for a claim that does not apply (value NaN), why."""
-
-    value: float
-    parts: dict
-    reason: str | None = None
-
-
-def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Reading]:
-    """{claim suffix of M1_CLAIMS: Reading} from a run's m1.json ``rows`` under the protocol
-    (``variant`` None or "protocol") or a named variant (``analysis.variants``): ``selected-place``
-    reads every claim at the place of best R^2_task on the selection batch; ``site-mid`` at
-    resid_mid of the protocol's blocks; ``pooled-anova`` reads P0/P1 pooled over the late window.
-    A variant that does not move these claims reads them as the protocol does (``e1-v6`` and
-    ``separator`` are other runs: pass their rows). AnalysisError when the rows lack a value."""
-    chosen = named_variant(variant)
-    name = chosen.name if chosen is not None and {c.split(".")[0] for c in M1_CLAIMS} & set(chosen.claims) else None
-    place, p3_place = _place(rows, "place.m1", "measure"), _place(rows, "place.p3", "measure")
-    if name == "selected-place":
-        place = p3_place = _place(rows, "place.selected", "select")
-    elif name == "site-mid":
-        place, p3_place = Place(place.layer, "resid_mid"), Place(p3_place.layer, "resid_mid")
-    table = {(r["metric"], r["layer"], r["site"]): r["value"] for r in rows
-             if r["batch"] == "measure" and r["position"] is None and r["task"] is None}
-
-    def at(metric: str, where: Place = place) -> float:
-        if (metric, *where) not in table:
-            raise AnalysisError(f"the m1.json rows hold no {metric} at layer {where.layer} ({where.site}); analyse the run again")
-        value = table[(metric, *where)]
-        return math.nan if value is None else value
-
-    placed, p3_placed = {"layer": place.layer, "site": place.site}, {"layer": p3_place.layer, "site": p3_place.site}
-    pooled = "_pooled" if name == "pooled-anova" else ""
-    r2_task, r2_random = at("p2.r2_task"), at("p2.r2_random")
-    p1_parts = placed if pooled else {**placed, "last_position": at("p1.additive_share_last")}
-    if ("p2.r2_additive", *place) in table:  # E2: the study's r2_additive, R^2_task beside
-        p2 = Reading(at("p2.r2_additive"), {**placed, "r2_task": r2_task})
-    else:
-        p2 = Reading(r2_task, placed)
-    count = int(at("p3.uncertain_positions", p3_place))
-    first, last = at("p3.tv_first_uncertain", p3_place), at("p3.tv_last_uncertain", p3_place)
-    shrink_parts = {"tv_first": first, "tv_last": last, "uncertain_positions": count, **p3_placed}
-    reason = too_few_uncertain(count)
-    return {
-        "P0": Reading(at(f"p0.cell_r2{pooled}"), placed),
-        "P1": Reading(at(f"p1.additive_share{pooled}"), p1_parts),
-        "P2": p2,
-        "P2.vs_random": Reading(r2_task - r2_random, {"r2_task": r2_task, "r2_random": r2_random, **placed}),
-        "P3": Reading(at("p3.tv_mean_beta", p3_place), {"tv_per_state_last_quarter": at("p3.tv_last_quarter", p3_place), **p3_placed}),
-        "P3.shrinks": Reading(math.nan if reason else last / first, shrink_parts, reason),
-    }
-
-
-def _place(rows: list[dict], label: str, batch: str) -> Place:
-    """The place of the row ``label`` (``place.m1``, ``place.p3``, ``place.selected``) of ``batch``."""
-    found = [r for r in rows if r["metric"] == label and r["batch"] == batch]
-    if not found:
-        raise AnalysisError(f"the m1.json rows have no {label} row; analyse the run again")
-    return Place(int(found[0]["layer"]), found[0]["site"])
 
 
 def steering_rows(steering: Steering) -> list[dict]:

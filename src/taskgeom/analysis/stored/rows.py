@@ -10,13 +10,16 @@ or per major task), ``gain``, ``unreliable`` and ``reason`` (a share of in-conte
 ``shares.Share``), ``version`` (``ROW_VERSION``).
 
 A stored file whose rows are of another version is not read (``stored_rows`` gives None): the
-analysis is measured again, the run is not retrained.
+analysis is measured again, the run is not retrained. ``by_step`` sets a sweep's rows of the
+training snapshots side by side, one row per (run, step).
 """
 
 from __future__ import annotations
 
 import json
 from typing import Sequence
+
+import pandas as pd
 
 from taskgeom.analysis.measures.shares import Share
 from taskgeom.runs.folders import Run
@@ -51,3 +54,11 @@ def stored_rows(run: Run, analysis: str) -> list[dict] | None:
         return None
     rows = json.loads(path.read_text(encoding="utf-8"))
     return rows if rows and all(isinstance(r, dict) and r.get("version") == ROW_VERSION for r in rows) else None
+
+
+def by_step(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per (run, training step): projection R^2 and the predictor-transition statistics
+    (``log_ratio``, ``kl_to_memorising``, ``kl_to_generalising``; token families only)."""
+    rows = table[table["step"].notna()]
+    wide = rows.pivot_table(index=["recipe", "diversity", "seed", "step"], columns="metric", values="value").reset_index()
+    return wide.rename(columns=lambda c: c.removeprefix("transition_"))

@@ -2,18 +2,19 @@
 
 ``save_pretrained`` writes the model of a run with ``model.arch`` gpt2 or llama (or an
 ``hf.HFCausalLM``) as a directory ``from_pretrained`` loads, and ``open_pretrained`` turns such a
-directory plus a recipe into a finished run (``PretrainedRun``) for the analysis.
+directory plus a recipe into a finished run (``PretrainedRun``) for the analysis. It reads and
+makes runs, so it sits above the run folders (``runs/``), the one module of ``models/`` that does.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from taskgeom.settings.config import DEFAULT_PROFILE, ConfigError, RunConfig
 from taskgeom.errors import RunDirError, TaskgeomError
-from taskgeom.runs.hf import SUPPORTED, HFCausalLM, model_config, require_transformers
-from taskgeom.settings.recipes import load_recipe
+from taskgeom.models.hf import SUPPORTED, HFCausalLM, model_config, require_transformers
 from taskgeom.runs.folders import Run
+from taskgeom.settings.config import ConfigError, RunConfig
+from taskgeom.settings.recipes import DEFAULT_PROFILE, load_recipe
 from taskgeom.tasks.registry import family_class
 
 

@@ -4,7 +4,8 @@ residual stream) are settings of ``ModelConfig``.
 
 Every block exposes five residual-stream sites as identity modules, so ``hooks.py`` can read or
 rewrite them: ``resid_pre``, ``attn_out``, ``resid_mid = resid_pre + attn_out``, ``mlp_out`` and
-``resid_post = resid_mid + mlp_out``. Shapes: ``B`` batch, ``T`` positions, ``D`` width.
+``resid_post = resid_mid + mlp_out`` (``SITES``: every model of ``taskgeom.models`` has them).
+Shapes: ``B`` batch, ``T`` positions, ``D`` width.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from taskgeom.settings.config import ModelConfig
 from taskgeom.errors import AnalysisError
+from taskgeom.settings.config import ModelConfig
 
 SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 ACTIVATIONS = {"gelu": nn.GELU, "silu": nn.SiLU}

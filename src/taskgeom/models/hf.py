@@ -8,10 +8,11 @@ use it like our ``Transformer``: ``forward(tokens [B, T]) -> logits [B, T, V]``,
 ``resid_post = resid_mid + mlp_out``. ``resid_mid`` lives inside one call of an HF decoder layer, so
 it is formed in the hook on the layer's attention and edited through that module's output.
 
-``build`` makes the HF model of a run with ``model.arch`` gpt2 or llama (no download) and
-``model_config`` describes a supported HF config as a ``ModelConfig``; ``taskgeom.runs.pretrained``
-writes and reads such models as Hugging Face model directories. ``transformers`` is imported only
-when a model is built or loaded (``pip install taskgeom[hf]``).
+``build`` makes the HF model of a run with ``model.arch`` gpt2 or llama (no download; called by
+``taskgeom.models.build_model``) and ``model_config`` describes a supported HF config as a
+``ModelConfig``; ``taskgeom.models.pretrained`` writes and reads such models as Hugging Face model
+directories. ``transformers`` is imported only when a model is built or loaded (``pip install
+taskgeom[hf]``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from taskgeom.settings.config import ConfigError, ModelConfig
 from taskgeom.errors import TaskgeomError
-from taskgeom.model import HookPoint, ResidualModel
+from taskgeom.models.transformer import SITES, HookPoint, ResidualModel
+from taskgeom.settings.config import ConfigError, ModelConfig
 
-SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")  # as taskgeom.model.SITES
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")  # those that take an additive [1, 1, T, T] mask
 
 

@@ -1,0 +1,51 @@
+"""E2's own claims, in-context linear regression at k = -1: the model against the dMMSE (pool
+posterior) and ridge (OOD-optimal) predictors, on the last half of the examples.
+
+``e2.bayes_optimal``, the model's mean squared error on major-task prompts over the last half of
+the examples relative to dMMSE's, minus one, at most 10%; ``e2.ood_between``, the model's OOD error
+placed on the segment from dMMSE to ridge, ``g = (L_dMMSE - L_model) / (L_dMMSE - L_ridge)`` (0 at
+dMMSE, 1 at ridge), lies in [0, 1], checked as ``|g - 1/2| <= 1/2``; ``e2.ood_near_dmmse``, g <= 1/2
+(closer to dMMSE than to ridge at low diversity).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from taskgeom.claims.rules import Claim, Spec
+
+_RECIPES = "E2 (k = -1)"
+SPECS: tuple[Spec, ...] = (
+    Spec("bayes_optimal", "e2", _RECIPES, "model MSE / dMMSE MSE - 1 on held-out major-task prompts, last half of the examples",
+         "<=", 0.10, ("mse_by_example",)),
+    Spec("ood_between", "e2", _RECIPES, "|g - 1/2|, g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts: the "
+         "model's error between dMMSE's and ridge's", "<=", 0.5, ("mse_by_example",)),
+    Spec("ood_near_dmmse", "e2", _RECIPES, "g (above): closer to dMMSE than to ridge at low diversity", "<=", 0.5,
+         ("mse_by_example",)),
+)
+NAMES = tuple(spec.name for spec in SPECS)
+
+
+def late_means(table: pd.DataFrame, n_examples: int) -> pd.DataFrame:
+    """Mean of each (set, metric) of ``evaluate_run``'s table over the last half of the examples (positions >= n / 2)."""
+    late = table[table["position"] >= n_examples // 2]
+    return late.groupby(["set", "metric"])["value"].mean().unstack()
+
+
+def claims(means: pd.DataFrame, e: str = "e2") -> list[Claim]:
+    """The claims of recipe ``e`` from one run's late means (``late_means``)."""
+    major, ood = means.loc["major"], means.loc["ood"]
+    g = (ood["bayes_id_loss"] - ood["loss"]) / (ood["bayes_id_loss"] - ood["bayes_ood_loss"])
+    parts = {"mse_model": ood["loss"], "mse_dmmse": ood["bayes_id_loss"], "mse_ridge": ood["bayes_ood_loss"]}
+    bayes_optimal, between, near = SPECS
+    return [
+        bayes_optimal.judge(
+            e, "model MSE / dMMSE MSE - 1 on held-out major-task prompts, last half of the examples, k = -1",
+            major["loss"] / major["bayes_id_loss"] - 1, {"mse_model": major["loss"], "mse_dmmse": major["bayes_id_loss"]}),
+        between.judge(
+            e, "|g - 1/2| for g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
+               "(<= 1/2: the model's error lies between dMMSE's and ridge's)", abs(g - 0.5), parts),
+        near.judge(
+            e, "g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
+               "(<= 1/2: closer to dMMSE than to ridge at low diversity)", g, parts),
+    ]

@@ -1,0 +1,161 @@
+"""The claims of M1, Bayesian task retrieval (docs/concepts.md#m1-the-geometry-of-task-retrieval):
+P0-P3 and causal steering, each measured on a recipe's k = -1 run (E1, E2, E3), whose
+``bayes_optimal`` claim is their precondition. Here is each claim's spec (threshold, figures),
+how its value is read from a run's ``analysis/m1.json`` rows (``claim_values``, under the protocol
+or a named variant, so the claims and ``taskgeom sensitivity`` read one function), its description
+and its judgement (``claims``).
+
+**The place** (docs/protocol.md): the claims read the study's block at the same relative depth,
+``resid_post`` (the rows' ``place.m1`` and ``place.p3``); the parts name the layer and site each
+claim read. For E2, P2 reads ``r2_additive`` and steering compares predictions of y_i by RMSE
+instead of next-token laws by KL.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from taskgeom.analysis.measures.properties import too_few_uncertain
+from taskgeom.analysis.measures.variants import variant as named_variant
+from taskgeom.analysis.reading.steering import KINDS, Steering
+from taskgeom.analysis.stored.m1 import Result
+from taskgeom.claims.rules import Claim, Spec
+from taskgeom.errors import AnalysisError
+from taskgeom.hooks import Place
+
+# Steering's normalisation: the steered readout must be at most 1 / factor of the unsteered one (KL of
+# next-token laws; E2: RMSE of the prediction of y), and below the mode task's. The claim's value is
+# max(factor x steered / unsteered, steered / mode); a value <= 1 passes.
+STEERING_FACTOR = {"kl": 3.0, "rmse": 2.0}
+
+_RECIPES = "E1, E2, E3 (k = -1)"
+SPECS: tuple[Spec, ...] = (
+    Spec("P0", "m1", _RECIPES, "P0, stability: cell-means R^2 of (task, current token), median over the late window", ">=", 0.9,
+         ("layers",)),
+    Spec("P1", "m1", _RECIPES, "P1, decoupling: additive share of the variance P0's model explains, median over the late window", ">=",
+         0.9, ("layers",)),
+    Spec("P2", "m1", _RECIPES, "P2, interpolation: R^2_task of the sum-to-one simplex fit, late window (E2: r2_additive)", ">=", 0.8,
+         ("layers", "positions")),
+    Spec("P2.vs_random", "m1", _RECIPES, "P2's R^2_task minus that of a random subspace of equal dimension", ">=", 0.3, ("layers",)),
+    Spec("P3", "m1", _RECIPES, "P3, alignment: TV between the per-task mean beta_t and mean posterior alpha_t, last quarter of "
+         "positions", "<=", 0.1, ("simplex",)),
+    Spec("P3.shrinks", "m1", _RECIPES, "P3's TV over the last quarter of the uncertain positions divided by that over their first "
+         "quarter (n/a with fewer than 5 uncertain positions)", "<", 1.0, ("simplex",)),
+    Spec("steering", "m1", _RECIPES, "steering: max(3 x steered / unsteered, steered / mode task) of the mean KL(model || q_a) over "
+         "target points (E2: RMSE to y_a, factor 2); <= 1: steered at most a third (E2: half) of unsteered and below the mode task's",
+         "<=", 1.0, ("steering",)),
+)
+_SPEC = {spec.name: spec for spec in SPECS}
+
+
+class Reading(NamedTuple):
+    """One M1 claim's value read from m1.json rows, its parts (the place it read: ``layer``,
+    ``site``; the numbers it is made of) and, for a claim that does not apply (value NaN), why."""
+
+    value: float
+    parts: dict
+    reason: str | None = None
+
+
+def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Reading]:
+    """{name of a P0-P3 claim: Reading} from a run's m1.json ``rows`` under the protocol
+    (``variant`` None or "protocol") or a named variant (``analysis.measures.variants``):
+    ``selected-place`` reads every claim at the place of best R^2_task on the selection batch;
+    ``site-mid`` at resid_mid of the protocol's blocks; ``pooled-anova`` reads P0/P1 pooled over
+    the late window. A variant that does not move these claims reads them as the protocol does
+    (``e1-v6`` and ``separator`` are other runs: pass their rows). AnalysisError when the rows lack
+    a value."""
+    chosen = named_variant(variant)
+    name = chosen.name if chosen is not None and {spec.name.split(".")[0] for spec in SPECS} & set(chosen.claims) else None
+    place, p3_place = _place(rows, "place.m1", "measure"), _place(rows, "place.p3", "measure")
+    if name == "selected-place":
+        place = p3_place = _place(rows, "place.selected", "select")
+    elif name == "site-mid":
+        place, p3_place = Place(place.layer, "resid_mid"), Place(p3_place.layer, "resid_mid")
+    table = {(r["metric"], r["layer"], r["site"]): r["value"] for r in rows
+             if r["batch"] == "measure" and r["position"] is None and r["task"] is None}
+
+    def at(metric: str, where: Place = place) -> float:
+        if (metric, *where) not in table:
+            raise AnalysisError(f"the m1.json rows hold no {metric} at layer {where.layer} ({where.site}); analyse the run again")
+        value = table[(metric, *where)]
+        return math.nan if value is None else value
+
+    placed, p3_placed = {"layer": place.layer, "site": place.site}, {"layer": p3_place.layer, "site": p3_place.site}
+    pooled = "_pooled" if name == "pooled-anova" else ""
+    r2_task, r2_random = at("p2.r2_task"), at("p2.r2_random")
+    p1_parts = placed if pooled else {**placed, "last_position": at("p1.additive_share_last")}
+    if ("p2.r2_additive", *place) in table:  # E2: the study's r2_additive, R^2_task beside
+        p2 = Reading(at("p2.r2_additive"), {**placed, "r2_task": r2_task})
+    else:
+        p2 = Reading(r2_task, placed)
+    count = int(at("p3.uncertain_positions", p3_place))
+    first, last = at("p3.tv_first_uncertain", p3_place), at("p3.tv_last_uncertain", p3_place)
+    shrink_parts = {"tv_first": first, "tv_last": last, "uncertain_positions": count, **p3_placed}
+    reason = too_few_uncertain(count)
+    return {
+        "P0": Reading(at(f"p0.cell_r2{pooled}"), placed),
+        "P1": Reading(at(f"p1.additive_share{pooled}"), p1_parts),
+        "P2": p2,
+        "P2.vs_random": Reading(r2_task - r2_random, {"r2_task": r2_task, "r2_random": r2_random, **placed}),
+        "P3": Reading(at("p3.tv_mean_beta", p3_place), {"tv_per_state_last_quarter": at("p3.tv_last_quarter", p3_place), **p3_placed}),
+        "P3.shrinks": Reading(math.nan if reason else last / first, shrink_parts, reason),
+    }
+
+
+def _place(rows: list[dict], label: str, batch: str) -> Place:
+    """The place of the row ``label`` (``place.m1``, ``place.p3``, ``place.selected``) of ``batch``."""
+    found = [r for r in rows if r["metric"] == label and r["batch"] == batch]
+    if not found:
+        raise AnalysisError(f"the m1.json rows have no {label} row; analyse the run again")
+    return Place(int(found[0]["layer"]), found[0]["site"])
+
+
+def claims(result: Result) -> list[Claim]:
+    """The M1 claims of one analysed run, read at the study's blocks on the measurement batch."""
+    return [*retrieval_claims(claim_values(result.rows), result.experiment, result.effect), steering_claim(result.steering, result.experiment)]
+
+
+def retrieval_claims(values: dict[str, Reading], e: str, effect: str = "current token") -> list[Claim]:
+    """The claims P0-P3 of recipe ``e`` from ``claim_values`` (the protocol's, or a variant's) of
+    one run; ``effect``: the token-effect model in words."""
+    where = "at the study's block at the same relative depth, resid_post (docs/protocol.md); layer and site in the parts"
+    if effect == "current token":
+        p0 = "P0: cell-means R^2 of (task, current token)"
+        p2 = "P2: R^2_task of the simplex fit of h_t - mu_t - nu(x_t) on the task vectors, late window"
+    else:
+        p0 = f"P0: R^2 of a per-task intercept and per-task {effect}"
+        p2 = "P2: r2_additive, the share of the variance of h_t - mu_t explained by the task simplex plus a per-position linear map of x_t, late window"
+    late = "at each position, median over the last quarter of positions"
+    shrink_description = ("P3: on the per-task mean curves, mean TV(mean beta_t, mean alpha_t) over the last quarter of the positions "
+                          "where the mean posterior is uncertain (median over tasks of its largest weight < 0.99) divided by that over their first quarter")
+    descriptions = {
+        "P0": f"{p0}, {late} ({where})",
+        "P1": f"P1: additive (task + {effect}, no interaction) share of the variance P0's model explains, {late} ({where})",
+        "P2": f"{p2} ({where})",
+        "P2.vs_random": f"P2: R^2_task minus R^2 of the same fit on a random subspace of equal dimension ({where})",
+        "P3": "P3: TV between the per-task mean of beta_t (projected onto the simplex) and the mean posterior alpha_t, "
+              f"mean over the tasks and the last quarter of positions ({where}; E2: block 9 of 16)",
+        "P3.shrinks": shrink_description}
+    return [_SPEC[name].judge(e, description, values[name].value, values[name].parts, values[name].reason)
+            for name, description in descriptions.items()]
+
+
+def steering_claim(steering: Steering, e: str) -> Claim:
+    """The steering claim of one run (docs/protocol.md) from its ``Steering``."""
+    factor = STEERING_FACTOR[steering.measure]
+    means = {kind: steering.mean(kind) for kind in KINDS}
+    value = max(_ratio(factor * means["steered"], means["unsteered"]), _ratio(means["steered"], means["mode"]))
+    return _SPEC["steering"].judge(
+        e, f"steering: max({factor:g} x steered / unsteered, steered / mode task) of the mean {steering.label} over the target points "
+           f"a ~ Dirichlet(1), one position per forward pass (<= 1: steered at most 1/{factor:g} of unsteered and below the mode task's); "
+           f"the study's place", value,
+        {**means, "layer": steering.place.layer, "site": steering.place.site, "position_first": steering.positions[0],
+         "position_last": steering.positions[-1], "n_positions": len(steering.positions), "n_sequences": steering.n_sequences,
+         "n_points": steering.n_points, "form": steering.form})
+
+
+def _ratio(x: float, y: float) -> float:
+    """x / y for readouts x, y >= 0: inf when only y is 0, NaN (never passing) when both are."""
+    return x / y if y > 0 else math.inf if x > 0 else math.nan
