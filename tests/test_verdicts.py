@@ -103,7 +103,8 @@ def test_a_claim_missing_at_a_profile_is_a_blank_cell_and_the_grid_is_drawn(tmp_
 
 
 def test_the_committed_grid_is_readable_at_the_readmes_width():
-    """Its text (FONT points at the 120 dpi the figures are saved at) prints at 12 px or more once
-    the image is scaled to the README's width."""
-    width, height = Image.open(GRID / "verdicts.png").size
-    assert FONT * 120 / 72 * min(1.0, README_WIDTH / width) >= 12.0 and height < 1.5 * width
+    """Its text (FONT points at the resolution the PNG records) prints at 12 px or more once the
+    image is scaled to the README's width."""
+    image = Image.open(GRID / "verdicts.png")
+    (width, height), dpi = image.size, image.info["dpi"][0]
+    assert FONT * dpi / 72 * min(1.0, README_WIDTH / width) >= 12.0 and height < 1.5 * width

@@ -508,9 +508,8 @@ def sensitivity(
     (dual.json), and the double dissociation (S and V ablations and the random control, measured
     again). A claim's verdict is judged over the runs given (pass on every run, fail on every run,
     else unstable), its value the median over them. Reports; the claims keep the protocol."""
-    from taskgeom.experiments.sensitivity import chosen_variants, place_summary
+    from taskgeom.experiments.sensitivity import chosen_variants, place_summary, summarise
     from taskgeom.experiments.sensitivity import sensitivity as measure
-    from taskgeom.experiments.sensitivity import summarise
 
     table = measure(run_dirs, chosen_variants(tuple(variant or ())), places, threads)
     if csv:

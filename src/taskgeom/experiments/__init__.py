@@ -79,11 +79,17 @@ def _declared(ctx: Context) -> dict[str, Experiment]:
     return declared(ctx.studies, ctx.profile)
 
 
+def runs_by_experiment(ctx: Context, experiments: dict[str, Experiment] | None = None) -> dict[str, list[TrainTask]]:
+    """{experiment: the runs it declares for ``ctx`` (its ``runs``)} for the experiments (by default
+    those ``ctx``'s studies declare), in order."""
+    experiments = _declared(ctx) if experiments is None else experiments
+    return {name: getattr(experiment, "runs", lambda _: [])(ctx) for name, experiment in experiments.items()}
+
+
 def planned_runs(ctx: Context, experiments: dict[str, Experiment] | None = None) -> list[TrainTask]:
     """Every run the experiments (by default those ``ctx``'s studies declare) declare for ``ctx``
     (``runs``), in order; a run two experiments need appears once for each."""
-    experiments = _declared(ctx) if experiments is None else experiments
-    return [task for experiment in experiments.values() for task in getattr(experiment, "runs", lambda _: [])(ctx)]
+    return [task for tasks in runs_by_experiment(ctx, experiments).values() for task in tasks]
 
 
 def reproduce(out: Path, profile: str, experiments: dict[str, Experiment] | None = None, executor: Executor = Executor(),
@@ -103,9 +109,10 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment] | None
     ctx = Context(Path(out), profile, tuple(seeds), executor, device, tracker, tuple(overrides),
                   shipped_studies() if studies is None else tuple(studies), None if diversities is None else tuple(diversities))
     experiments = _declared(ctx) if experiments is None else experiments
-    for name, experiment in experiments.items():  # before anything is written or trained
-        check_declarations(getattr(experiment, "runs", lambda _: [])(ctx), name)
-    tasks = planned_runs(ctx, experiments)
+    planned = runs_by_experiment(ctx, experiments)
+    for name, runs in planned.items():  # before anything is written or trained
+        check_declarations(runs, name)
+    tasks = [task for runs in planned.values() for task in runs]
     for task in tasks:  # every experiment measures in the task subspace: refuse before anything is written
         check_major_tasks(task.config.task.n_major, f"reproduce ({task.config.name}, k = {task.config.task.diversity})")
     ctx.out.mkdir(parents=True, exist_ok=True)
@@ -142,4 +149,4 @@ def _evidence_modules(experiments: dict[str, Experiment]) -> list[str]:
     return [name for name in modules if hasattr(importlib.import_module(name), "evidence")]
 
 
-__all__ = ["Context", "DECLARATIONS", "EXPERIMENTS", "check_declarations", "declared", "planned_runs", "reproduce", "undeclared"]
+__all__ = ["Context", "DECLARATIONS", "EXPERIMENTS", "check_declarations", "declared", "planned_runs", "reproduce", "runs_by_experiment", "undeclared"]
