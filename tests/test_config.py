@@ -228,7 +228,9 @@ def test_analysis_memory_grows_with_the_sequences():
 
 def test_a_profile_s_measure_section_is_read_from_the_recipe(tmp_path):
     """The diversity grid and Fig. 4's sizes are the recipe's, per profile (inherited through
-    extends): the study's 128 x 128 at every shipped profile; the grid is left out of the run config."""
+    extends): every shipped profile's grid ends at the study's k = 10 (every recipe, E4's prefix
+    probes included, reads its top), the study's 128 x 128 at every shipped profile; the grid is
+    left out of the run config."""
     from taskgeom.experiments.sweep import Job
     from taskgeom.settings.recipes import MeasureSettings, load_measure, recipe_path
 
@@ -236,7 +238,8 @@ def test_a_profile_s_measure_section_is_read_from_the_recipe(tmp_path):
         for profile in ("quick", "deep", "standard", "wide", "long", "paper"):
             measure = load_measure(recipe_path(name), profile)
             assert measure.projection_sizes == (128, 128)
-            assert measure.grid == ([-1, *range(11)] if profile == "paper" else [-1, 3, 8])
+            assert measure.grid == ([-1, *range(11)] if profile == "paper" else [-1, 4, 10])  # points of the study's Fig. 4 grid
+            assert max(measure.grid) == 10  # the claims read the top, where the study's Fig. 4 ends
     recipe = tmp_path / "mine.yaml"
     recipe.write_text(yaml.safe_dump({
         "base": {"name": "mine", "task": {"family": "dice", "seq_len": 16}},

@@ -48,7 +48,7 @@ def test_sweep_isolates_failures_and_resumes(tmp_path):
     assert {"place_selected", "projection_r2", "projection_r2_reference", "projection_r2_per_sequence", "loss_ablate_S",
             "loss_ablate_V"} <= set(one["metric"])
     fig4 = one[one["metric"].isin(["projection_r2", "projection_r2_tasks", "projection_r2_per_task"])].set_index("metric")
-    assert (fig4.loc["projection_r2_tasks", "value"], fig4.loc["projection_r2_per_task", "value"]) == (128, 128)  # the study's, at every profile
+    assert (fig4.loc["projection_r2_tasks", "value"], fig4.loc["projection_r2_per_task", "value"]) == (1024, 128)  # 8x the study's 128 tasks, its 128 sequences
     assert (fig4.loc["projection_r2", "layer"], fig4.loc["projection_r2", "site"]) == (0, "resid_post")  # block 4 of 6 of one block
 
     done, redo = (sorted(root.glob("tiny-dice-*"))[i] for i in (0, 1))
@@ -87,6 +87,7 @@ def test_dual_analysis_runs_on_regression(tmp_path):
     assert set(table["status"]) == {"ok"}, table.get("error")
     metrics = set(table["metric"])
     assert {"projection_r2", "gain_removed_ablate_S", "gain_removed_ablate_V", "gain_removed_random", "probe_r2_complement"} <= metrics
+    assert {"projection_r2_se", "projection_r2_study_draw", "bayes_ood_loss", "bayes_ood_loss_first"} <= metrics  # ridge's squared error
     assert not any(m.startswith(("transition", "theorem2")) for m in metrics)
     first = table[(table["metric"] == "loss_first") & (table["set"] == "ood")]["value"].iloc[0]
     assert first > 1.0  # predicting y_0 with no examples: the prior variance d + noise^2 = 2.25

@@ -252,7 +252,7 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
     assert probe.parts == {"score": 0.35, "control": 0.1, "target": "depth", "layer": 1, "site": "resid_post",
                            "untrained_gain": pytest.approx(0.07, rel=1e-9)}
     assert (probe.threshold, probe.comparison) == (spec("e4", "prefix_probe").threshold, ">=")
-    assert set(runs) == {("e4", ("task.diversity=-1",)), ("e4", (f"task.diversity={e4.PROBE_DIVERSITY}",)),
+    assert set(runs) == {("e4", ("task.diversity=-1",)), ("e4", ("task.diversity=10",)),  # the top of quick's grid
                          ("e1", ("task.diversity=-1",)), ("e3", ("task.diversity=-1",))}
     written = json.loads((tmp_path / "analysis" / "e4.json").read_text())
     assert {row.pop("seed") for name in ("p0", "probes", "probes_ood") for row in written[name]} == {0}

@@ -6,9 +6,15 @@ reads too). Projection R^2 claims read the study's Fig. 4 statistic, with its pl
 interquartile range, linear-code reference and the ``per-sequence-r2`` variant in their parts
 (``projection_parts``); every share of in-context gain carries its parts (clean, ablated and
 first losses, the gain in nats, and ``unreliable`` when the gain is below ``MIN_RELIABLE_GAIN``),
-and a claim on a share of a gain that is not positive is ``n/a`` with that reason."""
+and a claim on a share of a gain that is not positive is ``n/a`` with that reason. The claims that
+read OOD states (``OOD_CLAIMS``) carry their run's OOD mode as a precondition (``ood_mode``: its OOD
+in-context gain against the Bayes OOD predictor's), and the projection claims their standard error
+over OOD tasks and whether the threshold lies within two of them (``within_2se``)."""
 
 from __future__ import annotations
+
+import math
+from dataclasses import replace
 
 import pandas as pd
 
@@ -38,6 +44,10 @@ SPECS: tuple[Spec, ...] = (
          "(positive: generalising)", ">", 0.0, ("transition",)),
 )
 _SPEC = {spec.name: spec for spec in SPECS}
+# A run has an OOD mode when its OOD in-context gain is at least this share of the Bayes OOD-optimal
+# predictor's on the same sequences [ours]: the precondition of the claims that read OOD states
+OOD_MODE_SHARE = 0.5
+OOD_CLAIMS = ("projection_r2_high_diversity", "projection_r2_drop", "ablate_S_ood", "ablate_V_ood", "random_control")
 
 
 def _pick(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None = None, summary: bool | None = None) -> pd.DataFrame:
@@ -78,11 +88,39 @@ def _reason(rows: pd.DataFrame, metric: str, diversity: int, set_name: str) -> s
     return None
 
 
+def ood_mode(rows: pd.DataFrame, recipe: str, diversity: int) -> dict | None:
+    """The OOD-mode precondition of a claim read on the run at ``diversity`` (one seed's rows): the
+    run's OOD in-context gain ``L_0 - L`` on the ``loss`` split's OOD sequences, the Bayes OOD-optimal
+    predictor's on the same sequences, and their ratio (``value``; status ``pass`` at
+    ``OOD_MODE_SHARE`` or more); None when the rows hold no Bayes OOD losses."""
+    gain = _value(rows, "loss_first", diversity, "ood") - _value(rows, "loss", diversity, "ood")
+    bayes = _value(rows, "bayes_ood_loss_first", diversity, "ood") - _value(rows, "bayes_ood_loss", diversity, "ood")
+    if math.isnan(bayes) or bayes <= 0:
+        return None
+    ratio = gain / bayes
+    return {"claim": f"{recipe}.ood_mode", "value": ratio, "status": "pass" if ratio >= OOD_MODE_SHARE else "fail",
+            "ood_gain": gain, "bayes_ood_gain": bayes, "diversity": diversity}
+
+
+def with_ood_mode(claims: list[Claim], rows: pd.DataFrame, recipe: str, diversity: int) -> list[Claim]:
+    """``claims`` with each of ``OOD_CLAIMS`` given the OOD-mode precondition of the run at
+    ``diversity`` (``ood_mode``), where the rows hold it. The verdict rule does not read it."""
+    precondition = ood_mode(rows, recipe, diversity)
+    if precondition is None:
+        return claims
+    return [replace(c, precondition=precondition) if c.id.partition(".")[2] in OOD_CLAIMS else c for c in claims]
+
+
+def _near(value: float, threshold: float, se: float) -> bool:
+    """Whether ``threshold`` lies within two standard errors ``se`` of ``value``."""
+    return bool(abs(value - threshold) <= 2 * se)
+
+
 def projection_parts(rows: pd.DataFrame, diversity: int) -> dict:
-    """The parts of projection R^2 at ``diversity`` in ``rows`` (one seed's): its value, the place it
-    was read (block and site), the OOD task count and sequences per task, the interquartile range
-    over OOD tasks, the linear-code reference (or why there is none) and the ``per-sequence-r2``
-    variant's value."""
+    """The parts of projection R^2 at ``diversity`` in ``rows`` (one seed's): its value and standard
+    error over OOD tasks, the place it was read (block and site), the OOD task count and sequences
+    per task, the interquartile range over OOD tasks, the study's 128-task draw, the linear-code
+    reference (or why there is none) and the ``per-sequence-r2`` variant's value."""
     def final(metric: str) -> pd.DataFrame:
         return rows[(rows["metric"] == metric) & (rows["diversity"] == diversity) & rows["step"].isna() & (rows["set"] == "ood")]
 
@@ -94,9 +132,10 @@ def projection_parts(rows: pd.DataFrame, diversity: int) -> dict:
         return {}
     measured = pick.iloc[0]
     low, high = band(measured)
-    parts = {"value": measured["value"], "block": int(measured["layer"]), "site": measured["site"],
-             "ood_tasks": int(_value(rows, "projection_r2_tasks", diversity, "ood")),
+    parts = {"value": measured["value"], "se": _value(rows, "projection_r2_se", diversity, "ood"), "block": int(measured["layer"]),
+             "site": measured["site"], "ood_tasks": int(_value(rows, "projection_r2_tasks", diversity, "ood")),
              "sequences_per_task": int(_value(rows, "projection_r2_per_task", diversity, "ood")), "iqr_low": low, "iqr_high": high,
+             "study_draw": _value(rows, "projection_r2_study_draw", diversity, "ood"),
              "per_sequence_r2": _value(rows, "projection_r2_per_sequence", diversity, "ood")}
     reason = _reason(rows, "projection_r2_reference", diversity, "ood")
     if reason or final("projection_r2_reference").empty:
@@ -114,11 +153,15 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int) -> list[Claim]:
         made.append(_SPEC[name].judge(recipe, description, value, parts))
 
     r2_high, r2_low = _value(rows, "projection_r2", high, "ood"), _value(rows, "projection_r2", low, "ood")
+    se_high, se_low = _value(rows, "projection_r2_se", high, "ood"), _value(rows, "projection_r2_se", low, "ood")
     what = "projection R^2 of OOD task means onto the major task means (the study's Fig. 4)"
-    claim("projection_r2_high_diversity", f"{what} at k = {high}", r2_high, projection_parts(rows, high))
+    claim("projection_r2_high_diversity", f"{what} at k = {high}", r2_high,
+          {**projection_parts(rows, high), "within_2se": _near(r2_high, _SPEC["projection_r2_high_diversity"].threshold, se_high)})
+    se_drop = math.hypot(se_low, se_high)  # two independent draws of OOD tasks
     claim("projection_r2_drop", f"{what} at k = {low} minus at k = {high}", r2_low - r2_high,
           {**{f"k={low}.{name}": v for name, v in projection_parts(rows, low).items()},
-           **{f"k={high}.{name}": v for name, v in projection_parts(rows, high).items()}})
+           **{f"k={high}.{name}": v for name, v in projection_parts(rows, high).items()},
+           "se": se_drop, "within_2se": _near(r2_low - r2_high, _SPEC["projection_r2_drop"].threshold, se_drop)})
     made += ablation_claims(rows, recipe, high)
     if len(rows) and rows["metric"].str.startswith("transition_").any():  # token families only
         final = by_step(rows).sort_values("step").groupby("diversity").last()
@@ -127,7 +170,7 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int) -> list[Claim]:
                      if k in final.index else None)
             claim(name, f"log(KL_mem / KL_gen) of the final model at k = {k} ({word})",
                   final["log_ratio"].get(k, float("nan")), parts)
-    return made
+    return with_ood_mode(made, rows, recipe, high)
 
 
 def ablation_claims(rows: pd.DataFrame, recipe: str, high: int) -> list[Claim]:

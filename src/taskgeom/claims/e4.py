@@ -14,7 +14,7 @@ from taskgeom.claims.rules import Claim, Spec
 SPECS: tuple[Spec, ...] = (
     Spec("P0_failure", "e4", "E4 (k = -1)", "E4's within-cell share at its M1 block divided by the larger of E1's and E3's", ">=", 3.0,
          ("p0_across_families",)),
-    Spec("prefix_probe", "e4", "E4 (k = 8)", "smallest over targets of a prefix probe's score minus its shuffled-label control", ">=",
+    Spec("prefix_probe", "e4", "E4 (the highest k of the grid)", "smallest over targets of a prefix probe's score minus its shuffled-label control", ">=",
          0.10, ("prefix_probes",)),
 )
 CLAIM_SITE = "resid_post"  # the site of the M1 block the claims and the figures read

@@ -32,6 +32,13 @@ STATUSES: tuple[str, ...] = ("pass", "fail", "unstable", "n/a")
 Part = Union[float, int, bool, str]
 
 NOT_BAYES_OPTIMAL = "on a model that is not Bayes-optimal"
+NO_OOD_MODE = "on a model without an OOD mode"
+# The preconditions a seed's claim may carry, by name: the caveat of a verdict resting on a seed that
+# fails it, the mark a table prints for that caveat, and what failing it means (the footnote)
+CAVEATS: dict[str, tuple[str, str, str]] = {
+    "bayes_optimal": (NOT_BAYES_OPTIMAL, "\u2020", "its k = -1 run fails bayes_optimal"),
+    "ood_mode": (NO_OOD_MODE, "\u2021", "the run's OOD in-context gain is under half the Bayes OOD predictor's"),
+}
 _OPS = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b, "<": lambda a, b: a < b, ">": lambda a, b: a > b}
 
 
@@ -43,8 +50,11 @@ class Claim:
     until then). A claim judged over seeds (``over_seeds``) has ``seeds``, one row per seed ({seed, value, status,
     parts, reason, precondition}), and the ``median``, ``min`` and ``max`` of their values (``value`` is the median).
     ``precondition``: on a seed's claim of the M1 geometry, its model's ``bayes_optimal`` claim at that
-    seed ({claim, value, status}); ``caveat``: on a judged claim, why a reader should read its verdict
-    with care (``NOT_BAYES_OPTIMAL`` when a seed it rests on fails its precondition)."""
+    seed ({claim, value, status}); on an OOD-share or projection claim, its run's OOD mode ({claim:
+    "<recipe>.ood_mode", value: the OOD gain over the Bayes OOD predictor's, status, ...};
+    ``claims.dual_modes.ood_mode``); ``caveat``: on a judged claim, why a reader should read its
+    verdict with care (``CAVEATS``: ``NOT_BAYES_OPTIMAL``, ``NO_OOD_MODE``, when a seed it rests on
+    fails its precondition)."""
 
     id: str
     experiment: str
@@ -173,12 +183,25 @@ def over_seeds(measured: Iterable[tuple[int, Claim]]) -> list[Claim]:
             reason = "seeds disagree: " + "; ".join(f"{s} on seed {', '.join(map(str, by_status[s]))}" for s in by_status)
         per_seed = tuple({"seed": seed, "value": claim.value, "status": claim.status, "parts": claim.parts, "reason": claim.reason,
                           "precondition": claim.precondition} for seed, claim in rows)
-        unmet = [seed for seed, claim in rows if claim.status != "n/a" and claim.precondition
-                 and claim.precondition["status"] != "pass"]
-        caveat = f"{NOT_BAYES_OPTIMAL} (seed {', '.join(map(str, unmet))})" if unmet else None
+        unmet: dict[str, list[int]] = {}
+        for seed, claim in rows:
+            if claim.status != "n/a" and claim.precondition and claim.precondition["status"] != "pass":
+                unmet.setdefault(CAVEATS[precondition_name(claim.precondition)][0], []).append(seed)
+        caveat = "; ".join(f"{text} (seed {', '.join(map(str, seeds))})" for text, seeds in unmet.items()) or None
         judged.append(Claim(claim_id, first.experiment, first.description, median, first.threshold, status == "pass", first.profile,
                             first.comparison, status, None, reason, per_seed, median, low, high, caveat=caveat))
     return judged
+
+
+def precondition_name(precondition: dict) -> str:
+    """The name of a seed's precondition in ``CAVEATS`` ({"claim": "e1.bayes_optimal", ...} ->
+    "bayes_optimal")."""
+    return str(precondition["claim"]).rpartition(".")[2]
+
+
+def caveat_marks(caveat: str | None) -> str:
+    """The marks of the caveats a verdict's ``caveat`` text holds ('\u2020', '\u2021', both, or '')."""
+    return "".join(mark for text, mark, _ in CAVEATS.values() if caveat and text in caveat)
 
 
 def counts(claims: Iterable[Claim]) -> dict[str, int]:

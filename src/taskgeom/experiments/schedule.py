@@ -29,6 +29,7 @@ from taskgeom.experiments.executors import Executor, execute
 from taskgeom.progress import console, job_bar
 from taskgeom.runs.folders import Run
 from taskgeom.settings.config import RunConfig
+from taskgeom.settings.recipes import MeasureSettings
 from taskgeom.settings.devices import available_memory, resolve_device, torch_threads, usable_cores
 from taskgeom.training.memory import check_training_fits, parameter_count, training_memory
 from taskgeom.training.timing import Clock, Timings
@@ -47,7 +48,7 @@ class TrainTask:
     tracker: str
     threads: int
     analyse: bool = False
-    projection_sizes: tuple[int, int] = (128, 128)
+    projection_sizes: tuple[int, int] = MeasureSettings().projection_sizes
 
     @property
     def name(self) -> str:

@@ -15,8 +15,8 @@ due [ours]. Once all brackets are placed E4 emits iid noise, a one-task E1 where
 trivially; both E4 numbers over every sequence of the late window are kept in
 ``analysis/e4.json`` too.
 
-The prefix probes read in-distribution sequences, tasks drawn from the pool prior of the k =
-PROBE_DIVERSITY model, as the study does: at each prefix length j, a linear probe classifies the
+The prefix probes read in-distribution sequences, tasks drawn from the pool prior of the model at
+the top of the diversity grid, as the study does: at each prefix length j, a linear probe classifies the
 planted bracket j back from h_t, against a shuffled-label control, at every layer and both sites;
 the claim reads every target at the M1 block's ``resid_post``. The same probes on OOD sequences (a
 fresh string each) are a second table, and both are repeated on the untrained network as a control.
@@ -42,11 +42,10 @@ from taskgeom.hooks import Place
 from taskgeom.report.interactive import Evidence, lines
 from taskgeom.runs.folders import Run
 from taskgeom.runs.storage import atomic_write_json
-from taskgeom.settings.recipes import Study
+from taskgeom.settings.recipes import Study, load_measure
 from taskgeom.tasks import Batch
 from taskgeom.tasks.dyck import Dyck
 
-PROBE_DIVERSITY = 8  # k of the high-diversity model the probes read (2**k minor tasks)
 MAX_BACK = 7  # probes for the planted bracket j back, j = 1..MAX_BACK
 N_SEQUENCES = 256  # sequences per probe analysis
 P0_SEQUENCES = 1024  # sequences of the P0 layouts [ours]: E4's bracket phase keeps a fraction of them at each late position
@@ -190,10 +189,16 @@ def prefix_probes(run: Run, model: torch.nn.Module, which: ProbeSet, n_sequences
     return probe_rows(collect(model, tokens, sites).items(), targets, mask, which, run.config.train.seed)
 
 
+def probe_diversity(ctx: Context, study: Study) -> int:
+    """k of the high-diversity model the prefix probes read (2**k minor tasks): the top of the
+    diversity grid (``--grid``, else the profile's ``measure.grid``), where the study's reads."""
+    return max(ctx.diversities or load_measure(study.path, ctx.profile).grid)
+
+
 def runs(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> list:
-    """The runs ``e4`` trains or reads, for the schedule: the study's at k = -1 and k =
-    PROBE_DIVERSITY, and the references at k = -1, each on every seed."""
-    return [*ctx.plans(study.name, ("task.diversity=-1",)), *ctx.plans(study.name, (f"task.diversity={PROBE_DIVERSITY}",)),
+    """The runs ``e4`` trains or reads, for the schedule: the study's at k = -1 and at the probes' k
+    (``probe_diversity``), and the references at k = -1, each on every seed."""
+    return [*ctx.plans(study.name, ("task.diversity=-1",)), *ctx.plans(study.name, (f"task.diversity={probe_diversity(ctx, study)}",)),
             *(task for name in references for task in ctx.plans(name, ("task.diversity=-1",)))]
 
 
@@ -201,21 +206,23 @@ def e4(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> No
     """E4's claims on ``study``'s runs against ``references`` (every seed), one seed's figures, and
     every row in the folder's ``analysis/{study}.json``."""
     tables: dict[str, list[dict]] = {"p0": [], "probes": [], "probes_ood": [], "probes_untrained": []}
+    diversity = probe_diversity(ctx, study)
     for seed in ctx.seeds:
-        measured = measure(ctx, study.name, tuple(references), seed)
+        measured = measure(ctx, study.name, tuple(references), seed, diversity)
         for name, rows in measured.items():
             tables[name] += [{"seed": seed, **row} for row in rows]
         if seed == ctx.seeds[0]:  # one seed's figures illustrate; the claims read every seed (the JSON holds them all)
-            plot(ctx, study.name, tuple(references), measured, seed)
+            plot(ctx, study.name, tuple(references), measured, seed, diversity)
     atomic_write_json(ctx.out / "analysis" / f"{study.name}.json", tables)
 
 
 
-def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int) -> dict[str, list[dict]]:
-    """The P0 shares and prefix probes of recipe ``name``'s runs of ``seed``; records its claims;
-    returns the tidy rows of ``analysis/{name}.json`` (without the seed)."""
+def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int, diversity: int) -> dict[str, list[dict]]:
+    """The P0 shares and prefix probes of recipe ``name``'s runs of ``seed`` (the probes on the run at
+    k = ``diversity``); records its claims; returns the tidy rows of ``analysis/{name}.json``
+    (without the seed)."""
     majors = ctx.trained(name, ("task.diversity=-1",), seed)
-    diverse = ctx.trained(name, (f"task.diversity={PROBE_DIVERSITY}",), seed)
+    diverse = ctx.trained(name, (f"task.diversity={diversity}",), seed)
     reference_runs = {ref: ctx.trained(ref, ("task.diversity=-1",), seed) for ref in references}
     with ctx.stage(f"P0 within-cell shares ({', '.join(r.upper() for r in (*references, name))}; seed {seed})"):
         reference_shares = {ref: reference_p0(run) for ref, run in reference_runs.items()}
@@ -232,12 +239,13 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int) -> 
     at = {ref: claim_layer(run) for ref, run in reference_runs.items()}
     untrained_pool = [r for r in untrained if r["set"] == "pool"]
     ctx.claim(seed, p0_failure(name, p0[CLAIM_SITE], claim_layer(majors), at),
-              prefix_probe(name, probes["pool"], untrained_pool, claim_layer(diverse), MAX_BACK, PROBE_DIVERSITY))
+              prefix_probe(name, probes["pool"], untrained_pool, claim_layer(diverse), MAX_BACK, diversity))
     return {"p0": p0_rows, "probes": probes["pool"], "probes_ood": probes["ood"], "probes_untrained": untrained}
 
 
-def plot(ctx: Context, name: str, references: tuple[str, ...], measured: dict[str, list[dict]], seed: int) -> None:
-    """The P0 comparison and the prefix-probe figures of one seed's rows (``measure``)."""
+def plot(ctx: Context, name: str, references: tuple[str, ...], measured: dict[str, list[dict]], seed: int, diversity: int) -> None:
+    """The P0 comparison and the prefix-probe figures of one seed's rows (``measure``; the probes' at
+    k = ``diversity``)."""
     shares: dict[str, list[float]] = {}
     for row in measured["p0"]:
         if row["site"] == CLAIM_SITE:
@@ -253,9 +261,9 @@ def plot(ctx: Context, name: str, references: tuple[str, ...], measured: dict[st
     plot_prefix_probes([*measured["probes"], *measured["probes_ood"]], untrained,
                        ctx.figure(f"{name}_prefix_probes.png",
                                   f"E4: held-out linear probes at {CLAIM_SITE} for the planted bracket j back and for the depth, "
-                                  f"k = {PROBE_DIVERSITY}; solid: in-distribution (pool) sequences, dashed: OOD sequences, "
+                                  f"k = {diversity}; solid: in-distribution (pool) sequences, dashed: OOD sequences, "
                                   f"dotted: shuffled labels; grey: layer {last} of the untrained network (seed {seed})", (f"{name}.prefix_probe",)),
-                       f"E4: linear probes for the planted bracket prefix at {CLAIM_SITE}, k = {PROBE_DIVERSITY}", site=CLAIM_SITE)
+                       f"E4: linear probes for the planted bracket prefix at {CLAIM_SITE}, k = {diversity}", site=CLAIM_SITE)
 
 
 e4.runs = runs

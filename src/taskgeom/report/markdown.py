@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from taskgeom.claims.rules import NOT_BAYES_OPTIMAL
+from taskgeom.claims.rules import CAVEATS, caveat_marks
 from taskgeom.report.manifest import read_json, read_manifest
 
 STATUS_TEXT = {"pass": "pass", "fail": "**FAIL**", "unstable": "*unstable*", "n/a": "n/a"}
@@ -73,7 +73,7 @@ def claims_markdown(out: Path) -> str:
 
 def by_recipe(claims: list[dict]) -> list[str]:
     """The verdicts and medians as one row per claim name and one column per recipe, each claim's
-    threshold (the exceptions named), a dagger on a verdict with a caveat, and the footnote."""
+    threshold (the exceptions named), a caveat's mark on a verdict with one (``CAVEATS``), and the footnotes."""
     recipes = sorted({c["id"].split(".")[0] for c in claims})
     names = list(dict.fromkeys(c["id"].split(".", 1)[1] for c in claims))
     by_id = {c["id"]: c for c in claims}
@@ -88,21 +88,27 @@ def by_recipe(claims: list[dict]) -> list[str]:
     if any(_rests_on_fewer_seeds(c) for c in claims):
         lines += ["", "(n of N seeds): the verdict and median rest on those n seeds; on the others the claim does not apply "
                       "(a null or unreliable share of a gain, say: the Results page gives each seed's reason)."]
-    if any(c.get("caveat") for c in claims):
-        lines += ["", f"† {NOT_BAYES_OPTIMAL} on at least one seed (its k = -1 run fails `bayes_optimal`); the verdict rule "
-                      "does not read it."]
+    for text, mark, meaning in CAVEATS.values():
+        if any(text in (c.get("caveat") or "") for c in claims):
+            lines += ["", f"{mark} {text} on at least one seed ({_code(meaning)}); the verdict rule does not read it."]
     return lines
 
 
 def _cell(claim: dict) -> str:
-    """'**FAIL** 0.487', '*unstable* 0.0279 †' (a caveat), 'pass 0.199 (2 of 3 seeds)' (the others n/a:
+    """'**FAIL** 0.487', '*unstable* 0.0279 †' (a caveat's mark), 'pass 0.199 (2 of 3 seeds)' (the others n/a:
     a null or unreliable share, say), 'n/a'."""
     median = claim.get("median")
     text = STATUS_TEXT[claim["status"]] + ("" if median is None else f" {number(median)}")
     if _rests_on_fewer_seeds(claim):
         seeds = claim["seeds"]
         text += f" ({sum(row['status'] != 'n/a' for row in seeds)} of {len(seeds)} seeds)"
-    return text + (" †" if claim.get("caveat") else "")
+    marks = caveat_marks(claim.get("caveat"))
+    return text + (f" {marks}" if marks else "")
+
+
+def _code(meaning: str) -> str:
+    """A footnote's meaning with the claim names it holds as code ('fails `bayes_optimal`')."""
+    return meaning.replace("bayes_optimal", "`bayes_optimal`")
 
 
 def _rests_on_fewer_seeds(claim: dict) -> bool:

@@ -1,7 +1,7 @@
 """The verdict grid, the first picture of the README and Home (``taskgeom ladder`` draws it beside
 the panels): every claim (rows, in blocks by recipe, each block in the catalog's order) at every
 results folder given (columns), coloured by its verdict over the seeds, with its median in the cell
-and a dagger where the verdict carries a caveat. ``verdicts.csv`` is the table it shows, read from
+and a caveat's mark where the verdict carries one. ``verdicts.csv`` is the table it shows, read from
 the folders' claims.json alone; a test holds the published one to the published manifests."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from matplotlib.patches import Rectangle  # noqa: E402
 from matplotlib.textpath import TextToPath  # noqa: E402
 
 from taskgeom.claims.catalog import CLAIMS  # noqa: E402
-from taskgeom.claims.rules import NOT_BAYES_OPTIMAL  # noqa: E402
+from taskgeom.claims.rules import CAVEATS, caveat_marks  # noqa: E402
 from taskgeom.report.figures import save  # noqa: E402
 from taskgeom.report.manifest import read_json, read_manifest  # noqa: E402
 from taskgeom.report.markdown import number  # noqa: E402
@@ -27,7 +27,7 @@ from taskgeom.runs.storage import atomic_write_text  # noqa: E402
 COLUMNS = ["claim", "recipe", "profile", "status", "median", "judged", "seeds", "caveat"]
 COLOURS = {"pass": "#8fd18c", "fail": "#f2877a", "unstable": "#f6c453", "n/a": "#d0d0d0"}
 MEANING = {"pass": "pass: every seed", "fail": "fail: every seed", "unstable": "unstable: seeds disagree", "n/a": "n/a: does not apply"}
-DAGGER, FEWER = "\u2020", "*"
+FEWER = "*"
 FONT = 11.0  # points, every label and cell: at the README's width (about 830 px) it prints at 12 px or more
 ROW, PAD, GAP = 0.30, 0.08, 0.35  # inches: a row's height, the space inside a cell, between the two columns of blocks
 
@@ -56,9 +56,10 @@ def verdict_table(named: dict[str, Path]) -> pd.DataFrame:
 
 def cell_text(row) -> str:
     """What a cell prints: the median to 3 significant digits ('n/a' where the claim does not apply),
-    a star when it rests on fewer seeds than were run (the others n/a), a dagger for a caveat."""
+    a star when it rests on fewer seeds than were run (the others n/a), a caveat's mark (``CAVEATS``:
+    a dagger on a model that is not Bayes-optimal, a double dagger on one without an OOD mode)."""
     text = "n/a" if row["status"] == "n/a" or pd.isna(row["median"]) else number(float(row["median"]))
-    return text + (FEWER if _fewer(row) else "") + (DAGGER if row["caveat"] else "")
+    return text + (FEWER if _fewer(row) else "") + caveat_marks(row["caveat"])
 
 
 def _fewer(row) -> bool:
@@ -84,8 +85,9 @@ def footnotes(table: pd.DataFrame, profiles: list[str]) -> list[str]:
     notes = []
     if table.apply(_fewer, axis=1).any():
         notes.append(f"{FEWER} judged on fewer seeds than were run: on the others the claim does not apply")
-    if table["caveat"].astype(bool).any():
-        notes.append(f"{DAGGER} {NOT_BAYES_OPTIMAL} on at least one seed (its k = -1 run fails bayes_optimal)")
+    for text, mark, meaning in CAVEATS.values():
+        if table["caveat"].str.contains(text, regex=False).any():
+            notes.append(f"{mark} {text} on at least one seed ({meaning})")
     if len(table) < table["claim"].nunique() * len(profiles):
         notes.append("- not measured at that profile")
     return notes

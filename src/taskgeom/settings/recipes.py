@@ -90,8 +90,9 @@ class MeasureSettings(StrictModel):
     through ``extends``): the diversity grid of the dual-mode sweep (the claims read its lowest and
     highest k) and the sizes of the study's Fig. 4 statistic (docs/protocol.md, "Projection R^2")."""
 
-    grid: list[Int] = Field(default_factory=lambda: [-1, 3, 8], min_length=2, description="diversities k of the dual-mode sweep")
-    projection_tasks: PositiveInt = Field(128, description="OOD tasks of projection R^2 (the study's 128)")
+    grid: list[Int] = Field(default_factory=lambda: [-1, 4, 10], min_length=2, description="diversities k of the dual-mode sweep")
+    projection_tasks: PositiveInt = Field(1024, description="OOD tasks of the claims' projection R^2 ([ours]: 8x the study's 128 draw, "
+                                                         "which is written beside it)")
     projection_per_task: PositiveInt = Field(128, description="sequences per OOD task and per major task's mean (the study's 128)")
 
     @property

@@ -4,7 +4,8 @@ For every OOD task and every major task, the states of its sequences are average
 each averaged state is centred by the per-position mean of the major means and regressed (no
 intercept) on the K centred major means averaged over a block of positions (their span, rank K - 1);
 R^2 = 1 - SS_res / SS_tot with SS_tot about the mean over coordinates, clipped to [0, 1], is averaged
-over the block; the claims read its mean over the OOD tasks, with the interquartile range. No token
+over the block; the claims read its mean over the OOD tasks, with its standard error over tasks and
+the interquartile range. No token
 conditioning. The block: E1 every position but the last, E2 every x token (its analysed positions)
 but the last, E3 the second half but the last (the study's blocks ``(0, -1)`` and ``(96, 191)`` of
 192); a family of another kind reads E1's. The place: resid_post of the study's block 4 of 6 (E1,
@@ -35,7 +36,7 @@ from taskgeom.hooks import Place
 from taskgeom.tasks import Batch, TaskFamily
 
 CHUNK = 512  # sequences per forward pass or estimate while the task means are summed
-STUDY_SIZES = (128, 128)  # (OOD tasks, sequences per task): the study's, every profile's unless its recipe says otherwise
+STUDY_SIZES = (128, 128)  # (OOD tasks, sequences per task): the study's draw, written beside the claims' larger one
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,20 @@ class ProjectionR2:
     def __repr__(self) -> str:
         low, high = self.quartiles[0], self.quartiles[-1]
         where = "" if self.place is None else f" at {self.place}"
-        return (f"ProjectionR2({self.variant}{where}: mean {self.mean:.4g}, quartiles {low:.4g}-{high:.4g} over "
+        return (f"ProjectionR2({self.variant}{where}: mean {self.mean:.4g} (SE {self.standard_error:.2g}), quartiles {low:.4g}-{high:.4g} over "
                 f"{self.values.numel()} values; {self.n_tasks} OOD tasks x {self.per_task} sequences)")
 
     @property
     def mean(self) -> float:
         """The mean over OOD tasks (states): what the claims read."""
         return float(self.values.double().mean())
+
+    @property
+    def standard_error(self) -> float:
+        """The standard error of ``mean`` over the OOD tasks (states): their standard deviation
+        over the square root of their count (NaN for a single value)."""
+        values = self.values.double().flatten()
+        return float(values.std() / values.numel() ** 0.5) if values.numel() > 1 else float("nan")
 
     @property
     def quartiles(self) -> list[float]:

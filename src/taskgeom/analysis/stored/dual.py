@@ -13,9 +13,12 @@ objects of ``analysis.study``, so each stored number is what they return. Where 
 - **Projection R^2** as the study's Fig. 4 measures it (``analysis.reading.projection``; ``StudyRun.
   projection_r2``) on the ``projection`` split's whole tasks (``projection_r2_tasks`` OOD tasks of
   ``projection_r2_per_task`` sequences, every major task with as many), at the protocol's place
-  (``projection.place``): ``projection_r2`` (band: the interquartile range over OOD tasks), of the
-  final model and of each kept snapshot (``step``), beside the linear-code reference
-  ``projection_r2_reference`` (null, with the reason, for a family without ``ood_estimate``).
+  (``projection.place``): ``projection_r2`` (band: the interquartile range over OOD tasks) with its
+  standard error over tasks ``projection_r2_se``, beside the linear-code reference
+  ``projection_r2_reference`` (null, with the reason, for a family without ``ood_estimate``). The
+  study's own draw (``projection.STUDY_SIZES``, 128 tasks of 128 sequences; batch
+  ``projection_study``) is ``projection_r2_study_draw`` (and its ``_se``) of the final model, and
+  ``projection_r2`` with a ``step`` of the final model and of each kept snapshot.
   The variant ``per-sequence-r2`` (each late OOD state of the ``geometry`` split, centred by
   mu_t + nu(x_t), regressed on theta_{k, x_t}) is ``projection_r2_per_sequence`` there. Both are
   also written at every layer and site (``table.*`` rows).
@@ -27,7 +30,8 @@ objects of ``analysis.study``, so each stored number is what they return. Where 
   each block the gain removed by V of rank r = 1..ceil(d0) is the rank curve. For E2 every edit
   (S, V, the controls and the search) acts on the analysed positions.
 - **Losses and shares** average every prediction after the first; the clean, ablated and first
-  losses are written beside each share, and each share row carries its gain (``shares.Share``:
+  losses are written beside each share, and the Bayes OOD-optimal predictor's on the same OOD
+  sequences (``bayes_ood_loss``, ``bayes_ood_loss_first``: the OOD-mode precondition's reference), and each share row carries its gain (``shares.Share``:
   null with a reason when the gain is not positive, ``unreliable`` below ``MIN_RELIABLE_GAIN``).
 - **Shared work, the same measurement.** ``StudyRun.loss`` keeps each batch's unedited residual
   streams and runs an edit from its block on; the searches (every layer's, then the rank curve's)
@@ -112,6 +116,8 @@ def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps
     clean = {name: run.loss(sequences, per_position=True) for name, sequences in sets.items()}
     for name in sets:
         rows += [row("loss", clean[name][1:].mean(), batch="loss", set=name), row("loss_first", clean[name][0], batch="loss", set=name)]
+    bayes_ood = bayes_ood_losses(run, sets["ood"])  # the OOD-mode precondition's reference (claims.dual_modes.ood_mode)
+    rows += [row("bayes_ood_loss", bayes_ood[1:].mean(), batch="loss", set="ood"), row("bayes_ood_loss_first", bayes_ood[0], batch="loss", set="ood")]
     rows += ablation_rows(run, blocks, sets, clean)
 
     prior = family.predict_ood(run.heldout("ood", PRIOR_TASKS, split="prior").batch.tokens)[:, -1] if family.reads_tokens else None
@@ -126,6 +132,14 @@ def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps
         rows += token_prediction_rows(run, checkpoints, geometries[readout_site], ood, ood_states[readout_site], prior)
     atomic_write_json(run.path / "analysis" / "dual.json", rows)
     return rows
+
+
+def bayes_ood_losses(run: StudyRun, sequences: Sequences) -> torch.Tensor:
+    """[P - 1] the Bayes OOD-optimal predictor's loss per prediction on ``sequences`` (the family's
+    ``bayes_ood_loss``: E1, E3 the add-alpha learner's cross-entropy, E2 ridge's squared error),
+    averaged over them as ``StudyRun.loss`` averages the model's."""
+    with torch.no_grad():
+        return run.family.position_losses(run.model, sequences.batch, *sequences.references)["bayes_ood_loss"].mean(0)
 
 
 def projection_rows(run: StudyRun, checkpoints: dict[int, StudyRun], geometries: dict[Place, Geometry], ood: Sequences,
@@ -149,10 +163,19 @@ def projection_rows(run: StudyRun, checkpoints: dict[int, StudyRun], geometries:
                  row("table.projection_r2_per_sequence", per_sequence.mean(), quartiles(per_sequence), place=site, **at)]
         if site == where:
             rows += [row("projection_r2", r2.mean, r2.quartiles, place=site, **fig4),
+                     row("projection_r2_se", r2.standard_error, place=site, **fig4),
                      row("projection_r2_per_sequence", per_sequence.mean(), quartiles(per_sequence), place=site, **at)]
+    # the study's own draw (128 OOD tasks of 128 sequences), at the final model and across training
+    study_sizes = projection.STUDY_SIZES
+    drawn = tasks["ood"] if study_sizes == sizes else run.heldout_tasks("ood", study_sizes[1], n_tasks=study_sizes[0])
+    study_major = tasks["major"] if study_sizes[1] == per_task else run.heldout_tasks("major", study_sizes[1])
+    study = {"batch": "projection_study", "set": "ood"}
     for step, snapshot in checkpoints.items():
-        r2 = table[where] if snapshot is run else snapshot.projection_r2(tasks["ood"], tasks["major"], where)
-        rows.append(row("projection_r2", r2.mean, r2.quartiles, place=where, step=step, **fig4))
+        r2 = table[where] if snapshot is run and drawn is tasks["ood"] else snapshot.projection_r2(drawn, study_major, where)
+        if snapshot is run:
+            rows += [row("projection_r2_study_draw", r2.mean, r2.quartiles, place=where, **study),
+                     row("projection_r2_study_draw_se", r2.standard_error, place=where, **study)]
+        rows.append(row("projection_r2", r2.mean, r2.quartiles, place=where, step=step, **study))
     why = projection.reference_unavailable(run.family)
     if why is None:
         reference = run.projection_reference(tasks["ood"], tasks["major"])

@@ -30,7 +30,9 @@ from taskgeom.runs.folders import Run
 #    and dual.json's projection_r2 is the study's Fig. 4 statistic (per-task means, fixed place).
 # 6: dual.json's S from the study's own probe (its dropped columns; docs/protocol.md, "S ablation"), Fig. 4 at
 #    128 x 128 with E1's block one position shorter.
-ROW_VERSION = 6
+# 7: dual.json's Fig. 4 over the profile's OOD tasks (1,024) with its standard error, the study's 128-task draw beside it
+#    (and across training), and the Bayes OOD predictor's losses on the OOD loss set (the OOD-mode precondition).
+ROW_VERSION = 7
 FIELDS = ("metric", "value", "band", "layer", "site", "batch", "set", "step", "position", "task", "gain", "unreliable", "reason",
           "version")
 
