@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import taskgeom as tg
-from taskgeom.analysis.reading.steering import KINDS, steering_place
+from taskgeom.analysis.reading.steering import KINDS, STUDY_SEQUENCES, steering_place
 from taskgeom.errors import AnalysisError, TaskgeomError
 from taskgeom.claims.m1 import steering_claim
 from taskgeom.hooks import capture, intervene
@@ -71,12 +71,12 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
     for name, metric in (("P0", "p0.cell_r2"), ("P1", "p1.additive_share"), ("P2", "p2.r2_task"), ("P3", "p3.tv_mean_beta")):
         assert namespace["p"][name] == pytest.approx(one(m1, metric, **at)["value"], rel=1e-12, abs=1e-15), name
         assert claims.loc[f"e3.{name}", "seeds"][0]["value"] == pytest.approx(namespace["p"][name], rel=1e-12), name
-    steering_at = steering_place(run.family, run.config.model.n_layers)  # the stored steering: the study's place, its own draws
-    drawn = run.geometry(namespace["major"], steering_at).steer("dirichlet")
+    steering_at = steering_place(run.family, run.config.model.n_layers)  # the stored steering: the study's block, its own draws
+    drawn = run.geometry(namespace["major"], steering_at).steer("dirichlet", sequences=run.heldout("major", STUDY_SEQUENCES, split="steering"))
     stored_steering = claims.loc["e3.steering", "seeds"][0]
     assert stored_steering["value"] == steering_claim(drawn, "e3").value
     for kind in KINDS:
-        row = one(m1, f"steering.kl_{kind}", layer=steering_at.layer, site=steering_at.site)
+        row = one(m1, f"steering.kl_{kind}", layer=steering_at.layer, site="resid_mid")  # written where the study writes it
         assert row["value"] == drawn.mean(kind) == stored_steering["parts"][kind], kind
     steered = namespace["steered"]
     for shown in (steered, geometry, geometry.p3, *shares.values()):  # a result prints as a one-line summary, not its tensors
@@ -95,12 +95,17 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
 
 def test_projection_r2_and_its_variant_at_every_place_and_the_reference_are_the_stored_table(e3, folder):
     dual = stored(e3, "dual")
-    ood, major = e3.heldout_tasks("ood", 128, n_tasks=128), e3.heldout_tasks("major", 128)
+    ood, major = e3.heldout_tasks("ood", 128, n_tasks=1024), e3.heldout_tasks("major", 128)  # the claims' 1,024 tasks
+    study_draw = e3.heldout_tasks("ood", 128, n_tasks=128)
     geometry_ood = e3.heldout("ood", 256, split="geometry")
     for place in e3.places():
         row = one(dual, "table.projection_r2", layer=place.layer, site=place.site)
         r2 = e3.projection_r2(ood, major, place)
         assert (r2.mean, r2.quartiles) == (pytest.approx(row["value"], rel=1e-12), pytest.approx(row["band"], rel=1e-12))
+        if row["metric"] == "table.projection_r2" and (place.layer, place.site) == (one(dual, "projection_r2", step=None)["layer"],
+                                                                                    one(dual, "projection_r2", step=None)["site"]):
+            assert r2.standard_error == pytest.approx(one(dual, "projection_r2_se")["value"], rel=1e-12)
+            assert e3.projection_r2(study_draw, major, place).mean == pytest.approx(one(dual, "projection_r2_study_draw")["value"], rel=1e-12)
         variant = e3.projection_r2(geometry_ood, e3.heldout("major", 256, split="geometry"), place, variant="per-sequence-r2")
         assert variant.mean == pytest.approx(one(dual, "table.projection_r2_per_sequence", layer=place.layer, site=place.site)["value"],
                                              rel=1e-6)
@@ -108,7 +113,7 @@ def test_projection_r2_and_its_variant_at_every_place_and_the_reference_are_the_
     assert reference.mean == pytest.approx(one(dual, "projection_r2_reference")["value"], rel=1e-12)
     claims = tg.results(folder).claims.set_index("id")
     parts = claims.loc["e3.projection_r2_drop", "seeds"][0]["parts"]
-    assert parts["k=-1.reference"] == pytest.approx(reference.mean, rel=1e-12) and parts["k=-1.ood_tasks"] == 128
+    assert parts["k=-1.reference"] == pytest.approx(reference.mean, rel=1e-12) and parts["k=-1.ood_tasks"] == 1024
     with pytest.raises(AnalysisError, match="unknown variant 'per-sequence'"):
         e3.projection_r2(ood, major, variant="per-sequence")
 
@@ -128,13 +133,14 @@ def test_the_orthogonal_search_gives_the_stored_ablated_losses(e3):
 
 
 def test_steering_to_a_chosen_point_moves_the_model_to_the_mixture_computed_by_hand(e3):
-    """On the trained E3 run: the edit h - (h - mu_p) P_S + a theta at position 5 alone, applied by a
-    plain hook, gives the steered KL to sum_k a_k P_k(. | x_5)."""
+    """On the trained E3 run, under the variant steer-at-read-site: the edit h - (h - mu_p) P_S + a
+    theta at position 5 alone, applied by a plain hook where the vectors are read, gives the steered
+    KL to sum_k a_k P_k(. | x_5) (the protocol's injection: tests/test_steering_values.py)."""
     major = e3.heldout("major", 64, split="measure")
     place = e3.places()[0]
     geometry = e3.geometry(major, place)
     a = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
-    result = geometry.steer(to=a, positions=[5])
+    result = geometry.steer(to=a, positions=[5], variant="steer-at-read-site")
     tokens = major.batch.tokens
     basis, theta, mu = geometry.basis.float(), geometry.task_vectors.float(), geometry.mu[5].float()
 
@@ -226,7 +232,7 @@ def test_cache_holds_the_states_the_hooks_capture(e3):
 
 def test_a_split_or_a_set_that_does_not_exist_is_a_clear_error(e3):
     with pytest.raises(AnalysisError, match=r"unknown split 'mesure'; choose one of \['select', 'measure', 'geometry', 'loss', "
-                                            r"'search-select', 'prior', 'projection'\]"):
+                                            r"'search-select', 'prior', 'projection', 'steering'\]"):
         e3.heldout("major", 8, split="mesure")
     with pytest.raises(AnalysisError, match=r"split 'select' has no ood sequences; it has \['major', 'pool'\]"):
         e3.heldout("ood", 8, split="select")

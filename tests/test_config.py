@@ -237,7 +237,7 @@ def test_a_profile_s_measure_section_is_read_from_the_recipe(tmp_path):
     for name in ("e1", "e2", "e3", "e4"):
         for profile in ("quick", "deep", "standard", "wide", "long", "paper"):
             measure = load_measure(recipe_path(name), profile)
-            assert measure.projection_sizes == (128, 128)
+            assert measure.projection_sizes == (1024, 128)  # the claims read 1,024 OOD tasks; the study's 128 are a written row
             assert measure.grid == ([-1, *range(11)] if profile == "paper" else [-1, 4, 10])  # points of the study's Fig. 4 grid
             assert max(measure.grid) == 10  # the claims read the top, where the study's Fig. 4 ends
     recipe = tmp_path / "mine.yaml"

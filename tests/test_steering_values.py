@@ -110,16 +110,18 @@ def test_per_position_task_vectors_by_hand():
 
 @pytest.mark.parametrize("family", ["dice", "markov"])
 def test_each_steered_position_equals_its_own_pass_under_a_plain_hook(tmp_path, family):
-    """E1 (dice: h - theta_k(p) + a theta(p)) and E3 (markov: h - (h - mu_p) P_S + a theta), edited at
-    two positions: each position's steered KL is that of a separate forward pass of the whole model
-    whose hook edits that position alone, computed here by hand; unsteered and mode likewise."""
+    """The variant steer-at-read-site (the earlier construction): E1 (dice: h - theta_k(p) + a
+    theta(p)) and E3 (markov: h - (h - mu_p) P_S + a theta, the layout's task vectors), edited at two
+    positions where they are read: each position's steered KL is that of a separate forward pass
+    of the whole model whose hook edits that position alone, computed here by hand; unsteered and
+    mode likewise."""
     run = study_run(tmp_path, family)
     place = steering_place(run.family, 4)
     assert place == (2, "resid_post")
     major = run.heldout("major", N, split="measure")
     geometry = run.geometry(major, place)
     positions = (26, 29) if family == "dice" else (0, 7)
-    result = geometry.steer("dirichlet", positions=positions)
+    result = geometry.steer("dirichlet", positions=positions, variant="steer-at-read-site")
     assert result.positions == positions and result.form == ("task" if family == "dice" else "subspace") and result.place == place
     a, tokens, task = result.a, major.batch.tokens, major.batch.task
     assert a.shape == (N, 3) and torch.equal(result.sequence, torch.arange(N))
@@ -155,13 +157,74 @@ def test_each_steered_position_equals_its_own_pass_under_a_plain_hook(tmp_path, 
     assert result.random.shape == (N,) and not torch.allclose(result.random, result.steered)
 
 
+@pytest.mark.parametrize("family", ["dice", "markov"])
+def test_the_protocol_steers_as_the_study_s_injection_by_hand(tmp_path, monkeypatch, family):
+    """The study's ``intervene_averaging_injection``, step by step in plain loops: natural states at
+    resid_post of 1,024 (here 64) sequences of each major task (split ``steering``); E1 per-position
+    task means minus their mean over tasks, E3 the task means over positions 25-39 minus their mean,
+    their span by SVD (rank cut 1e-6) and mu_p the mean of the task means at p; the edit written by a
+    hook at resid_mid of the same block, one position per pass; KL(model || q_a) against the
+    mixture of the major tasks' next-token laws. A change of the write site, the estimation window
+    or the overwritten quantity changes these values."""
+    import taskgeom.analysis.geometry as geometry_module
+
+    monkeypatch.setattr(geometry_module, "ESTIMATION_PER_TASK", 64)
+    run = study_run(tmp_path, family)
+    place = steering_place(run.family, 4)
+    major = run.heldout("major", N, split="measure")
+    positions = (26, 29) if family == "dice" else (0, 27)
+    result = run.geometry(major, place).steer("dirichlet", positions=positions)
+    assert result.place == (2, "resid_mid") and result.positions == positions
+    a, tokens, task = result.a, major.batch.tokens, major.batch.task
+    estimation = run.heldout_tasks("major", 64, split="steering")
+    h = states_by_hand(run, place, estimation.batch.tokens)  # [3 * 64, T, D] at resid_post
+    by_task = [h[estimation.batch.task == k] for k in range(3)]
+    params = run.pool.subset("major").params.double()
+
+    def edit_by_hand(p: int):
+        if family == "dice":
+            means = [x[:, p].mean(0) for x in by_task]
+            centre = sum(means) / 3
+            theta = torch.stack([m - centre for m in means])
+            return lambda state: (state.double() - theta[task] + a @ theta).float()
+        T = h.shape[1]  # 32: positions 25-39 do not fit, so the same fractions of the edited span 0-39 ([ours])
+        window = range(25, 40) if T > 39 else sorted({min(t * T // 40, T - 1) for t in range(25, 40)})
+        assert T == 32 and window == list(range(20, 32))
+        means = [torch.cat([x[:, t] for t in window]).mean(0) for x in by_task]  # pooled over the window
+        centre = sum(means) / 3
+        theta = torch.stack([m - centre for m in means])
+        _, singular, vh = torch.linalg.svd(theta)
+        span = vh[: int((singular > 1e-6 * singular[0]).sum())]
+        projector = span.T @ span
+        mu = sum(x[:, p].mean(0) for x in by_task) / 3
+        return lambda state: (state.double() - (state.double() - mu) @ projector + a @ theta).float()
+
+    def law(k: int, n: int, t: int) -> torch.Tensor:
+        return params[k] if family == "dice" else params[k, tokens[n, t]]
+
+    with torch.no_grad():
+        plain = torch.softmax(run.model(tokens).double(), -1)
+    steered, unsteered = [], []
+    for p in positions:
+        edited = torch.softmax(hooked_outputs(run, Place(place.layer, "resid_mid"), tokens, p, edit_by_hand(p)).double(), -1)
+        targets = [sum(a[n, k] * law(k, n, p) for k in range(3)) for n in range(N)]
+        steered.append([kl_by_hand(edited[n, p].tolist(), targets[n].tolist()) for n in range(N)])
+        unsteered.append([kl_by_hand(plain[n, p].tolist(), targets[n].tolist()) for n in range(N)])
+    mean = lambda rows: torch.tensor(rows, dtype=torch.float64).mean(0)  # noqa: E731  over the positions
+    torch.testing.assert_close(result.unsteered, mean(unsteered), rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(result.steered, mean(steered), rtol=1e-4, atol=1e-7)
+    assert (result.steered - result.unsteered).abs().max() > 1e-3  # the edit acts
+    at_read_site = run.geometry(major, place).steer("dirichlet", positions=positions, variant="steer-at-read-site")
+    assert at_read_site.place == place and not torch.allclose(at_read_site.steered, result.steered)
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_the_readout_at_a_vertex_is_the_kl_to_that_tasks_law(tmp_path, k):
     run = study_run(tmp_path, "markov")
     place = steering_place(run.family, 4)
     major = run.heldout("major", N, split="measure")
     vertex = torch.eye(3, dtype=torch.float64)[k]
-    result = run.geometry(major, place).steer(to=vertex, positions=[3])
+    result = run.geometry(major, place).steer(to=vertex, positions=[3], variant="steer-at-read-site")
     tokens, params = major.batch.tokens, run.pool.subset("major").params.double()
     with torch.no_grad():
         plain = torch.softmax(run.model(tokens).double(), -1)
@@ -173,7 +236,7 @@ def test_the_readout_at_a_vertex_is_the_kl_to_that_tasks_law(tmp_path, k):
 
 @pytest.mark.parametrize("layout", ["separator", "pair"])
 def test_e2_steering_is_the_rmse_to_the_mixtures_prediction_by_hand(tmp_path, layout):
-    """E2: h - (h - mu_p) P_S + a theta at the position where y_i is read, one example per pass;
+    """E2 under steer-at-read-site: h - (h - mu_p) P_S + a theta at the position where y_i is read, one example per pass;
     the RMSE over the examples of the model's y against y_a = sum_j a_j x_i . w_j, and of the
     argmax task's prediction (mode)."""
     run = study_run(tmp_path, "regression", d=2, n_examples=8, layout=layout)
@@ -182,7 +245,7 @@ def test_e2_steering_is_the_rmse_to_the_mixtures_prediction_by_hand(tmp_path, la
     major = run.heldout("major", N, split="measure")
     geometry = run.geometry(major, place)
     examples = (1, 6)
-    result = geometry.steer("dirichlet", positions=examples)
+    result = geometry.steer("dirichlet", positions=examples, variant="steer-at-read-site")
     assert result.measure == "rmse" and result.form == "subspace"
     a, batch, w = result.a, major.batch, run.pool.subset("major").params.double()
     read = run.family.prediction_positions(8)

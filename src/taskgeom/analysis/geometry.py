@@ -27,8 +27,9 @@ from taskgeom.analysis.measures.variants import variant as named_variant
 from taskgeom.analysis.reading.edits import Edit
 from taskgeom.analysis.reading.heldout import family_inputs
 from taskgeom.analysis.reading.sequences import Sequences, StudiedRun
-from taskgeom.analysis.reading.steering import (STUDY_POSITIONS, Steering, SteeringForm, check_form, clip_positions, dirichlet_points,
-                                                position_task_vectors, steer, study_form, subspace_edit, task_edit)
+from taskgeom.analysis.reading.steering import (ESTIMATION_PER_TASK, STUDY_POSITIONS, WRITE_SITE, Steering, SteeringForm,
+                                                averaged_task_vectors, check_form, clip_positions, dirichlet_points, estimation_positions,
+                                                position_task_vectors, span_basis, steer, study_form, subspace_edit, task_edit)
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.rng import generator
@@ -171,19 +172,32 @@ class Geometry:
         return Alignment.of(self.beta, self.p2.raw, self.sequences.alpha, self.sequences.batch.task, self.window)
 
     def steer(self, to: torch.Tensor | Sequence[float] | Literal["dirichlet"] = "dirichlet", *, points: int = 1,
-              positions: Sequence[int] | None = None, form: SteeringForm | None = None) -> Steering:
-        """Steer these sequences at this place toward points of the simplex, one position per
-        forward pass (docs/protocol.md; ``analysis.reading.steering``): ``to`` a point [K] for every
-        sequence, [N, K] one per sequence, or ``"dirichlet"``: ``points`` Dirichlet(1) draws per
-        sequence, independent of its true task (the stored analysis, one each); ``positions``: the
-        analysed positions to edit (default the study's, E1 25-39, E2 and E3 0-39), clipped to the
-        context; ``form``: the edit (default the study's for this family: ``"task"``, per-position
-        task vectors, for E1; ``"subspace"`` for the others). Random draws come from the run's seed."""
+              positions: Sequence[int] | None = None, form: SteeringForm | None = None, sequences: Sequences | None = None,
+              variant: str | None = None) -> Steering:
+        """Steer major sequences toward points of the simplex, one position per forward pass
+        (docs/protocol.md; ``analysis.reading.steering``): ``to`` a point [K] for every sequence,
+        [N, K] one per sequence, or ``"dirichlet"``: ``points`` Dirichlet(1) draws per sequence,
+        independent of its true task (the stored analysis, one each); ``positions``: the analysed
+        positions to edit (default the study's, E1 25-39, E2 and E3 0-39), clipped to the context;
+        ``form``: the edit (default the study's for this family: ``"task"``, per-position task
+        vectors, for E1; ``"subspace"`` for the others); ``sequences``: the major sequences steered
+        (default these). Under the protocol the vectors are estimated, as the study's injection
+        estimates them, from natural states at this place of ``ESTIMATION_PER_TASK`` sequences of each
+        major task (split ``steering``), and the edit is written at ``resid_mid`` of this block;
+        ``variant="steer-at-read-site"``: the earlier construction, the vectors from these
+        sequences' two-way layout, written at this place. Random draws come from the run's seed."""
         form = study_form(self.run.family) if form is None else form
         check_form(form)
+        chosen = named_variant(variant)
+        if chosen is not None and chosen.name != "steer-at-read-site":
+            raise AnalysisError(f"variant {chosen.name!r} does not change how steering edits; choose 'protocol' or 'steer-at-read-site' "
+                                "(a variant of the place chooses the geometry's place)")
+        steered = self.sequences if sequences is None else sequences
+        if steered.kind != "major":
+            raise AnalysisError(f"steering edits major sequences, not {steered.kind} ones")
         if points < 1 or (points != 1 and not (isinstance(to, str) and to == "dirichlet")):
             raise AnalysisError(f"points (target points per sequence) must be at least 1, and 1 for a chosen point; got {points}")
-        N, P, K = len(self.sequences), self.states.shape[1], self.task_vectors.shape[0]
+        N, P, K = len(steered), self.states.shape[1], self.task_vectors.shape[0]
         gen = generator(self.run.seed, 0, "steering")
         if isinstance(to, str) and to == "dirichlet":
             a = dirichlet_points(N * points, K, gen)
@@ -191,15 +205,22 @@ class Geometry:
             a = simplex_point(to, N, K)
         sequence = torch.arange(N).repeat_interleave(points)
         positions = clip_positions(STUDY_POSITIONS[form] if positions is None else positions, P)
+        if chosen is None:
+            estimation = self.run.heldout_tasks("major", ESTIMATION_PER_TASK, split="steering")
+            states, task, write = self.run.cache(estimation, [self.place])[self.place], estimation.batch.task, Place(self.place.layer, WRITE_SITE)
+        else:
+            states, task, write = self.states, self.sequences.batch.task, self.place
         if form == "task":
-            theta = position_task_vectors(self.states[:, list(positions)], self.sequences.batch.task, K)  # [K, P', D]
-            task = self.sequences.batch.task[sequence]
-            edits = {p: task_edit(theta[:, i], task, a) for i, p in enumerate(positions)}
+            theta = position_task_vectors(states[:, list(positions)], task, K)  # [K, P', D]
+            edits = {p: task_edit(theta[:, i], steered.batch.task[sequence], a) for i, p in enumerate(positions)}
+        elif chosen is None:
+            theta, mu = averaged_task_vectors(states, task, K, estimation_positions(P))
+            basis = span_basis(theta)
+            edits = {p: subspace_edit(theta, basis, mu[p], a) for p in positions}
         else:
             edits = {p: subspace_edit(self.task_vectors, self.basis, self.mu[p], a) for p in positions}
-        inputs = self.sequences.inputs
-        return steer(self.run.model, inputs.readout, self.sequences.batch.tokens, self.place, sequence, a, edits, inputs.positions, gen,
-                     form, N)
+        inputs = steered.inputs
+        return steer(self.run.model, inputs.readout, steered.batch.tokens, write, sequence, a, edits, inputs.positions, gen, form, N)
 
     @cached_property
     def task_probe(self) -> ProbeFit:

@@ -142,11 +142,29 @@ def retrieval_claims(values: dict[str, Reading], e: str, effect: str = "current 
             for name, description in descriptions.items()]
 
 
+def steering_value(means: dict[str, float], measure: str) -> float:
+    """The steering claim's value from the mean readouts {kind: mean} (``KINDS``) of ``measure``
+    ("kl", "rmse"): max(factor x steered / unsteered, steered / mode task)."""
+    factor = STEERING_FACTOR[measure]
+    return max(_ratio(factor * means["steered"], means["unsteered"]), _ratio(means["steered"], means["mode"]))
+
+
+def stored_steering(rows: list[dict], prefix: str = "steering") -> tuple[float, dict[str, float]] | None:
+    """(value, {kind: mean}) of the steering stored in m1.json ``rows`` under ``prefix`` ("steering",
+    the protocol's; ``analysis.stored.m1.READ_SITE_PREFIX``, the variant's); None if absent."""
+    for measure in STEERING_FACTOR:
+        means = {r["metric"].rsplit("_", 1)[1]: r["value"] for r in rows
+                 if r["metric"] in {f"{prefix}.{measure}_{kind}" for kind in KINDS} and r["position"] is None}
+        if len(means) == len(KINDS):
+            return steering_value(means, measure), means
+    return None
+
+
 def steering_claim(steering: Steering, e: str) -> Claim:
     """The steering claim of one run (docs/protocol.md) from its ``Steering``."""
     factor = STEERING_FACTOR[steering.measure]
     means = {kind: steering.mean(kind) for kind in KINDS}
-    value = max(_ratio(factor * means["steered"], means["unsteered"]), _ratio(means["steered"], means["mode"]))
+    value = steering_value(means, steering.measure)
     return _SPEC["steering"].judge(
         e, f"steering: max({factor:g} x steered / unsteered, steered / mode task) of the mean {steering.label} over the target points "
            f"a ~ Dirichlet(1), one position per forward pass (<= 1: steered at most 1/{factor:g} of unsteered and below the mode task's); "

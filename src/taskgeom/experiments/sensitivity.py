@@ -24,9 +24,10 @@ runs of several seeds with ``claims.rules.verdict``.
 ``stored_variants(run)`` reads the other variants from the run's stored analyses, without measuring
 anything: the M1 claims P0-P3 (``m1.json``; ``claims.m1.claim_values``, the claims' own rule in
 ``claims.m1.retrieval_claims``) under the protocol and ``selected-place``, ``site-mid``,
-``pooled-anova``; and projection R^2 at the run's diversity (``dual.json``; the high-diversity
-claim's threshold) under the protocol and ``per-sequence-r2``. Steering under another place would
-have to be measured again there, and the projection drop needs two runs: neither is listed.
+``pooled-anova``; steering under the protocol and ``steer-at-read-site`` (both stored in ``m1.json``);
+and projection R^2 at the run's diversity (``dual.json``; the high-diversity claim's threshold)
+under the protocol and ``per-sequence-r2``. Steering under another place would have to be measured
+again there, and the projection drop needs two runs: neither is listed.
 
 ``sensitivity(run_dirs, variants, places, threads)`` is ``taskgeom sensitivity``: every run's rows, then
 ``summarise`` (each claim judged over the runs) or ``place_summary`` (the place-dependent values).
@@ -47,18 +48,19 @@ import pandas as pd
 from taskgeom.analysis.measures.shares import share_of_gain
 from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS
 from taskgeom.analysis.stored.ablations import Block, ablation_rows, block_places, find_blocks, v_block
+from taskgeom.analysis.stored.m1 import READ_SITE_PREFIX
 from taskgeom.analysis.stored.rows import row, stored_rows
 from taskgeom.analysis.study import SELECTION_SEQUENCES, StudyRun
 from taskgeom.claims.catalog import spec
 from taskgeom.claims.dual_modes import ablation_claims
-from taskgeom.claims.m1 import claim_values, retrieval_claims
+from taskgeom.claims.m1 import claim_values, retrieval_claims, stored_steering
 from taskgeom.claims.rules import verdict
 from taskgeom.errors import AnalysisError, TaskgeomError
 from taskgeom.runs.folders import Run
 from taskgeom.settings.devices import torch_threads
 
 ABLATION_VARIANTS = ("centred-S", "s-with-mean", "v-avoids-tokens", "v-searched-on-ood", "v-best-block")
-STORED_VARIANTS = ("selected-place", "site-mid", "pooled-anova", "per-sequence-r2")  # read from the stored analyses
+STORED_VARIANTS = ("selected-place", "site-mid", "pooled-anova", "per-sequence-r2", "steer-at-read-site")  # read from the stored analyses
 SETS = ("major", "ood")  # the sets the dissociation's claims read
 
 
@@ -125,6 +127,12 @@ def stored_variants(run: Run) -> list[dict]:
             for claim, reading in zip(claims, values.values()):
                 where = f"layer {reading.parts['layer']} {reading.parts['site']}"
                 rows.append(_variant_row(claim, name, where))
+        for name, prefix in (("protocol", "steering"), ("steer-at-read-site", READ_SITE_PREFIX)):
+            stored = stored_steering(m1, prefix)
+            if stored is not None:
+                written = next(r for r in m1 if r["metric"].startswith(f"{prefix}."))
+                claim = spec("m1", "steering").judge(recipe, f"{prefix} readouts", stored[0], stored[1])
+                rows.append(_variant_row(claim, name, f"layer {written['layer']} {written['site']}"))
     dual = stored_rows(run, "dual")
     if dual is not None:
         final = {r["metric"]: r for r in dual if r["step"] is None and r["metric"] in ("projection_r2", "projection_r2_per_sequence")}

@@ -56,6 +56,10 @@ VARIANTS = (
     Variant("v-best-block", ("ablate_V", "random_control"),
             "V read at the block where it removes the most OOD gain on a separate batch, not the mean over blocks",
             "one place per claim, as for M1"),
+    Variant("steer-at-read-site", ("steering",),
+            "steering's vectors from the measurement batch's two-way layout (E1: its per-position task means; E2, E3: the late "
+            "window's task effects), the edit written at resid_post, where they are read, on the measurement batch",
+            "the specification once wrote the edit where the vectors are read; the study hooks the attention sub-block (resid_mid)"),
     Variant("e1-v6", ("e1",),
             "E1 at V = 6 faces with near-disjoint majors (the earlier default recipe)",
             "a smaller vocabulary trained faster at quick sizes", ("task.vocab_size=6", "task.majors=disjoint")),

@@ -57,6 +57,7 @@ class Split(str, Enum):
     SEARCH_SELECT = "search-select"
     PRIOR = "prior"
     PROJECTION = "projection"
+    STEERING = "steering"
 
     @classmethod
     def of(cls, split: "Split | str") -> "Split":
@@ -73,6 +74,7 @@ STREAMS: dict[tuple[Split, str], str] = {
     (Split.LOSS, "major"): "dual", (Split.LOSS, "minor"): "dual", (Split.LOSS, "ood"): "dual-ood",
     (Split.SEARCH_SELECT, "ood"): "dual-ood-search-select", (Split.PRIOR, "ood"): "dual-prior",
     (Split.PROJECTION, "major"): "dual-projection", (Split.PROJECTION, "ood"): "dual-projection-ood",
+    (Split.STEERING, "major"): "m1-steering",
     (Split.SELECT, "pool"): "m1-select-pool", (Split.MEASURE, "pool"): "m1-measure-pool", (Split.GEOMETRY, "pool"): "dual-geometry-pool",
 }
 PAIRED = (Split.SELECT, Split.MEASURE, Split.GEOMETRY)  # E2's major sequences of these are paired over tasks

@@ -101,13 +101,15 @@ class LayerStreams:
             self.mids[layer] = self.model.blocks[layer].to_mid(stream)
         return self.mids[layer]
 
-    def model_from(self, site: Place | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    def model_from(self, site: Place | None, length: int | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
         """tokens (these very tokens) -> logits with an edit at ``site`` (hooked by the caller):
         the model runs from the kept resid_mid of the site's block when the site is one of
-        ``mid_sites``, else from the stream entering it (None: only the readout runs)."""
+        ``mid_sites``, else from the stream entering it (None: only the readout runs); ``length``:
+        on the first ``length`` positions only (the model is causal: their logits are the whole
+        sequence's)."""
         mid = site is not None and site[1] in self.model.mid_sites
         layer = len(self.model.blocks) if site is None else site[0]
-        state = self.mid(layer) if mid else self.entering(layer)
+        state = (self.mid(layer) if mid else self.entering(layer))[:, :length]
 
         def forward(tokens: torch.Tensor) -> torch.Tensor:
             if tokens is not self.tokens:

@@ -5,12 +5,17 @@ comes to what the mixture ``a`` of the major tasks predicts there.
 - **Target points.** ``a ~ Dirichlet(1)`` (``dirichlet_points``), drawn independently of each
   sequence's true task; ``points`` of them per sequence, all steered in one batch of
   (sequence, point) pairs.
-- **Edits** at analysed position p (``SteeringForm``): ``"task"`` (E1, per-position task vectors,
-  ``task_edit``): ``h' = h - theta_k(p) + sum_j a_j theta_j(p)`` with k the sequence's true task
-  and ``theta_j(p)`` the mean state of task j at p minus the mean over tasks
-  (``position_task_vectors``); ``"subspace"`` (E2, E3, ``subspace_edit``):
-  ``h' = h - (h - mu_p) P_S + sum_j a_j theta_j`` with theta the late-window task vectors, P_S the
-  projector on their span and mu_p the mean state at p.
+- **Edits** at analysed position p (``SteeringForm``), as the study's ``intervene_averaging_injection``
+  makes them: ``"task"`` (E1, per-position task vectors, ``task_edit``): ``h' = h - theta_k(p) +
+  sum_j a_j theta_j(p)`` with k the sequence's true task and ``theta_j(p)`` the mean state of task j
+  at p minus the mean over tasks (``position_task_vectors``); ``"subspace"`` (E2, E3,
+  ``subspace_edit``): ``h' = h - (h - mu_p) P_S + sum_j a_j theta_j`` with theta the averaging
+  estimate over ``STUDY_ESTIMATION`` (``averaged_task_vectors``), P_S the projector on their span
+  (``span_basis``) and mu_p the mean over the tasks of each task's mean state at p. The vectors
+  come from natural states of whole major tasks at the read place (``resid_post``), the edit is
+  written at ``WRITE_SITE`` of the same block (the study hooks the attention sub-block, whose
+  output is ``resid_mid``); the variant ``steer-at-read-site`` writes at the read place with the
+  two-way layout's late-window task effects (the earlier construction).
 - **Positions** (``STUDY_POSITIONS``): E1 25-39, E2 and E3 0-39 (E2: examples, edited where y_i
   is read), clipped to the context: a position beyond the last is moved to the last, so a short
   context keeps at least its last position **[ours]** (``clip_positions``).
@@ -21,8 +26,8 @@ comes to what the mixture ``a`` of the major tasks predicts there.
   and for a random direction of the same norm as each steering displacement. A ``Steering``
   holds them; the claim reads their means over the pairs (``Steering.mean``).
 
-Each pass runs the model on the prefix up to the last edited position (the model is causal, so
-the outputs read there are those of the whole sequence) and from the edited block on
+Each pass runs the model on the prefix up to its edited position (the model is causal, so the
+outputs read there are those of the whole sequence) and from the edited block on
 (``LayerStreams``).
 """
 
@@ -42,6 +47,12 @@ Change = Callable[[torch.Tensor], torch.Tensor]
 SteeringForm = Literal["task", "subspace"]
 FORMS: tuple[str, ...] = ("task", "subspace")
 STUDY_POSITIONS: dict[str, range] = {"task": range(25, 40), "subspace": range(0, 40)}
+STUDY_SPAN = 40  # the study edits positions below 40
+STUDY_ESTIMATION = range(25, 40)  # the positions whose natural states give the subspace form's task vectors
+ESTIMATION_PER_TASK = 1024  # natural sequences of each major task the vectors are estimated on (the study's estimation_B)
+STUDY_SEQUENCES = 10_000  # sequences steered, drawn from the major mixture (the study's B)
+WRITE_SITE = "resid_mid"  # where the study writes the edit: the output of the block's attention sub-block
+RANK_CUT = 1e-6  # singular values of the task vectors kept above this fraction of the largest (the study's rank cut)
 KINDS = ("unsteered", "steered", "mode", "random")
 
 
@@ -71,21 +82,48 @@ def clip_positions(span: Sequence[int], n_positions: int) -> tuple[int, ...]:
     return tuple(sorted({min(int(p), n_positions - 1) for p in span}))
 
 
+def estimation_positions(n_positions: int) -> tuple[int, ...]:
+    """The subspace form's estimation positions in a context of ``n_positions`` analysed positions:
+    ``STUDY_ESTIMATION`` where it fits, else the same fractions of the study's edited span 0-39
+    (E2 at 16 examples: 10-15) **[ours]**."""
+    if max(STUDY_ESTIMATION) < n_positions:
+        return tuple(STUDY_ESTIMATION)
+    return tuple(sorted({min(p * n_positions // STUDY_SPAN, n_positions - 1) for p in STUDY_ESTIMATION}))
+
+
+def averaged_task_vectors(h: torch.Tensor, task: torch.Tensor, K: int, positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The study's averaging estimate (``estimate_task_vectors_by_averaging``) from natural states
+    h: [N, P, D] of sequences of task: [N]: (theta [K, D], mu [P, D]) float64, theta_k the mean of
+    task k's states over its sequences and ``positions`` minus the mean over the tasks, mu the mean
+    over the tasks of each task's mean state at each position (``per_position_mean``)."""
+    means = position_task_vectors(h, task, K, centred=False)  # [K, P, D]
+    theta = means[:, list(positions)].mean(1)
+    return theta - theta.mean(0), means.mean(0)
+
+
+def span_basis(theta: torch.Tensor, cut: float = RANK_CUT) -> torch.Tensor:
+    """[D, r] orthonormal basis of the span of theta: [K, D] from its SVD, the directions whose
+    singular value exceeds ``cut`` times the largest (the study's rank cut)."""
+    _, singular, vh = torch.linalg.svd(theta.double(), full_matrices=False)
+    return vh[: int((singular > cut * singular[0]).sum())].T
+
+
 def dirichlet_points(n: int, K: int, gen: torch.Generator) -> torch.Tensor:
     """[n, K] float64 points drawn from Dirichlet(1) on the simplex (normalised unit gammas)."""
     gamma = torch._standard_gamma(torch.ones(n, K, dtype=torch.float64), gen)
     return gamma / gamma.sum(-1, keepdim=True)
 
 
-def position_task_vectors(h: torch.Tensor, task: torch.Tensor, K: int) -> torch.Tensor:
+def position_task_vectors(h: torch.Tensor, task: torch.Tensor, K: int, centred: bool = True) -> torch.Tensor:
     """[K, P, D] float64 theta_k(p): the mean of task k's states at each position minus the mean
-    of those over the tasks, for h: [N, P, D] of sequences of task: [N] (each of 0..K-1 present)."""
+    of those over the tasks (``centred`` False: the means themselves), for h: [N, P, D] of
+    sequences of task: [N] (each of 0..K-1 present)."""
     onehot = torch.nn.functional.one_hot(task, K).double()  # [N, K]
     counts = onehot.sum(0)
     if (counts == 0).any():
         raise AnalysisError(f"no sequences of tasks {torch.nonzero(counts == 0).flatten().tolist()}: cannot form their task vectors")
     means = torch.einsum("nk,npd->kpd", onehot, h.double()) / counts[:, None, None]
-    return means - means.mean(0)
+    return means - means.mean(0) if centred else means
 
 
 def task_edit(theta: torch.Tensor, task: torch.Tensor, a: torch.Tensor) -> Change:
@@ -206,7 +244,7 @@ class Steering:
     steered sequence of each (0..n_sequences-1); positions: the analysed positions edited, one per
     forward pass; unsteered, steered, mode, random: [M] the readout of each (sequence, point) over
     those positions (``measure`` "kl" or "rmse", ``label`` in words); form: the edit; place: where
-    it reads and writes."""
+    it writes (the vectors are read at ``resid_post`` of its block)."""
 
     a: torch.Tensor
     sequence: torch.Tensor
@@ -249,7 +287,7 @@ def steer(model: torch.nn.Module, readout: Readout, tokens: torch.Tensor, place:
     positions = tuple(sorted(edits))
     where = positions if model_positions is None else tuple(int(model_positions[p]) for p in positions)
     prefix = tokens[sequence, : max(where) + 1]
-    forward = LayerStreams(model, prefix).model_from(place)
+    streams = LayerStreams(model, prefix)
     target = readout.mixture(sequence, a, positions)  # [M, P', ...]
     mode = readout.distance(readout.of_mixture(readout.mixture(sequence, torch.nn.functional.one_hot(a.argmax(-1), a.shape[1]), positions)),
                             target)
@@ -258,10 +296,11 @@ def steer(model: torch.nn.Module, readout: Readout, tokens: torch.Tensor, place:
         return readout.distance(readout.prediction(out[:, where[i]]), target[:, i])
 
     def edited(edit: Change, i: int) -> torch.Tensor:
+        forward = streams.model_from(place, where[i] + 1)  # the prefix up to the edited position: later ones cannot change its output
         with intervene(model, place, edit, slice(where[i], where[i] + 1)):
             return read(forward(prefix), i)
 
-    plain = forward(prefix)
+    plain = streams.model_from(place)(prefix)
     unsteered = torch.stack([read(plain, i) for i in range(len(positions))], 1)
     steered = torch.stack([edited(edits[p], i) for i, p in enumerate(positions)], 1)
     random = torch.stack([edited(random_edit(edits[p], gen), i) for i, p in enumerate(positions)], 1)

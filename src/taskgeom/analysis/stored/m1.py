@@ -40,7 +40,7 @@ import torch
 from taskgeom.analysis.geometry import Alignment, Geometry
 from taskgeom.analysis.measures.properties import MeanAlignment, quantiles
 from taskgeom.analysis.measures.task_vectors import check_major_tasks
-from taskgeom.analysis.reading.steering import KINDS, Steering, steering_place
+from taskgeom.analysis.reading.steering import KINDS, STUDY_SEQUENCES, Steering, steering_place
 from taskgeom.analysis.stored.rows import row
 from taskgeom.analysis.study import DEFAULT_SITES, StudyRun
 from taskgeom.errors import AnalysisError
@@ -71,6 +71,9 @@ class Result:
     summary: dict[str, float]
     window: slice
     effect: str = "current token"
+
+
+READ_SITE_PREFIX = "steering_at_read_site"  # the rows of the variant steer-at-read-site
 
 
 def claim_places(run: StudyRun) -> tuple[Place, Place]:
@@ -132,7 +135,9 @@ def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tupl
             n_sequences: int = 512, window: float = 0.25, n_random: int = 8) -> Result:
     """The M1 geometry of a finished run (options: ``check_request``; ``n_random``: P2's random
     subspaces); RunDirError if unfinished, AnalysisError for a bad request. Steering is measured at
-    the claims' place (``analysis.reading.steering.steering_place``) on the measurement batch."""
+    the claims' block (``analysis.reading.steering.steering_place``) as the study's injection does,
+    on ``STUDY_SEQUENCES`` sequences of the ``steering`` split, and as the variant
+    ``steer-at-read-site`` on the measurement batch."""
     places = check_request(run, layers, sites, n_sequences, window)
     place, p3_place = claim_places(run)
     options = {"window": window, "n_random": n_random}
@@ -155,8 +160,9 @@ def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tupl
         if geometry.place in (place, p3_place):
             kept[geometry.place] = geometry
     rows += [row(label, 1.0, place=at, batch="measure", set="major") for label, at in (("place.m1", place), ("place.p3", p3_place))]
-    steering = kept[place].steer("dirichlet")
+    steering = kept[place].steer("dirichlet", sequences=run.heldout("major", STUDY_SEQUENCES, split="steering"))
     rows += steering_rows(steering)
+    rows += steering_rows(kept[place].steer("dirichlet", variant="steer-at-read-site"), READ_SITE_PREFIX)
 
     summary = {r["metric"]: r["value"] for r in rows
                if r["batch"] == "measure" and (r["layer"], r["site"]) == place and r["position"] is None and r["task"] is None}
@@ -197,19 +203,21 @@ def alignment_rows(place: Place, p3: Alignment, task: torch.Tensor, per_position
     return rows
 
 
-def steering_rows(steering: Steering) -> list[dict]:
-    """At the steering's place: steering.{measure}_{kind} (measure kl, or rmse for E2; kind one of
-    unsteered, steered, mode, random): the mean over the (sequence, point) pairs with their
-    interquartile band; and what was steered: the number of sequences and target points, the first
-    and last edited position and how many were edited (one forward pass each)."""
+def steering_rows(steering: Steering, prefix: str = "steering") -> list[dict]:
+    """At the place steering wrote (the protocol: ``resid_mid`` of the M1 block; the variant
+    ``steer-at-read-site``, ``prefix`` READ_SITE_PREFIX: ``resid_post``): {prefix}.{measure}_{kind}
+    (measure kl, or rmse for E2; kind one of unsteered, steered, mode, random): the mean over the
+    (sequence, point) pairs with their interquartile band; and what was steered: the number of
+    sequences and target points, the first and last edited position and how many were edited (one
+    forward pass each)."""
     where = {"place": steering.place, "batch": "measure", "set": "major"}
     rows = []
     for kind in KINDS:
         _, low, high = quantiles(getattr(steering, kind).reshape(-1))
-        rows.append(row(f"steering.{steering.measure}_{kind}", steering.mean(kind), (low, high), **where))
-    rows += [row("steering.n_sequences", steering.n_sequences, **where), row("steering.n_points", steering.n_points, **where),
-             row("steering.position_first", steering.positions[0], **where), row("steering.position_last", steering.positions[-1], **where),
-             row("steering.n_positions", len(steering.positions), **where)]
+        rows.append(row(f"{prefix}.{steering.measure}_{kind}", steering.mean(kind), (low, high), **where))
+    rows += [row(f"{prefix}.n_sequences", steering.n_sequences, **where), row(f"{prefix}.n_points", steering.n_points, **where),
+             row(f"{prefix}.position_first", steering.positions[0], **where),
+             row(f"{prefix}.position_last", steering.positions[-1], **where), row(f"{prefix}.n_positions", len(steering.positions), **where)]
     return rows
 
 

@@ -32,7 +32,9 @@ from taskgeom.runs.folders import Run
 #    128 x 128 with E1's block one position shorter.
 # 7: dual.json's Fig. 4 over the profile's OOD tasks (1,024) with its standard error, the study's 128-task draw beside it
 #    (and across training), and the Bayes OOD predictor's losses on the OOD loss set (the OOD-mode precondition).
-ROW_VERSION = 7
+# 8: m1.json's steering as the study's injection (its vectors, written at resid_mid, 10,000 sequences), the earlier one
+#    beside it (steering_at_read_site.*).
+ROW_VERSION = 8
 FIELDS = ("metric", "value", "band", "layer", "site", "batch", "set", "step", "position", "task", "gain", "unreliable", "reason",
           "version")
 
