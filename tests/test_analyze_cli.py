@@ -144,7 +144,7 @@ def test_the_claims_read_the_studys_block_and_each_variant_reads_its_own(trained
     claims = {c.id: c for c in m1_claims(result)}
     assert list(claims) == ["e1.P0", "e1.P1", "e1.P2", "e1.P2.vs_random", "e1.P3", "e1.P3.shrinks", "e1.steering"]
     assert result.place == result.p3_place == (1, "resid_post")  # study block 3 of 6 in 2 blocks: ceil(4 * 2 / 6) - 1
-    assert all((c.parts["layer"], c.parts["site"]) == (1, "resid_post") for c in claims.values())
+    assert all((c.parts["layer"], c.parts["site"]) == (1, "resid_post") for c in claims.values() if c.id != "e1.steering")
     table = pd.DataFrame(result.rows)
     per_place = table[table["position"].isna() & table["task"].isna()]
     measured = per_place[per_place["batch"] == "measure"].set_index(["metric", "layer", "site"])["value"]
@@ -152,19 +152,21 @@ def test_the_claims_read_the_studys_block_and_each_variant_reads_its_own(trained
     curve = table[(table["metric"] == "p0.cell_r2") & (table["layer"] == 1) & (table["site"] == "resid_post") & (table["position"] >= 18)]
     assert claims["e1.P0"].value == at["p0.cell_r2"] == pytest.approx(curve["value"].median())
     assert claims["e1.P1"].value == at["p1.additive_share"] and claims["e1.P1"].parts["last_position"] == at["p1.additive_share_last"]
-    assert claims["e1.P2"].value == at["p2.r2_task"]
-    assert claims["e1.P2.vs_random"].value == pytest.approx(at["p2.r2_task"] - at["p2.r2_random"])
+    assert claims["e1.P2"].value == at["p2.r2_additive"] and claims["e1.P2"].parts["r2_task"] == at["p2.r2_task"]
+    assert claims["e1.P2.vs_random"].value == pytest.approx(at["p2.r2_additive"] - at["p2.r2_additive_random"])
     assert claims["e1.P3"].value == at["p3.tv_mean_beta"] and claims["e1.P3"].parts["tv_per_state_last_quarter"] == at["p3.tv_last_quarter"]
     assert (claims["e1.P0"].threshold, claims["e1.steering"].threshold) == (spec("m1", "P0").threshold, spec("m1", "steering").threshold) == (0.9, 1.0)
-    # steering at the study's place (block 3 of 6 at the depth of 2 blocks: block 1, resid_post), whatever was selected
-    steering = per_place[(per_place["layer"] == 1) & (per_place["site"] == "resid_post") & per_place["metric"].str.startswith("steering.")]
+    # steering at the study's block (3 of 6 at the depth of 2 blocks: block 1), written at resid_mid, whatever was selected
+    steering = per_place[(per_place["layer"] == 1) & (per_place["site"] == "resid_mid") & per_place["metric"].str.startswith("steering.")]
     steering = steering.set_index("metric")["value"]
-    assert result.steering.place == (1, "resid_post") and result.steering.positions == (23,)  # 25-39 moved into a context of 24
+    assert result.steering.place == (1, "resid_mid") and result.steering.positions == (23,)  # 25-39 moved into a context of 24
     assert [steering[f"steering.kl_{kind}"] for kind in KINDS] == [result.steering.mean(kind) for kind in KINDS]
-    assert (steering["steering.n_sequences"], steering["steering.n_points"]) == (48, 48)
+    assert (steering["steering.n_sequences"], steering["steering.n_points"]) == (10_000, 10_000)  # the study's B, whatever --sequences
     parts = claims["e1.steering"].parts
     assert claims["e1.steering"].value == pytest.approx(max(3 * parts["steered"] / parts["unsteered"], parts["steered"] / parts["mode"]))
-    assert parts["steered"] == steering["steering.kl_steered"] and (parts["layer"], parts["site"]) == (1, "resid_post")
+    assert parts["steered"] == steering["steering.kl_steered"] and (parts["layer"], parts["site"]) == (1, "resid_mid")
+    earlier = per_place[per_place["metric"].str.startswith("steering_at_read_site.")].set_index("metric")  # the variant, beside it
+    assert set(earlier["site"]) == {"resid_post"} and earlier.loc["steering_at_read_site.n_sequences", "value"] == 48
 
     # the selected-place variant: the place of best R^2_task on the selection batch, measured apart
     selection = per_place[(per_place["batch"] == "select") & (per_place["metric"] == "p2.r2_task")].set_index(["layer", "site"])["value"]
@@ -196,7 +198,7 @@ def test_analyze_e2_regression_run(tmp_path):
     train(run)
     result = CliRunner().invoke(app, ["analyze", str(run.path), "--sequences", "48"])
     assert result.exit_code == 0, result.output
-    assert "steering at layer 0 (resid_post), positions 0-3, mean RMSE(model's y, y_a) over 48 target points" in result.output
+    assert "steering at layer 0 (resid_mid), positions 0-3, mean RMSE(model's y, y_a) over 10000 target points" in result.output
     table = pd.read_json(run.path / "analysis" / "m1.json")
     per_layer = table[table["position"].isna()]
     assert set(per_layer["metric"]) >= {"p0.cell_r2", "p1.additive_share", "p2.r2_task", "p2.r2_random", "steering.rmse_unsteered",

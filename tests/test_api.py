@@ -68,7 +68,7 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
     pinned = one(m1, "place.m1")
     assert tuple(place) == (pinned["layer"], pinned["site"])
     at = {"layer": place.layer, "site": place.site, "batch": "measure", "position": None, "task": None}
-    for name, metric in (("P0", "p0.cell_r2"), ("P1", "p1.additive_share"), ("P2", "p2.r2_task"), ("P3", "p3.tv_mean_beta")):
+    for name, metric in (("P0", "p0.cell_r2"), ("P1", "p1.additive_share"), ("P2", "p2.r2_additive"), ("P3", "p3.tv_mean_beta")):
         assert namespace["p"][name] == pytest.approx(one(m1, metric, **at)["value"], rel=1e-12, abs=1e-15), name
         assert claims.loc[f"e3.{name}", "seeds"][0]["value"] == pytest.approx(namespace["p"][name], rel=1e-12), name
     steering_at = steering_place(run.family, run.config.model.n_layers)  # the stored steering: the study's block, its own draws

@@ -200,7 +200,7 @@ def test_the_pinned_place_holds_the_claims_values_and_every_place_is_listed(tiny
     claims = {c["id"]: {r["seed"]: r["value"] for r in c["seeds"]} for c in _claims(tiny_reproduction)}
     high = int(pd.read_csv(tiny_reproduction / "tables" / "sweep.csv")["diversity"].max())
     ctx = Context(tiny_reproduction, overrides=TINY_REPRODUCTION)
-    for k, metric, claim in ((-1, "p2.r2_task", "e1.P2"), (high, "projection_r2", "e1.projection_r2_high_diversity")):
+    for k, metric, claim in ((-1, "p2.r2_additive", "e1.P2"), (high, "projection_r2", "e1.projection_r2_high_diversity")):
         config = ctx.config("e1", (f"task.diversity={k}",), 0)
         rows = pd.DataFrame(place_choices(Run.open(tiny_reproduction / "runs" / f"{config.name}-{config.digest()}")))
         mine = rows[rows["metric"] == metric]

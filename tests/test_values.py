@@ -316,8 +316,8 @@ def test_claim_values_read_each_claim_at_its_place_under_the_protocol_and_the_va
     from taskgeom.analysis.stored.rows import row
 
     metrics = ["p0.cell_r2", "p0.cell_r2_pooled", "p1.additive_share", "p1.additive_share_pooled", "p1.additive_share_last",
-               "p2.r2_task", "p2.r2_random", "p2.r2_additive", "p3.tv_mean_beta", "p3.tv_last_quarter", "p3.tv_first_uncertain",
-               "p3.tv_last_uncertain"]
+               "p2.r2_task", "p2.r2_random", "p2.r2_additive", "p2.r2_additive_random", "p2.post_layernorm", "p3.tv_mean_beta",
+               "p3.tv_last_quarter", "p3.tv_first_uncertain", "p3.tv_last_uncertain"]
     code = lambda metric, layer, site: metrics.index(metric) + layer / 100 + (0.001 if site == "resid_mid" else 0.0)  # noqa: E731
     rows = [row(metric, code(metric, layer, site), place=(layer, site), batch="measure", set="major")
             for metric in metrics for layer in range(4) for site in ("resid_mid", "resid_post")]
@@ -330,13 +330,17 @@ def test_claim_values_read_each_claim_at_its_place_under_the_protocol_and_the_va
              row("p0.cell_r2", -1.0, place=(3, "resid_post"), batch="measure", set="major", position=5)]  # a curve: never read
     cases = {None: ((3, "resid_post"), (2, "resid_post"), ""), "selected-place": ((1, "resid_mid"), (1, "resid_mid"), ""),
              "site-mid": ((3, "resid_mid"), (2, "resid_mid"), ""), "pooled-anova": ((3, "resid_post"), (2, "resid_post"), "_pooled"),
-             "separator": ((3, "resid_post"), (2, "resid_post"), "")}
+             "separator": ((3, "resid_post"), (2, "resid_post"), ""), "p2-task-only": ((3, "resid_post"), (2, "resid_post"), "")}
     for variant, (place, p3, pooled) in cases.items():
         values = claim_values(rows, variant)
         assert values["P0"].value == code(f"p0.cell_r2{pooled}", *place), variant
         assert values["P1"].value == code(f"p1.additive_share{pooled}", *place), variant
-        assert values["P2"].value == code("p2.r2_additive", *place) and values["P2"].parts["r2_task"] == code("p2.r2_task", *place)
-        assert values["P2.vs_random"].value == pytest.approx(code("p2.r2_task", *place) - code("p2.r2_random", *place))
+        if variant == "p2-task-only":  # the earlier quantity: R^2_task, and against a random subspace's
+            assert values["P2"].value == code("p2.r2_task", *place)
+            assert values["P2.vs_random"].value == pytest.approx(code("p2.r2_task", *place) - code("p2.r2_random", *place))
+        else:  # the study's r2_additive, R^2_task beside
+            assert values["P2"].value == code("p2.r2_additive", *place) and values["P2"].parts["r2_task"] == code("p2.r2_task", *place)
+            assert values["P2.vs_random"].value == pytest.approx(code("p2.r2_additive", *place) - code("p2.r2_additive_random", *place))
         assert values["P3"].value == code("p3.tv_mean_beta", *p3), variant
         assert all((values[c].parts["layer"], values[c].parts["site"]) == place for c in ("P0", "P1", "P2", "P2.vs_random")), variant
         assert (values["P3"].parts["layer"], values["P3"].parts["site"]) == p3, variant

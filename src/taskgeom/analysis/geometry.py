@@ -18,7 +18,8 @@ import torch
 from taskgeom.analysis.measures.anova import Layout, Shares
 from taskgeom.analysis.measures.orthogonal import avoid_basis, token_subspace
 from taskgeom.analysis.measures.properties import (Fit, Interpolation, MeanAlignment, Shrinkage, additive_r2, alignment, by_position,
-                                                   interpolation, mean_alignment, pooled, quantiles, shrinkage)
+                                                   fit_beta, interpolation, mean_alignment, pooled, quantiles, random_rotation,
+                                                   random_token_additive_r2, shrinkage, token_additive_r2)
 from taskgeom.analysis.measures.simplex import project_simplex
 from taskgeom.analysis.measures.subspace import direction_ablation, projection_r2, task_ablation
 from taskgeom.analysis.measures.task_probe import ProbeFit, fit_probe, fit_rows, n_anchors, probe_basis_with_mean
@@ -77,6 +78,20 @@ class Alignment:
     def tv_last_quarter(self) -> float:
         """The median per-state TV over the last quarter of positions (a row; the claim reads ``tv_mean_beta``)."""
         return self.quarter("tv", "last")[0]
+
+
+@dataclass(frozen=True)
+class AdditiveR2:
+    """P2 as the study's figure plots it (``Geometry.p2_additive``): by_position: [P] r2_additive at
+    each analysed position; value: its mean over ``positions`` (the family's ``p2_window``), what the
+    claim reads; random: [n_random] that mean with the task vertices rotated at random;
+    post_layernorm: whether the states passed the next block's LayerNorm first."""
+
+    by_position: torch.Tensor
+    value: float
+    random: torch.Tensor
+    positions: slice
+    post_layernorm: bool
 
 
 class Geometry:
@@ -151,15 +166,36 @@ class Geometry:
         return interpolation(residual, self.task_vectors, self.window, self.n_random, self.run.seed)
 
     @cached_property
-    def r2_additive(self) -> tuple[float, torch.Tensor] | None:
-        """E2's P2 (continuous x_t): (over the late window, [P] per position) the share of the
-        variance of h - mu_t that the task simplex plus a per-position linear map of x_t explain;
-        None for token families."""
-        inputs = self.sequences.inputs
+    def p2_additive(self) -> AdditiveR2:
+        """P2 as the study's figure plots it (docs/protocol.md, "P2"): r2_additive at each analysed
+        position, its mean over the family's ``p2_window`` (what the claim reads) and the same on
+        ``n_random`` randomly rotated task vertices. Token families (``token_additive_r2``): the share
+        of the variance of h_t about its per-position mean that nu(x_t) and the task simplex explain,
+        on the states after the next block's LayerNorm for a family that says so (E3's
+        ``p2_post_layernorm``; nothing follows the last block); E2 (``additive_r2``): the task
+        simplex plus a per-position linear map of x_t."""
+        family, inputs, model = self.run.family, self.sequences.inputs, self.run.model
+        geometry, normed = self, False
+        if family.p2_post_layernorm and self.place.site == "resid_post" and self.place.layer + 1 < len(model.blocks):
+            norm = getattr(model.blocks[self.place.layer + 1], "ln_attn", None)
+            if norm is None:
+                raise AnalysisError(f"{type(model).__name__} has no input LayerNorm on block {self.place.layer + 1} to read P2 after")
+            with torch.no_grad():
+                states = norm(self.states.to(next(model.parameters()).dtype))
+            geometry, normed = Geometry(self.run, self.place, self.sequences, states, self.window, self.n_random), True
+        positions = fraction_window(self.states.shape[1], family.p2_window)
+        h, theta, gen = geometry.states, geometry.task_vectors, torch.Generator().manual_seed(self.run.seed)
+        y = geometry.fit.residual(h, inputs.current)
         if inputs.vocab is not None:
-            return None
-        centred = self.states.double() - self.mu[: self.states.shape[1]]
-        return additive_r2(centred, project_simplex(self.p2.raw) @ self.task_vectors, inputs.current, self.window)
+            by_position = token_additive_r2(h, y, geometry.p2.beta.double() @ theta)
+            random = random_token_additive_r2(h, y, theta, positions, self.n_random, self.run.seed)
+        else:
+            centred = h.double() - geometry.mu[: h.shape[1]]
+            by_position = additive_r2(centred, project_simplex(geometry.p2.raw) @ theta, inputs.current, positions)[1]
+            rotations = [theta @ random_rotation(theta.shape[1], gen) for _ in range(self.n_random)]
+            random = torch.tensor([float(additive_r2(centred, fit_beta(y, r) @ r, inputs.current, positions)[1][positions].nanmean())
+                                   for r in rotations], dtype=torch.float64)
+        return AdditiveR2(by_position, float(by_position[positions].nanmean()), random, positions, normed)
 
     @property
     def beta(self) -> torch.Tensor:

@@ -7,8 +7,8 @@ and its judgement (``claims``).
 
 **The place** (docs/protocol.md): the claims read the study's block at the same relative depth,
 ``resid_post`` (the rows' ``place.m1`` and ``place.p3``); the parts name the layer and site each
-claim read. For E2, P2 reads ``r2_additive`` and steering compares predictions of y_i by RMSE
-instead of next-token laws by KL.
+claim read. P2 reads the study's ``r2_additive`` (R^2_task beside it; the variant ``p2-task-only``
+reads R^2_task); for E2 steering compares predictions of y_i by RMSE instead of next-token laws by KL.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ SPECS: tuple[Spec, ...] = (
          ("layers",)),
     Spec("P1", "m1", _RECIPES, "P1, decoupling: additive share of the variance P0's model explains, median over the late window", ">=",
          0.9, ("layers",)),
-    Spec("P2", "m1", _RECIPES, "P2, interpolation: R^2_task of the sum-to-one simplex fit, late window (E2: r2_additive)", ">=", 0.8,
-         ("layers", "positions")),
-    Spec("P2.vs_random", "m1", _RECIPES, "P2's R^2_task minus that of a random subspace of equal dimension", ">=", 0.3, ("layers",)),
+    Spec("P2", "m1", _RECIPES, "P2, interpolation: r2_additive, the share of the variance of h_t about its per-position mean that the "
+         "token effect and the task simplex explain (E3 after the next LayerNorm; E2: a linear map of x_t), mean over the last ten of "
+         "the study's evaluation positions", ">=", 0.8, ("layers", "positions")),
+    Spec("P2.vs_random", "m1", _RECIPES, "P2's r2_additive minus that of a random subspace of equal dimension", ">=", 0.3, ("layers",)),
     Spec("P3", "m1", _RECIPES, "P3, alignment: TV between the per-task mean beta_t and mean posterior alpha_t, last quarter of "
          "positions", "<=", 0.1, ("simplex",)),
     Spec("P3.shrinks", "m1", _RECIPES, "P3's TV over the last quarter of the uncertain positions divided by that over their first "
@@ -86,10 +87,13 @@ def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Read
     pooled = "_pooled" if name == "pooled-anova" else ""
     r2_task, r2_random = at("p2.r2_task"), at("p2.r2_random")
     p1_parts = placed if pooled else {**placed, "last_position": at("p1.additive_share_last")}
-    if ("p2.r2_additive", *place) in table:  # E2: the study's r2_additive, R^2_task beside
-        p2 = Reading(at("p2.r2_additive"), {**placed, "r2_task": r2_task})
-    else:
+    if name == "p2-task-only":  # the earlier quantity: R^2_task, the token effect removed from the total
         p2 = Reading(r2_task, placed)
+        vs_random = Reading(r2_task - r2_random, {"r2_task": r2_task, "r2_random": r2_random, **placed})
+    else:  # the study's r2_additive, R^2_task beside
+        additive, additive_random = at("p2.r2_additive"), at("p2.r2_additive_random")
+        p2 = Reading(additive, {**placed, "r2_task": r2_task, "post_layernorm": bool(at("p2.post_layernorm"))})
+        vs_random = Reading(additive - additive_random, {"r2_additive": additive, "r2_additive_random": additive_random, **placed})
     count = int(at("p3.uncertain_positions", p3_place))
     first, last = at("p3.tv_first_uncertain", p3_place), at("p3.tv_last_uncertain", p3_place)
     shrink_parts = {"tv_first": first, "tv_last": last, "uncertain_positions": count, **p3_placed}
@@ -98,7 +102,7 @@ def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Read
         "P0": Reading(at(f"p0.cell_r2{pooled}"), placed),
         "P1": Reading(at(f"p1.additive_share{pooled}"), p1_parts),
         "P2": p2,
-        "P2.vs_random": Reading(r2_task - r2_random, {"r2_task": r2_task, "r2_random": r2_random, **placed}),
+        "P2.vs_random": vs_random,
         "P3": Reading(at("p3.tv_mean_beta", p3_place), {"tv_per_state_last_quarter": at("p3.tv_last_quarter", p3_place), **p3_placed}),
         "P3.shrinks": Reading(math.nan if reason else last / first, shrink_parts, reason),
     }
@@ -123,10 +127,13 @@ def retrieval_claims(values: dict[str, Reading], e: str, effect: str = "current 
     where = "at the study's block at the same relative depth, resid_post (docs/protocol.md); layer and site in the parts"
     if effect == "current token":
         p0 = "P0: cell-means R^2 of (task, current token)"
-        p2 = "P2: R^2_task of the simplex fit of h_t - mu_t - nu(x_t) on the task vectors, late window"
+        p2 = ("P2: r2_additive, the share of the variance of h_t about its per-position mean explained by nu(x_t) and the simplex fit of "
+              "h_t - mu_t - nu(x_t) on the task vectors (E3 after the next block's LayerNorm), mean over the last ten of the study's "
+              "evaluation positions")
     else:
         p0 = f"P0: R^2 of a per-task intercept and per-task {effect}"
-        p2 = "P2: r2_additive, the share of the variance of h_t - mu_t explained by the task simplex plus a per-position linear map of x_t, late window"
+        p2 = ("P2: r2_additive, the share of the variance of h_t - mu_t explained by the task simplex plus a per-position linear map "
+              "of x_t, mean over the last ten of the study's evaluation examples")
     late = "at each position, median over the last quarter of positions"
     shrink_description = ("P3: on the per-task mean curves, mean TV(mean beta_t, mean alpha_t) over the last quarter of the positions "
                           "where the mean posterior is uncertain (median over tasks of its largest weight < 0.99) divided by that over their first quarter")
@@ -134,7 +141,7 @@ def retrieval_claims(values: dict[str, Reading], e: str, effect: str = "current 
         "P0": f"{p0}, {late} ({where})",
         "P1": f"P1: additive (task + {effect}, no interaction) share of the variance P0's model explains, {late} ({where})",
         "P2": f"{p2} ({where})",
-        "P2.vs_random": f"P2: R^2_task minus R^2 of the same fit on a random subspace of equal dimension ({where})",
+        "P2.vs_random": f"P2: r2_additive minus that of the same fit on a random subspace of equal dimension ({where})",
         "P3": "P3: TV between the per-task mean of beta_t (projected onto the simplex) and the mean posterior alpha_t, "
               f"mean over the tasks and the last quarter of positions ({where}; E2: block 9 of 16)",
         "P3.shrinks": shrink_description}

@@ -133,6 +133,10 @@ class TaskFamily(ABC):
     # of the analysed positions (the study's own window for its families; else the last quarter), and the
     # study block (block, of blocks) where the M1 claims read the states, and P3
     vector_window: ClassVar[tuple[float, float]] = (0.75, 1.0)
+    # docs/protocol.md, "P2": the positions whose r2_additive the P2 claims average (the study's last ten
+    # evaluation positions, as fractions), and whether the states pass the next block's LayerNorm first
+    p2_window: ClassVar[tuple[float, float]] = (0.875, 1.0)
+    p2_post_layernorm: ClassVar[bool] = False
     m1_block: ClassVar[tuple[int, int]] = (3, 6)
     p3_block: ClassVar[tuple[int, int]] = (3, 6)
     # docs/protocol.md, "S ablation": what the study's probe of this family regresses on (None: the

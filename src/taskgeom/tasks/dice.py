@@ -47,6 +47,7 @@ class Dice(TokenFamily):
     name = "dice"
     Settings = DiceSettings
     vector_window = (100 / 128, 120 / 128)  # the study's positions 100-119 of 128
+    p2_window = (110 / 128, 120 / 128)  # the last ten of the study's evaluation positions 0-119
     # the study's dice probe (coin/analysis/probes/_internals.py): no logit block, the position one-hot,
     # the posterior after the whole sequence at every position; fit from position 100 of 192's fraction on
     task_probe = TaskProbe(window=(100 / 192, 1.0), logits=False, positions=True, sequence_posterior=True)

@@ -21,6 +21,8 @@ class Markov(TokenFamily):
     name = "markov"
     Settings = MarkovSettings
     vector_window = (170 / 192, 190 / 192)  # the study's positions 170-189 of 192
+    p2_window = (180 / 192, 190 / 192)  # the last ten of the study's evaluation positions 0-189
+    p2_post_layernorm = True  # the study's P2 script reads E3's states after the next block's LayerNorm
     v_avoids_tokens = True  # the study's V for E3 avoids the token directions too (docs/protocol.md)
     # the study's latent-Markov probe (latent_markov/analysis/probes/_internals.py _fit_probe): the model's
     # logits and the position one-hot as nuisance blocks; fitted on positions 100-191 of 192

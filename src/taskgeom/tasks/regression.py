@@ -58,6 +58,7 @@ class Regression(TaskFamily):
     Settings = RegressionSettings
     reads_tokens = False
     vector_window = (54 / 64, 1.0)  # the study's last ten examples, 54-63 of 64
+    p2_window = (54 / 64, 1.0)  # the last ten of the study's evaluation examples 0-63
     m1_block, p3_block = (10, 16), (9, 16)  # the study's E2 model has 16 blocks
     # the study's regression probe (linear/analysis/interventions/_helpers.py _fit_task_subspace): x_t, no
     # logits, no position one-hot, the posterior over the majors alone (no anchors), W_task centred;

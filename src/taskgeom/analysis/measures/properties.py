@@ -12,8 +12,10 @@ Shapes: ``N`` sequences, ``T`` positions, ``D`` width, ``K`` major tasks, ``V`` 
   sum-to-one fit projected onto the simplex; R^2_task over the states given (the caller passes the
   late window for the claim, single positions for the per-position curve), beside the same fit on
   randomly rotated vertices (a random subspace of the same dimension and the same geometry).
-  E2's claim reads ``additive_r2``: the share of the variance of ``h_t - mu_t`` that the task simplex
-  (P2's beta) plus a per-position linear map of x_t explain.
+  The claims read r2_additive, the share of the variance of ``h_t`` about its per-position mean that
+  the token effect and the task simplex explain: ``token_additive_r2`` for token families (the
+  token effect nu(x_t) counts as explained), ``additive_r2`` for E2 (the task simplex plus a
+  per-position linear map of x_t).
 - P3 (``alignment``): per-state distances between beta_t and the exact posterior alpha_t (a written
   row); ``mean_alignment``, what the claim reads: per task and position, the mean beta over the
   task's sequences against the mean posterior; ``shrinkage`` compares distances early and late among
@@ -145,6 +147,31 @@ def interpolation(y: torch.Tensor, theta: torch.Tensor, window: slice, n_random:
     residual, total = ((y - fitted) ** 2).sum((0, 2)), ((y - y.mean(0)) ** 2).sum((0, 2))  # [T] each
     by_position = torch.where(total > 0, 1 - residual / total, torch.nan)
     return Interpolation(beta.float(), raw, residual_r2(late, late_fit), residual_r2(late, exact @ theta), torch.tensor(random), by_position)
+
+
+def token_additive_r2(h: torch.Tensor, y: torch.Tensor, fitted: torch.Tensor) -> torch.Tensor:
+    """[T] the study's r2_additive for token families at each position (docs/protocol.md, "P2"): of
+    the variance of h: [N, T, D] about its per-position mean, the share that the token effect and
+    the task simplex explain, ``1 - sum_n |y - fitted|^2 / sum_n |h - mean_n h|^2`` with y: [N, T,
+    D] = h - mu_t - nu(x_t) (``Fit.residual``) and fitted: [N, T, D] = beta theta, P2's simplex fit."""
+    h = h.double()
+    residual = ((y.double() - fitted.double()) ** 2).sum((0, 2))
+    total = ((h - h.mean(0)) ** 2).sum((0, 2))
+    return torch.where(total > 0, 1 - residual / total, torch.nan)
+
+
+def random_token_additive_r2(h: torch.Tensor, y: torch.Tensor, theta: torch.Tensor, positions: slice, n_random: int,
+                             seed: int) -> torch.Tensor:
+    """[n_random] the mean over ``positions`` of ``token_additive_r2`` with the task vertices theta:
+    [K, D] rotated at random (a random subspace of the same dimension and geometry, as P2's
+    R^2_task compares), seeded by ``seed``."""
+    theta, late_y, late_h = theta.double(), y[:, positions].double(), h[:, positions]
+    gen = torch.Generator().manual_seed(seed)
+    scores = []
+    for _ in range(n_random):
+        rotated = theta @ random_rotation(theta.shape[1], gen)
+        scores.append(float(token_additive_r2(late_h, late_y, fit_beta(late_y, rotated) @ rotated).nanmean()))
+    return torch.tensor(scores, dtype=torch.float64)
 
 
 def additive_r2(y: torch.Tensor, task_part: torch.Tensor, x: torch.Tensor, window: slice) -> tuple[float, torch.Tensor]:

@@ -56,6 +56,10 @@ VARIANTS = (
     Variant("v-best-block", ("ablate_V", "random_control"),
             "V read at the block where it removes the most OOD gain on a separate batch, not the mean over blocks",
             "one place per claim, as for M1"),
+    Variant("p2-task-only", ("P2",),
+            "P2 as R^2_task, the token effect removed from the total (and P2.vs_random as R^2_task minus a random subspace's), "
+            "instead of the study's r2_additive, where the token effect counts as explained",
+            "our reading of P2 before the study's figure code was read (its plots='additive')"),
     Variant("steer-at-read-site", ("steering",),
             "steering's vectors from the measurement batch's two-way layout (E1: its per-position task means; E2, E3: the late "
             "window's task effects), the edit written at resid_post, where they are read, on the measurement batch",

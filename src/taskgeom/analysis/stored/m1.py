@@ -122,10 +122,14 @@ def place_rows(geometry: Geometry, per_position: bool) -> list[dict]:
         row("p2.r2_random", r2_random.mean() if len(r2_random) else float("nan"),
             (r2_random.min(), r2_random.max()) if len(r2_random) else None, **where),
     ]
-    curves = {"p2.r2_task": p2.r2_by_position, "p0.cell_r2": geometry.shares.cell_r2, "p1.additive_share": geometry.shares.additive_share}
-    if geometry.r2_additive is not None:
-        rows.append(row("p2.r2_additive", geometry.r2_additive[0], **where))
-        curves["p2.r2_additive"] = geometry.r2_additive[1]
+    additive = geometry.p2_additive
+    random = additive.random
+    rows += [row("p2.r2_additive", additive.value, **where),
+             row("p2.r2_additive_random", random.mean() if len(random) else float("nan"),
+                 (random.min(), random.max()) if len(random) else None, **where),
+             row("p2.post_layernorm", float(additive.post_layernorm), **where)]
+    curves = {"p2.r2_task": p2.r2_by_position, "p0.cell_r2": geometry.shares.cell_r2, "p1.additive_share": geometry.shares.additive_share,
+              "p2.r2_additive": additive.by_position}
     if per_position:
         rows += [row(metric, value, position=t, **where) for metric, curve in curves.items() for t, value in enumerate(curve.tolist())]
     return rows

@@ -34,7 +34,9 @@ from taskgeom.runs.folders import Run
 #    (and across training), and the Bayes OOD predictor's losses on the OOD loss set (the OOD-mode precondition).
 # 8: m1.json's steering as the study's injection (its vectors, written at resid_mid, 10,000 sequences), the earlier one
 #    beside it (steering_at_read_site.*).
-ROW_VERSION = 8
+# 9: m1.json's P2 as the study's r2_additive at every place (p2.r2_additive, its random baseline, E3 after the next
+#    LayerNorm), R^2_task beside it.
+ROW_VERSION = 9
 FIELDS = ("metric", "value", "band", "layer", "site", "batch", "set", "step", "position", "task", "gain", "unreliable", "reason",
           "version")
 
