@@ -152,6 +152,27 @@ def test_hf_arch_runs_build_seeded_models_and_need_token_families():
     assert {place.site for place in check_request(StudyRun(run))} == {"resid_mid", "resid_post"}
 
 
+@pytest.mark.parametrize("arch, norm", [("gpt2", "ln_1"), ("llama", "input_layernorm")])
+def test_e3_p2_reads_the_states_after_the_next_layers_input_norm(tmp_path, arch, norm):
+    """E3's P2 passes resid_post of a block through the LayerNorm that reads the next block's input
+    (the study's post_layernorm=True); on an HF model that norm is the next decoder layer's own."""
+    from taskgeom.hooks import Place
+
+    created = Run.create(load_recipe("e3", "quick", [f"model.arch={arch}", "model.d_model=32", "model.d_mlp=64", "task.seq_len=24",
+                                                     "model.max_len=24"]), tmp_path)
+    run = StudyRun(created, created.new_model().eval())  # an untrained model: the norm is what is checked
+    major = run.heldout("major", 48, split="measure")
+    place = Place(0, "resid_post")
+    geometry = run.geometry(major, place)
+    additive = geometry.p2_additive
+    assert additive.post_layernorm and run.model.blocks[1].ln_attn is getattr(run.model.blocks[1].layer, norm)
+    with torch.no_grad():
+        normed = run.model.blocks[1].ln_attn(geometry.states)
+    # the same fit on the normalised states, at a site where P2 normalises nothing
+    by_hand = type(geometry)(run, Place(0, "resid_mid"), major, normed, geometry.window, geometry.n_random).p2_additive
+    torch.testing.assert_close(additive.by_position, by_hand.by_position, rtol=0, atol=0)
+
+
 # ---- resid_mid: formed inside the HF layer, edited through attn_out ------------------------------
 MLP_NORM = {"gpt2": "ln_2", "llama": "post_attention_layernorm"}  # the norm before each layer's MLP
 

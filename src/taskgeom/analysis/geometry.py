@@ -187,7 +187,7 @@ class Geometry:
         h, theta, gen = geometry.states, geometry.task_vectors, torch.Generator().manual_seed(self.run.seed)
         y = geometry.fit.residual(h, inputs.current)
         if inputs.vocab is not None:
-            by_position = token_additive_r2(h, y, geometry.p2.beta.double() @ theta)
+            by_position = token_additive_r2(h, y, project_simplex(geometry.p2.raw) @ theta)
             random = random_token_additive_r2(h, y, theta, positions, self.n_random, self.run.seed)
         else:
             centred = h.double() - geometry.mu[: h.shape[1]]

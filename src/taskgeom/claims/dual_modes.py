@@ -157,7 +157,7 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int) -> list[Claim]:
     what = "projection R^2 of OOD task means onto the major task means (the study's Fig. 4)"
     claim("projection_r2_high_diversity", f"{what} at k = {high}", r2_high,
           {**projection_parts(rows, high), "within_2se": _near(r2_high, _SPEC["projection_r2_high_diversity"].threshold, se_high)})
-    se_drop = math.hypot(se_low, se_high)  # two independent draws of OOD tasks
+    se_drop = math.hypot(se_low, se_high)  # in quadrature: an upper bound, as both runs read the same OOD tasks
     claim("projection_r2_drop", f"{what} at k = {low} minus at k = {high}", r2_low - r2_high,
           {**{f"k={low}.{name}": v for name, v in projection_parts(rows, low).items()},
            **{f"k={high}.{name}": v for name, v in projection_parts(rows, high).items()},

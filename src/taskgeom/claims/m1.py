@@ -128,8 +128,8 @@ def retrieval_claims(values: dict[str, Reading], e: str, effect: str = "current 
     if effect == "current token":
         p0 = "P0: cell-means R^2 of (task, current token)"
         p2 = ("P2: r2_additive, the share of the variance of h_t about its per-position mean explained by nu(x_t) and the simplex fit of "
-              "h_t - mu_t - nu(x_t) on the task vectors (E3 after the next block's LayerNorm), mean over the last ten of the study's "
-              "evaluation positions")
+              "h_t - mu_t - nu(x_t) on the task vectors (E3 after the next block's LayerNorm where one follows), mean over the last "
+              "ten of the study's evaluation positions")
     else:
         p0 = f"P0: R^2 of a per-task intercept and per-task {effect}"
         p2 = ("P2: r2_additive, the share of the variance of h_t - mu_t explained by the task simplex plus a per-position linear map "

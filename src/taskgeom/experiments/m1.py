@@ -25,8 +25,8 @@ _CAPTIONS = {
                "sequences per major task; right: TV between the per-task mean beta_t and mean alpha_t (what P3 reads), and the "
                "per-position median per-state TV and KL(alpha || beta) with interquartile bands",
     "layers": "{E}: P0 (cell-means R^2), P1 (additive share), medians over the late window of the fits at each position, and P2 "
-              "(R^2_task, beside a random subspace of equal dimension) per layer and site; with several seeds, the median over seeds and their range",
-    "positions": "{E}: R^2_task of P2 at each position, every layer and site (the claims' place bold; shaded: the late window the claim reads)",
+              "(r2_additive, beside a random subspace of equal dimension) per layer and site; with several seeds, the median over seeds and their range",
+    "positions": "{E}: r2_additive of P2 at each position, every layer and site (the claims' place bold; shaded: the positions the claim averages)",
     "steering": "{E}: the readout over the target points a ~ Dirichlet(1) of the simplex (KL(model || q_a) of next-token laws; E2: "
                 "RMSE of the prediction of y to y_a), unsteered and steered one position per forward pass, with the means of both, "
                 "the mode task's and a random direction's of the same norm",

@@ -102,7 +102,7 @@ def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float
         seconds["train"] = _with_threads(unit.train_threads, lambda: train(Run.create(task.config, task.root), device=task.device,
                                                                                tracker=task.tracker))
     if unit.analysis_threads:
-        seconds["analyse"] = _with_threads(unit.analysis_threads, lambda: load_dual(run := Run.open(task.path))
+        seconds["analyse"] = _with_threads(unit.analysis_threads, lambda: load_dual(run := Run.open(task.path), task.projection_sizes)
                                         or analyze_dual(StudyRun(run), projection_sizes=task.projection_sizes))
     return seconds
 

@@ -89,7 +89,8 @@ def run_job(job: Job, threads: int = 0) -> list[dict]:
         clock = Clock()
         train(run, device=job.device, tracker=job.tracker)
         trained = clock.lap()
-        rows = load_dual(run) or analyze_dual(StudyRun(run), projection_sizes=job.measure().projection_sizes)
+        sizes = job.measure().projection_sizes
+        rows = load_dual(run, sizes) or analyze_dual(StudyRun(run), projection_sizes=sizes)
         analysed = clock.lap()
         seconds = {"train_wall_s": trained[0], "train_cpu_s": trained[1], "analysis_wall_s": analysed[0], "analysis_cpu_s": analysed[1]}
         return [{"run": str(run.path), "status": "ok", **row, **seconds} for row in rows]

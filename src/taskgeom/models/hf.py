@@ -34,20 +34,22 @@ ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")  # those that take an additive [1,
 class Layout:
     """Where an architecture keeps its parts: attribute names in the base model (``layers``,
     ``final_norm``, ``learned_positions`` or ``rotary``) and in each decoder layer (``attention``,
-    whose first output is attn_out, and ``mlp``); ``d_mlp`` reads the MLP width off the HF config."""
+    whose first output is attn_out, ``mlp``, and ``input_norm``, the LayerNorm that reads the
+    layer's input); ``d_mlp`` reads the MLP width off the HF config."""
 
     layers: str
     final_norm: str
     attention: str
     mlp: str
+    input_norm: str
     d_mlp: Callable[[object], int]
     learned_positions: str | None = None
     rotary: str | None = None
 
 
 LAYOUTS = {
-    "gpt2": Layout("h", "ln_f", "attn", "mlp", lambda c: c.n_inner or 4 * c.hidden_size, learned_positions="wpe"),
-    "llama": Layout("layers", "norm", "self_attn", "mlp", lambda c: c.intermediate_size, rotary="rotary_emb"),
+    "gpt2": Layout("h", "ln_f", "attn", "mlp", "ln_1", lambda c: c.n_inner or 4 * c.hidden_size, learned_positions="wpe"),
+    "llama": Layout("layers", "norm", "self_attn", "mlp", "input_layernorm", lambda c: c.intermediate_size, rotary="rotary_emb"),
 }
 SUPPORTED = tuple(LAYOUTS)
 
@@ -107,6 +109,7 @@ class DecoderBlock(nn.Module):
             setattr(self, site, HookPoint())
         object.__setattr__(self, "layer", layer)
         object.__setattr__(self, "rotary", rotary)
+        object.__setattr__(self, "ln_attn", getattr(layer, parts.input_norm))  # the norm reading the block's input, as the transformer's
         self.stream: torch.Tensor | None = None  # resid_pre [B, T, D] while the layer runs under forward
         getattr(layer, parts.attention).register_forward_hook(self._attention)
         getattr(layer, parts.mlp).register_forward_hook(_through(self.mlp_out))

@@ -80,7 +80,7 @@ def _most_uncertain(alpha: torch.Tensor, chosen: torch.Tensor, count: int) -> li
 
 
 _LAYER_METRICS = (("p0.cell_r2", "P0 cell-means R^2", "C0"), ("p1.additive_share", "P1 additive share", "C1"),
-                  ("p2.r2_task", "P2 R^2_task", "C2"), ("p2.r2_random", "P2 R^2, random subspace", "0.5"))
+                  ("p2.r2_additive", "P2 r2_additive", "C2"), ("p2.r2_additive_random", "P2 r2_additive, random subspace", "0.5"))
 
 
 def plot_properties_by_layer(table: pd.DataFrame, path: Path, title: str = "") -> None:
@@ -162,10 +162,10 @@ def plot_steering(steering: Steering, path: Path, title: str = "") -> None:
     save(fig, path)
 
 
-def plot_r2_by_position(table: pd.DataFrame, place: tuple[int, str], window_start: int, path: Path, title: str = "") -> None:
-    """P2's R^2_task of the states at each position, one line per site and layer (the claims'
-    place bold); the shaded span is the late window the claim averages."""
-    rows = table[(table["metric"] == "p2.r2_task") & table["position"].notna() & (table["batch"] == "measure")]
+def plot_r2_by_position(table: pd.DataFrame, place: tuple[int, str], window: slice, path: Path, title: str = "") -> None:
+    """P2's r2_additive of the states at each position, one line per site and layer (the claims'
+    place bold); the shaded span is the positions the claim averages (``window``)."""
+    rows = table[(table["metric"] == "p2.r2_additive") & table["position"].notna() & (table["batch"] == "measure")]
     fig, ax = plt.subplots(figsize=(7, 4))
     for (layer, site), group in rows.groupby(["layer", "site"], sort=True):
         group = group.sort_values("position")
@@ -173,10 +173,10 @@ def plot_r2_by_position(table: pd.DataFrame, place: tuple[int, str], window_star
         ax.plot(group["position"], group["value"], "-" if site == "resid_mid" else "--", lw=2.2 if chosen else 1, alpha=1 if chosen else 0.6,
                 label=f"layer {int(layer)} {site}{' (the claims)' if chosen else ''}")
     if len(rows):
-        ax.axvspan(window_start - 0.5, rows["position"].max() + 0.5, color="0.9", zorder=0, label="late window")
+        ax.axvspan(window.start - 0.5, window.stop - 0.5, color="0.9", zorder=0, label="the claim's positions")
     ax.set_ylim(-0.05, 1.05)
     ax.set_xlabel("analysed position (E2: example index, read where y_i is predicted)")
-    ax.set_ylabel("R^2_task at that position")
+    ax.set_ylabel("r2_additive at that position")
     ax.set_title(title or "P2 per position")
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=8)
@@ -199,6 +199,6 @@ def plot_retrieval(result, paths: dict[str, Path], seeds: pd.DataFrame | None = 
     several = seeds is not None and seeds["seed"].nunique() > 1
     plot_properties_by_layer(seeds if several else table, paths["layers"], f"{name}: P0-P2 per layer (measurement batch"
                              + (f"; median and range over seeds {', '.join(map(str, sorted(seeds['seed'].unique())))})" if several else ")"))
-    plot_r2_by_position(table, result.place, result.window.start, paths["positions"], f"{name}: P2 R^2_task per position")
+    plot_r2_by_position(table, result.place, result.p2_window, paths["positions"], f"{name}: P2 r2_additive per position")
     place = result.steering.place
     plot_steering(result.steering, paths["steering"], f"{name}: steering at layer {place.layer}, {place.site}")

@@ -24,8 +24,8 @@ M1_EVIDENCE, DUAL_EVIDENCE = evidence("m1"), evidence("dual_modes")
 
 COLORS = qualitative.Plotly  # '#rrggbb' strings
 _LAYOUT = {"template": "plotly_white", "height": 380, "margin": {"l": 60, "r": 20, "t": 50, "b": 50}}
-M1_LAYER_METRICS = {"p0.cell_r2": "P0 cell-means R^2", "p1.additive_share": "P1 additive share", "p2.r2_task": "P2 R^2_task",
-                    "p2.r2_random": "P2 random subspace"}
+M1_LAYER_METRICS = {"p0.cell_r2": "P0 cell-means R^2", "p1.additive_share": "P1 additive share", "p2.r2_additive": "P2 r2_additive",
+                    "p2.r2_additive_random": "P2 random subspace"}
 DUAL_MEASURES = {"projection_r2@ood": "projection R^2 (Fig. 4)", "projection_r2_reference@ood": "projection R^2, linear-code ref.",
                  "projection_r2_per_sequence@ood": "projection R^2 (per-sequence-r2)",
                  "gain_removed_ablate_S@major": "% major gain, ablate S", "gain_removed_ablate_S@ood": "% OOD gain, ablate S",
@@ -96,7 +96,7 @@ def _m1(table: pd.DataFrame, family: str, loss_claims: tuple[str, ...]) -> list[
         return []
     measure = rows[rows["batch"] == "measure"]
     places = measure[measure["metric"].isin(list(M1_LAYER_METRICS)) & measure["position"].isna()]
-    per_position = measure[(measure["metric"] == "p2.r2_task") & measure["position"].notna()]
+    per_position = measure[(measure["metric"] == "p2.r2_additive") & measure["position"].notna()]
     p3 = measure[measure["metric"].isin(["p3.tv_mean_beta", "p3.tv", "p3.kl"]) & measure["position"].notna() & measure["task"].isna()]  # over all tasks
     steering = measure[measure["metric"].str.fullmatch(r"steering\.(kl|rmse)_(unsteered|steered|mode|random)")]
     claim = lambda *names: tuple(f"{family}.{n}" for n in names)  # noqa: E731
@@ -106,9 +106,9 @@ def _m1(table: pd.DataFrame, family: str, loss_claims: tuple[str, ...]) -> list[
                  claim(*M1_EVIDENCE["layers"]),
                  figure=lines(places, "layer", label, ["metric", "site"], f"{family.upper()}: P0-P2 per layer", "layer", "value",
                                dash=lambda key: "dot" if key[1] == "resid_post" else "solid")),
-        Evidence(f"{family}-positions", f"{family.upper()}: R^2_task of P2 per position, every layer and site", family, claim(*M1_EVIDENCE["positions"]),
+        Evidence(f"{family}-positions", f"{family.upper()}: r2_additive of P2 per position, every layer and site", family, claim(*M1_EVIDENCE["positions"]),
                  figure=lines(per_position, "position", lambda key: f"layer {int(key[0])} {key[1]}", ["layer", "site"],
-                               f"{family.upper()}: R^2_task per position", "position", "R^2_task")),
+                               f"{family.upper()}: r2_additive per position", "position", "r2_additive")),
         Evidence(f"{family}-p3", f"{family.upper()}: TV between the per-task mean beta_t and mean posterior alpha_t (what P3 reads), and the median per-state TV and KL per position",
                  family, claim(*M1_EVIDENCE["simplex"]),
                  figure=lines(p3, "position", lambda key: key[0], ["metric"], f"{family.upper()}: P3 per position", "position",

@@ -69,8 +69,9 @@ def study_form(family: TaskFamily) -> SteeringForm:
 
 
 def steering_place(family: TaskFamily, n_layers: int) -> Place:
-    """Where steering reads and writes (docs/protocol.md): the M1 claims' place, the family's
-    ``m1_block`` (E1, E3 block 3 of 6; E2 10 of 16) at the same relative depth, ``resid_post``."""
+    """Where steering reads its vectors (docs/protocol.md): the M1 claims' place, the family's
+    ``m1_block`` (E1, E3 block 3 of 6; E2 10 of 16) at the same relative depth, ``resid_post``; the
+    protocol writes the edit at ``WRITE_SITE`` of the same block."""
     return Place.at_depth(*family.m1_block, n_layers)
 
 

@@ -64,6 +64,7 @@ from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.runs.folders import Run
 from taskgeom.runs.storage import atomic_write_json
+from taskgeom.settings.recipes import MeasureSettings
 from taskgeom.tasks import TokenFamily
 
 PRIOR_TASKS = 2048  # OOD tasks whose predictions sample the OOD prediction map (d0)
@@ -82,7 +83,7 @@ def loss_sets(run: StudyRun, n: int) -> dict[str, Sequences]:
 
 
 def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps: int = 200,
-                 projection_sizes: tuple[int, int] = projection.STUDY_SIZES) -> list[dict]:
+                 projection_sizes: tuple[int, int] = MeasureSettings().projection_sizes) -> list[dict]:
     """All section-5 measurements of a finished run (``n_seq`` sequences per batch, V of ``rank``
     directions found in ``search_steps`` steps, projection R^2 on ``projection_sizes`` = (OOD tasks,
     sequences per task)); writes ``analysis/dual.json`` and returns its rows."""
@@ -227,7 +228,13 @@ def token_prediction_rows(run: StudyRun, checkpoints: dict[int, StudyRun], reado
     return rows
 
 
-def load_dual(run: Run) -> list[dict] | None:
+def load_dual(run: Run, projection_sizes: tuple[int, int] | None = None) -> list[dict] | None:
     """The saved rows of the run directory, or None if it has not been analysed under the current
-    conventions (rows of an earlier ``rows.ROW_VERSION`` are measured again; the run is not retrained)."""
-    return stored_rows(run, "dual")
+    conventions (rows of an earlier ``rows.ROW_VERSION`` are measured again; the run is not
+    retrained) or, when ``projection_sizes`` (OOD tasks, sequences per task) are given, with other
+    sizes of projection R^2."""
+    rows = stored_rows(run, "dual")
+    if rows is None or projection_sizes is None:
+        return rows
+    stored = {r["metric"]: r["value"] for r in rows if r["metric"] in ("projection_r2_tasks", "projection_r2_per_task")}
+    return rows if (stored.get("projection_r2_tasks"), stored.get("projection_r2_per_task")) == tuple(projection_sizes) else None

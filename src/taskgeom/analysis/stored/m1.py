@@ -1,5 +1,5 @@
 """The M1 analysis of one finished run (``taskgeom analyze``, the M1 experiment): P0-P3 at every
-requested layer and site, steering at the claims' place, as the rows of ``analysis/m1.json``
+requested layer and site, steering at the claims' block, as the rows of ``analysis/m1.json``
 (``rows``' layout; batch: the split, ``select`` or ``measure``). It is written with the objects of
 ``analysis.study``, so each stored number is what they return.
 
@@ -16,10 +16,12 @@ Rows (measurement batch, every place): ``p0.cell_r2``, ``p0.within_share``, ``p1
 (medians over the late window, the last quarter of positions, of the layout fitted at each
 position; also per position), ``p1.additive_share_last`` (the last position), the
 ``pooled-anova`` variant's ``*_pooled``; ``p2.r2_task`` (also per position), ``p2.r2_task_exact``,
-``p2.r2_random``, E2's ``p2.r2_additive`` (also per position); ``p3.tv_mean_beta`` (the claim:
+``p2.r2_random``, ``p2.r2_additive`` (the claim; also per position) with ``p2.r2_additive_random`` and
+``p2.post_layernorm``; ``p3.tv_mean_beta`` (the claim:
 the TV of the per-task mean curves, averaged over the tasks and the last quarter; per position
 and per task at P3's place), the per-state ``p3.tv`` / ``p3.kl`` medians by quarter (per position
-and task at P3's place) and P3.shrinks' parts on the mean curves.
+and task at P3's place) and P3.shrinks' parts on the mean curves. At the claims' block:
+``steering.*`` (the protocol, written at ``resid_mid``) and ``steering_at_read_site.*`` (the variant).
 
 The families differ in one place, ``analysis.reading.heldout.family_inputs``: the token families (E1, E3, E4) take the
 current token as x_t, a two-way layout over (task, token) for P0/P1, the posterior after each token
@@ -54,8 +56,8 @@ class Result:
     selected: the place of best R^2_task on the selection batch (the ``selected-place`` variant)
     and runner_up (None when only one was measured); alpha, beta: [N, P, K] posterior and fitted
     coefficients at p3_place (measurement batch); mean: P3's per-task mean curves there; task: [N];
-    steering: at ``place``; summary: {metric: value} of the non-positional measurement rows at
-    ``place``; window: the late analysed positions."""
+    steering: at ``place``'s block; summary: {metric: value} of the non-positional measurement rows at
+    ``place``; window: the late analysed positions; p2_window: those P2's claim averages."""
 
     experiment: str
     rows: list[dict]
@@ -70,6 +72,7 @@ class Result:
     steering: Steering
     summary: dict[str, float]
     window: slice
+    p2_window: slice
     effect: str = "current token"
 
 
@@ -172,7 +175,7 @@ def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tupl
                if r["batch"] == "measure" and (r["layer"], r["site"]) == place and r["position"] is None and r["task"] is None}
     p3 = kept[p3_place]
     return Result(run.config.name, rows, place, p3_place, selected, runner_up, measure.batch.task, measure.alpha.float(), p3.beta,
-                  p3.p3.mean, steering, summary, p3.window, measure.inputs.effect)
+                  p3.p3.mean, steering, summary, p3.window, kept[place].p2_additive.positions, measure.inputs.effect)
 
 
 def alignment_rows(place: Place, p3: Alignment, task: torch.Tensor, per_position: bool = True) -> list[dict]:
