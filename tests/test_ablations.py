@@ -11,7 +11,7 @@ import torch
 
 from taskgeom.analysis.stored.ablations import N_RANDOM_CONTROLS, ablation_rows, block_places, control_statistic, find_blocks
 from taskgeom.analysis.stored.dual import loss_sets
-from taskgeom.analysis.measures.task_probe import fit_probe, fit_rows, probe_basis_with_mean
+from taskgeom.analysis.measures.task_probe import ProbeData, fit_probe, fit_rows, probe_basis_with_mean
 from taskgeom.analysis.study import StudyRun
 from taskgeom.claims.rules import over_seeds
 from taskgeom.settings.recipes import build_config
@@ -19,6 +19,7 @@ from taskgeom.errors import AnalysisError
 from taskgeom.claims.dual_modes import ablation_claims
 from taskgeom.runs.folders import Run
 from taskgeom.tasks import TaskProbe
+from taskgeom.rng import generator
 from taskgeom.training.train import train
 
 
@@ -62,17 +63,22 @@ def by_hand(states, pi, current, vocab, logits, rows, dropped: bool, positions: 
 
 @pytest.mark.parametrize("vocab, spec, sums_to_one", [
     (5, TaskProbe(window=(0.5, 1.0), logits=True, positions=True), True),             # E3's probe, k = -1
-    (5, TaskProbe(window=(0.5, 1.0), logits=False, positions=True), False),           # E1's, anchored (pi short of one)
+    (5, TaskProbe(window=(0.5, 1.0), logits=False, positions=True), False),           # E1's at k > -1 (pi short of one)
     (None, TaskProbe(window=(0.5, 1.0), logits=False, positions=False, centred=True), True),  # E2's, x_t, centred
 ])
 def test_the_probe_s_is_the_row_space_of_a_least_squares_fit_by_hand(vocab, spec, sums_to_one):
-    """S is the row space of W_task of numpy's least-squares fit of the study's regressors with its
-    dropped columns (principal cosines 1): rank K - 1 where pi sums to one, K where it does not."""
+    """S of the exact fit (the variant ``probe-exact``) is the row space of W_task of numpy's
+    least-squares fit of the study's regressors with its dropped columns (principal cosines 1):
+    rank K - 1 where pi sums to one, K where it does not. On this well-conditioned design the
+    protocol's single-precision pseudo-inverse spans the same S."""
     gen = torch.Generator().manual_seed(0)
     N, P, K, D = 40, 6, 3, 12
     states, pi, current, logits, w = planted(gen, N, P, K, D, vocab, sums_to_one)
     rows = fit_rows(N, torch.Generator().manual_seed(1))
-    fit = fit_probe(states.float(), pi, current, vocab, spec, rows, logits)
+    data = ProbeData(states.float(), pi, current, logits, vocab)
+    fit = fit_probe(data, spec, torch.Generator().manual_seed(1), exact=True)
+    single = fit_probe(data, spec, torch.Generator().manual_seed(1))
+    np.testing.assert_allclose(single.basis.numpy() @ single.basis.numpy().T, fit.basis.numpy() @ fit.basis.numpy().T, atol=1e-3)
 
     weights = by_hand(states.float().double(), pi, current, vocab, logits if spec.logits else None, rows, sums_to_one, spec.positions)
     spanned = weights - weights.mean(0) if spec.centred else weights
@@ -84,6 +90,40 @@ def test_the_probe_s_is_the_row_space_of_a_least_squares_fit_by_hand(vocab, spec
     np.testing.assert_allclose(np.linalg.svd(fit.basis.numpy().T @ span, compute_uv=False), np.ones(rank), atol=1e-8)  # principal cosines
     if sums_to_one and not spec.centred:  # the planted contrasts: each task's effect minus the last task's
         np.testing.assert_allclose(fit.weights[: K - 1].numpy(), (w[: K - 1] - w[K - 1]).numpy(), atol=0.05)
+
+
+def ols_single_precision(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The study's ``_fit_ols`` written out in numpy: the pseudo-inverse of x (its intercept column
+    last) in single precision, keeping singular values above eps32 * max(rows, columns) of the
+    largest (torch's default), times y."""
+    x, y = x.astype(np.float32), y.astype(np.float32)
+    u, s, vt = np.linalg.svd(x, full_matrices=False)
+    keep = s > s.max() * np.finfo(np.float32).eps * max(x.shape)
+    return (vt[keep].T / s[keep]) @ (u[:, keep].T @ y)
+
+
+def test_the_probe_is_fitted_as_the_study_s_single_precision_pseudo_inverse():
+    """Where the design has directions below the cut-off (large logits beside small posterior
+    contrasts over 20,000 rows), the protocol's W_task is the single-precision pseudo-inverse's, by
+    hand, and not the exact fit's: the cut-off is part of the protocol."""
+    gen = torch.Generator().manual_seed(3)
+    N, P, K, D, vocab = 500, 40, 3, 12, 5
+    states, pi, current, logits, _ = planted(gen, N, P, K, D, vocab)
+    pi = 0.5 + 0.002 * (pi - 1 / K)  # posterior contrasts a thousandth of the logits' scale: below eps32 x rows
+    pi = pi / pi.sum(-1, keepdim=True)
+    logits = 50 * logits
+    spec = TaskProbe(window=(0.5, 1.0), logits=True, positions=False)
+    data = ProbeData(states.float(), pi, current, logits, vocab)
+    fit = fit_probe(data, spec, torch.Generator().manual_seed(1))
+    exact = fit_probe(data, spec, torch.Generator().manual_seed(1), exact=True)
+
+    rows = fit_rows(N, torch.Generator().manual_seed(1)).numpy()
+    flat = lambda x: x[rows].reshape(len(rows) * P, -1).numpy()  # noqa: E731
+    design = np.concatenate([flat(pi)[:, : K - 1], np.eye(vocab)[current[rows].reshape(-1).numpy()][:, :-1], flat(logits),
+                             np.ones((len(rows) * P, 1))], 1)
+    by_hand = ols_single_precision(design, flat(states.float()))[: K - 1]
+    np.testing.assert_allclose(fit.weights[: K - 1].numpy(), by_hand, rtol=1e-2, atol=1e-2 * np.abs(by_hand).max())
+    assert not np.allclose(exact.weights[: K - 1].numpy(), by_hand, rtol=0.1, atol=0.1 * np.abs(by_hand).max())
 
 
 def test_s_with_mean_is_the_minimum_norm_fit_with_every_posterior_column():
@@ -286,3 +326,47 @@ def test_sensitivity_measures_the_protocol_again_as_the_claims_did(tiny_reproduc
             compared.append(line.claim)
     ablations = {f"e1.{name}" for name in ("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major", "random_control")}
     assert all(compared.count(claim) == 2 for claim in ablations)  # measured again on each of the two seeds
+
+
+def test_the_protocol_probe_is_the_study_s_on_major_sequences_only_by_hand(tmp_path_factory):
+    """The ablations' S of a tiny trained E3 model with minors in its pool (k = 2), by a plain
+    implementation of the study's ``remove_task.py`` steps: 5,000 major sequences in batches of 64
+    (79 batches, 5,056 sequences) only (no anchoring
+    sequences), the states at the block's resid_mid by a forward hook, the pool's posterior
+    restricted to the majors, the model's logits, the token and position one-hots less their last
+    columns, positions 100/192 of the context to its end, 80% of a permutation, ``_fit_ols`` in
+    single precision, and the rank cut 1e-6 of W_task's singular values."""
+    run = tiny_run(tmp_path_factory, "markov")
+    geometry = run.geometry(run.heldout("major", 64, split="geometry"), (1, "resid_mid"))
+    family, pool, T = run.family, run.pool, run.config.task.seq_len
+    K, V = pool.n_major, family.vocab_size
+    assert pool.n_minor > 0
+    n = 79 * 64
+    tokens = family.sample(pool, n, T, run.seed, 0, "probe", "major").tokens
+    captured = []
+    handle = run.model.site(1, "resid_mid").register_forward_hook(lambda module, inputs, output: captured.append(output.detach()))
+    with torch.no_grad():
+        logits = run.model(tokens)
+    handle.remove()
+    posterior = torch.cat([family.log_posterior(chunk, pool).exp()[..., :K] for chunk in tokens.split(500)])
+    first = round(100 / 192 * T)
+    rows = torch.randperm(n, generator=generator(run.seed, 0, "probe-split"))[: int(0.8 * n)]
+    design, targets = [], []
+    for i in rows.tolist():
+        for t in range(first, T):
+            pi = posterior[i, t].numpy()
+            token = np.zeros(V - 1)
+            if tokens[i, t] < V - 1:
+                token[tokens[i, t]] = 1
+            position = np.zeros(T - first - 1)
+            if t - first < T - first - 1:
+                position[t - first] = 1
+            design.append(np.concatenate([pi, token, logits[i, t].numpy(), position, [1.0]]))
+            targets.append(captured[0][i, t].numpy())
+    design = np.array(design)
+    assert np.abs(design[:, :K].sum(1) - 1).max() > 1e-4  # minors hold posterior mass: pi keeps all K columns
+    weights = ols_single_precision(design, np.array(targets))[:K].astype(np.float64)
+    _, s, vt = np.linalg.svd(weights, full_matrices=False)
+    basis = vt[s > 1e-6 * s[0]].T
+    assert geometry.probe.shape == basis.shape
+    np.testing.assert_allclose(geometry.probe.numpy() @ geometry.probe.numpy().T, basis @ basis.T, atol=1e-3)

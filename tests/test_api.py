@@ -120,7 +120,7 @@ def test_projection_r2_and_its_variant_at_every_place_and_the_reference_are_the_
 
 def test_the_orthogonal_search_gives_the_stored_ablated_losses(e3):
     dual = stored(e3, "dual")
-    major, ood = e3.heldout("major", 256, split="geometry"), e3.heldout("ood", 256, split="loss")
+    major, ood = e3.heldout("major", 256, split="geometry"), e3.heldout("ood", 512, split="loss")
     geometries = list(e3.geometries(major, [(layer, "resid_mid") for layer in range(e3.config.model.n_layers)]))
     for geometry, v in zip(geometries, e3.orthogonal_search([(g, 1) for g in geometries])):
         assert v.shape == (geometry.basis.shape[0], 1) and (v.T.double() @ geometry.avoided.double()).abs().max() < 1e-5
@@ -232,11 +232,11 @@ def test_cache_holds_the_states_the_hooks_capture(e3):
 
 def test_a_split_or_a_set_that_does_not_exist_is_a_clear_error(e3):
     with pytest.raises(AnalysisError, match=r"unknown split 'mesure'; choose one of \['select', 'measure', 'geometry', 'loss', "
-                                            r"'search-select', 'prior', 'projection', 'steering'\]"):
+                                            r"'search-select', 'prior', 'projection', 'steering', 'probe'\]"):
         e3.heldout("major", 8, split="mesure")
-    with pytest.raises(AnalysisError, match=r"split 'select' has no ood sequences; it has \['major', 'pool'\]"):
+    with pytest.raises(AnalysisError, match=r"split 'select' has no ood sequences; it has \['major'\]"):
         e3.heldout("ood", 8, split="select")
-    with pytest.raises(AnalysisError, match=r"unknown set 'majors'; choose one of \['major', 'minor', 'ood', 'pool'\]"):
+    with pytest.raises(AnalysisError, match=r"unknown set 'majors'; choose one of \['major', 'minor', 'ood'\]"):
         e3.heldout("majors", 8, split="measure")
     with pytest.raises(AnalysisError, match="has no minor tasks"):
         e3.heldout("minor", 8, split="loss")

@@ -148,7 +148,8 @@ def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the
                       "v-avoids-tokens": ["ablate_V_major", "ablate_V_ood", "random_control"],
                       "v-searched-on-ood": ["ablate_V_major", "ablate_V_ood"],
                       "v-best-block": ["ablate_V_major", "ablate_V_ood", "random_control"],
-                      "s-with-mean": ["ablate_S_major", "ablate_S_ood", "ablate_V_major", "ablate_V_ood", "random_control"]}
+                      "s-with-mean": ["ablate_S_major", "ablate_S_ood", "ablate_V_major", "ablate_V_ood", "random_control"],
+                      "probe-exact": ["ablate_S_major", "ablate_S_ood", "ablate_V_major", "ablate_V_ood", "random_control"]}
     best = rows[rows["variant"] == "v-best-block"].set_index("claim")
     for claim in best.index:
         assert best.loc[claim, "value"] == pytest.approx(protocol.loc[claim, "value"], rel=1e-12, nan_ok=True)

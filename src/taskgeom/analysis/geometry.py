@@ -22,7 +22,7 @@ from taskgeom.analysis.measures.properties import (Fit, Interpolation, MeanAlign
                                                    random_token_additive_r2, shrinkage, token_additive_r2)
 from taskgeom.analysis.measures.simplex import project_simplex
 from taskgeom.analysis.measures.subspace import direction_ablation, projection_r2, task_ablation
-from taskgeom.analysis.measures.task_probe import ProbeFit, fit_probe, fit_rows, n_anchors, probe_basis_with_mean
+from taskgeom.analysis.measures.task_probe import PROBE_CHUNK, PROBE_SEQUENCES, ProbeData, ProbeFit, fit_probe, probe_basis_with_mean
 from taskgeom.analysis.measures.task_vectors import fraction_window
 from taskgeom.analysis.measures.variants import variant as named_variant
 from taskgeom.analysis.reading.edits import Edit
@@ -259,37 +259,44 @@ class Geometry:
         return steer(self.run.model, inputs.readout, steered.batch.tokens, write, sequence, a, edits, inputs.positions, gen, form, N)
 
     @cached_property
-    def task_probe(self) -> ProbeFit:
-        """The study's probe of this family at this place (``analysis.measures.task_probe``; the family's
-        ``task_probe`` says what it regresses on), fitted on these major sequences over its fit
-        window, with train-mode anchor sequences (``pool`` of the same split) at k > -1 when the
-        family's probe takes them."""
+    def probe_data(self) -> ProbeData:
+        """What the ablations' probe regresses at this place (``analysis.measures.task_probe.ProbeData``):
+        ``PROBE_SEQUENCES`` major sequences of the ``probe`` split (the study's ``sample_mode="major"``,
+        ``n_minor=-1``: no minor or anchoring sequences) over the family's fit window, collected
+        ``PROBE_CHUNK`` sequences a pass."""
         run, family = self.run, self.run.family
         spec = family.task_probe
         if spec is None:
             raise AnalysisError(f"the {family.name!r} family declares no task_probe (TaskFamily.task_probe: the regressors of the "
                                 "probe whose row space is the ablations' task subspace S; see docs/adding-a-family.md)")
-        runs = [(self.sequences, self.states)]
-        if spec.anchors and run.pool.n_minor:
-            anchors = run.heldout("pool", n_anchors(len(self.sequences)), split=self.sequences.split)
-            runs.append((anchors, run.cache(anchors, [self.place])[self.place]))
+        probe = run.heldout("major", PROBE_SEQUENCES, split="probe")
         K = self.sequences.alpha.shape[-1]
-        window = fraction_window(self.states.shape[1], spec.window)
-        states, pi, current, logits = [], [], [], []
-        for sequences, h in runs:
-            inputs = family_inputs(family, sequences.batch, run.pool if spec.pool_posterior else run.pool.subset("major"))
+        pool = run.pool if spec.pool_posterior else run.pool.subset("major")
+        parts = []
+        for rows in torch.arange(len(probe)).split(PROBE_CHUNK):
+            chunk = Sequences(run, "major", probe.split, probe.batch.rows(rows))
+            inputs = family_inputs(family, chunk.batch, pool)
+            window = fraction_window(inputs.current.shape[1], spec.window)
             alpha = inputs.alpha[..., :K]
             if spec.sequence_posterior:
                 alpha = alpha[:, -1:].expand_as(alpha)
-            states.append(h[:, window])
-            pi.append(alpha[:, window])
-            current.append(inputs.current[:, window])
+            logits = None
             if spec.logits:
                 with torch.no_grad():
-                    logits.append(inputs.select(run.model(sequences.batch.tokens))[:, window])
-        n = sum(len(h) for h in states)
-        return fit_probe(torch.cat(states), torch.cat(pi), torch.cat(current), self.sequences.inputs.vocab, spec,
-                         fit_rows(n, generator(run.seed, 0, "probe-split")), torch.cat(logits) if logits else None)
+                    logits = inputs.select(run.model(chunk.batch.tokens))[:, window]
+            parts.append((run.cache(chunk, [self.place])[self.place][:, window], alpha[:, window], inputs.current[:, window], logits))
+        return ProbeData(*(None if column[0] is None else torch.cat(column) for column in zip(*parts)), vocab=self.sequences.inputs.vocab)
+
+    @cached_property
+    def task_probe(self) -> ProbeFit:
+        """The study's probe of this family at this place (``analysis.measures.task_probe``; the family's
+        ``task_probe`` says what it regresses on), fitted as its ``_fit_ols`` fits it on ``probe_data``."""
+        return fit_probe(self.probe_data, self.run.family.task_probe, generator(self.run.seed, 0, "probe-split"))
+
+    @cached_property
+    def task_probe_exact(self) -> ProbeFit:
+        """The variant ``probe-exact``: the same probe by an exact double-precision least-squares fit."""
+        return fit_probe(self.probe_data, self.run.family.task_probe, generator(self.run.seed, 0, "probe-split"), exact=True)
 
     @property
     def probe(self) -> torch.Tensor:
@@ -305,23 +312,28 @@ class Geometry:
         return probe_basis_with_mean(self.states, self.sequences.alpha, inputs.current, inputs.vocab, self.window)
 
     def s_basis(self, variant: str | None = None) -> torch.Tensor:
-        """[D, r] the ablations' S under the protocol (``probe``) or ``s-with-mean`` (``probe_with_mean``);
-        any other variant leaves it as it is."""
+        """[D, r] the ablations' S under the protocol (``probe``), ``s-with-mean`` (``probe_with_mean``)
+        or ``probe-exact`` (``task_probe_exact``); any other variant leaves it as it is."""
         chosen = named_variant(variant)
-        return self.probe_with_mean if chosen is not None and chosen.name == "s-with-mean" else self.probe
+        name = None if chosen is None else chosen.name
+        if name == "s-with-mean":
+            return self.probe_with_mean
+        return self.task_probe_exact.basis if name == "probe-exact" else self.probe
 
     def ablate(self, variant: str | None = None) -> Edit:
         """The S ablation at this place on the analysed positions: ``h - h P_S`` with S the study's
         probe's (docs/protocol.md, "S ablation"); ``variant="s-with-mean"``: the same with S the
-        earlier rank-K probe; ``variant="centred-S"``: ``h - P_S (h - mu_t)`` with S the span of the
-        task vectors (docs/protocol.md, "Variants")."""
+        earlier rank-K probe; ``variant="probe-exact"``: with S of the exact double-precision fit;
+        ``variant="centred-S"``: ``h - P_S (h - mu_t)`` with S the span of the task vectors
+        (docs/protocol.md, "Variants")."""
         chosen = named_variant(variant)
-        if chosen is None or chosen.name == "s-with-mean":
+        if chosen is None or chosen.name in ("s-with-mean", "probe-exact"):
             change = direction_ablation(self.s_basis(variant))
         elif chosen.name == "centred-S":
             change = task_ablation(self.fit.subspace)
         else:
-            raise AnalysisError(f"variant {chosen.name!r} does not change the S ablation; choose 'protocol', 's-with-mean' or 'centred-S'")
+            raise AnalysisError(f"variant {chosen.name!r} does not change the S ablation; choose 'protocol', 's-with-mean', "
+                                "'probe-exact' or 'centred-S'")
         return Edit(self.run, self.place, change, self.run.analysed_positions)
 
     def projection_r2(self, sequences: Sequences, form: Form = "token", states: torch.Tensor | None = None) -> torch.Tensor:

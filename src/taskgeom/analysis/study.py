@@ -134,7 +134,7 @@ class StudyRun:
         return self.family.analysed_positions(self.config.task.seq_len)
 
     def heldout(self, kind: Kind, n: int, *, split: Split | str) -> Sequences:
-        """``n`` held-out ``kind`` sequences ("major", "minor", "ood", or "pool": the training pool's) of the named ``split``
+        """``n`` held-out ``kind`` sequences ("major", "minor" or "ood") of the named ``split``
         (``heldout.Split``); the same arguments give the same sequences."""
         split = Split.of(split)
         return Sequences(self, kind, split, sample(self.family, self.pool, kind, n, split, self.config.task.seq_len, self.seed))

@@ -10,8 +10,9 @@ can move it (``Variant.claims``):
 
 - ``centred-S``: S ablated as ``h - P_S (h - mu_t)`` on the task vectors' span, at the place the
   M1 analysis selects (``StudyRun.select_place`` on the ``select`` split), one place;
-- ``s-with-mean``: S the earlier rank-K probe's at every block, ablated, and V with its random
-  controls searched again in its complement, summarised by the block mean;
+- ``s-with-mean``, ``probe-exact``: S the earlier rank-K probe's, or the probe's exact
+  double-precision fit's, at every block, ablated, and V with its random controls searched again in
+  its complement, summarised by the block mean;
 - ``v-avoids-tokens``, ``v-searched-on-ood``: V searched again at every block under that choice,
   with its random controls, summarised by the block mean;
 - ``v-best-block``: the protocol's V and controls read at the one block whose V raises the OOD loss
@@ -48,6 +49,7 @@ import pandas as pd
 from taskgeom.analysis.measures.shares import share_of_gain
 from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS
 from taskgeom.analysis.stored.ablations import Block, ablation_rows, block_places, find_blocks, v_block
+from taskgeom.analysis.stored.dual import loss_sets
 from taskgeom.analysis.stored.m1 import READ_SITE_PREFIX
 from taskgeom.analysis.stored.rows import row, stored_rows
 from taskgeom.analysis.study import SELECTION_SEQUENCES, StudyRun
@@ -59,7 +61,7 @@ from taskgeom.errors import AnalysisError, TaskgeomError
 from taskgeom.runs.folders import Run
 from taskgeom.settings.devices import torch_threads
 
-ABLATION_VARIANTS = ("centred-S", "s-with-mean", "v-avoids-tokens", "v-searched-on-ood", "v-best-block")
+ABLATION_VARIANTS = ("centred-S", "s-with-mean", "probe-exact", "v-avoids-tokens", "v-searched-on-ood", "v-best-block")
 STORED_VARIANTS = ("selected-place", "site-mid", "pooled-anova", "p2-task-only", "per-sequence-r2", "steer-at-read-site")  # read from the stored analyses
 SETS = ("major", "ood")  # the sets the dissociation's claims read
 
@@ -85,7 +87,7 @@ def ablation_variants(run: StudyRun, variants: tuple[str, ...] = ABLATION_VARIAN
     if unknown:
         raise AnalysisError(f"sensitivity measures the ablation variants {list(ABLATION_VARIANTS)}, not {unknown}")
     geometries = list(run.geometries(run.heldout("major", n_seq, split="geometry"), block_places(run)))
-    sets = {name: run.heldout(name, n_seq, split="loss") for name in SETS}
+    sets = {name: sequences for name, sequences in loss_sets(run).items() if name in SETS}
     clean = {name: run.loss(sequences, per_position=True) for name, sequences in sets.items()}
     blocks: list[Block] = find_blocks(run, geometries, steps=search_steps)
     mean = "mean over blocks"

@@ -66,6 +66,10 @@ class Batch:
     x: torch.Tensor | None = None
     y: torch.Tensor | None = None
 
+    def rows(self, index: torch.Tensor) -> "Batch":
+        """The sequences ``index``: [n] of this batch, as a batch."""
+        return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self) if getattr(self, f.name) is not None})
+
     def to(self, device: torch.device) -> "Batch":
         """The same batch with every tensor on ``device`` (through pinned memory for CUDA)."""
         return replace(self, **{f.name: to_device(getattr(self, f.name), device) for f in fields(self) if getattr(self, f.name) is not None})
@@ -99,8 +103,7 @@ class TaskProbe:
     ``window``: the fit positions as fractions [start, stop) of the analysed positions; ``logits``:
     the model's own logits as a nuisance block; ``positions``: the position one-hot; ``pool_posterior``:
     ``pi`` is the posterior over the whole training pool restricted to the majors (else over the
-    majors alone); ``anchors``: at k > -1, train-mode sequences join the fit so that ``pi`` no
-    longer sums to one; ``sequence_posterior``: ``pi`` after the whole sequence at every position
+    majors alone); ``sequence_posterior``: ``pi`` after the whole sequence at every position
     (the study's dice probe), else after position t; ``centred``: the rows of ``W_task`` are
     centred over the tasks before the SVD."""
 
@@ -108,7 +111,6 @@ class TaskProbe:
     logits: bool
     positions: bool
     pool_posterior: bool = True
-    anchors: bool = True
     sequence_posterior: bool = False
     centred: bool = False
 
@@ -262,11 +264,19 @@ class TaskFamily(ABC):
             task = torch.randint(low, high, (batch_size,), generator=gen)
         return self.make_batch(pool.params[task], task, seq_len, gen)
 
-    def sample_ood(self, batch_size: int, seq_len: int, seed: int = 0, step: int = 0, stream: str = "ood") -> Batch:
-        """Sequences of fresh tasks drawn from the prior, one per sequence (task = -1)."""
+    def sample_ood(self, batch_size: int, seq_len: int, seed: int = 0, step: int = 0, stream: str = "ood",
+                   n_tasks: int | None = None) -> Batch:
+        """Sequences of fresh tasks drawn from the prior (task = -1): one per sequence, or with
+        ``n_tasks`` that many drawn once, each sequence's task uniform among them (the study's OOD
+        evaluation sets, ``n_ood`` tasks)."""
         _check_sizes(batch_size, seq_len)
+        if n_tasks is not None and n_tasks < 1:
+            raise ValueError(f"n_tasks must be >= 1, got {n_tasks}")
         gen = generator(seed, step, stream)
-        params = self.sample_params(batch_size, gen)
+        if n_tasks is None:
+            params = self.sample_params(batch_size, gen)
+        else:
+            params = self.sample_params(n_tasks, gen)[torch.randint(0, n_tasks, (batch_size,), generator=gen)]
         return self.make_batch(params, torch.full((batch_size,), -1, dtype=torch.long), seq_len, gen)
 
 

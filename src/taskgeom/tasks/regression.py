@@ -61,9 +61,9 @@ class Regression(TaskFamily):
     p2_window = (54 / 64, 1.0)  # the last ten of the study's evaluation examples 0-63
     m1_block, p3_block = (10, 16), (9, 16)  # the study's E2 model has 16 blocks
     # the study's regression probe (linear/analysis/interventions/_helpers.py _fit_task_subspace): x_t, no
-    # logits, no position one-hot, the posterior over the majors alone (no anchors), W_task centred;
+    # logits, no position one-hot, the posterior over the majors alone, W_task centred;
     # fitted on examples 10-63 of 64
-    task_probe = TaskProbe(window=(10 / 64, 1.0), logits=False, positions=False, pool_posterior=False, anchors=False, centred=True)
+    task_probe = TaskProbe(window=(10 / 64, 1.0), logits=False, positions=False, pool_posterior=False, centred=True)
     steering_form = "subspace"
     projection_window = (0.0, 1)  # every x token but the last
     projection_block = (10, 16)

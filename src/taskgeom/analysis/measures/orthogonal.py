@@ -11,10 +11,8 @@ The protocol (the study's; our own choices marked **[ours]**):
   the token subspace (``token_subspace``: the directions holding 90% of the variance of the token
   effects ``nu``); ``avoid_basis`` joins them into one orthonormal basis.
 - **Parametrisation.** ``V = C Q(A)``: C [D, n] an orthonormal basis of the complement of the
-  avoided span, Q(A) the QR factor of a free matrix A [n, r]. **[ours]** Q is taken with a positive
-  diagonal of R (Gram-Schmidt), so Q(A) is continuous in A: LAPACK's sign convention flips a column
-  when its leading entry crosses zero, which does not change the ablation but would cancel
-  iterates in the moving average below.
+  avoided span, Q(A) the QR factor of a free matrix A [n, r] (the study's ``QR(U_orth W)``: the same
+  span, as C is orthonormal).
 - **Start.** A's columns are Gaussian, normalised to unit norm (``initial_coordinates``), drawn
   from ``rng.generator(seed, 0, "orthogonal-search")``.
 - **Steps.** Each of at most ``steps`` (200) steps evaluates ``loss_fn(step, site)`` -- the loss on
@@ -23,12 +21,13 @@ The protocol (the study's; our own choices marked **[ours]**):
   of A clipped to norm 1.0. The caller sizes the batch: ``BATCH_SIZE`` (32) sequences is the
   protocol's. Model parameters are frozen during the search and their ``requires_grad`` flags
   restored afterwards, even on error; the model's train/eval mode is left as the caller set it.
-- **Kept direction.** The exponential moving average (decay ``average``, 0.995) of the evaluated
-  iterates Q(A_t), bias-corrected like Adam's moments (``m_t / (1 - 0.995^t)``), **taken at the step
-  of the best smoothed loss**, re-orthonormalised by QR and mapped through C, so it is orthonormal
-  and inside the complement. **[ours]** The average is taken in the complement's coordinates, so
-  orthogonality to the avoided span is exact up to the precision of C (float64). (For a direction
-  the bias correction is only a scale, which the final QR removes.)
+- **Kept direction.** As the study's ``optimal_orth.py`` keeps it: the exponential moving average
+  (decay ``average``, 0.995) of the raw parameter A, started at A_0 and updated after each Adam step
+  (no bias correction), **taken at the step of the best smoothed loss** (A_0 until a first best),
+  then orthonormalised by QR and mapped through C, so it is orthonormal and inside the complement.
+  The average is taken in the complement's coordinates, which C maps isometrically, so it is the
+  study's average of ``U_orth W``; orthogonality to the avoided span is exact up to the precision
+  of C (float64).
 - **Early stopping.** The loss is smoothed by an exponential moving average with weight
   ``smoothing`` (0.1) on the newest loss, started at the first loss; the search stops once that
   smoothed loss has not exceeded its best value for ``patience`` (30) consecutive steps.
@@ -93,7 +92,7 @@ def avoid_basis(*bases: torch.Tensor, rtol: float = RANK_RTOL) -> torch.Tensor:
 class SearchResult:
     """directions: [D, rank] orthonormal, orthogonal to the avoided span; losses: the loss at each
     step run; steps: the number of steps run (fewer than asked when early stopping fired);
-    best_step: the step of the best smoothed loss, whose average of the iterates was kept."""
+    best_step: the step of the best smoothed loss, whose average of A was kept."""
 
     directions: torch.Tensor
     losses: list[float]
@@ -105,14 +104,6 @@ def initial_coordinates(n: int, rank: int, seed: int) -> torch.Tensor:
     """[n, rank] the search's starting A (float64): Gaussian columns normalised to unit norm."""
     a = torch.randn(n, rank, generator=generator(seed, 0, "orthogonal-search"), dtype=torch.float64)
     return a / a.norm(dim=0, keepdim=True)
-
-
-def _orthonormal(a: torch.Tensor) -> torch.Tensor:
-    """Q of the QR factorisation of a: [n, r] with R's diagonal made positive (Gram-Schmidt), so
-    that Q is continuous in a."""
-    q, r = torch.linalg.qr(a)
-    signs = torch.sign(torch.diagonal(r))
-    return q * torch.where(signs == 0, torch.ones_like(signs), signs)
 
 
 class _Ascent:
@@ -130,15 +121,15 @@ class _Ascent:
         self.coords = initial_coordinates(n, rank, seed).to(device=avoid.device, dtype=work).requires_grad_(True)
         self.c_work = self.complement.to(work)
         self.opt = torch.optim.Adam([self.coords], lr=lr)
-        self.mean_q = torch.zeros(n, rank, dtype=torch.float64, device=avoid.device)  # EMA of Q(A_t), uncorrected
-        self.kept, self.best_step = self.mean_q, 0  # the bias-corrected average at the step of the best smoothed loss
+        self.mean_a = self.coords.detach().double().clone()  # the moving average of the raw A, from A_0
+        self.kept, self.best_step = self.mean_a, 0  # the average at the step of the best smoothed loss
         self.smoothed, self.best, self.stale, self.losses, self.stopped = None, -float("inf"), 0, [], False
 
     def step(self, model: nn.Module, loss_fn: Callable[[int, Place], torch.Tensor], step: int, positions: slice | torch.Tensor | None,
              clip: float, average: float, smoothing: float, patience: int) -> None:
         """Evaluate the loss of batch ``step`` under the ablation of the current iterate, take one
         Adam step of ascent and update the averages; ``stopped`` once early stopping fires."""
-        q = _orthonormal(self.coords)
+        q = torch.linalg.qr(self.coords)[0]
         with intervene(model, self.site, direction_ablation((self.c_work @ q).to(self.dtype)), positions):
             loss = loss_fn(step, self.site)
         self.opt.zero_grad()
@@ -148,18 +139,18 @@ class _Ascent:
 
         value = float(loss.detach())
         self.losses.append(value)
-        self.mean_q = average * self.mean_q + (1 - average) * q.detach().double()
+        self.mean_a = average * self.mean_a + (1 - average) * self.coords.detach().double()
         self.smoothed = value if self.smoothed is None else smoothing * value + (1 - smoothing) * self.smoothed
         if self.smoothed > self.best:
             self.best, self.stale = self.smoothed, 0
-            self.kept, self.best_step = self.mean_q / (1 - average ** len(self.losses)), step
+            self.kept, self.best_step = self.mean_a, step
         else:
             self.stale += 1
             self.stopped = self.stale >= patience
 
     def result(self) -> SearchResult:
-        """The kept direction: the average of the iterates at the best smoothed loss, re-orthonormalised, in the width's coordinates."""
-        kept = self.complement @ _orthonormal(self.kept)
+        """The kept direction: the average of A at the best smoothed loss, orthonormalised, in the width's coordinates."""
+        kept = self.complement @ torch.linalg.qr(self.kept)[0]
         return SearchResult(kept.to(self.dtype), self.losses, len(self.losses), self.best_step)
 
 

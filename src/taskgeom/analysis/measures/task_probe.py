@@ -5,13 +5,19 @@ an intercept of the states over the fit window,
     h ~ pi W_task + onehot(x_t) W_tok [+ logits_t W_logit] [+ onehot(t) W_pos] + b
                      (E2: x_t W_x in place of the one-hot term)
 
-with ``pi`` the pool's exact posterior restricted to the K major tasks. Every group of regressors
-that sums to one drops its last column (the dummy-variable trap): the token and position one-hots
-always, ``pi`` when it sums to one on the fitted states (within ``SUMS_TO_ONE``), and its row of
-``W_task`` is then zero. The fit uses the first ``FIT_SHARE`` of a seeded permutation of the
-sequences; S is the span of the rows of ``W_task`` (centred over the tasks when the family's
-``TaskProbe.centred`` says so) at singular values above ``RANK_TOLERANCE`` of the largest. So the
-mean state lies in the intercept, never in S, and S has rank K - 1 where ``pi`` sums to one.
+with ``pi`` the pool's exact posterior restricted to the K major tasks, on ``PROBE_SEQUENCES``
+major sequences (the study's ``sample_mode="major"``, ``n_minor=-1``: no minor or anchoring
+sequences). Every group of regressors that sums to one drops its last column (the dummy-variable
+trap): the token and position one-hots always, ``pi`` when it sums to one on the fitted states
+(within ``SUMS_TO_ONE``), and its row of ``W_task`` is then zero. The fit uses the first
+``FIT_SHARE`` of a seeded permutation of the sequences and is the study's ``_fit_ols``: the
+single-precision pseudo-inverse of the design with the intercept as its last column, at torch's
+default cut-off (singular values below ``eps * max(rows, columns)`` of the largest are dropped;
+the exact double-precision fit is the variant ``probe-exact``), on one thread: in single precision
+the thread count moves W_task by about 1e-4 relative, and a stored number must not depend on it. S is the span of the rows of
+``W_task`` (centred over the tasks when the family's ``TaskProbe.centred`` says so) at singular
+values above ``RANK_TOLERANCE`` of the largest. So the mean state lies in the intercept, never in
+S, and S has rank K - 1 where ``pi`` sums to one.
 
 What varies by family is declared by the family (``TaskProbe``, its ``task_probe``).
 
@@ -30,17 +36,26 @@ from dataclasses import dataclass
 import torch
 
 from taskgeom.errors import AnalysisError
+from taskgeom.settings.devices import torch_threads
 from taskgeom.tasks.base import TaskProbe
 
 SUMS_TO_ONE = 1e-4  # pi sums to one (its last column is dropped) when every row is this close to 1
 FIT_SHARE = 0.8  # the share of the sequences the probe is fitted on (the study's validation_split 0.2)
 RANK_TOLERANCE = 1e-6  # S keeps the singular directions of W_task above this fraction of the largest
-MIN_ANCHORS = 64  # the study's batch size B: at least this many anchor sequences (max(B, N // 5))
+PROBE_SEQUENCES = 5056  # the study's fit_n_samples = 5000 drawn in batches of 64: 79 batches, 5,056 major sequences
+PROBE_CHUNK = 250  # sequences a pass while collecting them (the pool posterior of 1,000 tasks is large)
 
 
-def n_anchors(n_sequences: int) -> int:
-    """How many anchor sequences join ``n_sequences`` major ones (the study's max(B, N // 5))."""
-    return max(MIN_ANCHORS, n_sequences // 5)
+@dataclass(frozen=True)
+class ProbeData:
+    """What the probe regresses, over its fit positions: states [N, P, D], pi [N, P, K], current
+    [N, P] tokens (``vocab`` of them) or [N, P, d] x_t (``vocab`` None), logits [N, P, V] or None."""
+
+    states: torch.Tensor
+    pi: torch.Tensor
+    current: torch.Tensor
+    logits: torch.Tensor | None
+    vocab: int | None
 
 
 @dataclass(frozen=True)
@@ -86,19 +101,24 @@ def fit_rows(n_sequences: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randperm(n_sequences, generator=gen)[: int(n_sequences * FIT_SHARE)]
 
 
-def fit_probe(states: torch.Tensor, pi: torch.Tensor, current: torch.Tensor, vocab: int | None, spec: TaskProbe, rows: torch.Tensor,
-              logits: torch.Tensor | None = None) -> ProbeFit:
-    """The probe (module docstring) on states: [N, P, D] over the fit positions, with pi: [N, P, K],
-    current: [N, P] or [N, P, d] and logits: [N, P, V] (used when ``spec.logits``) there, fitted on
-    the sequences ``rows``; AnalysisError when W_task is zero."""
+def fit_probe(data: ProbeData, spec: TaskProbe, gen: torch.Generator, exact: bool = False) -> ProbeFit:
+    """The probe (module docstring) on ``data``, fitted on the sequences ``fit_rows`` draws from
+    ``gen``: the study's single-precision pseudo-inverse, or with ``exact`` the double-precision
+    minimum-norm least-squares solution; AnalysisError when W_task is zero."""
+    states, pi = data.states, data.pi
     K, D = pi.shape[-1], states.shape[-1]
-    if spec.logits and logits is None:
+    if spec.logits and data.logits is None:
         raise AnalysisError("this family's probe regresses on the model's logits; none were given")
+    rows = fit_rows(len(states), gen)
     pick = (lambda x: None if x is None else x[rows])
-    x, dropped = probe_design(pick(pi), pick(current), vocab, pick(logits) if spec.logits else None,
+    x, dropped = probe_design(pick(pi), pick(data.current), data.vocab, pick(data.logits) if spec.logits else None,
                               states.shape[1] if spec.positions else None)
-    h = states[rows].reshape(-1, D).double()
-    solution = torch.linalg.lstsq(x.cpu(), h.cpu(), driver="gelsd").solution  # minimum norm, as the study's pinv
+    h = states[rows].reshape(-1, D)
+    if exact:
+        solution = torch.linalg.lstsq(x.cpu(), h.double().cpu(), driver="gelsd").solution
+    else:
+        with torch_threads(1):  # single precision reduces in another order on more threads: 1e-4 apart, so one thread
+            solution = (torch.linalg.pinv(x.float().cpu()) @ h.float().cpu()).double()
     weights = torch.zeros(K, D, dtype=torch.float64)
     weights[: K - 1 if dropped else K] = solution[: K - 1 if dropped else K]
     w = weights - weights.mean(0) if spec.centred else weights

@@ -47,6 +47,10 @@ VARIANTS = (
             "S of rank K from the minimum-norm probe with every posterior column beside the token one-hot and an intercept, "
             "over the late window: the task contrasts and about the mean state; V and the random controls avoid it",
             "the protocol before 2026-12-02, a misreading of the study's probe, which drops the redundant column of each one-hot group"),
+    Variant("probe-exact", ("ablate_S", "ablate_V", "random_control"),
+            "the S probe by an exact double-precision least-squares fit (the minimum-norm solution) instead of the study's "
+            "_fit_ols, a single-precision pseudo-inverse at torch's default cut-off; V and the random controls avoid it",
+            "our fit before the study's _fit_ols was read: the exact solution of the same regression"),
     Variant("v-avoids-tokens", ("ablate_V", "random_control"),
             "E1 and E2's V also kept out of the token subspace",
             "kept V from removing what the current token carries"),

@@ -11,21 +11,20 @@ split                     sets (stream)            used for
 ``measure``               major (m1-measure)       P0-P3 and steering at that place (m1.json)
 ``geometry``              major (dual-geometry),   the task subspace of dual.json and its projection
                           ood (dual-geometry-ood)  R^2, V's probes
-``loss``                  major, minor (dual),     losses and ablations of dual.json
-                          ood (dual-ood)
+``loss``                  major, minor (dual),     losses and ablations of dual.json (the OOD
+                          ood (dual-ood)           sequences from ``LOSS_OOD_TASKS`` tasks)
 ``search-select``         ood (dual-ood-search-    choosing the layer of V
                           select)
 ``prior``                 ood (dual-prior)         the OOD prediction map that d0 is estimated from
 ``projection``            major, ood (dual-        projection R^2 as the study's Fig. 4 measures it:
                           projection, -ood)        whole tasks, ``per_task`` sequences each
                                                    (``sample_tasks``)
+``steering``              major (m1-steering)      the steering vectors and the steered sequences
+``probe``                 major (probe)            the ablations' task probe S
+                                                   (``analysis.measures.task_probe``)
 ========================  ======================  =================================================
 
-Each split with major sequences also has ``pool`` ones (its stream with ``-pool``): sequences of
-the training distribution, tasks drawn by the pool's prior weights, the anchors of the
-ablations' probe at k > -1 (``analysis.measures.task_probe``).
-
-E2's major sequences of ``select``, ``measure`` and ``geometry`` are paired: all K tasks share the
+E2's major sequences of ``select``, ``measure``, ``geometry`` and ``probe`` are paired: all K tasks share the
 same x sequences (docs/protocol.md), so the x effects cancel when task means are subtracted.
 """
 
@@ -43,7 +42,7 @@ from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
 from taskgeom.tasks import FAMILIES, Batch, TaskFamily, TaskPool, TokenFamily
 
-Kind = Literal["major", "minor", "ood", "pool"]
+Kind = Literal["major", "minor", "ood"]
 KINDS: tuple[str, ...] = get_args(Kind)
 
 
@@ -58,6 +57,7 @@ class Split(str, Enum):
     PRIOR = "prior"
     PROJECTION = "projection"
     STEERING = "steering"
+    PROBE = "probe"
 
     @classmethod
     def of(cls, split: "Split | str") -> "Split":
@@ -74,10 +74,10 @@ STREAMS: dict[tuple[Split, str], str] = {
     (Split.LOSS, "major"): "dual", (Split.LOSS, "minor"): "dual", (Split.LOSS, "ood"): "dual-ood",
     (Split.SEARCH_SELECT, "ood"): "dual-ood-search-select", (Split.PRIOR, "ood"): "dual-prior",
     (Split.PROJECTION, "major"): "dual-projection", (Split.PROJECTION, "ood"): "dual-projection-ood",
-    (Split.STEERING, "major"): "m1-steering",
-    (Split.SELECT, "pool"): "m1-select-pool", (Split.MEASURE, "pool"): "m1-measure-pool", (Split.GEOMETRY, "pool"): "dual-geometry-pool",
+    (Split.STEERING, "major"): "m1-steering", (Split.PROBE, "major"): "probe",
 }
-PAIRED = (Split.SELECT, Split.MEASURE, Split.GEOMETRY)  # E2's major sequences of these are paired over tasks
+PAIRED = (Split.SELECT, Split.MEASURE, Split.GEOMETRY, Split.PROBE)  # E2's major sequences of these are paired over tasks
+LOSS_OOD_TASKS = 30  # the study's n_ood: the OOD sequences of the ``loss`` split come from 30 OOD tasks drawn once
 
 
 def stream(split: "Split | str", kind: str) -> str:
@@ -98,9 +98,7 @@ def sample(family: TaskFamily, pool: TaskPool, kind: str, n: int, split: "Split 
     if n < 1:
         raise AnalysisError(f"the number of sequences must be at least 1, got {n}")
     if kind == "ood":
-        return family.sample_ood(n, seq_len, seed, 0, name)
-    if kind == "pool":
-        return family.sample(pool, n, seq_len, seed, 0, name, "all")
+        return family.sample_ood(n, seq_len, seed, 0, name, LOSS_OOD_TASKS if split is Split.LOSS else None)
     if kind == "minor" and not pool.n_minor:
         raise AnalysisError("this run's pool has no minor tasks (task.diversity = -1)")
     if kind == "major" and split in PAIRED:

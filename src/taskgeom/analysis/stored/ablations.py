@@ -38,6 +38,7 @@ from taskgeom.rng import generator
 N_RANDOM_CONTROLS = 5
 CONTROL_QUANTILE = 0.75
 BLOCK_SITE = "resid_mid"
+S_VARIANTS = ("s-with-mean", "probe-exact")  # the variants of the probe's S itself (``Geometry.s_basis``)
 
 
 def block_places(run: StudyRun) -> list[Place]:
@@ -87,8 +88,8 @@ def ablation_rows(run: StudyRun, blocks: Sequence[Block], sets: dict[str, Sequen
     """The per-block and summary rows (module docstring) on each set {name: sequences} of the
     ``loss`` split, whose clean per-prediction losses are ``clean`` {name: [P - 1]}; ``v_block``:
     the index of the block whose V and control rows are the summary (``v-best-block``), else the mean;
-    ``variant``: ``s-with-mean`` ablates that variant's S (``Geometry.s_basis``), any other the protocol's."""
-    s_variant = variant if variant == "s-with-mean" else None
+    ``variant``: ``s-with-mean`` or ``probe-exact`` ablates that variant's S (``Geometry.s_basis``), any other the protocol's."""
+    s_variant = variant if variant in S_VARIANTS else None
     if not blocks:
         raise AnalysisError("the ablations need at least one block")
     if v_block is not None and not 0 <= v_block < len(blocks):

@@ -68,6 +68,7 @@ from taskgeom.settings.recipes import MeasureSettings
 from taskgeom.tasks import TokenFamily
 
 PRIOR_TASKS = 2048  # OOD tasks whose predictions sample the OOD prediction map (d0)
+EVAL_SEQUENCES = 512  # the study's evaluation sets: n_samples_eval = 500 drawn in batches of 64, so 8 batches, 512 sequences
 
 
 def quartiles(x: torch.Tensor) -> list[float]:
@@ -76,15 +77,17 @@ def quartiles(x: torch.Tensor) -> list[float]:
     return [float(low), float(high)]
 
 
-def loss_sets(run: StudyRun, n: int) -> dict[str, Sequences]:
-    """The ``loss`` split's sequences: major, minor (if the pool has minors) and ood."""
+def loss_sets(run: StudyRun, n: int = EVAL_SEQUENCES) -> dict[str, Sequences]:
+    """The ``loss`` split's sequences, ``n`` of each set (the study's 512): major, minor (if the pool
+    has minors) and ood (from the study's 30 OOD tasks, ``heldout.LOSS_OOD_TASKS``)."""
     kinds = ("major", "minor", "ood") if run.pool.n_minor else ("major", "ood")
     return {kind: run.heldout(kind, n, split="loss") for kind in kinds}
 
 
 def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps: int = 200,
                  projection_sizes: tuple[int, int] = MeasureSettings().projection_sizes) -> list[dict]:
-    """All section-5 measurements of a finished run (``n_seq`` sequences per batch, V of ``rank``
+    """All section-5 measurements of a finished run (``n_seq`` sequences per geometry batch, the
+    evaluation sets ``loss_sets``' own size, V of ``rank``
     directions found in ``search_steps`` steps, projection R^2 on ``projection_sizes`` = (OOD tasks,
     sequences per task)); writes ``analysis/dual.json`` and returns its rows."""
     family, cfg = run.family, run.config
@@ -113,7 +116,7 @@ def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps
     for block in blocks:
         rows += [row("orthogonality", (block.v.T.double() @ block.geometry.probe).abs().max(), place=block.place),
                  row("orthogonality_avoided", (block.v.T.double() @ block.geometry.avoided.double()).abs().max(), place=block.place)]
-    sets = loss_sets(run, n_seq)
+    sets = loss_sets(run)
     clean = {name: run.loss(sequences, per_position=True) for name, sequences in sets.items()}
     for name in sets:
         rows += [row("loss", clean[name][1:].mean(), batch="loss", set=name), row("loss_first", clean[name][0], batch="loss", set=name)]

@@ -36,7 +36,9 @@ from taskgeom.runs.folders import Run
 #    beside it (steering_at_read_site.*).
 # 9: m1.json's P2 as the study's r2_additive at every place (p2.r2_additive, its random baseline, E3 after the next
 #    LayerNorm), R^2_task beside it.
-ROW_VERSION = 9
+# 10: dual.json's ablations as the study's: S from the probe fitted on 5,056 major sequences only by _fit_ols (single
+#    precision), V the moving average of the raw parameter, evaluation sets of 512 sequences (OOD from 30 tasks).
+ROW_VERSION = 10
 FIELDS = ("metric", "value", "band", "layer", "site", "batch", "set", "step", "position", "task", "gain", "unreliable", "reason",
           "version")
 
