@@ -202,7 +202,7 @@ def test_the_kept_direction_is_the_moving_average_of_the_raw_parameter_by_hand(p
         (-loss).backward()
         torch.nn.utils.clip_grad_norm_([a], 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         average = 0.995 * average + 0.005 * a.detach().double()
         smoothed = losses[-1] if smoothed is None else 0.1 * losses[-1] + 0.9 * smoothed
         if smoothed > best:
