@@ -261,31 +261,11 @@ class Geometry:
     @cached_property
     def probe_data(self) -> ProbeData:
         """What the ablations' probe regresses at this place (``analysis.measures.task_probe.ProbeData``):
-        ``PROBE_SEQUENCES`` major sequences of the ``probe`` split (the study's ``sample_mode="major"``,
-        ``n_minor=-1``: no minor or anchoring sequences) over the family's fit window, collected
-        ``PROBE_CHUNK`` sequences a pass."""
-        run, family = self.run, self.run.family
-        spec = family.task_probe
-        if spec is None:
-            raise AnalysisError(f"the {family.name!r} family declares no task_probe (TaskFamily.task_probe: the regressors of the "
-                                "probe whose row space is the ablations' task subspace S; see docs/adding-a-family.md)")
-        probe = run.heldout("major", PROBE_SEQUENCES, split="probe")
-        K = self.sequences.alpha.shape[-1]
-        pool = run.pool if spec.pool_posterior else run.pool.subset("major")
-        parts = []
-        for rows in torch.arange(len(probe)).split(PROBE_CHUNK):
-            chunk = Sequences(run, "major", probe.split, probe.batch.rows(rows))
-            inputs = family_inputs(family, chunk.batch, pool)
-            window = fraction_window(inputs.current.shape[1], spec.window)
-            alpha = inputs.alpha[..., :K]
-            if spec.sequence_posterior:
-                alpha = alpha[:, -1:].expand_as(alpha)
-            logits = None
-            if spec.logits:
-                with torch.no_grad():
-                    logits = inputs.select(run.model(chunk.batch.tokens))[:, window]
-            parts.append((run.cache(chunk, [self.place])[self.place][:, window], alpha[:, window], inputs.current[:, window], logits))
-        return ProbeData(*(None if column[0] is None else torch.cat(column) for column in zip(*parts)), vocab=self.sequences.inputs.vocab)
+        the states here of the run's probe sequences over the fit window, beside their regressors,
+        which every place shares (``StudyRun.probe_inputs``, ``probe_inputs``)."""
+        inputs = self.run.probe_inputs
+        states = torch.cat([self.run.cache(chunk, [self.place])[self.place][:, inputs.window] for chunk in inputs.chunks])
+        return ProbeData(states, inputs.pi, inputs.current, inputs.logits, self.sequences.inputs.vocab)
 
     @cached_property
     def task_probe(self) -> ProbeFit:
@@ -370,6 +350,50 @@ class Geometry:
         tokens = self.run.family.v_avoids_tokens or (chosen is not None and chosen.name == "v-avoids-tokens")
         s = self.s_basis(variant).float()
         return avoid_basis(s, self.token_directions) if tokens else avoid_basis(s)
+
+
+@dataclass(frozen=True)
+class ProbeInputs:
+    """The part of the ablations' probe that no place changes (``probe_inputs``): ``chunks``, the
+    probe's sequences in passes of ``PROBE_CHUNK``; ``window``, the fit positions of the analysed
+    ones; and over them pi [N, P, K], current [N, P] or [N, P, d] and logits [N, P, V] or None
+    (``ProbeData``'s)."""
+
+    chunks: list[Sequences]
+    window: slice
+    pi: torch.Tensor
+    current: torch.Tensor
+    logits: torch.Tensor | None
+
+
+def probe_inputs(run: StudiedRun) -> ProbeInputs:
+    """The regressors of the ablations' probe: ``PROBE_SEQUENCES`` major sequences of the ``probe``
+    split (the study's ``sample_mode="major"``, ``n_minor=-1``: no minor or anchoring sequences),
+    the family's posterior, current tokens (E2: x_t) and the model's logits where its
+    ``task_probe`` takes them, over its fit window, ``PROBE_CHUNK`` sequences a pass (the pool's
+    posterior over 1,000 tasks is large)."""
+    family = run.family
+    spec = family.task_probe
+    if spec is None:
+        raise AnalysisError(f"the {family.name!r} family declares no task_probe (TaskFamily.task_probe: the regressors of the "
+                            "probe whose row space is the ablations' task subspace S; see docs/adding-a-family.md)")
+    probe = run.heldout("major", PROBE_SEQUENCES, split="probe")
+    pool = run.pool if spec.pool_posterior else run.pool.subset("major")
+    chunks, pi, current, logits = [], [], [], []
+    for rows in torch.arange(len(probe)).split(PROBE_CHUNK):
+        chunk = Sequences(run, "major", probe.split, probe.batch.rows(rows))
+        inputs = family_inputs(family, chunk.batch, pool)
+        window = fraction_window(inputs.current.shape[1], spec.window)
+        alpha = inputs.alpha[..., :run.pool.n_major]
+        if spec.sequence_posterior:
+            alpha = alpha[:, -1:].expand_as(alpha)
+        chunks.append(chunk)
+        pi.append(alpha[:, window])
+        current.append(inputs.current[:, window])
+        if spec.logits:
+            with torch.no_grad():
+                logits.append(inputs.select(run.model(chunk.batch.tokens))[:, window])
+    return ProbeInputs(chunks, window, torch.cat(pi), torch.cat(current), torch.cat(logits) if logits else None)
 
 
 def simplex_point(to, n: int, K: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from taskgeom.analysis.geometry import Geometry
+from taskgeom.analysis.geometry import Geometry, ProbeInputs, probe_inputs
 from taskgeom.analysis.measures.orthogonal import BATCH_SIZE, orthogonal_searches
 from taskgeom.analysis.measures.subspace import direction_ablation
 from taskgeom.analysis.measures.task_vectors import late_window
@@ -173,6 +173,12 @@ class StudyRun:
         learner's estimate of the task (``TaskFamily.ood_estimate``) of the same sequences;
         AnalysisError naming why for a family without one."""
         return projection.reference(self.family, ood.batch, major.batch)
+
+    @cached_property
+    def probe_inputs(self) -> ProbeInputs:
+        """The ablations' probe sequences and their regressors, collected once for every place
+        (``analysis.geometry.probe_inputs``)."""
+        return probe_inputs(self)
 
     def cache(self, sequences: Sequences, places: Sequence[tuple[int, str]]) -> dict[Place, torch.Tensor]:
         """{place: [N, P, D] float32} the states at the analysed positions, from one streamed pass

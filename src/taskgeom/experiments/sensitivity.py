@@ -49,7 +49,7 @@ import pandas as pd
 from taskgeom.analysis.measures.shares import share_of_gain
 from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS
 from taskgeom.analysis.stored.ablations import Block, ablation_rows, block_places, find_blocks, v_block
-from taskgeom.analysis.stored.dual import loss_sets
+from taskgeom.analysis.stored.dual import EVAL_SEQUENCES
 from taskgeom.analysis.stored.m1 import READ_SITE_PREFIX
 from taskgeom.analysis.stored.rows import row, stored_rows
 from taskgeom.analysis.study import SELECTION_SEQUENCES, StudyRun
@@ -87,7 +87,7 @@ def ablation_variants(run: StudyRun, variants: tuple[str, ...] = ABLATION_VARIAN
     if unknown:
         raise AnalysisError(f"sensitivity measures the ablation variants {list(ABLATION_VARIANTS)}, not {unknown}")
     geometries = list(run.geometries(run.heldout("major", n_seq, split="geometry"), block_places(run)))
-    sets = {name: sequences for name, sequences in loss_sets(run).items() if name in SETS}
+    sets = {name: run.heldout(name, EVAL_SEQUENCES, split="loss") for name in SETS}
     clean = {name: run.loss(sequences, per_position=True) for name, sequences in sets.items()}
     blocks: list[Block] = find_blocks(run, geometries, steps=search_steps)
     mean = "mean over blocks"

@@ -87,9 +87,9 @@ def loss_sets(run: StudyRun, n: int = EVAL_SEQUENCES) -> dict[str, Sequences]:
 def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps: int = 200,
                  projection_sizes: tuple[int, int] = MeasureSettings().projection_sizes) -> list[dict]:
     """All section-5 measurements of a finished run (``n_seq`` sequences per geometry batch, the
-    evaluation sets ``loss_sets``' own size, V of ``rank``
-    directions found in ``search_steps`` steps, projection R^2 on ``projection_sizes`` = (OOD tasks,
-    sequences per task)); writes ``analysis/dual.json`` and returns its rows."""
+    study's ``EVAL_SEQUENCES`` per evaluation set, V of ``rank`` directions found in ``search_steps``
+    steps, projection R^2 on ``projection_sizes`` = (OOD tasks, sequences per task)); writes
+    ``analysis/dual.json`` and returns its rows."""
     family, cfg = run.family, run.config
     n_layers = cfg.model.n_layers
     all_sites = run.places()
