@@ -30,6 +30,21 @@ def tiny_config(family: str = "dice", **train) -> RunConfig:
     return build_config(raw)
 
 
+def two_block_run(folder, family: str, seq_len: int):
+    """A finished 2-block, 16-wide model of ``family`` (4 symbols) trained 30 steps in ``folder``, opened for study."""
+    from taskgeom.analysis.study import StudyRun
+    from taskgeom.runs.folders import Run
+    from taskgeom.training.train import train
+
+    config = build_config({
+        "name": f"two-block-{family}", "task": {"family": family, "seq_len": seq_len, "vocab_size": 4},
+        "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": seq_len},
+        "train": {"steps": 30, "batch_size": 16, "eval_every": 30, "checkpoint_every": 30, "eval_batch": 16, "lr": 3e-3, "threads": 1}})
+    run = Run.create(config, folder)
+    train(run)
+    return StudyRun(Run.open(run.path))
+
+
 def planted_paths(gen: torch.Generator, groups: int, K: int, D: int, T: int):
     """Planted M1 geometry: centred theta [K, D]; mu [T, D], constant over the late window; beta
     [groups * K, T, K] on the simplex, each group of K sequences sharing one Dirichlet path rolled so

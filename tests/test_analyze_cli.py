@@ -28,7 +28,7 @@ def invoke(*args: str):
 def test_analyze_writes_tidy_rows_and_figures(trained):
     import numpy as np
 
-    from taskgeom.analysis.stored.rows import FIELDS, ROW_VERSION
+    from taskgeom.analysis.stored.rows import FIELDS, VERSIONS
     from taskgeom.analysis.study import StudyRun
     from taskgeom.analysis.measures.task_vectors import late_window
     from taskgeom.hooks import capture
@@ -53,8 +53,8 @@ def test_analyze_writes_tidy_rows_and_figures(trained):
     result = invoke(str(trained.path), "--sequences", "48")
     assert result.exit_code == 0, result.output
     table = pd.read_json(trained.path / "analysis" / "m1.json")
-    assert set(table.columns) == set(FIELDS) and set(table["version"]) == {ROW_VERSION}
-    assert set(table["batch"]) == {"select", "measure"} and set(table["set"]) == {"major"}
+    assert set(table.columns) == set(FIELDS) and set(table["version"]) == {VERSIONS["m1"]}
+    assert set(table["batch"]) == {"select", "measure", "cells", "trajectory"} and set(table["set"]) == {"major"}
     for batch in ("select", "measure"):
         per_layer = table[table["position"].isna() & (table["batch"] == batch)]
         for metric in ("p0.within_share", "p0.cell_r2", "p1.additive_share", "p2.r2_task", "p2.r2_random"):
@@ -149,12 +149,20 @@ def test_the_claims_read_the_studys_block_and_each_variant_reads_its_own(trained
     per_place = table[table["position"].isna() & table["task"].isna()]
     measured = per_place[per_place["batch"] == "measure"].set_index(["metric", "layer", "site"])["value"]
     at = measured.xs((1, "resid_post"), level=("layer", "site"))
+    cells = per_place[per_place["batch"] == "cells"].set_index(["metric", "layer", "site"])["value"].xs((1, "resid_post"), level=("layer", "site"))
+    assert claims["e1.P0"].value == cells["p0.cell_r2_forced"] and claims["e1.P1"].value == cells["p1.additive_share_forced"]
+    assert (claims["e1.P0"].parts["position"], claims["e1.P0"].parts["per_cell"]) == (cells["cells.position"], 1024) == (22, 1024)
+    assert claims["e1.P2"].value == cells["p2.r2_additive_forced"] and claims["e1.P2"].parts["r2_task"] == at["p2.r2_task"]
+    assert claims["e1.P2.vs_random"].value == pytest.approx(cells["p2.r2_additive_forced"] - cells["p2.r2_additive_forced_random"])
+    # the variant natural-cells: the natural states' late-window medians, written beside the claims
     curve = table[(table["metric"] == "p0.cell_r2") & (table["layer"] == 1) & (table["site"] == "resid_post") & (table["position"] >= 18)]
-    assert claims["e1.P0"].value == at["p0.cell_r2"] == pytest.approx(curve["value"].median())
-    assert claims["e1.P1"].value == at["p1.additive_share"] and claims["e1.P1"].parts["last_position"] == at["p1.additive_share_last"]
-    assert claims["e1.P2"].value == at["p2.r2_additive"] and claims["e1.P2"].parts["r2_task"] == at["p2.r2_task"]
-    assert claims["e1.P2.vs_random"].value == pytest.approx(at["p2.r2_additive"] - at["p2.r2_additive_random"])
-    assert claims["e1.P3"].value == at["p3.tv_mean_beta"] and claims["e1.P3"].parts["tv_per_state_last_quarter"] == at["p3.tv_last_quarter"]
+    natural = claim_values(result.rows, "natural-cells")
+    assert natural["P0"].value == at["p0.cell_r2"] == claims["e1.P0"].parts["natural_late_median"] == pytest.approx(curve["value"].median())
+    assert natural["P1"].value == at["p1.additive_share"] and natural["P1"].parts["last_position"] == at["p1.additive_share_last"]
+    assert natural["P2"].value == at["p2.r2_additive"]
+    trajectory = per_place[per_place["batch"] == "trajectory"].set_index(["metric", "layer", "site"])["value"]
+    assert claims["e1.P3"].value == trajectory[("p3.tv_trajectory", 1, "resid_post")]
+    assert claims["e1.P3"].parts["late_window_all_tasks"] == at["p3.tv_mean_beta"]
     assert (claims["e1.P0"].threshold, claims["e1.steering"].threshold) == (spec("m1", "P0").threshold, spec("m1", "steering").threshold) == (0.9, 1.0)
     # steering at the study's block (3 of 6 at the depth of 2 blocks: block 1), written at resid_mid, whatever was selected
     steering = per_place[(per_place["layer"] == 1) & (per_place["site"] == "resid_mid") & per_place["metric"].str.startswith("steering.")]
@@ -172,13 +180,15 @@ def test_the_claims_read_the_studys_block_and_each_variant_reads_its_own(trained
     selection = per_place[(per_place["batch"] == "select") & (per_place["metric"] == "p2.r2_task")].set_index(["layer", "site"])["value"]
     ranked = selection.sort_values(ascending=False).index.tolist()
     assert result.selected == ranked[0] and result.runner_up == ranked[1]
-    for variant, place, p0 in (("selected-place", result.selected, "p0.cell_r2"), ("site-mid", (1, "resid_mid"), "p0.cell_r2"),
-                               ("pooled-anova", (1, "resid_post"), "p0.cell_r2_pooled"), ("v-best-block", (1, "resid_post"), "p0.cell_r2")):
+    forced = per_place[per_place["batch"] == "cells"].set_index(["metric", "layer", "site"])["value"]
+    for variant, place, p0 in (("selected-place", result.selected, "p0.cell_r2_forced"), ("site-mid", (1, "resid_mid"), "p0.cell_r2_forced"),
+                               ("pooled-anova", (1, "resid_post"), "p0.cell_r2_pooled"), ("v-best-block", (1, "resid_post"), "p0.cell_r2_forced")):
         values = claim_values(result.rows, variant)
-        assert values["P0"].value == measured[(p0, *place)], variant
+        assert values["P0"].value == (forced if p0.endswith("_forced") else measured)[(p0, *place)], variant
         assert (values["P3"].parts["layer"], values["P3"].parts["site"]) == tuple(place), variant
-        assert values["P3"].value == measured[("p3.tv_mean_beta", *place)], variant
+        assert values["P3"].value == trajectory[("p3.tv_trajectory", *place)], variant
     assert claim_values(result.rows, "pooled-anova")["P1"].value == measured[("p1.additive_share_pooled", 1, "resid_post")]
+    assert claim_values(result.rows, "p3-late-window")["P3"].value == measured[("p3.tv_mean_beta", 1, "resid_post")]
     with pytest.raises(AnalysisError, match="unknown variant 'sideways'"):
         claim_values(result.rows, "sideways")
 

@@ -67,9 +67,10 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
     m1, dual = stored(run, "m1"), stored(run, "dual")
     pinned = one(m1, "place.m1")
     assert tuple(place) == (pinned["layer"], pinned["site"])
-    at = {"layer": place.layer, "site": place.site, "batch": "measure", "position": None, "task": None}
-    for name, metric in (("P0", "p0.cell_r2"), ("P1", "p1.additive_share"), ("P2", "p2.r2_additive"), ("P3", "p3.tv_mean_beta")):
-        assert namespace["p"][name] == pytest.approx(one(m1, metric, **at)["value"], rel=1e-12, abs=1e-15), name
+    at = {"layer": place.layer, "site": place.site, "position": None, "task": None}
+    for name, metric, batch in (("P0", "p0.cell_r2_forced", "cells"), ("P1", "p1.additive_share_forced", "cells"),
+                                ("P2", "p2.r2_additive_forced", "cells"), ("P3", "p3.tv_trajectory", "trajectory")):
+        assert namespace["p"][name] == pytest.approx(one(m1, metric, batch=batch, **at)["value"], rel=1e-12, abs=1e-15), name
         assert claims.loc[f"e3.{name}", "seeds"][0]["value"] == pytest.approx(namespace["p"][name], rel=1e-12), name
     steering_at = steering_place(run.family, run.config.model.n_layers)  # the stored steering: the study's block, its own draws
     drawn = run.geometry(namespace["major"], steering_at).steer("dirichlet", sequences=run.heldout("major", STUDY_SEQUENCES, split="steering"))
@@ -232,7 +233,7 @@ def test_cache_holds_the_states_the_hooks_capture(e3):
 
 def test_a_split_or_a_set_that_does_not_exist_is_a_clear_error(e3):
     with pytest.raises(AnalysisError, match=r"unknown split 'mesure'; choose one of \['select', 'measure', 'geometry', 'loss', "
-                                            r"'search-select', 'prior', 'projection', 'steering', 'probe'\]"):
+                                            r"'search-select', 'prior', 'projection', 'steering', 'probe', 'trajectory'\]"):
         e3.heldout("major", 8, split="mesure")
     with pytest.raises(AnalysisError, match=r"split 'select' has no ood sequences; it has \['major'\]"):
         e3.heldout("ood", 8, split="select")
@@ -271,15 +272,15 @@ def test_results_hold_every_share_with_its_gain(folder):
 def test_an_m1_file_of_an_earlier_row_version_is_not_read(folder, tmp_path):
     """Stored rows of another layout are measured again, never misread: the sensitivity table
     leaves such an m1.json out, and the M1 experiment rewrites it (as ``taskgeom analyze`` does)."""
-    from taskgeom.analysis.stored.rows import ROW_VERSION, stored_rows
+    from taskgeom.analysis.stored.rows import VERSIONS, stored_rows
     from taskgeom.experiments.sensitivity import place_choices
 
     shutil.copytree(tg.results(folder).run("e1").path, tmp_path / "run")
     run = tg.open_run(tmp_path / "run")
     rows = stored(run, "m1")
-    assert stored_rows(run.directory, "m1") == rows and {r["version"] for r in rows} == {ROW_VERSION}
+    assert stored_rows(run.directory, "m1") == rows and {r["version"] for r in rows} == {VERSIONS["m1"]}
     assert {r["analysis"] for r in place_choices(run.directory)} == {"m1", "dual"}
-    (run.path / "analysis" / "m1.json").write_text(json.dumps([{**r, "version": ROW_VERSION - 1} for r in rows]))
+    (run.path / "analysis" / "m1.json").write_text(json.dumps([{**r, "version": VERSIONS["m1"] - 1} for r in rows]))
     assert stored_rows(run.directory, "m1") is None
     assert {r["analysis"] for r in place_choices(run.directory)} == {"dual"}
 

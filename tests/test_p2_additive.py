@@ -74,7 +74,7 @@ def test_e3_r2_additive_is_the_study_s_steps_by_hand_after_the_next_layernorm(ma
 
 
 def test_p2_reads_r2_additive_and_the_variant_reads_r2_task(markov):
-    from taskgeom.analysis.stored.m1 import place_rows
+    from taskgeom.analysis.stored.m1 import place_rows, trajectory_rows
     from taskgeom.claims.m1 import claim_values
 
     major = markov.heldout("major", 64, split="measure")
@@ -83,6 +83,7 @@ def test_p2_reads_r2_additive_and_the_variant_reads_r2_task(markov):
     rows += [{**rows[0], "metric": label, "value": 1.0} for label in ("place.m1", "place.p3")]
     rows += [{**rows[0], "metric": m, "value": 0.5} for m in ("p3.tv_mean_beta", "p3.tv_last_quarter", "p3.tv_first_uncertain",
                                                                "p3.tv_last_uncertain", "p3.uncertain_positions")]
+    rows += trajectory_rows(markov.trajectories([Place(1, "resid_post")], per_task=8), Place(1, "resid_post"))
     protocol, earlier = claim_values(rows), claim_values(rows, "p2-task-only")
     assert protocol["P2"].value == pytest.approx(geometry.p2_additive.value, rel=1e-12)
     assert protocol["P2.vs_random"].value == pytest.approx(geometry.p2_additive.value - float(geometry.p2_additive.random.mean()), rel=1e-9)

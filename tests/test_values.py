@@ -318,9 +318,15 @@ def test_claim_values_read_each_claim_at_its_place_under_the_protocol_and_the_va
     metrics = ["p0.cell_r2", "p0.cell_r2_pooled", "p1.additive_share", "p1.additive_share_pooled", "p1.additive_share_last",
                "p2.r2_task", "p2.r2_random", "p2.r2_additive", "p2.r2_additive_random", "p2.post_layernorm", "p3.tv_mean_beta",
                "p3.tv_last_quarter", "p3.tv_first_uncertain", "p3.tv_last_uncertain"]
-    code = lambda metric, layer, site: metrics.index(metric) + layer / 100 + (0.001 if site == "resid_mid" else 0.0)  # noqa: E731
-    rows = [row(metric, code(metric, layer, site), place=(layer, site), batch="measure", set="major")
-            for metric in metrics for layer in range(4) for site in ("resid_mid", "resid_post")]
+    cells = ["p0.cell_r2_forced", "p0.within_share_forced", "p1.additive_share_forced", "cells.position", "cells.per_cell",
+             "cells.tokens", "p2.r2_additive_forced", "p2.r2_additive_forced_random"]
+    trajectory = ["p3.tv_trajectory", "p3.trajectory_first", "p3.trajectory_last", "p3.trajectory_estimation_first",
+                  "p3.trajectory_estimation_last"]
+    every = metrics + cells + trajectory
+    code = lambda metric, layer, site: every.index(metric) + layer / 100 + (0.001 if site == "resid_mid" else 0.0)  # noqa: E731
+    batch = {**dict.fromkeys(metrics, "measure"), **dict.fromkeys(cells, "cells"), **dict.fromkeys(trajectory, "trajectory")}
+    rows = [row(metric, code(metric, layer, site), place=(layer, site), batch=batch[metric], set="major")
+            for metric in every for layer in range(4) for site in ("resid_mid", "resid_post")]
     rows += [row("p3.uncertain_positions", 7 if layer == 2 else 3, place=(layer, site), batch="measure", set="major")
              for layer in range(4) for site in ("resid_mid", "resid_post")]
     rows += [row("place.m1", 1.0, place=(3, "resid_post"), batch="measure", set="major"),
@@ -328,20 +334,24 @@ def test_claim_values_read_each_claim_at_its_place_under_the_protocol_and_the_va
              row("place.selected", 0.9, place=(1, "resid_mid"), batch="select", set="major"),
              row("p0.cell_r2", -1.0, place=(3, "resid_post"), batch="select", set="major"),  # the selection batch: never read
              row("p0.cell_r2", -1.0, place=(3, "resid_post"), batch="measure", set="major", position=5)]  # a curve: never read
-    cases = {None: ((3, "resid_post"), (2, "resid_post"), ""), "selected-place": ((1, "resid_mid"), (1, "resid_mid"), ""),
-             "site-mid": ((3, "resid_mid"), (2, "resid_mid"), ""), "pooled-anova": ((3, "resid_post"), (2, "resid_post"), "_pooled"),
-             "separator": ((3, "resid_post"), (2, "resid_post"), ""), "p2-task-only": ((3, "resid_post"), (2, "resid_post"), "")}
-    for variant, (place, p3, pooled) in cases.items():
+    post, p3_post = (3, "resid_post"), (2, "resid_post")  # the claims' places; the third entry: which P0/P1 rows are read
+    cases = {None: (post, p3_post, "_forced"), "selected-place": ((1, "resid_mid"), (1, "resid_mid"), "_forced"),
+             "site-mid": ((3, "resid_mid"), (2, "resid_mid"), "_forced"), "pooled-anova": (post, p3_post, "_pooled"),
+             "separator": (post, p3_post, "_forced"), "p2-task-only": (post, p3_post, "_forced"),
+             "natural-cells": (post, p3_post, ""), "p3-late-window": (post, p3_post, "_forced")}
+    for variant, (place, p3, kind) in cases.items():
         values = claim_values(rows, variant)
-        assert values["P0"].value == code(f"p0.cell_r2{pooled}", *place), variant
-        assert values["P1"].value == code(f"p1.additive_share{pooled}", *place), variant
+        assert values["P0"].value == code(f"p0.cell_r2{kind}", *place), variant  # the forced cells, or the variant's reading
+        assert values["P1"].value == code(f"p1.additive_share{kind}", *place), variant
         if variant == "p2-task-only":  # the earlier quantity: R^2_task, and against a random subspace's
             assert values["P2"].value == code("p2.r2_task", *place)
             assert values["P2.vs_random"].value == pytest.approx(code("p2.r2_task", *place) - code("p2.r2_random", *place))
-        else:  # the study's r2_additive, R^2_task beside
-            assert values["P2"].value == code("p2.r2_additive", *place) and values["P2"].parts["r2_task"] == code("p2.r2_task", *place)
-            assert values["P2.vs_random"].value == pytest.approx(code("p2.r2_additive", *place) - code("p2.r2_additive_random", *place))
-        assert values["P3"].value == code("p3.tv_mean_beta", *p3), variant
+        else:  # the study's r2_additive on the forced cells (natural-cells: on natural states), R^2_task beside
+            additive = "p2.r2_additive" + ("" if variant == "natural-cells" else "_forced")
+            assert values["P2"].value == code(additive, *place) and values["P2"].parts["r2_task"] == code("p2.r2_task", *place), variant
+            assert values["P2.vs_random"].value == pytest.approx(code(additive, *place) - code(f"{additive}_random", *place)), variant
+        p3_metric = "p3.tv_mean_beta" if variant == "p3-late-window" else "p3.tv_trajectory"
+        assert values["P3"].value == code(p3_metric, *p3), variant
         assert all((values[c].parts["layer"], values[c].parts["site"]) == place for c in ("P0", "P1", "P2", "P2.vs_random")), variant
         assert (values["P3"].parts["layer"], values["P3"].parts["site"]) == p3, variant
         shrinks = values["P3.shrinks"]

@@ -492,7 +492,7 @@ def sensitivity(
                                           "every seed)."),
     variant: Optional[List[str]] = typer.Option(None, "--variant", help="A variant (docs: Protocol, Variants) to list beside the "
                                                 "protocol, repeatable. Default: every one sensitivity covers: selected-place, site-mid, "
-                                                "pooled-anova, p2-task-only, per-sequence-r2 and steer-at-read-site, read from the runs' stored "
+                                                "natural-cells, pooled-anova, p2-task-only, p3-late-window, per-sequence-r2 and steer-at-read-site, read from the runs' stored "
                                                 "m1.json and dual.json; centred-S, s-with-mean, probe-exact, v-avoids-tokens, v-searched-on-ood "
                                                 "and v-best-block, measured again on each run (minutes a run). The variants of the data (e1-v6, separator) train other runs: `taskgeom reproduce --variant`."),
     csv: bool = typer.Option(False, "--csv", help="Print every run's row as CSV instead of the summary."),

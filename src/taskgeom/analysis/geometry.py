@@ -11,20 +11,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 
 from taskgeom.analysis.measures.anova import Layout, Shares
 from taskgeom.analysis.measures.orthogonal import avoid_basis, token_subspace
 from taskgeom.analysis.measures.properties import (Fit, Interpolation, MeanAlignment, Shrinkage, additive_r2, alignment, by_position,
-                                                   fit_beta, interpolation, mean_alignment, pooled, quantiles, random_rotation,
-                                                   random_token_additive_r2, shrinkage, token_additive_r2)
+                                                   cell_additive_r2, cell_vectors, fit_beta, interpolation, mean_alignment, pooled,
+                                                   quantiles, random_rotation, random_token_additive_r2, shrinkage, token_additive_r2)
 from taskgeom.analysis.measures.simplex import project_simplex
 from taskgeom.analysis.measures.subspace import direction_ablation, projection_r2, task_ablation
 from taskgeom.analysis.measures.task_probe import PROBE_CHUNK, PROBE_SEQUENCES, ProbeData, ProbeFit, fit_probe, probe_basis_with_mean
 from taskgeom.analysis.measures.task_vectors import fraction_window
 from taskgeom.analysis.measures.variants import variant as named_variant
+from taskgeom.analysis.reading.cells import ForcedCells
 from taskgeom.analysis.reading.edits import Edit
 from taskgeom.analysis.reading.heldout import family_inputs
 from taskgeom.analysis.reading.sequences import Sequences, StudiedRun
@@ -92,6 +93,46 @@ class AdditiveR2:
     random: torch.Tensor
     positions: slice
     post_layernorm: bool
+
+
+def p2_norm(run: StudiedRun, place: Place) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How P2 reads states [..., D] at ``place`` when the family says so (E3's ``p2_post_layernorm``):
+    through the next block's input LayerNorm, where one follows; None: as they are."""
+    model = run.model
+    if not (run.family.p2_post_layernorm and place.site == "resid_post" and place.layer + 1 < len(model.blocks)):
+        return None
+    norm = getattr(model.blocks[place.layer + 1], "ln_attn", None)
+    if norm is None:
+        raise AnalysisError(f"{type(model).__name__} has no input LayerNorm on block {place.layer + 1} to read P2 after")
+    dtype = next(model.parameters()).dtype
+
+    def normed(states: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return norm(states.to(dtype))
+
+    return normed
+
+
+def cell_p2(run: StudiedRun, cells: dict[int, ForcedCells], place: Place, n_random: int) -> AdditiveR2:
+    """P2 as the study's averaging R^2 measures it on forced-token cells (docs/protocol.md, "P2"):
+    theta and nu from the cells at the family's ``vector_window`` (``cell_vectors``), r2_additive
+    (``cell_additive_r2``) at each position of its ``p2_window``, whose mean the claim reads, beside
+    the same on ``n_random`` randomly rotated task vertices (seeded by the run's seed); E3's states
+    after the next LayerNorm (``p2_norm``). cells: {position: ForcedCells} over both windows."""
+    T, norm = run.config.task.seq_len, p2_norm(run, place)
+    estimation, window = fraction_window(T, run.family.vector_window), fraction_window(T, run.family.p2_window)
+    states = {p: cells[p].states[place] for p in range(min(estimation.start, window.start), max(estimation.stop, window.stop))}
+    if norm is not None:
+        states = {p: norm(h) for p, h in states.items()}
+    theta, nu = cell_vectors(torch.stack([states[p].double().mean(2) for p in range(estimation.start, estimation.stop)]))
+    by_position = torch.full((T,), torch.nan, dtype=torch.float64)
+    for p in range(window.start, window.stop):
+        by_position[p] = cell_additive_r2(states[p], theta, nu)
+    gen = torch.Generator().manual_seed(run.seed)
+    rotations = [theta @ random_rotation(theta.shape[1], gen) for _ in range(n_random)]
+    random = torch.tensor([sum(cell_additive_r2(states[p], r, nu) for p in range(window.start, window.stop)) / (window.stop - window.start)
+                           for r in rotations], dtype=torch.float64)
+    return AdditiveR2(by_position, float(by_position[window].mean()), random, window, norm is not None)
 
 
 class Geometry:
@@ -174,15 +215,10 @@ class Geometry:
         on the states after the next block's LayerNorm for a family that says so (E3's
         ``p2_post_layernorm``; nothing follows the last block); E2 (``additive_r2``): the task
         simplex plus a per-position linear map of x_t."""
-        family, inputs, model = self.run.family, self.sequences.inputs, self.run.model
-        geometry, normed = self, False
-        if family.p2_post_layernorm and self.place.site == "resid_post" and self.place.layer + 1 < len(model.blocks):
-            norm = getattr(model.blocks[self.place.layer + 1], "ln_attn", None)
-            if norm is None:
-                raise AnalysisError(f"{type(model).__name__} has no input LayerNorm on block {self.place.layer + 1} to read P2 after")
-            with torch.no_grad():
-                states = norm(self.states.to(next(model.parameters()).dtype))
-            geometry, normed = Geometry(self.run, self.place, self.sequences, states, self.window, self.n_random), True
+        family, inputs = self.run.family, self.sequences.inputs
+        geometry, norm = self, p2_norm(self.run, self.place)
+        if norm is not None:
+            geometry = Geometry(self.run, self.place, self.sequences, norm(self.states), self.window, self.n_random)
         positions = fraction_window(self.states.shape[1], family.p2_window)
         h, theta, gen = geometry.states, geometry.task_vectors, torch.Generator().manual_seed(self.run.seed)
         y = geometry.fit.residual(h, inputs.current)
@@ -195,7 +231,7 @@ class Geometry:
             rotations = [theta @ random_rotation(theta.shape[1], gen) for _ in range(self.n_random)]
             random = torch.tensor([float(additive_r2(centred, fit_beta(y, r) @ r, inputs.current, positions)[1][positions].nanmean())
                                    for r in rotations], dtype=torch.float64)
-        return AdditiveR2(by_position, float(by_position[positions].nanmean()), random, positions, normed)
+        return AdditiveR2(by_position, float(by_position[positions].nanmean()), random, positions, norm is not None)
 
     @property
     def beta(self) -> torch.Tensor:

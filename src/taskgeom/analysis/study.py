@@ -4,7 +4,7 @@ made there (``analysis.reading.edits``); the verbs are their methods, the option
 
 - ``StudyRun`` (``tg.open_run(path)``): the model, family, pool and config of a finished run;
   ``heldout`` sequences of a named ``Split`` (``heldout_tasks``: whole tasks); ``cache`` states at
-  places; ``geometry`` there; ``select_place``; ``loss`` (under any edit whose ``with`` block is
+  places; ``forced_cells``, the study's forced-token cells of P0 and P1, and ``cell_p2``, P2 on them; ``trajectories``, P3 as the study's figure computes it; ``geometry`` there; ``select_place``; ``loss`` (under any edit whose ``with`` block is
   open); ``ablate`` directions; ``orthogonal_search``; ``projection_r2`` as the study's Fig. 4
   measures it and its ``projection_reference`` (``analysis.reading.projection``); ``snapshots`` (the run
   at each kept training step).
@@ -36,17 +36,19 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from taskgeom.analysis.geometry import Geometry, ProbeInputs, probe_inputs
+from taskgeom.analysis.geometry import AdditiveR2, Geometry, ProbeInputs, cell_p2, probe_inputs
 from taskgeom.analysis.measures.orthogonal import BATCH_SIZE, orthogonal_searches
 from taskgeom.analysis.measures.subspace import direction_ablation
-from taskgeom.analysis.measures.task_vectors import late_window
+from taskgeom.analysis.measures.task_vectors import fraction_window, late_window
 from taskgeom.analysis.measures.variants import variant as named_variant
-from taskgeom.analysis.reading import projection
+from taskgeom.analysis.reading import projection, trajectory
+from taskgeom.analysis.reading.cells import P0_PER_CELL, P2_PER_CELL, P2_STREAM, STREAM, ForcedCells, forced_cells, seen_tokens
 from taskgeom.analysis.reading.edits import Edit
 from taskgeom.analysis.reading.heldout import Kind, Split, sample, sample_tasks, unsupported
 from taskgeom.analysis.reading.projection import ProjectionR2
 from taskgeom.analysis.reading.sequences import Sequences
 from taskgeom.analysis.reading.states import LayerStreams, stream_layers
+from taskgeom.analysis.reading.trajectory import Trajectory
 from taskgeom.errors import AnalysisError, RunDirError
 from taskgeom.hooks import Place
 from taskgeom.runs.folders import Run
@@ -179,6 +181,38 @@ class StudyRun:
         """The ablations' probe sequences and their regressors, collected once for every place
         (``analysis.geometry.probe_inputs``)."""
         return probe_inputs(self)
+
+    def forced_cells(self, places: Sequence[tuple[int, str]], *, position: int | None = None, per_cell: int = P0_PER_CELL,
+                     stream: str = STREAM, tokens: torch.Tensor | None = None) -> ForcedCells:
+        """The study's forced-token cells of the major tasks at ``position`` (default: the last its
+        P0 and P1 read, T - 2), ``per_cell`` sequences each, their states at ``places``
+        (``analysis.reading.cells``; a token family's); ``.layout(place)`` gives P0 and P1 there.
+        ``stream``: the random stream of the draws; ``tokens``: the values forced (default: those seen there)."""
+        T = self.config.task.seq_len
+        position = T - 2 if position is None else position
+        if not 0 <= position < T:
+            raise AnalysisError(f"position {position} is not in the context (0..{T - 1})")
+        return forced_cells(self.model, self.family, self.pool.subset("major"), self.seed, position, per_cell,
+                            [Place(*p) for p in places], stream, tokens)
+
+    def cell_p2(self, places: Sequence[tuple[int, str]], *, per_cell: int = P2_PER_CELL, n_random: int = 8) -> dict[Place, AdditiveR2]:
+        """{place: P2 as the study's averaging R^2 measures it} on forced-token cells of ``per_cell``
+        sequences (``analysis.geometry.cell_p2``), drawn at every position of the family's
+        ``vector_window`` and ``p2_window``; the values forced at every position are those seen at
+        any of them (the study assumes each position sees them all)."""
+        T, family, majors = self.config.task.seq_len, self.family, self.pool.subset("major")
+        windows = [fraction_window(T, family.vector_window), fraction_window(T, family.p2_window)]
+        positions = sorted({p for w in windows for p in range(w.start, w.stop)})
+        tokens = torch.unique(torch.cat([seen_tokens(family, majors, self.seed, p, per_cell, P2_STREAM) for p in positions]))
+        cells = {p: self.forced_cells(places, position=p, per_cell=per_cell, stream=P2_STREAM, tokens=tokens) for p in positions}
+        return {Place(*place): cell_p2(self, cells, Place(*place), n_random) for place in places}
+
+    def trajectories(self, places: Sequence[tuple[int, str]], *, per_task: int = trajectory.PER_TASK) -> dict[Place, Trajectory]:
+        """{place: P3 as the study's trajectory figure computes it} (``analysis.reading.trajectory``)
+        on ``per_task`` natural sequences of each major task (split ``trajectory``), one streamed pass."""
+        sequences = self.heldout_tasks("major", per_task, split="trajectory")
+        return {Place(layer, site): trajectory.trajectory(sequences.inputs.select(h), sequences.batch.task, sequences.alpha)
+                for layer, states in stream_layers(self.model, sequences.batch.tokens, list(places)) for site, h in states.items()}
 
     def cache(self, sequences: Sequences, places: Sequence[tuple[int, str]]) -> dict[Place, torch.Tensor]:
         """{place: [N, P, D] float32} the states at the analysed positions, from one streamed pass

@@ -31,16 +31,16 @@ STEERING_FACTOR = {"kl": 3.0, "rmse": 2.0}
 
 _RECIPES = "E1, E2, E3 (k = -1)"
 SPECS: tuple[Spec, ...] = (
-    Spec("P0", "m1", _RECIPES, "P0, stability: cell-means R^2 of (task, current token), median over the late window", ">=", 0.9,
-         ("layers",)),
-    Spec("P1", "m1", _RECIPES, "P1, decoupling: additive share of the variance P0's model explains, median over the late window", ">=",
+    Spec("P0", "m1", _RECIPES, "P0, stability: cell-means R^2 of (task, current token) on the study's forced-token cells at the last "
+         "position it reads (E2: of its paired layout, median over the late window)", ">=", 0.9, ("layers",)),
+    Spec("P1", "m1", _RECIPES, "P1, decoupling: additive share of the variance P0's model explains, on P0's cells", ">=",
          0.9, ("layers",)),
     Spec("P2", "m1", _RECIPES, "P2, interpolation: r2_additive, the share of the variance of h_t about its per-position mean that the "
          "token effect and the task simplex explain (E3 after the next LayerNorm; E2: a linear map of x_t), mean over the last ten of "
-         "the study's evaluation positions", ">=", 0.8, ("layers", "positions")),
+         "the study's evaluation positions; E1, E3 on its forced-token cells", ">=", 0.8, ("layers", "positions")),
     Spec("P2.vs_random", "m1", _RECIPES, "P2's r2_additive minus that of a random subspace of equal dimension", ">=", 0.3, ("layers",)),
-    Spec("P3", "m1", _RECIPES, "P3, alignment: TV between the per-task mean beta_t and mean posterior alpha_t, last quarter of "
-         "positions", "<=", 0.1, ("simplex",)),
+    Spec("P3", "m1", _RECIPES, "P3, alignment: TV between task 0's mean beta_t (task vectors from positions 40-59) and its mean "
+         "posterior alpha_t, last quarter of the study's plotted positions 0-59", "<=", 0.1, ("simplex",)),
     Spec("P3.shrinks", "m1", _RECIPES, "P3's TV over the last quarter of the uncertain positions divided by that over their first "
          "quarter (n/a with fewer than 5 uncertain positions)", "<", 1.0, ("simplex",)),
     Spec("steering", "m1", _RECIPES, "steering: max(3 x steered / unsteered, steered / mode task) of the mean KL(model || q_a) over "
@@ -64,7 +64,9 @@ def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Read
     (``variant`` None or "protocol") or a named variant (``analysis.measures.variants``):
     ``selected-place`` reads every claim at the place of best R^2_task on the selection batch;
     ``site-mid`` at resid_mid of the protocol's blocks; ``pooled-anova`` reads P0/P1 pooled over
-    the late window. A variant that does not move these claims reads them as the protocol does
+    the late window; ``natural-cells`` reads them on natural states grouped by their token, the
+    median over the late window (the protocol: the study's forced-token cells at the last position
+    it reads; E2, which has no tokens to force, reads its paired layout's late-window median). A variant that does not move these claims reads them as the protocol does
     (``e1-v6`` and ``separator`` are other runs: pass their rows). AnalysisError when the rows lack
     a value."""
     chosen = named_variant(variant)
@@ -75,7 +77,8 @@ def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Read
     elif name == "site-mid":
         place, p3_place = Place(place.layer, "resid_mid"), Place(p3_place.layer, "resid_mid")
     table = {(r["metric"], r["layer"], r["site"]): r["value"] for r in rows
-             if r["batch"] == "measure" and r["position"] is None and r["task"] is None}
+             if r["batch"] in ("measure", "cells", "trajectory") and r["position"] is None and r["task"] is None}
+    cells = any(r["metric"] == "cells.position" for r in rows)  # a token family's forced-token cells (none: E2)
 
     def at(metric: str, where: Place = place) -> float:
         if (metric, *where) not in table:
@@ -84,26 +87,41 @@ def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Read
         return math.nan if value is None else value
 
     placed, p3_placed = {"layer": place.layer, "site": place.site}, {"layer": p3_place.layer, "site": p3_place.site}
-    pooled = "_pooled" if name == "pooled-anova" else ""
     r2_task, r2_random = at("p2.r2_task"), at("p2.r2_random")
-    p1_parts = placed if pooled else {**placed, "last_position": at("p1.additive_share_last")}
+    if name == "pooled-anova":  # natural states pooled over the late window
+        p0, p1 = Reading(at("p0.cell_r2_pooled"), placed), Reading(at("p1.additive_share_pooled"), placed)
+    elif name == "natural-cells" or not cells:  # natural states grouped by their token (E2: its paired layout), late-window medians
+        p0 = Reading(at("p0.cell_r2"), {**placed, "cells": "natural"})
+        p1 = Reading(at("p1.additive_share"), {**placed, "cells": "natural", "last_position": at("p1.additive_share_last")})
+    else:  # the study's forced-token cells at the last position it reads, the natural late-window median beside
+        beside = {**placed, "cells": "forced", "position": int(at("cells.position")), "per_cell": int(at("cells.per_cell"))}
+        p0 = Reading(at("p0.cell_r2_forced"), {**beside, "natural_late_median": at("p0.cell_r2")})
+        p1 = Reading(at("p1.additive_share_forced"), {**beside, "natural_late_median": at("p1.additive_share")})
     if name == "p2-task-only":  # the earlier quantity: R^2_task, the token effect removed from the total
         p2 = Reading(r2_task, placed)
         vs_random = Reading(r2_task - r2_random, {"r2_task": r2_task, "r2_random": r2_random, **placed})
-    else:  # the study's r2_additive, R^2_task beside
-        additive, additive_random = at("p2.r2_additive"), at("p2.r2_additive_random")
-        p2 = Reading(additive, {**placed, "r2_task": r2_task, "post_layernorm": bool(at("p2.post_layernorm"))})
+    else:  # the study's r2_additive (on its forced-token cells; natural states for E2 and under natural-cells), R^2_task beside
+        forced = "_forced" if cells and name != "natural-cells" else ""
+        additive, additive_random = at(f"p2.r2_additive{forced}"), at(f"p2.r2_additive{forced}_random")
+        p2 = Reading(additive, {**placed, "cells": "forced" if forced else "natural", "r2_task": r2_task,
+                                "post_layernorm": bool(at("p2.post_layernorm"))})
         vs_random = Reading(additive - additive_random, {"r2_additive": additive, "r2_additive_random": additive_random, **placed})
+    late_window = Reading(at("p3.tv_mean_beta", p3_place), {"tv_per_state_last_quarter": at("p3.tv_last_quarter", p3_place), **p3_placed})
+    if name == "p3-late-window":
+        p3 = late_window
+    else:  # the study's trajectory figure: task 0, its vectors from positions 40-59, the last quarter of its plotted 0-59 [ours]
+        span = {key: int(at(f"p3.trajectory_{key}", p3_place)) for key in ("first", "last", "estimation_first", "estimation_last")}
+        p3 = Reading(at("p3.tv_trajectory", p3_place), {**span, "late_window_all_tasks": late_window.value, **p3_placed})
     count = int(at("p3.uncertain_positions", p3_place))
     first, last = at("p3.tv_first_uncertain", p3_place), at("p3.tv_last_uncertain", p3_place)
     shrink_parts = {"tv_first": first, "tv_last": last, "uncertain_positions": count, **p3_placed}
     reason = too_few_uncertain(count)
     return {
-        "P0": Reading(at(f"p0.cell_r2{pooled}"), placed),
-        "P1": Reading(at(f"p1.additive_share{pooled}"), p1_parts),
+        "P0": p0,
+        "P1": p1,
         "P2": p2,
         "P2.vs_random": vs_random,
-        "P3": Reading(at("p3.tv_mean_beta", p3_place), {"tv_per_state_last_quarter": at("p3.tv_last_quarter", p3_place), **p3_placed}),
+        "P3": p3,
         "P3.shrinks": Reading(math.nan if reason else last / first, shrink_parts, reason),
     }
 
@@ -129,12 +147,17 @@ def retrieval_claims(values: dict[str, Reading], e: str, effect: str = "current 
         p0 = "P0: cell-means R^2 of (task, current token)"
         p2 = ("P2: r2_additive, the share of the variance of h_t about its per-position mean explained by nu(x_t) and the simplex fit of "
               "h_t - mu_t - nu(x_t) on the task vectors (E3 after the next block's LayerNorm where one follows), mean over the last "
-              "ten of the study's evaluation positions")
+              "ten of the study's evaluation positions, on its forced-token cells (256 sequences a cell; theta and nu from the cells "
+              "of the task vectors' window)")
     else:
         p0 = f"P0: R^2 of a per-task intercept and per-task {effect}"
         p2 = ("P2: r2_additive, the share of the variance of h_t - mu_t explained by the task simplex plus a per-position linear map "
               "of x_t, mean over the last ten of the study's evaluation examples")
-    late = "at each position, median over the last quarter of positions"
+    if effect == "current token":
+        late = ("on the study's forced-token cells at the last position it reads, T - 2 (per task and token value seen there, fresh "
+                "prefixes of the task with that token written at the position; the natural late-window median in the parts)")
+    else:
+        late = "at each position, median over the last quarter of positions"
     shrink_description = ("P3: on the per-task mean curves, mean TV(mean beta_t, mean alpha_t) over the last quarter of the positions "
                           "where the mean posterior is uncertain (median over tasks of its largest weight < 0.99) divided by that over their first quarter")
     descriptions = {
@@ -142,8 +165,9 @@ def retrieval_claims(values: dict[str, Reading], e: str, effect: str = "current 
         "P1": f"P1: additive (task + {effect}, no interaction) share of the variance P0's model explains, {late} ({where})",
         "P2": f"{p2} ({where})",
         "P2.vs_random": f"P2: r2_additive minus that of the same fit on a random subspace of equal dimension ({where})",
-        "P3": "P3: TV between the per-task mean of beta_t (projected onto the simplex) and the mean posterior alpha_t, "
-              f"mean over the tasks and the last quarter of positions ({where}; E2: block 9 of 16)",
+        "P3": "P3: TV between the mean of beta_t over task 0's sequences (projected onto the simplex; beta the sum-to-one fit of "
+              "h_t - mu_t on the averaged task vectors of positions 40-59, the token effect kept) and their mean posterior alpha_t, "
+              f"the study's trajectory figure, mean over the last quarter of its plotted positions 0-59 ({where}; E2: block 9 of 16)",
         "P3.shrinks": shrink_description}
     return [_SPEC[name].judge(e, description, values[name].value, values[name].parts, values[name].reason)
             for name, description in descriptions.items()]

@@ -25,7 +25,7 @@ runs of several seeds with ``claims.rules.verdict``.
 ``stored_variants(run)`` reads the other variants from the run's stored analyses, without measuring
 anything: the M1 claims P0-P3 (``m1.json``; ``claims.m1.claim_values``, the claims' own rule in
 ``claims.m1.retrieval_claims``) under the protocol and ``selected-place``, ``site-mid``,
-``pooled-anova``, ``p2-task-only``; steering under the protocol and ``steer-at-read-site`` (both stored in ``m1.json``);
+``natural-cells``, ``pooled-anova``, ``p2-task-only``, ``p3-late-window``; steering under the protocol and ``steer-at-read-site`` (both stored in ``m1.json``);
 and projection R^2 at the run's diversity (``dual.json``; the high-diversity claim's threshold)
 under the protocol and ``per-sequence-r2``. Steering under another place would have to be measured
 again there, and the projection drop needs two runs: neither is listed.
@@ -62,7 +62,7 @@ from taskgeom.runs.folders import Run
 from taskgeom.settings.devices import torch_threads
 
 ABLATION_VARIANTS = ("centred-S", "s-with-mean", "probe-exact", "v-avoids-tokens", "v-searched-on-ood", "v-best-block")
-STORED_VARIANTS = ("selected-place", "site-mid", "pooled-anova", "p2-task-only", "per-sequence-r2", "steer-at-read-site")  # read from the stored analyses
+STORED_VARIANTS = ("selected-place", "site-mid", "natural-cells", "pooled-anova", "p2-task-only", "p3-late-window", "per-sequence-r2", "steer-at-read-site")  # read from the stored analyses
 SETS = ("major", "ood")  # the sets the dissociation's claims read
 
 
@@ -121,10 +121,11 @@ def stored_variants(run: Run) -> list[dict]:
     recipe, rows = run.config.name, []
     m1 = stored_rows(run, "m1")
     if m1 is not None:
-        for name in ("protocol", "selected-place", "site-mid", "pooled-anova", "p2-task-only"):
+        for name in ("protocol", "selected-place", "site-mid", "natural-cells", "pooled-anova", "p2-task-only", "p3-late-window"):
             values = claim_values(m1, None if name == "protocol" else name)
             claims = retrieval_claims(values, recipe)
-            moved = {"pooled-anova": ("P0", "P1"), "p2-task-only": ("P2", "P2.vs_random")}.get(name)
+            moved = {"natural-cells": ("P0", "P1", "P2", "P2.vs_random"), "pooled-anova": ("P0", "P1"), "p2-task-only": ("P2", "P2.vs_random"),
+                     "p3-late-window": ("P3",)}.get(name)
             if moved:
                 claims = [c for c in claims if c.id.split(".", 1)[1] in moved]
             for claim in claims:

@@ -57,7 +57,11 @@ def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: tor
         ax.plot(rows["position"], np.maximum(rows["value"], floor), color=color, label=f"{label} (median)")
         ax.fill_between(rows["position"], low, high, color=color, alpha=0.2, lw=0)
     mean = table[(table["metric"] == "p3.tv_mean_beta") & table["position"].notna() & table["task"].isna()].sort_values("position")
-    ax.plot(mean["position"], np.maximum(mean["value"], floor), color="k", lw=1.6, label="TV of the task-mean curves (P3)")
+    ax.plot(mean["position"], np.maximum(mean["value"], floor), color="0.4", lw=1.2, label="TV of the task-mean curves (p3-late-window)")
+    trajectory = table[(table["metric"] == "p3.tv_trajectory") & table["position"].notna()].sort_values("position")
+    if len(trajectory):
+        ax.plot(trajectory["position"], np.maximum(trajectory["value"], floor), color="k", lw=1.8,
+                label="TV of task 0's mean curve, the study's trajectory (P3)")
     ax.set_yscale("log")
     ax.set_xlabel("context position t")
     ax.set_ylabel(f"distance between beta_t and alpha_t (floor {floor:g})")
@@ -81,14 +85,26 @@ def _most_uncertain(alpha: torch.Tensor, chosen: torch.Tensor, count: int) -> li
 
 _LAYER_METRICS = (("p0.cell_r2", "P0 cell-means R^2", "C0"), ("p1.additive_share", "P1 additive share", "C1"),
                   ("p2.r2_additive", "P2 r2_additive", "C2"), ("p2.r2_additive_random", "P2 r2_additive, random subspace", "0.5"))
+_FORCED = {"p0.cell_r2": "p0.cell_r2_forced", "p1.additive_share": "p1.additive_share_forced",
+           "p2.r2_additive": "p2.r2_additive_forced", "p2.r2_additive_random": "p2.r2_additive_forced_random"}
+
+
+def claimed_by_layer(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """(the per-place rows of P0-P2 the claims read, named as ``_LAYER_METRICS``, and what they are
+    measured on): a token family's forced-token cells (batch ``cells``), else the measurement batch."""
+    rows = table[table["position"].isna()]
+    forced = rows[(rows["batch"] == "cells") & rows["metric"].isin(_FORCED.values())]
+    if len(forced):
+        return forced.assign(metric=forced["metric"].map({v: k for k, v in _FORCED.items()})), "the study's forced-token cells"
+    return rows[(rows["batch"] == "measure") & rows["metric"].isin(_FORCED)], "natural states"
 
 
 def plot_properties_by_layer(table: pd.DataFrame, path: Path, title: str = "") -> None:
-    """P0, P1 and P2 (with the random-subspace control) against the layer, one line style per
-    site; left the shares, right the unexplained part 1 - share (log). With rows of several seeds
+    """P0, P1 and P2 (with the random-subspace control) as the claims read them (``claimed_by_layer``)
+    against the layer, one line style per site; left the shares, right the unexplained part 1 - share (log). With rows of several seeds
     (a ``seed`` column), each line is the median over seeds and the band their range; with one,
     the band is the random control's range over draws."""
-    rows = table[table["position"].isna() & (table["batch"] == "measure") & table["metric"].isin([m for m, _, _ in _LAYER_METRICS])]
+    rows, measured_on = claimed_by_layer(table)
     several = "seed" in rows and rows["seed"].nunique() > 1
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for s, (site, group) in enumerate(rows.groupby("site", sort=False)):
@@ -114,7 +130,7 @@ def plot_properties_by_layer(table: pd.DataFrame, path: Path, title: str = "") -
     axes[1].set_yscale("log")
     axes[1].set_ylabel("unexplained: 1 - share (floor 1e-8)")
     axes[1].legend(frameon=False, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.suptitle(title or "P0-P2 per layer")
+    fig.suptitle(f"{title or 'P0-P2 per layer'} (on {measured_on})")
     fig.tight_layout()
     save(fig, path)
 
@@ -197,8 +213,8 @@ def plot_retrieval(result, paths: dict[str, Path], seeds: pd.DataFrame | None = 
     plot_simplex_trajectories(result.alpha, result.beta, result.task, table[(table["layer"] == p3_layer) & (table["site"] == p3_site)],
                               paths["simplex"], f"{name}: fitted task coefficients vs the exact posterior (layer {p3_layer}, {p3_site})")
     several = seeds is not None and seeds["seed"].nunique() > 1
-    plot_properties_by_layer(seeds if several else table, paths["layers"], f"{name}: P0-P2 per layer (measurement batch"
-                             + (f"; median and range over seeds {', '.join(map(str, sorted(seeds['seed'].unique())))})" if several else ")"))
+    plot_properties_by_layer(seeds if several else table, paths["layers"], f"{name}: P0-P2 per layer"
+                             + (f" (median and range over seeds {', '.join(map(str, sorted(seeds['seed'].unique())))})" if several else ""))
     plot_r2_by_position(table, result.place, result.p2_window, paths["positions"], f"{name}: P2 r2_additive per position")
     place = result.steering.place
     plot_steering(result.steering, paths["steering"], f"{name}: steering at layer {place.layer}, {place.site}")

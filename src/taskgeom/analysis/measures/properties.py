@@ -174,6 +174,31 @@ def random_token_additive_r2(h: torch.Tensor, y: torch.Tensor, theta: torch.Tens
     return torch.tensor(scores, dtype=torch.float64)
 
 
+def cell_vectors(means: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(theta: [K, D], nu: [A, D]) from the means: [E, A, K, D] of forced-token cells (A token values,
+    K tasks) at E estimation positions, as the study's averaging R^2 estimates them (docs/protocol.md,
+    "P2"): each position's cell means less their mean, averaged over the positions; theta the task
+    marginals and nu the token marginals of that table, each less its grand mean (float64)."""
+    means = means.double()
+    pooled = (means - means.mean((1, 2), keepdim=True)).mean(0)  # [A, K, D]
+    grand = pooled.mean((0, 1))
+    return pooled.mean(0) - grand, pooled.mean(1) - grand
+
+
+def cell_additive_r2(h: torch.Tensor, theta: torch.Tensor, nu: torch.Tensor) -> float:
+    """The study's r2_additive of the forced-token cells h: [A, K, N, D] at one position,
+    ``1 - sum |y - beta theta|^2 / sum |h - mu|^2`` over the states, with mu their mean, y = h -
+    nu(a) - mu and beta the simplex fit of y on theta: [K, D] (``fit_beta``); nu: [A, D] the token
+    values' effects (``cell_vectors``)."""
+    h = h.double()
+    flat = h.reshape(-1, h.shape[-1])
+    mu = flat.mean(0)
+    total = ((flat - mu) ** 2).sum()
+    y = (h - nu.double()[:, None, None, :]).reshape(-1, h.shape[-1]) - mu
+    residual = ((y - fit_beta(y, theta.double()) @ theta.double()) ** 2).sum()
+    return float(1 - residual / total) if total > 0 else float("nan")
+
+
 def additive_r2(y: torch.Tensor, task_part: torch.Tensor, x: torch.Tensor, window: slice) -> tuple[float, torch.Tensor]:
     """E2's P2 (the study's r2_additive): (over ``window``, [T] at each position) the share of the
     variance of y: [N, T, D] (``h - mu_t``) explained by task_part: [N, T, D] (``beta @ theta``,

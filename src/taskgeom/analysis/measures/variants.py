@@ -33,6 +33,16 @@ VARIANTS = (
     Variant("site-mid", ("P0", "P1", "P2", "P3", "steering", "projection_r2"),
             "every readout at resid_mid (after attention) instead of resid_post",
             "the specification once named both sites as candidates"),
+    Variant("natural-cells", ("P0", "P1", "P2"),
+            "P0-P2 of a token family on natural states: P0/P1 grouped by the token that occurred, the median over the late window of "
+            "the layout at each position, and P2's r2_additive on the measurement batch, instead of the study's forced-token cells "
+            "(P0/P1 at the last position it reads)",
+            "our reading before the study's compute_hiddens_token_conditioned_coin was read"),
+    Variant("p3-late-window", ("P3",),
+            "P3 on the two-way layout's task vectors over the task-vector window (the token effect removed), the mean over every major "
+            "task and the last quarter of the context, instead of the study's trajectory figure (task 0, vectors averaged over "
+            "positions 40-59, the last quarter of its plotted positions 0-59)",
+            "our reading before the study's traj_averaging_projection_plot was read"),
     Variant("pooled-anova", ("P0", "P1"),
             "P0/P1 pooled over the late window with no position term (the drift of mu_t counted as within-cell variance)",
             "our first reading of the two-way layout"),

@@ -22,6 +22,8 @@ split                     sets (stream)            used for
 ``steering``              major (m1-steering)      the steering vectors and the steered sequences
 ``probe``                 major (probe)            the ablations' task probe S
                                                    (``analysis.measures.task_probe``)
+``trajectory``            major (m1-trajectory)    P3 as the study's trajectory figure computes it:
+                                                   whole tasks (``analysis.reading.trajectory``)
 ========================  ======================  =================================================
 
 E2's major sequences of ``select``, ``measure``, ``geometry`` and ``probe`` are paired: all K tasks share the
@@ -58,6 +60,7 @@ class Split(str, Enum):
     PROJECTION = "projection"
     STEERING = "steering"
     PROBE = "probe"
+    TRAJECTORY = "trajectory"
 
     @classmethod
     def of(cls, split: "Split | str") -> "Split":
@@ -74,7 +77,7 @@ STREAMS: dict[tuple[Split, str], str] = {
     (Split.LOSS, "major"): "dual", (Split.LOSS, "minor"): "dual", (Split.LOSS, "ood"): "dual-ood",
     (Split.SEARCH_SELECT, "ood"): "dual-ood-search-select", (Split.PRIOR, "ood"): "dual-prior",
     (Split.PROJECTION, "major"): "dual-projection", (Split.PROJECTION, "ood"): "dual-projection-ood",
-    (Split.STEERING, "major"): "m1-steering", (Split.PROBE, "major"): "probe",
+    (Split.STEERING, "major"): "m1-steering", (Split.PROBE, "major"): "probe", (Split.TRAJECTORY, "major"): "m1-trajectory",
 }
 PAIRED = (Split.SELECT, Split.MEASURE, Split.GEOMETRY, Split.PROBE)  # E2's major sequences of these are paired over tasks
 LOSS_OOD_TASKS = 30  # the study's n_ood: the OOD sequences of the ``loss`` split come from 30 OOD tasks drawn once

@@ -58,7 +58,7 @@ from taskgeom.analysis.measures.theory import clr, participation_ratio, theorem2
 from taskgeom.analysis.measures.transition import reference_predictors, transition_statistic
 from taskgeom.analysis.reading import projection
 from taskgeom.analysis.stored.ablations import ablation_rows, block_places, find_blocks, rank_rows
-from taskgeom.analysis.stored.rows import row, stored_rows
+from taskgeom.analysis.stored.rows import row, stamped, stored_rows
 from taskgeom.analysis.study import SELECTION_SEQUENCES, Sequences, StudyRun
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
@@ -134,6 +134,7 @@ def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps
         rows += probe_rows(run, block.geometry, block.v, ood, ood_states[block.place])
     if isinstance(family, TokenFamily):
         rows += token_prediction_rows(run, checkpoints, geometries[readout_site], ood, ood_states[readout_site], prior)
+    rows = stamped(rows, "dual")
     atomic_write_json(run.path / "analysis" / "dual.json", rows)
     return rows
 
@@ -233,7 +234,7 @@ def token_prediction_rows(run: StudyRun, checkpoints: dict[int, StudyRun], reado
 
 def load_dual(run: Run, projection_sizes: tuple[int, int] | None = None) -> list[dict] | None:
     """The saved rows of the run directory, or None if it has not been analysed under the current
-    conventions (rows of an earlier ``rows.ROW_VERSION`` are measured again; the run is not
+    conventions (rows of another ``rows.VERSIONS['dual']`` are measured again; the run is not
     retrained) or, when ``projection_sizes`` (OOD tasks, sequences per task) are given, with other
     sizes of projection R^2."""
     rows = stored_rows(run, "dual")

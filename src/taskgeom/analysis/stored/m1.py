@@ -20,7 +20,13 @@ position; also per position), ``p1.additive_share_last`` (the last position), th
 ``p2.post_layernorm``; ``p3.tv_mean_beta`` (the claim:
 the TV of the per-task mean curves, averaged over the tasks and the last quarter; per position
 and per task at P3's place), the per-state ``p3.tv`` / ``p3.kl`` medians by quarter (per position
-and task at P3's place) and P3.shrinks' parts on the mean curves. At the claims' block:
+and task at P3's place) and P3.shrinks' parts on the mean curves. Token families, on the study's forced-token cells
+(batch ``cells``, every place; ``cell_rows``): ``p0.cell_r2_forced``, ``p0.within_share_forced``,
+``p1.additive_share_forced`` at ``cells.position`` (T - 2; the claims P0, P1), and
+``p2.r2_additive_forced`` with its random baseline (the claims P2, P2.vs_random; the rows above are
+the variant ``natural-cells``). P3 as the study's trajectory figure computes it (batch
+``trajectory``, every place; ``trajectory_rows``): ``p3.tv_trajectory`` (the claim P3; the
+``p3.tv_mean_beta`` rows above are the variant ``p3-late-window``). At the claims' block:
 ``steering.*`` (the protocol, written at ``resid_mid``) and ``steering_at_read_site.*`` (the variant).
 
 The families differ in one place, ``analysis.reading.heldout.family_inputs``: the token families (E1, E3, E4) take the
@@ -39,15 +45,18 @@ from dataclasses import dataclass
 
 import torch
 
-from taskgeom.analysis.geometry import Alignment, Geometry
+from taskgeom.analysis.geometry import AdditiveR2, Alignment, Geometry
 from taskgeom.analysis.measures.properties import MeanAlignment, quantiles
 from taskgeom.analysis.measures.task_vectors import check_major_tasks
+from taskgeom.analysis.reading.cells import P0_PER_CELL, ForcedCells
 from taskgeom.analysis.reading.steering import KINDS, STUDY_SEQUENCES, Steering, steering_place
-from taskgeom.analysis.stored.rows import row
+from taskgeom.analysis.reading.trajectory import Trajectory
+from taskgeom.analysis.stored.rows import row, stamped
 from taskgeom.analysis.study import DEFAULT_SITES, StudyRun
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.runs.storage import atomic_write_json
+from taskgeom.tasks import TokenFamily
 
 
 @dataclass(frozen=True)
@@ -87,11 +96,12 @@ def claim_places(run: StudyRun) -> tuple[Place, Place]:
 
 
 def check_request(run: StudyRun, layers: tuple[int, ...] | None = None, sites: tuple[str, ...] | None = None,
-                  n_sequences: int = 512, window: float = 0.25) -> list[Place]:
+                  n_sequences: int = 512, window: float = 0.25, per_cell: int = P0_PER_CELL) -> list[Place]:
     """The places to analyse; AnalysisError (before any work) for what the run cannot give.
     layers: None for all; sites: those measured (None: those of DEFAULT_SITES the model has); both
     must include the claims' places (``claim_places``); window: the late fraction of positions
-    where the claims read P0-P3 (the task vectors' window is the family's ``vector_window``)."""
+    where the claims read P0-P3 (the task vectors' window is the family's ``vector_window``);
+    per_cell: sequences a forced-token cell."""
     n_layers = run.config.model.n_layers
     if layers is not None and not layers:
         raise AnalysisError(f"layers (none) do not exist; the model has layers 0..{n_layers - 1}")
@@ -105,6 +115,8 @@ def check_request(run: StudyRun, layers: tuple[int, ...] | None = None, sites: t
         raise AnalysisError(f"n_sequences must be at least 4 per major task ({4 * run.pool.n_major}), got {n_sequences}")
     if not 0 < window <= 0.5:
         raise AnalysisError(f"window must lie in (0, 0.5], got {window}")
+    if per_cell < 2:
+        raise AnalysisError(f"per_cell (sequences a forced-token cell) must be at least 2, got {per_cell}")
     return places
 
 
@@ -138,14 +150,57 @@ def place_rows(geometry: Geometry, per_position: bool) -> list[dict]:
     return rows
 
 
+def cell_rows(cells: ForcedCells, p2: dict[Place, AdditiveR2]) -> list[dict]:
+    """P0-P2 on the study's forced-token cells (batch ``cells``) at every place: P0 and P1 at the
+    cells' position (``p0.cell_r2_forced``, ``p0.within_share_forced``, ``p1.additive_share_forced``,
+    with ``cells.position``, ``cells.per_cell`` and ``cells.tokens``); P2's r2_additive on its own cells
+    (``StudyRun.cell_p2``), the mean over its window (``p2.r2_additive_forced``, with its random
+    baseline ``p2.r2_additive_forced_random``) and at each position of it."""
+    rows = []
+    for place in cells.states:
+        layout, where = cells.layout(place), {"place": place, "batch": "cells", "set": "major"}
+        A, _, N, _ = cells.states[place].shape
+        rows += [row("p0.cell_r2_forced", layout.cell_r2, **where), row("p0.within_share_forced", layout.within_share, **where),
+                 row("p1.additive_share_forced", layout.additive_share, **where), row("cells.position", cells.position, **where),
+                 row("cells.per_cell", N, **where), row("cells.tokens", A, **where)]
+        additive = p2[place]
+        random = additive.random
+        rows += [row("p2.r2_additive_forced", additive.value, **where),
+                 row("p2.r2_additive_forced_random", random.mean() if len(random) else float("nan"),
+                     (random.min(), random.max()) if len(random) else None, **where)]
+        rows += [row("p2.r2_additive_forced", float(additive.by_position[t]), position=t, **where)
+                 for t in range(additive.positions.start, additive.positions.stop)]
+    return rows
+
+
+def trajectory_rows(trajectories: dict[Place, Trajectory], p3_place: Place) -> list[dict]:
+    """P3 as the study's trajectory figure computes it (batch ``trajectory``; ``StudyRun.trajectories``):
+    ``p3.tv_trajectory`` at every place (the claim's reading, the mean over the last quarter of the
+    plotted positions) with ``p3.trajectory_first`` and ``p3.trajectory_last`` (the plotted span) and
+    ``p3.trajectory_estimation_first`` / ``_last`` (the task vectors' positions); at P3's place also
+    per plotted position and per shown task."""
+    rows = []
+    for place, found in trajectories.items():
+        where = {"place": place, "batch": "trajectory", "set": "major"}
+        rows += [row("p3.tv_trajectory", found.value, **where),
+                 row("p3.trajectory_first", found.positions[0], **where), row("p3.trajectory_last", found.positions[-1], **where),
+                 row("p3.trajectory_estimation_first", found.estimation[0], **where),
+                 row("p3.trajectory_estimation_last", found.estimation[-1], **where)]
+        if place == p3_place:
+            rows += [row("p3.tv_trajectory", value, position=t, task=k, **where)
+                     for k, curve in zip(found.tasks, found.tv.tolist()) for t, value in zip(found.positions, curve)]
+    return rows
+
+
 def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tuple[str, ...] | None = None,
-            n_sequences: int = 512, window: float = 0.25, n_random: int = 8) -> Result:
+            n_sequences: int = 512, window: float = 0.25, n_random: int = 8, per_cell: int = P0_PER_CELL) -> Result:
     """The M1 geometry of a finished run (options: ``check_request``; ``n_random``: P2's random
-    subspaces); RunDirError if unfinished, AnalysisError for a bad request. Steering is measured at
+    subspaces; ``per_cell``: sequences a forced-token cell, ``StudyRun.forced_cells``, for P0 and P1
+    of a token family); RunDirError if unfinished, AnalysisError for a bad request. Steering is measured at
     the claims' block (``analysis.reading.steering.steering_place``) as the study's injection does,
     on ``STUDY_SEQUENCES`` sequences of the ``steering`` split, and as the variant
     ``steer-at-read-site`` on the measurement batch."""
-    places = check_request(run, layers, sites, n_sequences, window)
+    places = check_request(run, layers, sites, n_sequences, window, per_cell)
     place, p3_place = claim_places(run)
     options = {"window": window, "n_random": n_random}
     selection = run.select_place(run.heldout("major", n_sequences, split="select"), places, **options)  # the selected-place variant
@@ -167,6 +222,9 @@ def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tupl
         if geometry.place in (place, p3_place):
             kept[geometry.place] = geometry
     rows += [row(label, 1.0, place=at, batch="measure", set="major") for label, at in (("place.m1", place), ("place.p3", p3_place))]
+    rows += trajectory_rows(run.trajectories(places), p3_place)
+    if isinstance(run.family, TokenFamily):
+        rows += cell_rows(run.forced_cells(places, per_cell=per_cell), run.cell_p2(places, n_random=n_random))
     steering = kept[place].steer("dirichlet", sequences=run.heldout("major", STUDY_SEQUENCES, split="steering"))
     rows += steering_rows(steering)
     rows += steering_rows(kept[place].steer("dirichlet", variant="steer-at-read-site"), READ_SITE_PREFIX)
@@ -174,7 +232,7 @@ def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tupl
     summary = {r["metric"]: r["value"] for r in rows
                if r["batch"] == "measure" and (r["layer"], r["site"]) == place and r["position"] is None and r["task"] is None}
     p3 = kept[p3_place]
-    return Result(run.config.name, rows, place, p3_place, selected, runner_up, measure.batch.task, measure.alpha.float(), p3.beta,
+    return Result(run.config.name, stamped(rows, "m1"), place, p3_place, selected, runner_up, measure.batch.task, measure.alpha.float(), p3.beta,
                   p3.p3.mean, steering, summary, p3.window, kept[place].p2_additive.positions, measure.inputs.effect)
 
 

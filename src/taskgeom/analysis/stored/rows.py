@@ -4,13 +4,13 @@ tidy records that ``pandas.read_json`` loads in one call, each with every field 
 
 ``metric``, ``value`` (None for a share of a gain that is not positive), ``band`` ([low, high] or
 None), ``layer`` and ``site`` (the place), ``batch`` (the held-out split: ``select``, ``measure``,
-``geometry``, ``loss``, ``search-select``), ``set`` (``major``, ``minor``, ``ood``), ``step`` (a
-training snapshot; None for the final model), ``position`` and ``task`` (None unless per position
+``geometry``, ``loss``, ``search-select``, ``trajectory``; or ``cells``, the forced-token cells),
+``set`` (``major``, ``minor``, ``ood``), ``step`` (a training snapshot; None for the final model), ``position`` and ``task`` (None unless per position
 or per major task), ``gain``, ``unreliable`` and ``reason`` (a share of in-context gain only:
-``shares.Share``), ``version`` (``ROW_VERSION``).
+``shares.Share``), ``version`` (the analysis' entry of ``VERSIONS``, set by ``stamped``).
 
-A stored file whose rows are of another version is not read (``stored_rows`` gives None): the
-analysis is measured again, the run is not retrained. ``by_step`` sets a sweep's rows of the
+A stored file whose rows are of another version is not read (``stored_rows`` gives None): that
+analysis is measured again, the run is not retrained, and the other analysis is kept. ``by_step`` sets a sweep's rows of the
 training snapshots side by side, one row per (run, step).
 """
 
@@ -38,7 +38,10 @@ from taskgeom.runs.folders import Run
 #    LayerNorm), R^2_task beside it.
 # 10: dual.json's ablations as the study's: S from the probe fitted on 5,056 major sequences only by _fit_ols (single
 #    precision), V the moving average of the raw parameter, evaluation sets of 512 sequences (OOD from 30 tasks).
-ROW_VERSION = 10
+# From here on each analysis has its own version:
+# m1 11: P0-P2 on the study's forced-token cells (P0/P1 at the last position it reads; the batch "cells"), P3 as its
+#    trajectory figure computes it (p3.tv_trajectory; the batch "trajectory").
+VERSIONS = {"m1": 11, "dual": 10}
 FIELDS = ("metric", "value", "band", "layer", "site", "batch", "set", "step", "position", "task", "gain", "unreliable", "reason",
           "version")
 
@@ -51,17 +54,22 @@ def row(metric: str, value: float | None, band: Sequence[float] | None = None, *
     extra = share.fields() if share is not None else {"gain": None, "unreliable": None, "reason": None}
     return {"metric": metric, "value": None if value is None else float(value),
             "band": None if band is None else [float(band[0]), float(band[1])], "layer": layer, "site": site, "batch": batch,
-            "set": set, "step": step, "position": position, "task": task, **extra, "version": ROW_VERSION}
+            "set": set, "step": step, "position": position, "task": task, **extra, "version": None}
+
+
+def stamped(rows: list[dict], analysis: str) -> list[dict]:
+    """``rows`` of ``analysis`` ("m1", "dual") with its version (``VERSIONS``), as they are stored."""
+    return [{**r, "version": VERSIONS[analysis]} for r in rows]
 
 
 def stored_rows(run: Run, analysis: str) -> list[dict] | None:
     """The rows of ``analysis/{analysis}.json`` of ``run``, or None when absent or written under
-    another ``ROW_VERSION`` (then measured again)."""
+    another version than ``VERSIONS[analysis]`` (then measured again)."""
     path = run.path / "analysis" / f"{analysis}.json"
     if not path.exists():
         return None
     rows = json.loads(path.read_text(encoding="utf-8"))
-    return rows if rows and all(isinstance(r, dict) and r.get("version") == ROW_VERSION for r in rows) else None
+    return rows if rows and all(isinstance(r, dict) and r.get("version") == VERSIONS[analysis] for r in rows) else None
 
 
 def by_step(table: pd.DataFrame) -> pd.DataFrame:
