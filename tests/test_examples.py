@@ -51,7 +51,10 @@ def test_every_python_block_of_the_readme_and_the_site_runs_as_written(tiny_repr
     assert namespace["ablated"] != namespace["loss"]
     assert torch.equal(namespace["steered"].a[0], torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64))
     assert not torch.equal(namespace["steered"].steered, namespace["steered"].unsteered)  # the edit moved the model
-    assert len(namespace["claims"]) == 46 and set(namespace["p0"]["recipe"]) == {"e1", "e2", "e3"}
+    assert len(namespace["claims"]) == 46 and set(namespace["p0"]["recipe"]) == {"e1", "e3"}  # forced cells: E2 has no token to force
+    place, p0 = namespace["place"], namespace["p0"]
+    stored = p0[(p0["run"] == namespace["run"].path.name) & (p0["layer"] == place.layer) & (p0["site"] == place.site)]["value"]
+    assert namespace["cells"].cell_r2 == pytest.approx(float(stored.iloc[0]), rel=1e-9)  # the block's P0 is the stored claim's
     assert any(row["metric"] == "p0.cell_r2" for row in namespace["result"].rows)
 
 
