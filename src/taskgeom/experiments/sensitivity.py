@@ -38,7 +38,8 @@ depends on the thread count: with one, a reproduction's sweep analyses' count (`
 ``ablate_V_major`` moves from 1.35 to 2.13 on seed 0 (docs/results.md).
 
 ``place_choices`` reads, from a run's stored analyses, the values the place-dependent claims would
-have at every other (layer, site): P0-P2 on the M1 measurement batch (``m1.json``) and projection
+have at every other (layer, site): P0-P2 as the claims read them (``m1.json``: a token family's
+forced-token cells, E2's measurement batch) and projection
 R^2, the protocol's and the ``per-sequence-r2`` variant (``dual.json``).
 """
 
@@ -58,6 +59,7 @@ from taskgeom.claims.dual_modes import ablation_claims
 from taskgeom.claims.m1 import claim_values, retrieval_claims, stored_steering
 from taskgeom.claims.rules import verdict
 from taskgeom.errors import AnalysisError, TaskgeomError
+from taskgeom.report.geometry import claimed_by_layer
 from taskgeom.runs.folders import Run
 from taskgeom.settings.devices import torch_threads
 
@@ -173,10 +175,10 @@ PLACE_METRICS = {"m1": ("p0.cell_r2", "p1.additive_share", "p2.r2_additive"), "d
 
 def place_choices(run: Run) -> list[dict]:
     """``{analysis, metric, layer, site, value, pinned}`` for every (layer, site) a stored analysis
-    of ``run`` measured (``m1.json``: the measurement batch's late window; ``dual.json``: projection
-    R^2 of the final model, the protocol's and the ``per-sequence-r2`` variant); ``pinned``: the
-    place the claims read. A file of an earlier row version
-    is left out (measure it again)."""
+    of ``run`` measured (``m1.json``: P0-P2 as the claims read them, ``claimed_by_layer``: a token
+    family's forced-token cells, E2's measurement batch; ``dual.json``: projection R^2 of the final
+    model, the protocol's and the ``per-sequence-r2`` variant); ``pinned``: the place the claims
+    read. A file of an earlier row version is left out (measure it again)."""
     rows = []
     for analysis, metrics in PLACE_METRICS.items():
         stored = stored_rows(run, analysis)
@@ -184,7 +186,8 @@ def place_choices(run: Run) -> list[dict]:
             continue
         if analysis == "m1":
             chosen = next(r for r in stored if r["metric"] == "place.m1")  # where the M1 claims read
-            values = [r for r in stored if r["batch"] == "measure" and r["position"] is None and r["metric"] in metrics]
+            claimed, _ = claimed_by_layer(pd.DataFrame(stored))
+            values = [{**r, "layer": int(r["layer"])} for r in claimed[claimed["metric"].isin(metrics)].to_dict("records")]
         else:
             chosen = next(r for r in stored if r["metric"] == "projection_r2" and r["step"] is None)  # the protocol's place
             values = [{**r, "metric": r["metric"].removeprefix("table.")} for r in stored
