@@ -316,3 +316,21 @@ def test_the_reproduction_times_the_readme_and_getting_started_give_are_the_mani
         now, amd, intel = re.search(r"(\d+) minutes on a 2-core AMD EPYC beside the test suite under the corrected protocol, "
                                     r"(\d+) on a 2-core AMD EPYC and (\d+) on a 2-core Intel Xeon before it", text).groups()
         assert (int(now), int(amd), int(intel)) == (minutes["quick"], minutes["quick-cc12df1"], minutes["quick-c65b65f"]), page.name
+
+
+def test_the_help_names_each_published_folders_cpu_as_its_manifest_records_it():
+    """``taskgeom --help`` says which published quick folder is which CPU's; each named folder's
+    reproduction.json records that CPU (the text went stale once when the folders moved)."""
+    import json
+    import re
+
+    from typer.testing import CliRunner
+
+    from taskgeom.cli import app
+
+    text = " ".join(CliRunner().invoke(app, ["--help"], env={"COLUMNS": "250"}).output.replace("│", " ").split())
+    named = re.findall(r"docs/results/([\w.-]+) (?:is )?an? (AMD EPYC|Intel Xeon)'s", text)
+    assert len(named) == 2, text
+    for folder, vendor in named:
+        cpu = json.loads((ROOT / "docs" / "results" / folder / "reproduction.json").read_text())["machine"]["cpu"]
+        assert cpu.startswith(vendor.split()[0]), (folder, vendor, cpu)  # "AMD EPYC", "Intel(R) Xeon(R) ..."

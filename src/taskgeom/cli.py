@@ -116,8 +116,8 @@ def main(
     native_kernels: bool = typer.Option(
         False, "--native-kernels", help="Let torch pick its CPU kernels by this CPU. By default ATen, MKL and oneDNN are pinned "
         "to AVX2 (unless you set ATEN_CPU_CAPABILITY, MKL_CBWR or ONEDNN_MAX_CPU_ISA yourself), so AMD EPYC CPUs with AVX2 "
-        "or AVX-512 train the same bits and an Intel Xeon with AVX-512 others (docs/results/quick is an Intel Xeon's, "
-        "docs/results/quick-cc12df1 an AMD EPYC's); reproduction.json records the machine and the choice."),
+        "or AVX-512 train the same bits and an Intel Xeon with AVX-512 others (docs/results/quick is an AMD EPYC's, "
+        "docs/results/quick-c65b65f an Intel Xeon's); reproduction.json records the machine and the choice."),
 ) -> None:
     from taskgeom.settings.kernels import use_portable_kernels
 
