@@ -212,7 +212,7 @@ def test_ablation_losses_equal_a_plain_forward_hook(folder, recipe):
     with geometry.ablate(), run.ablate(v, place_v):
         both = run.loss(sequences, per_position=True)
     torch.testing.assert_close(both, hooked(ablate_s, ablate_v), rtol=0, atol=1e-5)
-    assert not torch.allclose(both, clean) and run.loss(sequences) == pytest.approx(float(clean[1:].mean()), rel=1e-12)
+    assert not torch.allclose(both, clean) and run.loss(sequences) == pytest.approx(float(clean[run.family.loss_from:].mean()), rel=1e-12)
     if recipe == "e3":  # a token family's loss is the cross-entropy of the next token, written out here
         with torch.no_grad():
             logp = torch.log_softmax(run.model(sequences.batch.tokens).double(), -1)
@@ -233,11 +233,11 @@ def test_cache_holds_the_states_the_hooks_capture(e3):
 
 def test_a_split_or_a_set_that_does_not_exist_is_a_clear_error(e3):
     with pytest.raises(AnalysisError, match=r"unknown split 'mesure'; choose one of \['select', 'measure', 'geometry', 'loss', "
-                                            r"'search-select', 'prior', 'projection', 'steering', 'probe', 'trajectory'\]"):
+                                            r"'search-select', 'prior', 'projection', 'steering', 'probe', 'trajectory', 'transition'\]"):
         e3.heldout("major", 8, split="mesure")
     with pytest.raises(AnalysisError, match=r"split 'select' has no ood sequences; it has \['major'\]"):
         e3.heldout("ood", 8, split="select")
-    with pytest.raises(AnalysisError, match=r"unknown set 'majors'; choose one of \['major', 'minor', 'ood'\]"):
+    with pytest.raises(AnalysisError, match=r"unknown set 'majors'; choose one of \['major', 'minor', 'ood', 'mixture'\]"):
         e3.heldout("majors", 8, split="measure")
     with pytest.raises(AnalysisError, match="has no minor tasks"):
         e3.heldout("minor", 8, split="loss")

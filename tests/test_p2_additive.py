@@ -89,3 +89,31 @@ def test_p2_reads_r2_additive_and_the_variant_reads_r2_task(markov):
     assert protocol["P2.vs_random"].value == pytest.approx(geometry.p2_additive.value - float(geometry.p2_additive.random.mean()), rel=1e-9)
     assert earlier["P2"].value == pytest.approx(geometry.p2.r2_task, rel=1e-12) and protocol["P2"].parts["r2_task"] == earlier["P2"].value
     assert protocol["P2"].value != pytest.approx(earlier["P2"].value, rel=1e-3)  # the two quantities differ
+
+
+def test_e2_r2_additive_fits_the_task_simplex_first_then_x_by_hand(tmp_path_factory):
+    """E2's r2_additive as the study's ``task_subspace_r2_at_position``: at each analysed position
+    the task simplex fitted to h - mu_t as it is (x_t's effect left in; the sum-to-one fit, then the
+    projection), then one linear map of x_t, no intercept, fitted by least squares to what the
+    simplex leaves; R^2 against the scatter of h - mu_t about its mean. Plain loops and numpy."""
+    config = build_config({
+        "name": "tiny-p2-e2", "task": {"family": "regression", "d": 2, "n_examples": 8},
+        "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 24},
+        "train": {"steps": 30, "batch_size": 16, "eval_every": 30, "checkpoint_every": 30, "eval_batch": 16, "lr": 3e-3, "threads": 1}})
+    run = Run.create(config, tmp_path_factory.mktemp("p2-e2"))
+    train(run)
+    study = StudyRun(Run.open(run.path))
+    place = Place(1, "resid_post")
+    major = study.heldout("major", 96, split="measure")
+    geometry = study.geometry(major, place)
+    additive = geometry.p2_additive
+    states = geometry.states.double().numpy()  # [N, P, D] at the analysed positions (the x tokens)
+    theta, mu, x = geometry.task_vectors.double().numpy(), geometry.mu.double().numpy(), major.inputs.current.double().numpy()
+    by_hand = []
+    for p in range(states.shape[1]):
+        centred = states[:, p] - mu[p]
+        left = np.stack([y - project_to_simplex(sum_to_one_fit(y, theta)) @ theta for y in centred])
+        weights = np.linalg.lstsq(x[:, p], left, rcond=None)[0]
+        by_hand.append(1 - ((left - x[:, p] @ weights) ** 2).sum() / ((centred - centred.mean(0)) ** 2).sum())
+    np.testing.assert_allclose(additive.by_position.numpy(), by_hand, rtol=1e-6, atol=1e-8)
+    assert additive.value == pytest.approx(np.mean([by_hand[p] for p in range(additive.positions.start, additive.positions.stop)]), rel=1e-9)

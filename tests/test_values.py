@@ -100,8 +100,9 @@ def test_p3_rows_are_medians_and_quartiles_over_the_stated_positions_and_sequenc
 def test_transition_statistic_on_a_case_computed_by_hand():
     """Dice with two faces: majors A, B and one minor C (p_minor = 0.1). Memorising: Bayes over
     {A, B, C}; generalising: Bayes over {A, B, a new task with the uniform Beta prior}, whose
-    evidence and prediction follow Laplace's rule. KL(reference || model), averaged over the
-    sequences and the positions that have a next token."""
+    evidence and prediction follow Laplace's rule. KL(model || reference) as the study's
+    ``_kl_model_to_ref`` (both clamped at 1e-12), averaged over the positions that have a next
+    token and then over the sequences."""
     params = [[0.8, 0.2], [0.3, 0.7], [0.5, 0.5]]
     weights = [0.45, 0.45, 0.1]
     pool = TaskPool(torch.tensor(params, dtype=torch.float64), torch.tensor(weights, dtype=torch.float64), n_major=2)
@@ -124,7 +125,7 @@ def test_transition_statistic_on_a_case_computed_by_hand():
             laplace = [(seen.count(v) + 1) / (len(seen) + 2) for v in range(2)]
             generalising = mixture([(0.45 * like[0], params[0]), (0.45 * like[1], params[1]), (0.1 * evidence, laplace)])
             for reference, out in ((memorising, to_mem), (generalising, to_gen)):
-                out.append(sum(r * math.log(r / m) for r, m in zip(reference, model[b][t])))
+                out.append(sum(m * math.log(m / r) for r, m in zip(reference, model[b][t])))
     kl_mem, kl_gen = sum(to_mem) / len(to_mem), sum(to_gen) / len(to_gen)
     references = reference_predictors(family, tokens, pool, p_new=0.1)
     stat = transition_statistic(logits, *references)

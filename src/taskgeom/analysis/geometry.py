@@ -214,7 +214,8 @@ class Geometry:
         of the variance of h_t about its per-position mean that nu(x_t) and the task simplex explain,
         on the states after the next block's LayerNorm for a family that says so (E3's
         ``p2_post_layernorm``; nothing follows the last block); E2 (``additive_r2``): the task
-        simplex plus a per-position linear map of x_t."""
+        simplex fitted to h - mu_t (x_t's effect left in, as the study's ``task_subspace_r2_at_position``),
+        then a per-position linear map of x_t fitted to what it leaves."""
         family, inputs = self.run.family, self.sequences.inputs
         geometry, norm = self, p2_norm(self.run, self.place)
         if norm is not None:
@@ -225,11 +226,11 @@ class Geometry:
         if inputs.vocab is not None:
             by_position = token_additive_r2(h, y, project_simplex(geometry.p2.raw) @ theta)
             random = random_token_additive_r2(h, y, theta, positions, self.n_random, self.run.seed)
-        else:
+        else:  # the study's order: the task simplex fitted to h - mu_t as it is, then x_t's map to what it leaves
             centred = h.double() - geometry.mu[: h.shape[1]]
-            by_position = additive_r2(centred, project_simplex(geometry.p2.raw) @ theta, inputs.current, positions)[1]
+            by_position = additive_r2(centred, fit_beta(centred, theta) @ theta, inputs.current, positions)[1]
             rotations = [theta @ random_rotation(theta.shape[1], gen) for _ in range(self.n_random)]
-            random = torch.tensor([float(additive_r2(centred, fit_beta(y, r) @ r, inputs.current, positions)[1][positions].nanmean())
+            random = torch.tensor([float(additive_r2(centred, fit_beta(centred, r) @ r, inputs.current, positions)[1][positions].nanmean())
                                    for r in rotations], dtype=torch.float64)
         return AdditiveR2(by_position, float(by_position[positions].nanmean()), random, positions, norm is not None)
 

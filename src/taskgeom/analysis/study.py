@@ -38,6 +38,7 @@ import torch
 
 from taskgeom.analysis.geometry import AdditiveR2, Geometry, ProbeInputs, cell_p2, probe_inputs
 from taskgeom.analysis.measures.orthogonal import BATCH_SIZE, orthogonal_searches
+from taskgeom.analysis.measures.shares import loss_window
 from taskgeom.analysis.measures.subspace import direction_ablation
 from taskgeom.analysis.measures.task_vectors import fraction_window, late_window
 from taskgeom.analysis.measures.variants import variant as named_variant
@@ -255,8 +256,8 @@ class StudyRun:
     def loss(self, sequences: Sequences, *, per_position: bool = False) -> float | torch.Tensor:
         """The model's loss on ``sequences`` (nats; E2: squared error) with the edits in force:
         per prediction, averaged over the sequences ([P - 1] for tokens), or (the default) L, the
-        mean over every prediction after the first. Each batch's unedited streams are kept, so an
-        edit runs the model from its block on only."""
+        mean over the family's ``loss_window`` (E1 every prediction, E3 every one after the first).
+        Each batch's unedited streams are kept, so an edit runs the model from its block on only."""
         streams = self._streams_of(sequences)
         with torch.no_grad():
             if len(self._edits) > 1:
@@ -264,7 +265,7 @@ class StudyRun:
             else:
                 model = streams.model_from(self._edits[0].place if self._edits else None)
             losses = self.family.position_losses(model, sequences.batch, *sequences.references)["loss"].mean(0)
-        return losses if per_position else float(losses[1:].mean())
+        return losses if per_position else float(losses[loss_window(self.family)].mean())
 
     def ablate(self, directions: torch.Tensor, place: tuple[int, str]) -> Edit:
         """The ablation h <- h - V V^T h of orthonormal directions: [D, r] at ``place`` on the analysed positions."""

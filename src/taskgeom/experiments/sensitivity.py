@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from taskgeom.analysis.measures.shares import share_of_gain
+from taskgeom.analysis.measures.shares import loss_window, share_of_gain
 from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS
 from taskgeom.analysis.stored.ablations import Block, ablation_rows, block_places, find_blocks, v_block
 from taskgeom.analysis.stored.dual import EVAL_SEQUENCES
@@ -72,13 +72,13 @@ def _centred_s_rows(run: StudyRun, n_seq: int, sets: dict, clean: dict) -> tuple
     """The S rows of ``centred-S`` as summary rows (``layer`` null), and the selected place in words."""
     place = run.select_place(run.heldout("major", SELECTION_SEQUENCES, split="select"), n_random=0).best
     geometry = run.geometry(run.heldout("major", n_seq, split="geometry"), place)
-    rows = []
+    rows, window = [], loss_window(run.family)
     for name, sequences in sets.items():
         with geometry.ablate(variant="centred-S"):
             ablated = run.loss(sequences, per_position=True)
-        share = share_of_gain(ablated, clean[name])
+        share = share_of_gain(ablated, clean[name], window)
         where = {"place": (None, place.site), "batch": "loss", "set": name}
-        rows += [row("loss_ablate_S", ablated[1:].mean(), **where), row("gain_removed_ablate_S", share.value, share=share, **where)]
+        rows += [row("loss_ablate_S", ablated[window].mean(), **where), row("gain_removed_ablate_S", share.value, share=share, **where)]
     return rows, f"layer {place.layer} {place.site} (selected)"
 
 
@@ -104,9 +104,9 @@ def ablation_variants(run: StudyRun, variants: tuple[str, ...] = ABLATION_VARIAN
             blocks_of_variant = find_blocks(run, geometries, steps=search_steps, variant=name)
             measured[name] = (ablation_rows(run, blocks_of_variant, sets, clean, variant=name), mean)
 
-    k, recipe, rows = run.config.task.diversity, run.config.name, []
+    k, recipe, rows, window = run.config.task.diversity, run.config.name, [], loss_window(run.family)
     for name, (variant_rows, where) in measured.items():
-        clean_rows = [row(metric, value, batch="loss", set=s) for s in SETS for metric, value in (("loss", clean[s][1:].mean()),
+        clean_rows = [row(metric, value, batch="loss", set=s) for s in SETS for metric, value in (("loss", clean[s][window].mean()),
                                                                                                   ("loss_first", clean[s][0]))]
         table = pd.DataFrame([*variant_rows, *clean_rows]).assign(diversity=k, step=float("nan"))
         prefixes = None if name == "protocol" else BY_NAME[name].claims

@@ -90,20 +90,20 @@ def plot_rank_curve(curve: pd.DataFrame, path: Path) -> None:
 
 
 DISSOCIATION = (("gain_removed_ablate_S", "ablate task subspace S"), ("gain_removed_ablate_V", "ablate orthogonal V"),
-                ("gain_removed_random", "random control (75th percentile of |share|)"))
+                ("gain_removed_random", "random control (75th percentile of 5 draws)"))
 
 
 def plot_dissociation(rows: pd.DataFrame, path: Path, title: str) -> None:
     """Share of in-context gain removed by each ablation (one panel each) at every block and as the
-    mean over blocks (what the claims read; the last group, outlined), one bar per sequence set
+    mean over blocks (the control: the largest; what the claims read; the last group, outlined), one bar per sequence set
     (the mean over the seeds in ``rows``, one model's diversity); each set labelled with its gain;
     hatched where the gain is unreliable (below ``MIN_RELIABLE_GAIN``), marked "gain ≤ 0" where
     there is no gain to remove."""
     rows = rows[rows["step"].isna()] if "step" in rows else rows
     sets = [s for s in ("major", "minor", "ood") if ((rows["set"] == s) & (rows["metric"] == "gain_removed_ablate_S")).any()]
     blocks = sorted(int(layer) for layer in rows.loc[rows["metric"] == "gain_removed_ablate_S", "layer"].dropna().unique())
-    groups = [*blocks, None]  # None: the mean over blocks
-    labels = [f"block {b}" for b in blocks] + ["mean"]
+    groups = [*blocks, None]  # None: the summary over blocks (the mean; the control's largest)
+    labels = [f"block {b}" for b in blocks]
     gain = {s: rows[(rows["metric"] == "loss_first") & (rows["set"] == s)]["value"].mean()
             - rows[(rows["metric"] == "loss") & (rows["set"] == s)]["value"].mean() for s in sets}
     fig, axes = plt.subplots(1, len(DISSOCIATION), figsize=(3.2 * len(DISSOCIATION) + 0.4 * len(groups), 3.6), sharey=True)
@@ -124,7 +124,7 @@ def plot_dissociation(rows: pd.DataFrame, path: Path, title: str) -> None:
                 if np.isnan(value):
                     ax.text(xi, 0, "gain ≤ 0", rotation=90, ha="center", va="bottom", fontsize=7)
         ax.axhline(0, color="k", lw=0.8)
-        ax.set_xticks(np.arange(len(groups)), labels, fontsize=8)
+        ax.set_xticks(np.arange(len(groups)), [*labels, "max" if metric == "gain_removed_random" else "mean"], fontsize=8)
         ax.set_title(label, fontsize=9)
         ax.grid(alpha=0.3, axis="y")
     axes[0].set_ylabel("in-context gain removed (%)\n(clipped to [-20, 150])")

@@ -49,8 +49,9 @@ class Dice(TokenFamily):
     vector_window = (100 / 128, 120 / 128)  # the study's positions 100-119 of 128
     p2_window = (110 / 128, 120 / 128)  # the last ten of the study's evaluation positions 0-119
     # the study's dice probe (coin/analysis/probes/_internals.py): no logit block, the position one-hot,
-    # the posterior after the whole sequence at every position; fit from position 100 of 192's fraction on
-    task_probe = TaskProbe(window=(100 / 192, 1.0), logits=False, positions=True, sequence_posterior=True)
+    # the posterior after the whole sequence at every position; fit from position 100 of the study's 128 on
+    task_probe = TaskProbe(window=(100 / 128, 1.0), logits=False, positions=True, sequence_posterior=True)
+    loss_from = 0  # the study's coin code averages L and every ablation's change over every prediction, the first too
     steering_form = "task"  # the study swaps per-position task vectors (positions 25-39)
     projection_window = (0.0, 2)  # positions 0 to T - 3: the T - 1 predicting positions less the last
 

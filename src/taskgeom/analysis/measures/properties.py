@@ -202,9 +202,9 @@ def cell_additive_r2(h: torch.Tensor, theta: torch.Tensor, nu: torch.Tensor) -> 
 def additive_r2(y: torch.Tensor, task_part: torch.Tensor, x: torch.Tensor, window: slice) -> tuple[float, torch.Tensor]:
     """E2's P2 (the study's r2_additive): (over ``window``, [T] at each position) the share of the
     variance of y: [N, T, D] (``h - mu_t``) explained by task_part: [N, T, D] (``beta @ theta``,
-    P2's simplex fit) plus a per-position linear map of x: [N, T, d] fitted by least squares to
-    what the task part leaves. **[ours]** The two parts are fitted in turn (beta as P2 fits it,
-    then the map), not jointly; SS_tot about the mean state, as R^2_task."""
+    the simplex fit to y itself) plus a per-position linear map of x: [N, T, d] (no intercept)
+    fitted by least squares to what the task part leaves: the two in turn, as the study's
+    ``task_subspace_r2_at_position``; SS_tot about the mean state."""
     rest = (y.double() - task_part.double()).transpose(0, 1)  # [T, N, D]
     X = x.double().transpose(0, 1)  # [T, N, d]
     residual = (rest - X @ torch.linalg.lstsq(X, rest, driver="gelsd").solution).pow_(2).sum((1, 2))  # [T]

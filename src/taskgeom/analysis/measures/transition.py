@@ -4,7 +4,10 @@ memorising: exact Bayes over the training pool (``family.predict_id``). generali
 plus one "new task" component with the continuous prior, whose evidence is the prior-predictive
 chain (``family.log_marginal_ood``) and whose prediction is the OOD-optimal learner. The new task
 takes prior weight ``p_new`` (the pool's minor mass, the study's p_minor) and each major
-(1 - p_new) / K. **[ours]** The statistic is read on fresh OOD sequences, where the two differ.
+(1 - p_new) / K. As the study's ``_kl_model_to_ref`` (``coin_kl.py``, ``kl_divergence.py``): KL from
+the model's next-token distribution to each predictor's, both clamped below at ``EPS``, averaged
+over the predictions 0..T-2 of each sequence and then over sequences (of the training mixture:
+``heldout`` split ``transition``); the statistic is the natural log of their ratio.
 """
 
 from __future__ import annotations
@@ -26,11 +29,15 @@ def predict_generalising(family: TaskFamily, tokens: torch.Tensor, pool: TaskPoo
     return family.mix_predictive(tokens, majors, weights[..., :-1]) + weights[..., -1:] * family.predict_ood(tokens)
 
 
+EPS = 1e-12  # the study's clamp of both distributions
+
+
 def kl_to_model(reference: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Mean KL(reference || model) over sequences and positions 0..T-2; reference: [B, T, V] probs."""
-    logp = torch.log_softmax(logits.double(), dim=-1)[:, :-1]
-    ref = reference[:, :-1]
-    return (ref * (ref.clamp_min(1e-300).log() - logp)).sum(-1).mean()
+    """Mean KL(model || reference) over sequences and positions 0..T-2 (the study's direction); reference:
+    [B, T, V] probs, logits: [B, T, V] the model's."""
+    p = torch.softmax(logits.double(), dim=-1)[:, :-1].clamp_min(EPS)
+    q = reference[:, :-1].clamp_min(EPS)
+    return (p * (p.log() - q.log())).sum(-1).mean()
 
 
 def reference_predictors(family: TaskFamily, tokens: torch.Tensor, pool: TaskPool, p_new: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,8 @@ split                     sets (stream)            used for
                                                    (``analysis.measures.task_probe``)
 ``trajectory``            major (m1-trajectory)    P3 as the study's trajectory figure computes it:
                                                    whole tasks (``analysis.reading.trajectory``)
+``transition``            mixture (dual-           the predictor transition: the training mixture
+                          transition)              (tasks drawn by the pool's prior, minors too)
 ========================  ======================  =================================================
 
 E2's major sequences of ``select``, ``measure``, ``geometry`` and ``probe`` are paired: all K tasks share the
@@ -44,7 +46,7 @@ from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
 from taskgeom.tasks import FAMILIES, Batch, TaskFamily, TaskPool, TokenFamily
 
-Kind = Literal["major", "minor", "ood"]
+Kind = Literal["major", "minor", "ood", "mixture"]  # mixture: the pool's training mixture
 KINDS: tuple[str, ...] = get_args(Kind)
 
 
@@ -61,6 +63,7 @@ class Split(str, Enum):
     STEERING = "steering"
     PROBE = "probe"
     TRAJECTORY = "trajectory"
+    TRANSITION = "transition"
 
     @classmethod
     def of(cls, split: "Split | str") -> "Split":
@@ -78,6 +81,7 @@ STREAMS: dict[tuple[Split, str], str] = {
     (Split.SEARCH_SELECT, "ood"): "dual-ood-search-select", (Split.PRIOR, "ood"): "dual-prior",
     (Split.PROJECTION, "major"): "dual-projection", (Split.PROJECTION, "ood"): "dual-projection-ood",
     (Split.STEERING, "major"): "m1-steering", (Split.PROBE, "major"): "probe", (Split.TRAJECTORY, "major"): "m1-trajectory",
+    (Split.TRANSITION, "mixture"): "dual-transition",
 }
 PAIRED = (Split.SELECT, Split.MEASURE, Split.GEOMETRY, Split.PROBE)  # E2's major sequences of these are paired over tasks
 LOSS_OOD_TASKS = 30  # the study's n_ood: the OOD sequences of the ``loss`` split come from 30 OOD tasks drawn once
@@ -111,7 +115,7 @@ def sample(family: TaskFamily, pool: TaskPool, kind: str, n: int, split: "Split 
         if len(torch.unique(batch.task)) < majors.size:
             raise AnalysisError(f"{n} sequences do not cover all {majors.size} major tasks; ask for more")
         return batch
-    return family.sample(pool, n, seq_len, seed, 0, name, kind)
+    return family.sample(pool, n, seq_len, seed, 0, name, "all" if kind == "mixture" else kind)
 
 
 def sample_tasks(family: TaskFamily, pool: TaskPool, kind: str, per_task: int, split: "Split | str", seq_len: int, seed: int,

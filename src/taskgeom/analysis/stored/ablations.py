@@ -9,14 +9,17 @@ Each is ablated at that block alone and measured on the ``loss`` split (major, m
 
 - per block (``layer`` the block): ``loss_ablate_S``, ``gain_removed_ablate_S``, the same for V,
   ``gain_removed_random_draw{i}`` for each random draw and ``gain_removed_random``, the control's
-  statistic there: the 75th percentile of |share| over the draws (``control_statistic``), with the
-  draws' [min, max] share as its band;
+  statistic there: the 75th percentile of the signed shares over the draws (``control_statistic``),
+  with the draws' [min, max] share as its band;
 - the summary (``layer`` None, ``site`` the blocks' site): the mean over blocks of each per-block
   row (a share of the mean ablated loss, which is the mean of the shares since the clean losses
-  are the same), or under ``v-best-block`` (docs/protocol.md#variants) V's and the control's rows of one block.
+  are the same), but for the control the largest over blocks (the study's ``max(... for l in
+  layers)``), or under ``v-best-block`` (docs/protocol.md#variants) V's and the control's rows of one block.
 
-The claims read the summary; the random-control claim reads the largest summary statistic over
-the major and OOD sets (``claims.dual_modes``).
+Losses average the family's ``loss_window`` (E1 every prediction, as the study's coin code; E3
+every one after the first); the control's change averages every prediction in both (the study's
+random band, whose gain keeps the window). The claims read the summary; the random-control claim
+reads the OOD set's, as the study's band does (``claims.dual_modes``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Sequence
 import torch
 
 from taskgeom.analysis.geometry import Geometry
-from taskgeom.analysis.measures.shares import Share, share_of_gain
+from taskgeom.analysis.measures.shares import Share, loss_window, share_of_gain
 from taskgeom.analysis.measures.subspace import complement_basis, random_directions
 from taskgeom.analysis.stored.rows import row
 from taskgeom.analysis.study import Sequences, StudyRun
@@ -73,14 +76,11 @@ def find_blocks(run: StudyRun, geometries: Sequence[Geometry], *, rank: int = 1,
 
 def control_statistic(values: Sequence[float | None]) -> float | None:
     """The random control of one set at one block: the ``CONTROL_QUANTILE`` quantile (linear
-    interpolation) of |share| over the draws; None when a share is None (no gain to remove)."""
+    interpolation) of the signed shares over the draws (the study's ``trial_stats`` q75); None when
+    a share is None (no gain to remove)."""
     if any(v is None for v in values):
         return None
-    return float(torch.quantile(torch.tensor(values, dtype=torch.float64).abs(), CONTROL_QUANTILE))
-
-
-def _mean(values: Sequence[float | None]) -> float | None:
-    return None if any(v is None for v in values) else sum(values) / len(values)
+    return float(torch.quantile(torch.tensor(values, dtype=torch.float64), CONTROL_QUANTILE))
 
 
 def ablation_rows(run: StudyRun, blocks: Sequence[Block], sets: dict[str, Sequences], clean: dict[str, torch.Tensor], *,
@@ -90,6 +90,7 @@ def ablation_rows(run: StudyRun, blocks: Sequence[Block], sets: dict[str, Sequen
     the index of the block whose V and control rows are the summary (``v-best-block``), else the mean;
     ``variant``: ``s-with-mean`` or ``probe-exact`` ablates that variant's S (``Geometry.s_basis``), any other the protocol's."""
     s_variant = variant if variant in S_VARIANTS else None
+    window = loss_window(run.family)
     if not blocks:
         raise AnalysisError("the ablations need at least one block")
     if v_block is not None and not 0 <= v_block < len(blocks):
@@ -105,13 +106,13 @@ def ablation_rows(run: StudyRun, blocks: Sequence[Block], sets: dict[str, Sequen
                 with edit:
                     losses = run.loss(sequences, per_position=True)
                 ablated[label].append(losses)
-                share = share_of_gain(losses, clean[name])
-                rows += [row(f"loss_{label}", losses[1:].mean(), place=block.place, **where),
+                share = share_of_gain(losses, clean[name], window)
+                rows += [row(f"loss_{label}", losses[window].mean(), place=block.place, **where),
                          row(f"gain_removed_{label}", share.value, place=block.place, share=share, **where)]
             draws = []
             for i, directions in enumerate(block.controls):
                 with run.ablate(directions, block.place):
-                    draws.append(share_of_gain(run.loss(sequences, per_position=True), clean[name]))
+                    draws.append(share_of_gain(run.loss(sequences, per_position=True), clean[name], window, change_window=slice(0, None)))
                 rows.append(row(f"gain_removed_random_draw{i}", draws[-1].value, place=block.place, share=draws[-1], **where))
             values = [d.value for d in draws]
             controls.append((control_statistic(values), draws[0]))
@@ -120,13 +121,13 @@ def ablation_rows(run: StudyRun, blocks: Sequence[Block], sets: dict[str, Sequen
         for label, losses in ablated.items():
             chosen = [losses[v_block]] if label == "ablate_V" and v_block is not None else losses
             mean = torch.stack(chosen).mean(0)
-            share = share_of_gain(mean, clean[name])
-            rows += [row(f"loss_{label}", mean[1:].mean(), place=summary, **where),
+            share = share_of_gain(mean, clean[name], window)
+            rows += [row(f"loss_{label}", mean[window].mean(), place=summary, **where),
                      row(f"gain_removed_{label}", share.value, place=summary, share=share, **where)]
         chosen = [controls[v_block]] if v_block is not None else controls
         stats = [stat for stat, _ in chosen]
         band = None if None in stats else [min(stats), max(stats)]
-        rows.append(row("gain_removed_random", _mean(stats), band, place=summary, share=chosen[0][1], **where))
+        rows.append(row("gain_removed_random", None if None in stats else max(stats), band, place=summary, share=chosen[0][1], **where))
     return rows
 
 
@@ -138,19 +139,19 @@ def rank_rows(run: StudyRun, blocks: Sequence[Block], ranks: Sequence[int], ood:
     others = [r for r in ranks if r != own]
     searched = iter(run.orthogonal_search([(b.geometry, r) for b in blocks for r in others], steps=steps))
     found = {(i, r): next(searched) for i in range(len(blocks)) for r in others}
-    where = {"batch": "loss", "set": "ood"}
+    where, window = {"batch": "loss", "set": "ood"}, loss_window(run.family)
     rows = []
     for r in ranks:
         per_block = []
         for i, block in enumerate(blocks):
             with run.ablate(block.v if r == own else found[(i, r)], block.place):
                 per_block.append(run.loss(ood, per_position=True))
-            share = share_of_gain(per_block[-1], clean)
-            rows += [row(f"loss_ablate_V_rank{r}", per_block[-1][1:].mean(), place=block.place, **where),
+            share = share_of_gain(per_block[-1], clean, window)
+            rows += [row(f"loss_ablate_V_rank{r}", per_block[-1][window].mean(), place=block.place, **where),
                      row(f"gain_removed_ablate_V_rank{r}", share.value, place=block.place, share=share, **where)]
         mean = torch.stack(per_block).mean(0)
-        share = share_of_gain(mean, clean)
-        rows += [row(f"loss_ablate_V_rank{r}", mean[1:].mean(), place=(None, blocks[0].place.site), **where),
+        share = share_of_gain(mean, clean, window)
+        rows += [row(f"loss_ablate_V_rank{r}", mean[window].mean(), place=(None, blocks[0].place.site), **where),
                  row(f"gain_removed_ablate_V_rank{r}", share.value, place=(None, blocks[0].place.site), share=share, **where)]
     return rows
 

@@ -29,7 +29,8 @@ objects of ``analysis.study``, so each stored number is what they return. Where 
   fresh ``loss`` split per block and summarised by the mean over blocks, which the claims read. At
   each block the gain removed by V of rank r = 1..ceil(d0) is the rank curve. For E2 every edit
   (S, V, the controls and the search) acts on the analysed positions.
-- **Losses and shares** average every prediction after the first; the clean, ablated and first
+- **Losses and shares** average the family's ``loss_window`` (E1 every prediction, as the study's
+  coin code; the others every prediction after the first, as its latent-Markov code); the clean, ablated and first
   losses are written beside each share, and the Bayes OOD-optimal predictor's on the same OOD
   sequences (``bayes_ood_loss``, ``bayes_ood_loss_first``: the OOD-mode precondition's reference), and each share row carries its gain (``shares.Share``:
   null with a reason when the gain is not positive, ``unreliable`` below ``MIN_RELIABLE_GAIN``).
@@ -52,6 +53,7 @@ import torch
 from taskgeom.analysis.geometry import Geometry
 from taskgeom.analysis.measures.linear_probes import linear_probe
 from taskgeom.analysis.measures.properties import quantiles
+from taskgeom.analysis.measures.shares import loss_window
 from taskgeom.analysis.measures.subspace import complement_basis
 from taskgeom.analysis.measures.task_vectors import late_window
 from taskgeom.analysis.measures.theory import clr, participation_ratio, theorem2
@@ -68,6 +70,7 @@ from taskgeom.settings.recipes import MeasureSettings
 from taskgeom.tasks import TokenFamily
 
 PRIOR_TASKS = 2048  # OOD tasks whose predictions sample the OOD prediction map (d0)
+TRANSITION_SEQUENCES = 1024  # the study's num_samples of the predictor transition (fig_kl_transition_combined.py)
 EVAL_SEQUENCES = 512  # the study's evaluation sets: n_samples_eval = 500 drawn in batches of 64, so 8 batches, 512 sequences
 
 
@@ -118,10 +121,12 @@ def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps
                  row("orthogonality_avoided", (block.v.T.double() @ block.geometry.avoided.double()).abs().max(), place=block.place)]
     sets = loss_sets(run)
     clean = {name: run.loss(sequences, per_position=True) for name, sequences in sets.items()}
+    window = loss_window(family)
     for name in sets:
-        rows += [row("loss", clean[name][1:].mean(), batch="loss", set=name), row("loss_first", clean[name][0], batch="loss", set=name)]
+        rows += [row("loss", clean[name][window].mean(), batch="loss", set=name), row("loss_first", clean[name][0], batch="loss", set=name)]
     bayes_ood = bayes_ood_losses(run, sets["ood"])  # the OOD-mode precondition's reference (claims.dual_modes.ood_mode)
-    rows += [row("bayes_ood_loss", bayes_ood[1:].mean(), batch="loss", set="ood"), row("bayes_ood_loss_first", bayes_ood[0], batch="loss", set="ood")]
+    rows += [row("bayes_ood_loss", bayes_ood[window].mean(), batch="loss", set="ood"),
+             row("bayes_ood_loss_first", bayes_ood[0], batch="loss", set="ood")]
     rows += ablation_rows(run, blocks, sets, clean)
 
     prior = family.predict_ood(run.heldout("ood", PRIOR_TASKS, split="prior").batch.tokens)[:, -1] if family.reads_tokens else None
@@ -210,25 +215,27 @@ def probe_rows(run: StudyRun, geometry: Geometry, directions: torch.Tensor, ood:
 def token_prediction_rows(run: StudyRun, checkpoints: dict[int, StudyRun], readout: Geometry, ood: Sequences, h_ood: torch.Tensor,
                           prior: torch.Tensor) -> list[dict]:
     """Theorem 2 (at the last layer's resid_post, where the readout is the final norm and
-    unembedding) and the predictor transition over the checkpoints {step: run at that step}, on
-    the OOD sequences whose states h_ood: [N, T, D] there ``readout`` was fitted beside; prior:
-    [2048, V] OOD-optimal predictions over OOD tasks."""
+    unembedding) on the OOD sequences whose states h_ood: [N, T, D] there ``readout`` was fitted
+    beside (prior: [2048, V] OOD-optimal predictions over OOD tasks), and the predictor transition
+    over the checkpoints {step: run at that step} on ``TRANSITION_SEQUENCES`` sequences of the
+    training mixture (``measures.transition``)."""
     family, pool, model, tokens = run.family, run.pool, run.model, ood.batch.tokens
     subspace, t, place = readout.fit.subspace, tokens.shape[1] - 1, readout.place
     with torch.no_grad():
-        logits = model.readout(h_ood)  # [N, T, V] the final model's output, read off the cached states
+        logits = model.readout(h_ood[:, t])  # [N, V] the final model's last output, read off the cached states
     n = tokens.shape[0]
-    theory = theorem2(model.readout, h_ood[:, t], subspace.mu[t].float().expand(n, -1), subspace.basis.float(), logits[:, t],
+    theory = theorem2(model.readout, h_ood[:, t], subspace.mu[t].float().expand(n, -1), subspace.basis.float(), logits,
                       family.predict_ood(tokens)[:, t], prior)
     where = {"place": place, "batch": "geometry"}
     rows = [row(f"theorem2_{key}", theory[key], **where) for key in ("k_star", "d0", "lipschitz")]
     rows += [row(f"theorem2_{key}", theory[key].median(), quartiles(theory[key]), set="ood", **where) for key in ("c", "delta", "bound", "distance")]
     rows.append(row("theorem2_share_bound_holds", (theory["distance"] >= theory["bound"]).double().mean(), set="ood", **where))
-    references = reference_predictors(family, tokens, pool, run.config.task.p_minor)
+    mixture = run.heldout("mixture", TRANSITION_SEQUENCES, split="transition").batch.tokens  # the study's mode="train"
+    references = reference_predictors(family, mixture, pool, run.config.task.p_minor)
     for step, snapshot in checkpoints.items():
         with torch.no_grad():
-            stat = transition_statistic(logits if snapshot is run else snapshot.model(tokens), *references)
-        rows += [row(f"transition_{key}", value, batch="geometry", set="ood", step=step) for key, value in stat.items()]
+            stat = transition_statistic(snapshot.model(mixture), *references)
+        rows += [row(f"transition_{key}", value, batch="transition", set="mixture", step=step) for key, value in stat.items()]
     return rows
 
 

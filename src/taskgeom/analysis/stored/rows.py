@@ -41,7 +41,11 @@ from taskgeom.runs.folders import Run
 # From here on each analysis has its own version:
 # m1 11: P0-P2 on the study's forced-token cells (P0/P1 at the last position it reads; the batch "cells"), P3 as its
 #    trajectory figure computes it (p3.tv_trajectory; the batch "trajectory").
-VERSIONS = {"m1": 11, "dual": 10}
+# dual 11: the random control as the study's band (signed 75th percentile, the change over every prediction, the largest
+#    over blocks), E1's losses over every prediction and its probe from position 100 of 128, the predictor transition
+#    as KL(model || reference) on 1,024 sequences of the training mixture (the batch "transition").
+# m1 12: E2's r2_additive fits the task simplex to h - mu_t before x_t's map (the study's order), its random baseline too.
+VERSIONS = {"m1": 12, "dual": 11}
 FIELDS = ("metric", "value", "band", "layer", "site", "batch", "set", "step", "position", "task", "gain", "unreliable", "reason",
           "version")
 
