@@ -349,7 +349,7 @@ def test_sensitivity_measures_the_protocol_again_as_the_claims_did(tiny_reproduc
     assert all(compared.count(claim) == 2 for claim in ablations)  # measured again on each of the two seeds
 
 
-def test_the_protocol_probe_is_the_study_s_on_major_sequences_only_by_hand(tmp_path_factory):
+def test_the_protocol_probe_and_its_token_span_are_the_study_s_on_major_sequences_only_by_hand(tmp_path_factory):
     """The ablations' S of a tiny trained E3 model with minors in its pool (k = 2), by a plain
     implementation of the study's ``remove_task.py`` steps: 5,000 major sequences in batches of 64
     (79 batches, 5,056 sequences) only (no anchoring
@@ -386,11 +386,21 @@ def test_the_protocol_probe_is_the_study_s_on_major_sequences_only_by_hand(tmp_p
             targets.append(captured[0][i, t].numpy())
     design = np.array(design)
     assert np.abs(design[:, :K].sum(1) - 1).max() > 1e-4  # minors hold posterior mass: pi keeps all K columns
-    weights = ols_single_precision(design, np.array(targets))[:K].astype(np.float64)
-    _, s, vt = np.linalg.svd(weights, full_matrices=False)
+    solution = ols_single_precision(design, np.array(targets)).astype(np.float64)
+    _, s, vt = np.linalg.svd(solution[:K], full_matrices=False)
     basis = vt[s > 1e-6 * s[0]].T
     assert geometry.probe.shape == basis.shape
     np.testing.assert_allclose(geometry.probe.numpy() @ geometry.probe.numpy().T, basis @ basis.T, atol=1e-3)
+    # the token span V avoids, as the study's svd_basis(W_tok, 0.9): W_tok's rows (a zero row for the last
+    # token), uncentred, the fewest right singular directions whose squared singular values reach 90%
+    w_tok = np.concatenate([solution[K : K + V - 1], np.zeros((1, solution.shape[1]))])
+    _, s, vt = np.linalg.svd(w_tok, full_matrices=False)
+    s = s[s > 1e-6 * s[0]]
+    energy = np.cumsum(s**2)
+    tokens = vt[: int((energy < 0.9 * energy[-1]).sum()) + 1].T
+    assert geometry.token_directions.shape == tokens.shape
+    np.testing.assert_allclose(geometry.token_directions.double().numpy() @ geometry.token_directions.double().numpy().T,
+                               tokens @ tokens.T, atol=2e-3)
 
 
 def test_the_transition_reads_the_training_mixture(dice):

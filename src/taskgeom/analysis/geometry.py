@@ -371,7 +371,13 @@ class Geometry:
 
     @cached_property
     def token_directions(self) -> torch.Tensor:
-        """[D, m] the token subspace: the directions holding 90% of the token effects' variance (``analysis.measures.orthogonal.token_subspace``)."""
+        """[D, m] the token subspace the orthogonal search avoids (``analysis.measures.orthogonal.token_subspace``):
+        the right singular directions holding 90% of the squared singular values of the probe's W_tok,
+        uncentred (the study's ``svd_basis(W_tok, 0.9)``); where the probe reads x_t rather than a one-hot
+        (E2), those of the token effects **[ours]**."""
+        weights = self.task_probe.token_weights
+        if weights is not None:
+            return token_subspace(weights.float(), centre=False)
         return token_subspace(self.token_effects.float(), centre=self.run.family.centred_token_effects)
 
     @cached_property

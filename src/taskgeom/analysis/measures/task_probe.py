@@ -62,11 +62,13 @@ class ProbeData:
 class ProbeFit:
     """A fitted probe: ``weights`` [K, D] W_task (a zero row where ``pi``'s column was dropped),
     ``basis`` [D, r] orthonormal basis of S (float64), ``dropped``: ``pi`` summed to one and lost its
-    last column."""
+    last column; ``token_weights`` [V, D] W_tok of the token one-hot (a zero row for the last token,
+    whose column is dropped; None where the probe reads x_t itself, E2)."""
 
     weights: torch.Tensor
     basis: torch.Tensor
     dropped: bool
+    token_weights: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"ProbeFit(K={self.weights.shape[0]}, D={self.weights.shape[1]}, rank={self.basis.shape[1]}, dropped={self.dropped})"
@@ -119,14 +121,20 @@ def fit_probe(data: ProbeData, spec: TaskProbe, gen: torch.Generator, exact: boo
     else:
         with torch_threads(1):  # single precision reduces in another order on more threads: 1e-4 apart, so one thread
             solution = (torch.linalg.pinv(x.float().cpu()) @ h.float().cpu()).double()
+    n_pi = K - 1 if dropped else K
     weights = torch.zeros(K, D, dtype=torch.float64)
-    weights[: K - 1 if dropped else K] = solution[: K - 1 if dropped else K]
+    weights[:n_pi] = solution[:n_pi]
+    token_weights = None
+    if data.vocab is not None:  # the one-hot's columns follow pi's, the last token's dropped
+        token_weights = torch.zeros(data.vocab, D, dtype=torch.float64)
+        token_weights[: data.vocab - 1] = solution[n_pi : n_pi + data.vocab - 1]
     w = weights - weights.mean(0) if spec.centred else weights
     _, s, vh = torch.linalg.svd(w, full_matrices=False)
     if not s[0] > 0:
         raise AnalysisError("the probe's task weights are zero: no task subspace")
     rank = int((s > RANK_TOLERANCE * s[0]).sum())
-    return ProbeFit(weights.to(states.device), vh[:rank].T.to(states.device), dropped)
+    return ProbeFit(weights.to(states.device), vh[:rank].T.to(states.device), dropped,
+                    None if token_weights is None else token_weights.to(states.device))
 
 
 def probe_basis_with_mean(states: torch.Tensor, alpha: torch.Tensor, current: torch.Tensor, vocab: int | None,

@@ -45,7 +45,8 @@ from taskgeom.runs.folders import Run
 #    over blocks), E1's losses over every prediction and its probe from position 100 of 128, the predictor transition
 #    as KL(model || reference) on 1,024 sequences of the training mixture (the batch "transition").
 # m1 12: E2's r2_additive fits the task simplex to h - mu_t before x_t's map (the study's order), its random baseline too.
-VERSIONS = {"m1": 12, "dual": 11}
+# dual 12: E3's token span that V avoids from the probe's W_tok (the study's svd_basis(W_tok, 0.9)).
+VERSIONS = {"m1": 12, "dual": 12}
 FIELDS = ("metric", "value", "band", "layer", "site", "batch", "set", "step", "position", "task", "gain", "unreliable", "reason",
           "version")
 
