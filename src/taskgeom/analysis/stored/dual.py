@@ -71,6 +71,7 @@ from taskgeom.tasks import TokenFamily
 
 PRIOR_TASKS = 2048  # OOD tasks whose predictions sample the OOD prediction map (d0)
 TRANSITION_SEQUENCES = 1024  # the study's num_samples of the predictor transition (fig_kl_transition_combined.py)
+REFERENCE_CHUNK = 256  # sequences whose Bayes predictors are computed at once
 EVAL_SEQUENCES = 512  # the study's evaluation sets: n_samples_eval = 500 drawn in batches of 64, so 8 batches, 512 sequences
 
 
@@ -231,7 +232,8 @@ def token_prediction_rows(run: StudyRun, checkpoints: dict[int, StudyRun], reado
     rows += [row(f"theorem2_{key}", theory[key].median(), quartiles(theory[key]), set="ood", **where) for key in ("c", "delta", "bound", "distance")]
     rows.append(row("theorem2_share_bound_holds", (theory["distance"] >= theory["bound"]).double().mean(), set="ood", **where))
     mixture = run.heldout("mixture", TRANSITION_SEQUENCES, split="transition").batch.tokens  # the study's mode="train"
-    references = reference_predictors(family, mixture, pool, run.config.task.p_minor)
+    by_chunk = [reference_predictors(family, chunk, pool, run.config.task.p_minor) for chunk in mixture.split(REFERENCE_CHUNK)]
+    references = tuple(torch.cat(parts) for parts in zip(*by_chunk))  # the pool posterior of ~1,000 tasks a chunk at a time
     for step, snapshot in checkpoints.items():
         with torch.no_grad():
             stat = transition_statistic(snapshot.model(mixture), *references)
