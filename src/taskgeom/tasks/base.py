@@ -145,7 +145,8 @@ class TaskFamily(ABC):
     # family declares none, and the ablations' task subspace cannot be fitted for it)
     task_probe: ClassVar[TaskProbe | None] = None
     # docs/protocol.md, "Shares of in-context gain": the first prediction the losses L of the ablations
-    # average (the study's latent-Markov and linear code: 1, every prediction after the first)
+    # average (the study's latent-Markov code: 1, every prediction after the first; E2's linear code
+    # unread, kept there; E1's coin code: 0)
     loss_from: ClassVar[int] = 1
     # docs/protocol.md, "Steering": the study's edit, "task" (swap per-position task vectors, E1) or
     # "subspace" (replace the component in the task subspace, E2 and E3); None: steering needs one
