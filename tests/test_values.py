@@ -204,11 +204,15 @@ def _probe(site: str, layer: int, target: str, score: float, control: float, whi
 
 @pytest.mark.parametrize("e4_shares, status", [((0.3, 0.12), "pass"), ((0.3, 0.08), "fail")])
 def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monkeypatch, e4_shares, status):
-    """e4.P0_failure = E4's share at resid_post of its M1 block (block 1 of 2: the study's block 3 of
-    6), the smaller of its two groupings, divided by the larger of E1's and E3's at theirs;
-    e4.prefix_probe = the smallest over targets of score minus control at the same place. Other
-    layers and resid_mid hold numbers that would give other answers."""
+    """e4.P0_failure = the median over brackets of E4's residual variance ratio at resid_mid of its
+    M1 block (block 1 of 2: the study's block 3 of 6; ``extras.dyck_variance``), divided by the
+    larger of E1's and E3's 1 - P0 (their M1 claims'); the earlier construction's ratio beside it
+    (E4's share on natural states at resid_post, the smaller of its two groupings, over the larger
+    reference share at theirs). e4.prefix_probe = the smallest over targets of score minus control
+    at resid_post of the M1 block. Other layers and sites hold numbers that would give other answers."""
     e4 = importlib.import_module("taskgeom.extras.dyck")
+    residual = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.9, e4_shares[1] - 0.01, 0.01, e4_shares[1] + 0.01]], dtype=torch.float64)  # layer 1's median: e4_shares[1]
+    within = {"e1": 0.02, "e3": 0.03}
     references = {"e1": {"resid_mid": [0.05, 0.9], "resid_post": [0.5, 0.02]},
                   "e3": {"resid_mid": [0.04, 0.9], "resid_post": [0.4, 0.03]}}
     dyck = {"resid_post": {"token_due": [0.001, e4_shares[0]], "last3_due": [0.001, e4_shares[1]], "token_late": [0.9, 0.9],
@@ -232,6 +236,9 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
         return run
 
     monkeypatch.setattr(Context, "trained", fake_trained)
+    monkeypatch.setattr(e4, "study_p0", lambda run: residual)
+    monkeypatch.setattr(e4, "reference_within", lambda run: within[run.recipe])
+    monkeypatch.setattr(e4, "plot_p0_positions", lambda *a, **k: None)
     monkeypatch.setattr(e4, "reference_p0", lambda run: references[run.recipe])
     monkeypatch.setattr(e4, "dyck_p0", lambda run: dyck)
     monkeypatch.setattr(e4, "prefix_probes", lambda run, model, which, **kw: trained_rows[which] if model is trained else
@@ -244,9 +251,10 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
     claims = {c.id: c for _, c in ctx.measured}
     assert list(claims) == ["e4.P0_failure", "e4.prefix_probe"]
     p0 = claims["e4.P0_failure"]
-    assert p0.value == pytest.approx(e4_shares[1] / 0.03, rel=1e-12)
-    assert p0.parts == {"e4_share": e4_shares[1], "reference_share": 0.03, "layer": 1, "site": "resid_post", "e1_share": 0.02,
-                        "e3_share": 0.03}
+    median = e4_shares[1]
+    assert p0.value == pytest.approx(median / 0.03, rel=1e-12)
+    assert p0.parts == {"e4_share": pytest.approx(median, rel=1e-12), "reference_share": 0.03, "layer": 1, "site": "resid_mid",
+                        "brackets": 4, "e1_share": 0.02, "e3_share": 0.03, "natural_cells_ratio": pytest.approx(e4_shares[1] / 0.03, rel=1e-12)}
     assert (p0.threshold, p0.comparison, p0.status) == (spec("e4", "P0_failure").threshold, ">=", status)
     probe = claims["e4.prefix_probe"]
     assert probe.value == pytest.approx(0.25, rel=1e-12) and probe.status == "pass"
@@ -263,6 +271,9 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
         assert {(r["series"], r["layer"]): r["value"] for r in at} == {(name, layer): v for name, values in series.items()
                                                                           for layer, v in enumerate(values)}
     assert written["probes"] == trained_rows["pool"] and written["probes_ood"] == trained_rows["ood"]
+    assert {(r["layer"], r["bracket"]): r["value"] for r in written["p0_brackets"]} == {
+        (layer, j): float(residual[layer, j]) for layer in range(2) for j in range(4)}
+    assert {r["series"]: r["value"] for r in written["p0_references"]} == within
 
 
 # ---------------------------------------------------------------- reproduce's exit codes

@@ -1,39 +1,52 @@
 """E4's own claims, planted Dyck (docs/concepts.md#e4-where-the-geometry-ends): P0 fails where E1 and
 E3 satisfy it (``P0_failure``), and linear probes recover the earlier bracket prefix from the
-hidden states (``prefix_probe``). Both read ``CLAIM_SITE`` of each model's M1 block, one place,
-never the minimum over blocks (docs/protocol.md, "E4"); ``extras.dyck`` measures the shares and
-the probes' rows they read."""
+hidden states (``prefix_probe``). Both read each model's M1 block, one place, never the minimum over
+blocks: P0 at ``P0_SITE``, where the study's variance.py reads it, the probes at ``CLAIM_SITE``
+(docs/protocol.md, "E4"); ``extras.dyck`` and ``extras.dyck_variance`` measure what they read."""
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
 from taskgeom.claims.rules import Claim, Spec
 
 SPECS: tuple[Spec, ...] = (
-    Spec("P0_failure", "e4", "E4 (k = -1)", "E4's within-cell share at its M1 block divided by the larger of E1's and E3's", ">=", 3.0,
-         ("p0_across_families",)),
+    Spec("P0_failure", "e4", "E4 (k = -1)", "E4's residual variance ratio at its M1 block (median over brackets) divided by the larger "
+         "of E1's and E3's 1 - P0", ">=", 3.0, ("p0_bracket_positions", "p0_across_families")),
     Spec("prefix_probe", "e4", "E4 (the highest k of the grid)", "smallest over targets of a prefix probe's score minus its shuffled-label control", ">=",
          0.10, ("prefix_probes",)),
 )
-CLAIM_SITE = "resid_post"  # the site of the M1 block the claims and the figures read
+CLAIM_SITE = "resid_post"  # the site of the M1 block the prefix probes and their figures read
+P0_SITE = "resid_mid"  # the site the study's variance.py reads (its hook on attn_block)
 
 
-def p0_failure(recipe: str, shares: dict[str, list[float]], layer: int, references: dict[str, int]) -> Claim:
-    """E4's P0 failure on one seed: ``shares`` {series: within-cell share per layer} at ``CLAIM_SITE``
-    (E4's two groupings ``e4_token_due`` and ``e4_last3_due``, and each reference recipe's), read
-    at E4's M1 block ``layer`` and each reference's own M1 block (``references`` {recipe: layer})."""
-    e4_share = min(shares["e4_token_due"][layer], shares["e4_last3_due"][layer])
-    reference_share = max(shares[ref][at] for ref, at in references.items())
+def p0_failure(recipe: str, residual: Sequence[float], layer: int, references: dict[str, float], natural_cells: float) -> Claim:
+    """E4's P0 failure on one seed: ``residual`` E4's residual variance ratio per bracket index at
+    ``P0_SITE`` of its M1 block ``layer`` (``extras.dyck_variance``), its median over the brackets
+    [ours] divided by the largest of ``references`` {recipe: 1 - P0 as its M1 claim reads it};
+    ``natural_cells``, the earlier construction's ratio (``natural_cells_ratio``), written beside."""
+    e4_share = statistics.median(residual)
+    reference_share = max(references.values())
     of_references = " and ".join(f"{ref.upper()}'s" for ref in references)  # E1's and E3's
     return SPECS[0].judge(
         recipe,
-        f"E4's within-cell share at its M1 block ({CLAIM_SITE}; per late position, median; the smaller of its two groupings, "
-        f"bracket phase) divided by the larger of {of_references} (task, token) share at their M1 block; k = -1",
+        f"E4's residual variance ratio (1 - R^2 of cells of the tasks sharing the last three planted brackets, at bracket j's own "
+        f"position, the study's variance.py) at its M1 block ({P0_SITE}), median over the brackets, divided by the larger of "
+        f"{of_references} 1 - P0 (the study's forced-token cells); k = -1",
         e4_share / reference_share,
-        {"e4_share": e4_share, "reference_share": reference_share, "layer": layer, "site": CLAIM_SITE,
-         **{f"{ref}_share": shares[ref][at] for ref, at in references.items()}})
+        {"e4_share": e4_share, "reference_share": reference_share, "layer": layer, "site": P0_SITE, "brackets": len(residual),
+         **{f"{ref}_share": share for ref, share in references.items()}, "natural_cells_ratio": natural_cells})
+
+
+def natural_cells_ratio(shares: dict[str, list[float]], layer: int, references: dict[str, int]) -> float:
+    """The earlier construction of E4's P0 failure: from ``shares`` {series: within-cell share per
+    layer} at ``CLAIM_SITE`` on natural states per late position, E4's smaller grouping in its
+    bracket phase at ``layer`` over the larger (task, token) share of ``references`` {recipe: its M1
+    block}."""
+    e4_share = min(shares["e4_token_due"][layer], shares["e4_last3_due"][layer])
+    return e4_share / max(shares[ref][at] for ref, at in references.items())
 
 
 def prefix_probe(recipe: str, pool: Sequence[dict], untrained: Sequence[dict], layer: int, max_back: int, diversity: int) -> Claim:

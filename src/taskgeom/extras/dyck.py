@@ -5,6 +5,10 @@ Where (docs/protocol.md, "E4"): the claims read ``resid_post`` of each model's M
 study's block 3 of 6 at the same relative depth, ``Place.at_depth`` of the family's ``m1_block``),
 one place, never the minimum over blocks; the tables keep every layer at both sites.
 
+P0's claim reads the study's own measurement (``extras.dyck_variance``: the residual variance ratio of
+cells of the tasks sharing the last three planted brackets, at each bracket's own position, at
+``resid_mid``) against E1's and E3's 1 - P0 as their M1 claims read it (``reference_within``). The
+earlier construction stays measured beside it (``natural_cells_ratio`` in the claim's parts): there
 P0 is measured by one function for every family, ``within_share``: the within-cell share of the
 variance of the states over (task, current token) cells **at each position separately** (as the
 M1 protocol fits P0 for E1-E3, so the drift of the mean state is not counted as within-cell
@@ -35,9 +39,15 @@ from taskgeom.analysis.measures.anova import two_way
 from taskgeom.analysis.measures.linear_probes import Kind, linear_probe
 from taskgeom.analysis.measures.task_vectors import late_window
 from taskgeom.analysis.reading.states import collect
-from taskgeom.claims.e4 import CLAIM_SITE, p0_failure, prefix_probe
+from taskgeom.analysis.stored.m1 import analyze as analyze_m1
+from taskgeom.analysis.stored.m1 import write as write_m1
+from taskgeom.analysis.stored.rows import stored_rows
+from taskgeom.analysis.study import StudyRun
+from taskgeom.claims.e4 import CLAIM_SITE, P0_SITE, natural_cells_ratio, p0_failure, prefix_probe
+from taskgeom.claims.m1 import claim_values
 from taskgeom.experiments.base import Context
-from taskgeom.extras.dyck_figures import plot_p0_comparison, plot_prefix_probes
+from taskgeom.extras.dyck_figures import plot_p0_comparison, plot_p0_positions, plot_prefix_probes
+from taskgeom.extras.dyck_variance import study_p0
 from taskgeom.hooks import Place
 from taskgeom.report.interactive import Evidence, lines
 from taskgeom.runs.folders import Run
@@ -110,6 +120,18 @@ def reference_p0(run: Run) -> dict[str, list[float]]:
     task = batch.task[:, None].expand_as(tokens)
     K, V, late = run.pool.n_major, run.family.vocab_size, _late(tokens)
     return {name: within_shares(states, task, tokens, K, V, late) for name, states in _layer_states(run, tokens, run.load_model()).items()}
+
+
+def reference_within(run: Run) -> float:
+    """1 - P0 of a reference run as its M1 claim reads it (the study's forced-token cells at its claim
+    place), from its ``analysis/m1.json``; analysed now where that is absent or of another version."""
+    rows = stored_rows(run, "m1")
+    if rows is None:
+        study = StudyRun(run)
+        result = analyze_m1(study)
+        write_m1(study, result)
+        rows = result.rows
+    return 1.0 - claim_values(rows)["P0"].value
 
 
 def dyck_p0(run: Run) -> dict[str, dict[str, list[float]]]:
@@ -205,7 +227,7 @@ def runs(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> 
 def e4(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> None:
     """E4's claims on ``study``'s runs against ``references`` (every seed), one seed's figures, and
     every row in the folder's ``analysis/{study}.json``."""
-    tables: dict[str, list[dict]] = {"p0": [], "probes": [], "probes_ood": [], "probes_untrained": []}
+    tables: dict[str, list[dict]] = {"p0": [], "p0_brackets": [], "p0_references": [], "probes": [], "probes_ood": [], "probes_untrained": []}
     diversity = probe_diversity(ctx, study)
     for seed in ctx.seeds:
         measured = measure(ctx, study.name, tuple(references), seed, diversity)
@@ -224,7 +246,10 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int, div
     majors = ctx.trained(name, ("task.diversity=-1",), seed)
     diverse = ctx.trained(name, (f"task.diversity={diversity}",), seed)
     reference_runs = {ref: ctx.trained(ref, ("task.diversity=-1",), seed) for ref in references}
-    with ctx.stage(f"P0 within-cell shares ({', '.join(r.upper() for r in (*references, name))}; seed {seed})"):
+    with ctx.stage(f"P0 as the study's variance.py ({name.upper()}; seed {seed})"):
+        residual = study_p0(majors)  # [L, J]
+        within = {ref: reference_within(run) for ref, run in reference_runs.items()}
+    with ctx.stage(f"P0 within-cell shares on natural states ({', '.join(r.upper() for r in (*references, name))}; seed {seed})"):
         reference_shares = {ref: reference_p0(run) for ref, run in reference_runs.items()}
         dyck = dyck_p0(majors)
     with ctx.stage(f"prefix probes (trained and untrained, pool and OOD; seed {seed})"):
@@ -235,17 +260,32 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int, div
           for site in P0_SITES}
     p0_rows = [{"site": site, "series": name, "layer": layer, "metric": "p0.within_share", "value": share}
                for site, series in p0.items() for name, shares in series.items() for layer, share in enumerate(shares)]
+    bracket_rows = [{"site": P0_SITE, "layer": layer, "bracket": j, "metric": "p0.residual_ratio", "value": float(value)}
+                    for layer, ratios in enumerate(residual) for j, value in enumerate(ratios)]
+    reference_rows = [{"series": ref, "metric": "p0.one_minus_P0", "value": share} for ref, share in within.items()]
 
     at = {ref: claim_layer(run) for ref, run in reference_runs.items()}
+    layer = claim_layer(majors)
     untrained_pool = [r for r in untrained if r["set"] == "pool"]
-    ctx.claim(seed, p0_failure(name, p0[CLAIM_SITE], claim_layer(majors), at),
+    ctx.claim(seed, p0_failure(name, residual[layer].tolist(), layer, within, natural_cells_ratio(p0[CLAIM_SITE], layer, at)),
               prefix_probe(name, probes["pool"], untrained_pool, claim_layer(diverse), MAX_BACK, diversity))
-    return {"p0": p0_rows, "probes": probes["pool"], "probes_ood": probes["ood"], "probes_untrained": untrained}
+    return {"p0": p0_rows, "p0_brackets": bracket_rows, "p0_references": reference_rows, "probes": probes["pool"], "probes_ood": probes["ood"],
+            "probes_untrained": untrained}
 
 
 def plot(ctx: Context, name: str, references: tuple[str, ...], measured: dict[str, list[dict]], seed: int, diversity: int) -> None:
     """The P0 comparison and the prefix-probe figures of one seed's rows (``measure``; the probes' at
     k = ``diversity``)."""
+    ratios: dict[int, list[float]] = {}
+    for row in measured["p0_brackets"]:
+        ratios.setdefault(row["layer"], []).append(row["value"])
+    references_within = {row["series"].upper(): row["value"] for row in measured["p0_references"]}
+    plot_p0_positions(ratios, references_within, ctx.figure(
+        "p0_bracket_positions.png",
+        f"E4's P0 as the study's variance.py measures it: the residual variance ratio (1 - R^2 of cells of the tasks sharing the "
+        f"last three planted brackets) at each block's {P0_SITE}, at bracket j's own position, against j, k = -1; dotted: "
+        f"{' and '.join(references_within)}'s 1 - P0 (the study's forced-token cells, their M1 block) (seed {seed})",
+        (f"{name}.P0_failure",)), site=P0_SITE)
     shares: dict[str, list[float]] = {}
     for row in measured["p0"]:
         if row["site"] == CLAIM_SITE:
@@ -253,7 +293,8 @@ def plot(ctx: Context, name: str, references: tuple[str, ...], measured: dict[st
     series = {f"{ref.upper()} (task, token)": shares[ref] for ref in references}
     series |= {"E4 (task, token), bracket phase": shares["e4_token_due"], "E4 (task, last 3 brackets), bracket phase": shares["e4_last3_due"]}
     plot_p0_comparison(series, ctx.figure("p0_across_families.png",
-                       f"P0 across families: within-cell share of state variance per layer at {CLAIM_SITE}; {' and '.join(r.upper() for r in references)} by "
+                       f"P0 across families, the earlier construction on natural states (natural_cells_ratio in the claim's parts): within-cell "
+                       f"share of state variance per layer at {CLAIM_SITE}; {' and '.join(r.upper() for r in references)} by "
                        f"(task, current token), E4 by (task, current token) and by (task, last three planted brackets), k = -1 (seed {seed})",
                        (f"{name}.P0_failure",)), site=CLAIM_SITE)
     last = max(row["layer"] for row in measured["probes_untrained"])
@@ -278,9 +319,13 @@ def evidence(table: pd.DataFrame) -> list[Evidence]:
 
 def _evidence(table: pd.DataFrame, e4: str) -> list[Evidence]:
     p0 = table[table["analysis"] == f"{e4}.p0"]
+    brackets = table[table["analysis"] == f"{e4}.p0_brackets"]
     probes = pd.concat([table[table["analysis"] == f"{e4}.{name}"] for name in ("probes", "probes_ood")])
     shown = probes[probes["site"] == CLAIM_SITE].drop(columns="value", errors="ignore").rename(columns={"score": "value"})
     return [
+        Evidence(f"{e4}-p0-brackets", f"Residual variance ratio per bracket index and layer ({P0_SITE}; the study's variance.py)", e4,
+                 (f"{e4}.P0_failure",), figure=lines(brackets, "bracket", lambda k: f"layer {k[0]}", ["layer"],
+                                                     "Residual variance ratio per bracket", "bracket index j", "1 - R^2")),
         Evidence(f"{e4}-p0", f"Within-cell share of state variance per layer (P0 fails for {e4.upper()})", e4, (f"{e4}.P0_failure",),
                  figure=lines(p0, "layer", lambda k: f"{k[0]} {k[1]}", ["site", "series"], "Within-cell share per layer", "layer",
                                "within-cell share", dash=lambda k: "dot" if k[0] == "resid_post" else "solid")),

@@ -1,4 +1,5 @@
-"""E4 figures: P0 (within-cell share per layer) across families, and the bracket-prefix probes."""
+"""E4 figures: P0 as the study measures it (per bracket index) and the earlier within-cell shares per layer
+across families, and the bracket-prefix probes."""
 
 from __future__ import annotations
 
@@ -27,6 +28,28 @@ def plot_p0_comparison(series: dict[str, list[float]], path: Path, title: str = 
     ax.grid(alpha=0.3, which="both")
     ax.legend(frameon=False, fontsize=8)
     ax.set_title(title or "P0: share of state variance left within cells, per layer")
+    fig.tight_layout()
+    save(fig, path)
+
+
+def plot_p0_positions(ratios: dict[int, list[float]], references: dict[str, float], path: Path, site: str = "resid_mid") -> None:
+    """The study's E4 panel: the residual variance ratio against the bracket index j, one line per
+    layer; each reference's 1 - P0 a dotted horizontal line.
+
+    ratios: {layer: [ratio at j = 0, 1, ...]}; references: {label: 1 - P0}.
+    """
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for layer, values in sorted(ratios.items()):
+        ax.plot(range(len(values)), values, "-o", markersize=3, label=f"layer {layer}")
+    for label, share in references.items():
+        ax.axhline(share, linestyle=":", color="grey")
+        ax.annotate(f"{label}: 1 - P0 = {share:.3g}", (0, share), textcoords="offset points", xytext=(2, 3), fontsize=7, color="grey")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("bracket index j (the state at bracket j's own position)")
+    ax.set_ylabel(f"residual variance ratio 1 - R^2 ({site})")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)
+    ax.set_title("E4: P0 as the study's variance.py measures it (cells: last three planted brackets)", fontsize=9)
     fig.tight_layout()
     save(fig, path)
 

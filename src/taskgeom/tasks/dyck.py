@@ -94,6 +94,11 @@ class Dyck(TokenFamily):
         B = params.shape[0]
         coin = torch.rand(B, seq_len, generator=gen, dtype=torch.float64) < self.p_bracket
         noise = torch.randint(0, self.n_noise, (B, seq_len), generator=gen)
+        return self.plant(params, coin, noise)
+
+    def plant(self, params: torch.Tensor, coin: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """[B, T] tokens: the i-th success of coin: [B, T] bool carries bracket i of params: [B, 2n]
+        while any is left, noise: [B, T] stands everywhere else."""
         index = coin.long().cumsum(dim=1) - 1  # [B, T] which bracket a coin success would carry
         emit = coin & (index < self.length)
         bracket = params.long().gather(1, index.clamp(0, self.length - 1))
