@@ -6,7 +6,9 @@ For each finished run directory (a reproduction's, at any profile), at one threa
   temporary folder, scaled to the run's steps (its training time, estimated);
 - the M1 analysis (``experiments.m1.analyze_one``: P0-P3 and steering, m1.json) and the dual
   analysis (``analysis.stored.dual.analyze_dual``: projection R^2, the S and V ablations, probes,
-  dual.json), each timed on a copy of the run, so the run itself is never written.
+  dual.json), each timed on a copy of the run, so the run itself is never written;
+- for an E4 run instead, its P0 as the study's variance.py measures it
+  (``extras.dyck_variance.study_p0``, 30 masks x 2,048 sequences per major task; it writes nothing).
 
 It prints each analysis's seconds and its ratio to the training estimate. A reproduction trains
 each run once and analyses it once or twice, so the ratios say what share of its wall time the
@@ -28,7 +30,9 @@ import torch
 from taskgeom.analysis.stored.dual import analyze_dual
 from taskgeom.analysis.study import StudyRun
 from taskgeom.experiments.m1 import analyze_one
+from taskgeom.extras.dyck_variance import study_p0
 from taskgeom.runs.folders import Run
+from taskgeom.tasks.dyck import Dyck
 from taskgeom.training.train import train
 
 
@@ -63,6 +67,12 @@ def main() -> None:
     for run_dir in args.runs:
         with tempfile.TemporaryDirectory() as scratch:
             base = training_seconds(Run.open(run_dir), args.steps, Path(scratch) / "baseline")
+            if isinstance(Run.open(run_dir).family, Dyck):
+                start = time.perf_counter()
+                study_p0(Run.open(run_dir))
+                e4 = time.perf_counter() - start
+                print(f"{run_dir.name:<16} {base:>14.1f}   E4 P0 (study_p0) {e4:.1f} s, {e4 / base:.2f} of training")
+                continue
             m1 = timed(analyze_one, run_dir, Path(scratch) / "m1")
             dual = timed(analyze_dual, run_dir, Path(scratch) / "dual")
         print(f"{run_dir.name:<16} {base:>14.1f} {m1:>8.1f} {m1 / base:>10.2f} {dual:>8.1f} {dual / base:>12.2f}")
