@@ -66,10 +66,11 @@ def main() -> None:
     print(f"{'run':<16} {'train (est.) s':>14} {'m1 s':>8} {'m1 / train':>10} {'dual s':>8} {'dual / train':>12}")
     for run_dir in args.runs:
         with tempfile.TemporaryDirectory() as scratch:
-            base = training_seconds(Run.open(run_dir), args.steps, Path(scratch) / "baseline")
-            if isinstance(Run.open(run_dir).family, Dyck):
+            run = Run.open(run_dir)
+            base = training_seconds(run, args.steps, Path(scratch) / "baseline")
+            if isinstance(run.family, Dyck):
                 start = time.perf_counter()
-                study_p0(Run.open(run_dir))
+                study_p0(run)
                 e4 = time.perf_counter() - start
                 print(f"{run_dir.name:<16} {base:>14.1f}   E4 P0 (study_p0) {e4:.1f} s, {e4 / base:.2f} of training")
                 continue

@@ -72,17 +72,16 @@ def bracket_moments(family: Dyck, model: torch.nn.Module, words: torch.Tensor, m
     """The states' moments over ``per_mask`` sequences per (task, mask) for words: [K, 2n] and
     masks: [M, T] (``bracket_masks``), at every layer's ``SITE``."""
     positions = bracket_positions(masks)
-    n_layers, K, (M, T), J = len(model.blocks), words.shape[0], masks.shape, positions.shape[1]
+    n_layers, K, (M, T), J = model.cfg.n_layers, words.shape[0], masks.shape, positions.shape[1]
     sites = [(layer, SITE) for layer in range(n_layers)]
-    sums, squares = None, torch.zeros(n_layers, K, J, dtype=torch.float64)
+    sums = torch.zeros(n_layers, K, J, model.cfg.d_model, dtype=torch.float64)
+    squares = torch.zeros(n_layers, K, J, dtype=torch.float64)
     for k in range(K):
         for m in range(M):
             noise = torch.randint(0, family.n_noise, (per_mask, T), generator=gen)
             tokens = family.plant(words[k].expand(per_mask, -1), masks[m].expand(per_mask, -1), noise)
             for layer, h in enumerate(collect(model, tokens, sites).values()):
                 at = h[:, positions[m]].double()  # [B, J, D]
-                if sums is None:
-                    sums = torch.zeros(n_layers, K, J, at.shape[-1], dtype=torch.float64)
                 sums[layer, k] += at.sum(dim=0)
                 squares[layer, k] += at.pow(2).sum(dim=-1).sum(dim=0)
     return BracketMoments(sums, squares, M * per_mask)
