@@ -208,8 +208,10 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
     M1 block (block 1 of 2: the study's block 3 of 6; ``extras.dyck_variance``), divided by the
     larger of E1's and E3's 1 - P0 (their M1 claims'); the earlier construction's ratio beside it
     (E4's share on natural states at resid_post, the smaller of its two groupings, over the larger
-    reference share at theirs). e4.prefix_probe = the smallest over targets of score minus control
-    at resid_post of the M1 block. Other layers and sites hold numbers that would give other answers."""
+    reference share at theirs). e4.prefix_probe = the smallest over prefix lengths of the study's
+    probe's accuracy minus its shuffled-label control's (block 1 of 2, the study's block 5 of 6), the
+    earlier construction's value (the weakest linear probe at resid_post of the M1 block) beside it.
+    Other layers and sites hold numbers that would give other answers."""
     e4 = importlib.import_module("taskgeom.extras.dyck")
     residual = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.9, e4_shares[1] - 0.01, 0.01, e4_shares[1] + 0.01]], dtype=torch.float64)  # layer 1's median: e4_shares[1]
     within = {"e1": 0.02, "e3": 0.03}
@@ -226,6 +228,9 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
     }
     untrained_rows = [_probe("resid_post", 1, "back_1", 0.6, 0.5), _probe("resid_post", 1, "depth", 0.08, 0.01),
                       _probe("resid_post", 0, "back_1", 0.5, 0.5), _probe("resid_post", 0, "depth", 0.0, 0.0)]
+    study_probe = {"probe": SimpleNamespace(accuracy={2: 0.95, 3: 0.6, 4: 0.7}, loss={2: 0.1, 3: 0.9, 4: 0.8}, best_epoch=1990, epochs=2000, reached=4),
+                   "control": SimpleNamespace(accuracy={2: 0.7, 3: 0.4, 4: 0.25}, loss={2: 0.6, 3: 1.1, 4: 1.4}, best_epoch=10, epochs=2000,
+                                              reached=3)}  # l = 3 the weakest: 0.2
     trained, untrained = object(), object()
     runs = {}
 
@@ -245,6 +250,8 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
                         untrained_rows if which == "pool" else [{**r, "set": "ood", "score": r["control"] + 0.5} for r in untrained_rows])
     monkeypatch.setattr(e4, "plot_p0_comparison", lambda *a, **k: None)
     monkeypatch.setattr(e4, "plot_prefix_probes", lambda *a, **k: None)
+    monkeypatch.setattr(e4, "study_prefix_probe", lambda run: study_probe)
+    monkeypatch.setattr(e4, "plot_study_probe", lambda *a, **k: None)
 
     ctx = Context(tmp_path, "quick")
     e4.e4(ctx, load_study("e4"), ("e1", "e3"))
@@ -257,9 +264,9 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
                         "brackets": 4, "e1_share": 0.02, "e3_share": 0.03, "natural_cells_ratio": pytest.approx(e4_shares[1] / 0.03, rel=1e-12)}
     assert (p0.threshold, p0.comparison, p0.status) == (spec("e4", "P0_failure").threshold, ">=", status)
     probe = claims["e4.prefix_probe"]
-    assert probe.value == pytest.approx(0.25, rel=1e-12) and probe.status == "pass"
-    assert probe.parts == {"score": 0.35, "control": 0.1, "target": "depth", "layer": 1, "site": "resid_post",
-                           "untrained_gain": pytest.approx(0.07, rel=1e-9)}
+    assert probe.value == pytest.approx(0.2, rel=1e-12) and probe.status == "pass"
+    assert probe.parts == {"length": 3, "accuracy": 0.6, "control": 0.4, "curriculum_reached": 4, "layer": 1, "site": "resid_mid",
+                           "linear_probe_gain": pytest.approx(0.25, rel=1e-12)}
     assert (probe.threshold, probe.comparison) == (spec("e4", "prefix_probe").threshold, ">=")
     assert set(runs) == {("e4", ("task.diversity=-1",)), ("e4", ("task.diversity=10",)),  # the top of quick's grid
                          ("e1", ("task.diversity=-1",)), ("e3", ("task.diversity=-1",))}
@@ -271,6 +278,10 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
         assert {(r["series"], r["layer"]): r["value"] for r in at} == {(name, layer): v for name, values in series.items()
                                                                           for layer, v in enumerate(values)}
     assert written["probes"] == trained_rows["pool"] and written["probes_ood"] == trained_rows["ood"]
+    assert {(r["probe"], r["metric"], r["length"]): r["value"] for r in written["prefix_probe"]} == {
+        (name, f"prefix_probe.{metric}", length): value for name, result in study_probe.items()
+        for metric, values in (("accuracy", result.accuracy), ("loss", result.loss)) for length, value in values.items()}
+    assert {(r["layer"], r["site"]) for r in written["prefix_probe"]} == {(1, "resid_mid")}
     assert {(r["layer"], r["bracket"]): r["value"] for r in written["p0_brackets"]} == {
         (layer, j): float(residual[layer, j]) for layer in range(2) for j in range(4)}
     assert {r["series"]: r["value"] for r in written["p0_references"]} == within

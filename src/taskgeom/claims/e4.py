@@ -1,8 +1,9 @@
 """E4's own claims, planted Dyck (docs/concepts.md#e4-where-the-geometry-ends): P0 fails where E1 and
-E3 satisfy it (``P0_failure``), and linear probes recover the earlier bracket prefix from the
-hidden states (``prefix_probe``). Both read each model's M1 block, one place, never the minimum over
-blocks: P0 at ``P0_SITE``, where the study's variance.py reads it, the probes at ``CLAIM_SITE``
-(docs/protocol.md, "E4"); ``extras.dyck`` and ``extras.dyck_variance`` measure what they read."""
+E3 satisfy it (``P0_failure``), and a probe recovers the earlier bracket prefix from the hidden
+states (``prefix_probe``). Both read the study's measurements (docs/protocol.md, "E4"): P0 at
+``P0_SITE`` of each model's M1 block, where the study's variance.py reads it; the prefix probe as its
+``run_prefix_probe`` (block 5 of 6, ``resid_mid``); ``extras.dyck``, ``extras.dyck_variance`` and
+``extras.dyck_prefix`` measure what they read."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from taskgeom.claims.rules import Claim, Spec
 SPECS: tuple[Spec, ...] = (
     Spec("P0_failure", "e4", "E4 (k = -1)", "E4's residual variance ratio at its M1 block (median over brackets) divided by the larger "
          "of E1's and E3's 1 - P0", ">=", 3.0, ("p0_bracket_positions", "p0_across_families")),
-    Spec("prefix_probe", "e4", "E4 (the highest k of the grid)", "smallest over targets of a prefix probe's score minus its shuffled-label control", ">=",
-         0.10, ("prefix_probes",)),
+    Spec("prefix_probe", "e4", "E4 (the highest k of the grid)", "smallest over prefix lengths of the study's prefix probe's validation "
+         "accuracy minus the same probe's on shuffled labels", ">=", 0.10, ("prefix_probe_accuracy", "prefix_probes")),
 )
-CLAIM_SITE = "resid_post"  # the site of the M1 block the prefix probes and their figures read
+CLAIM_SITE = "resid_post"  # the site of the M1 block the earlier linear probes and their figures read
 P0_SITE = "resid_mid"  # the site the study's variance.py reads (its hook on attn_block)
 
 
@@ -49,18 +50,23 @@ def natural_cells_ratio(shares: dict[str, list[float]], layer: int, references: 
     return e4_share / max(shares[ref][at] for ref, at in references.items())
 
 
-def prefix_probe(recipe: str, pool: Sequence[dict], untrained: Sequence[dict], layer: int, max_back: int, diversity: int) -> Claim:
-    """The prefix probes' claim on one seed from the probe rows on in-distribution (``pool``)
-    sequences of the trained and the ``untrained`` network: the weakest target at the M1 block
-    ``layer`` (``weakest_probe``); ``max_back`` and ``diversity`` name what was probed."""
-    weakest = weakest_probe(pool, layer)
+def prefix_probe(recipe: str, accuracy: dict[int, float], control: dict[int, float], reached: int, layer: int, site: str, diversity: int,
+                 linear_gain: float) -> Claim:
+    """The prefix probe's claim on one seed: the smallest over prefix lengths l of the study's probe's
+    validation ``accuracy`` {l: accuracy} minus ``control``'s (the same probe on shuffled labels
+    [ours]), at (``layer``, ``site``); ``reached``, the longest length its curriculum trained, and
+    ``linear_gain``, the earlier construction's value (the weakest linear probe's score minus its
+    control, ``weakest_probe``), written beside."""
+    gains = {length: accuracy[length] - control[length] for length in accuracy}
+    weakest = min(gains, key=lambda length: -math.inf if math.isnan(gains[length]) else gains[length])
     return SPECS[1].judge(
         recipe,
-        f"smallest over targets (bracket j back, j = 1..{max_back}, and depth) of the probe score at the M1 block ({CLAIM_SITE}) "
-        f"minus its shuffled-label control, in-distribution (pool) sequences, k = {diversity}",
-        weakest["gain"],
-        {"score": weakest["score"], "control": weakest["control"], "target": weakest["target"], "layer": layer,
-         "site": CLAIM_SITE, "untrained_gain": weakest_probe(untrained, layer)["gain"]})
+        f"smallest over prefix lengths l = {min(gains)}..{max(gains)} of the study's prefix probe's validation accuracy (2-D "
+        f"projection + MLP, the first l brackets of the task's string) minus the same probe's on shuffled labels, at block {layer} "
+        f"({site}), in-distribution sequences, k = {diversity}",
+        gains[weakest],
+        {"length": weakest, "accuracy": accuracy[weakest], "control": control[weakest], "curriculum_reached": reached, "layer": layer,
+         "site": site, "linear_probe_gain": linear_gain})
 
 
 def _gain(row: dict) -> float:

@@ -19,11 +19,15 @@ due [ours]. Once all brackets are placed E4 emits iid noise, a one-task E1 where
 trivially; both E4 numbers over every sequence of the late window are kept in
 ``analysis/e4.json`` too.
 
-The prefix probes read in-distribution sequences, tasks drawn from the pool prior of the model at
-the top of the diversity grid, as the study does: at each prefix length j, a linear probe classifies the
-planted bracket j back from h_t, against a shuffled-label control, at every layer and both sites;
-the claim reads every target at the M1 block's ``resid_post``. The same probes on OOD sequences (a
-fresh string each) are a second table, and both are repeated on the untrained network as a control.
+The prefix probe's claim reads the study's own probe (``extras.dyck_prefix``) on the model at the top
+of the diversity grid: a 2-D projection and an MLP per prefix length, trained to name the first l
+brackets of the task's string from the state at the study's block 5 of 6 (``resid_mid``), against
+the same probe on shuffled labels [ours]. The earlier construction stays measured beside it (the
+claim's part ``linear_probe_gain`` and the tables ``probes*``): in-distribution sequences, tasks
+drawn from the pool prior; at each prefix length j, a linear probe classifies the planted bracket
+j back from h_t, against a shuffled-label control, at every layer and both sites, read at the M1
+block's ``resid_post``; the same probes on OOD sequences (a fresh string each) are a second table,
+and both are repeated on the untrained network as a control.
 """
 
 from __future__ import annotations
@@ -43,10 +47,12 @@ from taskgeom.analysis.stored.m1 import analyze as analyze_m1
 from taskgeom.analysis.stored.m1 import write as write_m1
 from taskgeom.analysis.stored.rows import stored_rows
 from taskgeom.analysis.study import StudyRun
-from taskgeom.claims.e4 import CLAIM_SITE, P0_SITE, natural_cells_ratio, p0_failure, prefix_probe
+from taskgeom.claims.e4 import CLAIM_SITE, P0_SITE, natural_cells_ratio, p0_failure, prefix_probe, weakest_probe
 from taskgeom.claims.m1 import claim_values
 from taskgeom.experiments.base import Context
-from taskgeom.extras.dyck_figures import plot_p0_comparison, plot_p0_positions, plot_prefix_probes
+from taskgeom.extras.dyck_figures import plot_p0_comparison, plot_p0_positions, plot_prefix_probes, plot_study_probe
+from taskgeom.extras.dyck_prefix import SITE as PROBE_SITE
+from taskgeom.extras.dyck_prefix import probe_layer, study_prefix_probe
 from taskgeom.extras.dyck_variance import study_p0
 from taskgeom.hooks import Place
 from taskgeom.report.interactive import Evidence, lines
@@ -227,7 +233,8 @@ def runs(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> 
 def e4(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> None:
     """E4's claims on ``study``'s runs against ``references`` (every seed), one seed's figures, and
     every row in the folder's ``analysis/{study}.json``."""
-    tables: dict[str, list[dict]] = {"p0": [], "p0_brackets": [], "p0_references": [], "probes": [], "probes_ood": [], "probes_untrained": []}
+    tables: dict[str, list[dict]] = {"p0": [], "p0_brackets": [], "p0_references": [], "prefix_probe": [], "probes": [], "probes_ood": [],
+                                     "probes_untrained": []}
     diversity = probe_diversity(ctx, study)
     for seed in ctx.seeds:
         measured = measure(ctx, study.name, tuple(references), seed, diversity)
@@ -252,7 +259,9 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int, div
     with ctx.stage(f"P0 within-cell shares on natural states ({', '.join(r.upper() for r in (*references, name))}; seed {seed})"):
         reference_shares = {ref: reference_p0(run) for ref, run in reference_runs.items()}
         dyck = dyck_p0(majors)
-    with ctx.stage(f"prefix probes (trained and untrained, pool and OOD; seed {seed})"):
+    with ctx.stage(f"the study's prefix probe and its shuffled-label control (seed {seed})"):
+        study_probe = study_prefix_probe(diverse)
+    with ctx.stage(f"linear prefix probes (trained and untrained, pool and OOD; seed {seed})"):
         model, untrained_model = diverse.load_model(), diverse.new_model()  # untrained: random features of the same network
         probes = {which: prefix_probes(diverse, model, which) for which in PROBE_SETS}
         untrained = [row for which in PROBE_SETS for row in prefix_probes(diverse, untrained_model, which)]
@@ -263,14 +272,20 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int, div
     bracket_rows = [{"site": P0_SITE, "layer": layer, "bracket": j, "metric": "p0.residual_ratio", "value": float(value)}
                     for layer, ratios in enumerate(residual) for j, value in enumerate(ratios)]
     reference_rows = [{"series": ref, "metric": "p0.one_minus_P0", "value": share} for ref, share in within.items()]
+    at_probe = probe_layer(diverse)
+    study_probe_rows = [{"probe": name, "site": PROBE_SITE, "layer": at_probe, "length": length, "metric": f"prefix_probe.{metric}",
+                         "value": values[length], "best_epoch": result.best_epoch, "epochs": result.epochs, "reached": result.reached}
+                        for name, result in study_probe.items() for metric, values in (("accuracy", result.accuracy), ("loss", result.loss))
+                        for length in values]
 
     at = {ref: claim_layer(run) for ref, run in reference_runs.items()}
     layer = claim_layer(majors)
-    untrained_pool = [r for r in untrained if r["set"] == "pool"]
     ctx.claim(seed, p0_failure(name, residual[layer].tolist(), layer, within, natural_cells_ratio(p0[CLAIM_SITE], layer, at)),
-              prefix_probe(name, probes["pool"], untrained_pool, claim_layer(diverse), MAX_BACK, diversity))
-    return {"p0": p0_rows, "p0_brackets": bracket_rows, "p0_references": reference_rows, "probes": probes["pool"], "probes_ood": probes["ood"],
-            "probes_untrained": untrained}
+              prefix_probe(name, study_probe["probe"].accuracy, study_probe["control"].accuracy, study_probe["probe"].reached, at_probe,
+                           PROBE_SITE, diversity,
+                           weakest_probe(probes["pool"], claim_layer(diverse))["gain"]))
+    return {"p0": p0_rows, "p0_brackets": bracket_rows, "p0_references": reference_rows, "prefix_probe": study_probe_rows, "probes": probes["pool"],
+            "probes_ood": probes["ood"], "probes_untrained": untrained}
 
 
 def plot(ctx: Context, name: str, references: tuple[str, ...], measured: dict[str, list[dict]], seed: int, diversity: int) -> None:
@@ -297,6 +312,16 @@ def plot(ctx: Context, name: str, references: tuple[str, ...], measured: dict[st
                        f"share of state variance per layer at {CLAIM_SITE}; {' and '.join(r.upper() for r in references)} by "
                        f"(task, current token), E4 by (task, current token) and by (task, last three planted brackets), k = -1 (seed {seed})",
                        (f"{name}.P0_failure",)), site=CLAIM_SITE)
+    accuracy: dict[str, dict[int, float]] = {}
+    for row in measured["prefix_probe"]:
+        if row["metric"] == "prefix_probe.accuracy":
+            accuracy.setdefault(row["probe"], {})[row["length"]] = row["value"]
+    at = measured["prefix_probe"][0]["layer"]
+    plot_study_probe(accuracy["probe"], accuracy["control"], ctx.figure(
+        "prefix_probe_accuracy.png",
+        f"E4: the study's prefix probe (its run_prefix_probe: a 2-D projection and an MLP per length, block {at} {PROBE_SITE}): validation "
+        f"accuracy of the first l brackets of the task's string against l; dotted: the same probe on shuffled labels; k = {diversity} "
+        f"(seed {seed})", (f"{name}.prefix_probe",)), site=PROBE_SITE)
     last = max(row["layer"] for row in measured["probes_untrained"])
     untrained = [r for r in measured["probes_untrained"] if r["site"] == CLAIM_SITE and r["layer"] == last]
     plot_prefix_probes([*measured["probes"], *measured["probes_ood"]], untrained,
@@ -320,6 +345,7 @@ def evidence(table: pd.DataFrame) -> list[Evidence]:
 def _evidence(table: pd.DataFrame, e4: str) -> list[Evidence]:
     p0 = table[table["analysis"] == f"{e4}.p0"]
     brackets = table[table["analysis"] == f"{e4}.p0_brackets"]
+    study_probe = table[(table["analysis"] == f"{e4}.prefix_probe") & (table["metric"] == "prefix_probe.accuracy")]
     probes = pd.concat([table[table["analysis"] == f"{e4}.{name}"] for name in ("probes", "probes_ood")])
     shown = probes[probes["site"] == CLAIM_SITE].drop(columns="value", errors="ignore").rename(columns={"score": "value"})
     return [
@@ -329,7 +355,12 @@ def _evidence(table: pd.DataFrame, e4: str) -> list[Evidence]:
         Evidence(f"{e4}-p0", f"Within-cell share of state variance per layer (P0 fails for {e4.upper()})", e4, (f"{e4}.P0_failure",),
                  figure=lines(p0, "layer", lambda k: f"{k[0]} {k[1]}", ["site", "series"], "Within-cell share per layer", "layer",
                                "within-cell share", dash=lambda k: "dot" if k[0] == "resid_post" else "solid")),
-        Evidence(f"{e4}-probes", f"Held-out prefix probes at {CLAIM_SITE} (pool and OOD sequences)", e4, (f"{e4}.prefix_probe",),
+        Evidence(f"{e4}-prefix-probe", "The study's prefix probe: validation accuracy per prefix length (dotted: shuffled labels)", e4,
+                 (f"{e4}.prefix_probe",), figure=lines(study_probe, "length", lambda k: k[0], ["probe"],
+                                                       "Prefix probe accuracy per length", "prefix length l", "validation accuracy",
+                                                       dash=lambda k: "dot" if k[0] == "control" else "solid")),
+        Evidence(f"{e4}-probes", f"Held-out linear prefix probes at {CLAIM_SITE} (pool and OOD sequences; the earlier construction)", e4,
+                 (f"{e4}.prefix_probe",),
                  figure=lines(shown, "layer", lambda k: f"{k[1]} ({k[0]})", ["set", "target"], f"Probe score per layer ({CLAIM_SITE})",
                                "layer", "score", dash=lambda k: "solid" if k[0] == "pool" else "dash")),
         Evidence(f"{e4}-probe-table", "Prefix probes: score and shuffled-label control per target, layer, site and set", e4,

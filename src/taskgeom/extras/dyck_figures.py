@@ -1,5 +1,5 @@
 """E4 figures: P0 as the study measures it (per bracket index) and the earlier within-cell shares per layer
-across families, and the bracket-prefix probes."""
+across families, the study's prefix probe and the earlier linear bracket-prefix probes."""
 
 from __future__ import annotations
 
@@ -118,4 +118,21 @@ def plot_prefix_probes(rows: list[dict], baseline: list[dict], path: Path, title
     depth_ax.legend(frameon=False, fontsize=7)
     fig.suptitle(title or f"E4: linear probes for the bracket prefix at {site}", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
+    save(fig, path)
+
+
+def plot_study_probe(accuracy: dict[int, float], control: dict[int, float], path: Path, site: str = "resid_mid") -> None:
+    """The study's prefix probe: validation accuracy against the prefix length l, and the same probe's
+    on shuffled labels (dotted). accuracy, control: {l: accuracy}."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    lengths = sorted(accuracy)
+    ax.plot(lengths, [accuracy[length] for length in lengths], "-o", label="prefix probe (2-D projection + MLP)")
+    ax.plot(lengths, [control[length] for length in lengths], ":o", color="grey", label="the same on shuffled labels")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("prefix length l (brackets placed)")
+    ax.set_ylabel(f"validation accuracy ({site})")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)
+    ax.set_title("E4: the study's prefix probe, the first l brackets of the task's string", fontsize=9)
+    fig.tight_layout()
     save(fig, path)

@@ -1,0 +1,256 @@
+"""E4's prefix probe as the study measures it (``run_prefix_probe`` of its ``dyck/prefix_probe``:
+``_data.py``, ``_model.py``, ``_train.py``; called by ``fig_dyck_combined.py``; docs/protocol.md, "E4").
+
+Ten bracket masks are drawn (``dyck_variance.bracket_masks``, the study's ``sample_binary_mask``);
+for each (mask, task of the pool, majors and minors) 32 sequences plant the task's string at the
+mask's places. The state read is the ``resid_mid`` of the study's block 5 of 6 (its hook on
+``attn_block``) at every position where exactly l brackets have been placed, l = 1..7, the last
+position left out; its label is the task's first l brackets, one class per distinct prefix of the
+pool (a length with fewer than two classes is left out). The probe is a shared linear projection
+to two dimensions and an MLP head per length (hidden 64, SiLU), trained with the study's loop:
+2,000 epochs, one AdamW step an epoch on the gradient summed over minibatches of 512, heads at
+lr 3e-3 and the projection at a tenth, cosine decay, clipping at 1; 512 samples per class, drawn
+again from the pool every 2 epochs, a fixed validation set; a curriculum that starts on the two
+shortest lengths and adds the next when every active length's validation loss is at most 0.1;
+early stop when the mean is at most 6e-3; the best mean validation loss kept. The study reports
+each length's validation accuracy.
+
+The control [ours]: the same probe, data and draws with the labels shuffled within each length's
+pool; the claim reads the smallest over lengths of accuracy minus the control's (``claims.e4``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from taskgeom.analysis.reading.states import collect
+from taskgeom.extras.dyck_variance import bracket_masks
+from taskgeom.hooks import Place
+from taskgeom.rng import generator
+from taskgeom.runs.folders import Run
+from taskgeom.tasks.dyck import Dyck
+
+N_MASKS = 10  # fig_dyck_combined.py: --probe-masks
+PER_MASK = 32  # --probe-batch: sequences per (task, mask)
+MAX_PREFIX = 7  # --target-length
+PROBE_BLOCK = (5, 6)  # --layer 5 of the study's 6 blocks, placed by relative depth (Place.at_depth)
+SITE = "resid_mid"  # _data.py hooks model.layers[layer].attn_block
+TASK_CHUNK = 128  # tasks per forward pass (memory only)
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """The arguments ``fig_dyck_combined.py`` passes to ``run_prefix_probe`` (and ``train_prefix_probe``'s
+    defaults it keeps)."""
+
+    epochs: int = 2000
+    lr: float = 3e-3
+    proj_lr_scale: float = 0.1
+    proj_dim: int = 2
+    mlp_hidden: int = 64
+    mini_batch: int = 512
+    samples_per_class: int = 512
+    refresh_every: int = 2
+    curriculum_threshold: float = 0.1
+    loss_threshold: float = 6e-3
+    weight_decay: float = 1e-4
+    max_grad_norm: float = 1.0
+    eval_every: int = 10
+
+
+STUDY = ProbeSettings()
+Data = dict[int, tuple[torch.Tensor, torch.Tensor]]  # {length l: (states [N, D], labels [N] long)}
+
+
+def prefix_classes(words: torch.Tensor, max_prefix: int = MAX_PREFIX) -> dict[int, dict[tuple[int, ...], int]]:
+    """{l: {prefix: class}} for l = 1..max_prefix: the distinct first-l brackets of words: [K, 2n],
+    numbered in order of first appearance (``build_prefix_datasets``)."""
+    classes: dict[int, dict[tuple[int, ...], int]] = {}
+    for length in range(1, max_prefix + 1):
+        seen: dict[tuple[int, ...], int] = {}
+        for word in words.tolist():
+            seen.setdefault(tuple(word[:length]), len(seen))
+        classes[length] = seen
+    return classes
+
+
+def collect_pool(family: Dyck, model: nn.Module, words: torch.Tensor, masks: torch.Tensor, per_mask: int, layer: int,
+                 gen: torch.Generator, max_prefix: int = MAX_PREFIX) -> Data:
+    """The pool: {l: (states [N, D] at (layer, SITE), labels [N])} over every (mask, task) and its
+    ``per_mask`` sequences, at the positions where l brackets are placed (the last position left out),
+    for the lengths with at least two classes that some mask reaches."""
+    classes = prefix_classes(words, max_prefix)
+    lengths = [length for length in range(1, max_prefix + 1) if len(classes[length]) >= 2]
+    labels = {length: torch.tensor([classes[length][tuple(w[:length])] for w in words.tolist()]) for length in lengths}
+    parts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {length: ([], []) for length in lengths}
+    K, T = words.shape[0], masks.shape[1]
+    for mask in masks:
+        count = mask.long().cumsum(0)
+        count[-1] = -1  # the last position is never read
+        positions = {length: (count == length).nonzero().squeeze(1) for length in lengths}
+        noise = torch.randint(0, family.n_noise, (K, per_mask, T), generator=gen)
+        read = 1 + max((int(p.max()) for p in positions.values() if p.numel()), default=0)  # the model is causal: the prefix suffices
+        for tasks in torch.arange(K).split(TASK_CHUNK):
+            n = len(tasks) * per_mask
+            tokens = family.plant(words[tasks].repeat_interleave(per_mask, 0), mask.expand(n, -1), noise[tasks].reshape(n, T))
+            h = collect(model, tokens[:, :read], [(layer, SITE)], batch_size=1024)[(layer, SITE)]  # [n, read, D]
+            for length in lengths:
+                at = h[:, positions[length]]  # [n, P, D]: task-major, then sequence, then position
+                parts[length][0].append(at.reshape(-1, at.shape[-1]))
+                parts[length][1].append(labels[length][tasks].repeat_interleave(per_mask * at.shape[1]))
+    pool = {length: (torch.cat(states), torch.cat(ys)) for length, (states, ys) in parts.items()}
+    return {length: data for length, data in pool.items() if data[1].numel()}  # a length no mask reaches is left out
+
+
+class PrefixProbe(nn.Module):
+    """A linear projection [D -> proj_dim] shared by the lengths and an MLP head per length
+    (proj_dim -> hidden -> classes, SiLU), the study's ``PrefixProbe``."""
+
+    def __init__(self, d_model: int, proj_dim: int, n_classes: dict[int, int], hidden: int):
+        super().__init__()
+        self.proj = nn.Linear(d_model, proj_dim)
+        self.heads = nn.ModuleDict({str(length): nn.Sequential(nn.Linear(proj_dim, hidden), nn.SiLU(), nn.Linear(hidden, n))
+                                    for length, n in n_classes.items()})
+
+    def forward(self, h: torch.Tensor, length: int) -> torch.Tensor:
+        """[N, classes of length] logits for states h: [N, D]."""
+        return self.heads[str(length)](self.proj(h))
+
+
+def distinct_sample(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """[k] distinct indices of range(n) in random order, every ordered choice equally likely (as
+    ``randperm(n)[:k]``, the study's draw): draws with replacement, repeats skipped, in O(k) where
+    k is small beside n (the study's pools hold about 2,000 samples a class, a draw 512)."""
+    if 4 * k > n:
+        return torch.randperm(n, generator=gen)[:k]
+    picked = torch.empty(0, dtype=torch.long)
+    while picked.numel() < k:
+        drawn = torch.cat([picked, torch.randint(n, (k - picked.numel() + 64,), generator=gen)])
+        values, inverse = drawn.unique(return_inverse=True)
+        first = torch.full_like(values, drawn.numel()).scatter_reduce(0, inverse, torch.arange(drawn.numel()), "amin")
+        picked = drawn[first.sort().values][:k]
+    return picked
+
+
+def _draw(pool: Data, lengths: list[int], per_class: int, gen: torch.Generator) -> Data:
+    """A fresh subsample of pool of per_class x (largest label + 1) per length (``_resample_from_pool``)."""
+    out = {}
+    for length in lengths:
+        h, y = pool[length]
+        index = distinct_sample(h.shape[0], min(per_class * (int(y.max()) + 1), h.shape[0]), gen)
+        out[length] = (h[index], y[index])
+    return out
+
+
+def _split(pool: Data, per_class: int, gen: torch.Generator) -> tuple[Data, Data]:
+    """(training pool, validation set): per length, a random min(per_class x classes, N // 3) held out."""
+    train, validation = {}, {}
+    for length, (h, y) in pool.items():
+        order = torch.randperm(h.shape[0], generator=gen)
+        n_val = min(per_class * (int(y.max()) + 1), h.shape[0] // 3)
+        validation[length] = (h[order[:n_val]], y[order[:n_val]])
+        train[length] = (h[order[n_val:]], y[order[n_val:]])
+    return train, validation
+
+
+@torch.no_grad()
+def _evaluate(probe: PrefixProbe, validation: Data, lengths: list[int]) -> tuple[dict[int, float], dict[int, float]]:
+    """({l: accuracy}, {l: cross-entropy}) on the validation set."""
+    probe.eval()
+    accuracy, loss = {}, {}
+    for length in lengths:
+        h, y = validation[length]
+        logits = probe(h, length)
+        accuracy[length] = float((logits.argmax(-1) == y).float().mean())
+        loss[length] = float(nn.functional.cross_entropy(logits, y))
+    return accuracy, loss
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Validation accuracy and cross-entropy per length of the kept probe, the epoch it was kept at,
+    the epochs run and the longest length the curriculum reached (a longer one's head is untrained)."""
+
+    accuracy: dict[int, float]
+    loss: dict[int, float]
+    best_epoch: int
+    epochs: int
+    reached: int
+
+
+def train_probe(pool: Data, n_classes: dict[int, int], d_model: int, gen: torch.Generator, settings: ProbeSettings = STUDY) -> ProbeResult:
+    """The study's ``train_prefix_probe`` on pool (``collect_pool``), after its validation split; the
+    probe's initial weights and every draw from ``gen``."""
+    s = settings
+    lengths = sorted(pool)
+    pool, validation = _split(pool, s.samples_per_class, gen)
+    train = _draw(pool, lengths, s.samples_per_class, gen)
+    with torch.random.fork_rng():
+        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+        probe = PrefixProbe(d_model, s.proj_dim, {length: n_classes[length] for length in lengths}, s.mlp_hidden)
+    optimizer = torch.optim.AdamW([{"params": probe.proj.parameters(), "lr": s.lr * s.proj_lr_scale},
+                                   {"params": probe.heads.parameters(), "lr": s.lr}], weight_decay=s.weight_decay)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=s.epochs, eta_min=s.lr * 0.01)
+    active = min(2, len(lengths))
+    best_loss, best_epoch, best_state = float("inf"), 0, None
+    epoch = 0
+    for epoch in range(s.epochs):
+        current = lengths[:active]
+        if epoch > 0 and epoch % s.refresh_every == 0:
+            train.update(_draw(pool, current, s.samples_per_class, gen))
+        probe.train()
+        optimizer.zero_grad(set_to_none=True)
+        for length in current:
+            h, y = train[length]
+            order = torch.randperm(h.shape[0], generator=gen)
+            for start in range(0, h.shape[0], s.mini_batch):
+                index = order[start: start + s.mini_batch]
+                nn.functional.cross_entropy(probe(h[index], length), y[index]).backward()
+        nn.utils.clip_grad_norm_(probe.parameters(), s.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        if (epoch + 1) % s.eval_every and epoch:
+            continue
+        _, loss = _evaluate(probe, validation, current)
+        mean_loss = sum(loss.values()) / len(loss)
+        if mean_loss < best_loss:
+            best_loss, best_epoch, best_state = mean_loss, epoch + 1, copy.deepcopy(probe.state_dict())
+        if active < len(lengths) and max(loss.values()) <= s.curriculum_threshold:
+            active += 1
+            if active == len(lengths):  # every length in: the kept probe is chosen again from here
+                best_loss, best_state = float("inf"), None
+        if active == len(lengths) and mean_loss <= s.loss_threshold:
+            break
+    if best_state is not None:
+        probe.load_state_dict(best_state)
+    return ProbeResult(*_evaluate(probe, validation, lengths), best_epoch, epoch + 1, lengths[active - 1])
+
+
+def shuffled(pool: Data, gen: torch.Generator) -> Data:
+    """pool with each length's labels permuted [ours: the control]."""
+    return {length: (h, y[torch.randperm(y.shape[0], generator=gen)]) for length, (h, y) in pool.items()}
+
+
+def probe_layer(run: Run) -> int:
+    """The block the study's probe reads at this model's depth (its block 5 of 6)."""
+    return Place.at_depth(*PROBE_BLOCK, run.config.model.n_layers).layer
+
+
+def study_prefix_probe(run: Run, n_masks: int = N_MASKS, per_mask: int = PER_MASK,
+                       settings: ProbeSettings = STUDY) -> dict[str, ProbeResult]:
+    """{"probe": the study's prefix probe on ``run`` (its whole pool), "control": the same on shuffled
+    labels}; masks, sequences, splits, draws and initial weights from the run's seed (two streams)."""
+    cfg = run.config
+    gen = generator(cfg.train.seed, 0, "prefix-probe")
+    words = run.pool.params
+    pool = collect_pool(run.family, run.load_model(), words, bracket_masks(run.family, n_masks, cfg.task.seq_len, gen), per_mask,
+                        probe_layer(run), gen)
+    n_classes = {length: len(classes) for length, classes in prefix_classes(words).items()}
+    results = {}
+    for name, data in (("probe", pool), ("control", shuffled(pool, generator(cfg.train.seed, 0, "prefix-probe-control")))):
+        results[name] = train_probe(data, n_classes, cfg.model.d_model, generator(cfg.train.seed, 0, f"prefix-probe-{name}-train"), settings)
+    return results
