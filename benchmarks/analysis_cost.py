@@ -8,7 +8,10 @@ For each finished run directory (a reproduction's, at any profile), at one threa
   analysis (``analysis.stored.dual.analyze_dual``: projection R^2, the S and V ablations, probes,
   dual.json), each timed on a copy of the run, so the run itself is never written;
 - for an E4 run instead, its P0 as the study's variance.py measures it
-  (``extras.dyck_variance.study_p0``, 30 masks x 2,048 sequences per major task; it writes nothing).
+  (``extras.dyck_variance.study_p0``, 30 masks x 2,048 sequences per major task) and its prefix
+  probe as the study's run_prefix_probe (``extras.dyck_prefix.study_prefix_probe``, 10 masks x 32
+  sequences per task of the pool, the probe and its shuffled-label control trained 2,000 epochs);
+  neither writes anything. A reproduction reads P0 on the k = -1 run and the probe on the grid's top.
 
 It prints each analysis's seconds and its ratio to the training estimate. A reproduction trains
 each run once and analyses it once or twice, so the ratios say what share of its wall time the
@@ -30,6 +33,7 @@ import torch
 from taskgeom.analysis.stored.dual import analyze_dual
 from taskgeom.analysis.study import StudyRun
 from taskgeom.experiments.m1 import analyze_one
+from taskgeom.extras.dyck_prefix import study_prefix_probe
 from taskgeom.extras.dyck_variance import study_p0
 from taskgeom.runs.folders import Run
 from taskgeom.tasks.dyck import Dyck
@@ -55,6 +59,13 @@ def timed(analysis, run_dir: Path, scratch: Path) -> float:
     return time.perf_counter() - start
 
 
+def seconds(analysis, run: Run) -> float:
+    """Seconds of ``analysis(run)``, an analysis that writes nothing."""
+    start = time.perf_counter()
+    analysis(run)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="finished run directories")
@@ -69,10 +80,9 @@ def main() -> None:
             run = Run.open(run_dir)
             base = training_seconds(run, args.steps, Path(scratch) / "baseline")
             if isinstance(run.family, Dyck):
-                start = time.perf_counter()
-                study_p0(run)
-                e4 = time.perf_counter() - start
-                print(f"{run_dir.name:<16} {base:>14.1f}   E4 P0 (study_p0) {e4:.1f} s, {e4 / base:.2f} of training")
+                p0, probe = (seconds(analysis, run) for analysis in (study_p0, study_prefix_probe))
+                print(f"{run_dir.name:<16} {base:>14.1f}   E4 P0 (study_p0) {p0:.1f} s, {p0 / base:.2f} of training; "
+                      f"prefix probe (study_prefix_probe, {run.pool.size} tasks) {probe:.1f} s, {probe / base:.2f} of training")
                 continue
             m1 = timed(analyze_one, run_dir, Path(scratch) / "m1")
             dual = timed(analyze_dual, run_dir, Path(scratch) / "dual")
