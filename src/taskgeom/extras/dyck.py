@@ -316,12 +316,13 @@ def plot(ctx: Context, name: str, references: tuple[str, ...], measured: dict[st
     for row in measured["prefix_probe"]:
         if row["metric"] == "prefix_probe.accuracy":
             accuracy.setdefault(row["probe"], {})[row["length"]] = row["value"]
-    at = measured["prefix_probe"][0]["layer"]
-    plot_study_probe(accuracy["probe"], accuracy["control"], ctx.figure(
+    at, reached = next((row["layer"], row["reached"]) for row in measured["prefix_probe"] if row["probe"] == "probe")
+    plot_study_probe(accuracy["probe"], accuracy["control"], reached, ctx.figure(
         "prefix_probe_accuracy.png",
         f"E4: the study's prefix probe (its run_prefix_probe: a 2-D projection and an MLP per length, block {at} {PROBE_SITE}): validation "
-        f"accuracy of the first l brackets of the task's string against l; dotted: the same probe on shuffled labels; k = {diversity} "
-        f"(seed {seed})", (f"{name}.prefix_probe",)), site=PROBE_SITE)
+        f"accuracy of the first l brackets of the task's string against l; dotted: the same probe on shuffled labels; shaded: the "
+        f"lengths past the curriculum's reach (l = {reached}), whose heads were never trained; k = {diversity} (seed {seed})",
+        (f"{name}.prefix_probe",)), site=PROBE_SITE)
     last = max(row["layer"] for row in measured["probes_untrained"])
     untrained = [r for r in measured["probes_untrained"] if r["site"] == CLAIM_SITE and r["layer"] == last]
     plot_prefix_probes([*measured["probes"], *measured["probes_ood"]], untrained,

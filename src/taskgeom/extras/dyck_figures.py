@@ -44,14 +44,8 @@ def plot_p0_positions(ratios: dict[int, list[float]], references: dict[str, floa
     for label, share in references.items():
         ax.axhline(share, linestyle=":", color="grey")
         ax.annotate(f"{label}: 1 - P0 = {share:.3g}", (0, share), textcoords="offset points", xytext=(2, 3), fontsize=7, color="grey")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("bracket index j (the state at bracket j's own position)")
-    ax.set_ylabel(f"residual variance ratio 1 - R^2 ({site})")
-    ax.grid(alpha=0.3)
-    ax.legend(frameon=False, fontsize=8)
-    ax.set_title("E4: P0 as the study's variance.py measures it (cells: last three planted brackets)", fontsize=9)
-    fig.tight_layout()
-    save(fig, path)
+    _finish_unit_panel(fig, ax, path, "bracket index j (the state at bracket j's own position)", f"residual variance ratio 1 - R^2 ({site})",
+                       "E4: P0 as the study's variance.py measures it (cells: last three planted brackets)")
 
 
 def _by_back(rows: list[dict]) -> tuple[list[int], list[dict]]:
@@ -121,18 +115,28 @@ def plot_prefix_probes(rows: list[dict], baseline: list[dict], path: Path, title
     save(fig, path)
 
 
-def plot_study_probe(accuracy: dict[int, float], control: dict[int, float], path: Path, site: str = "resid_mid") -> None:
+def plot_study_probe(accuracy: dict[int, float], control: dict[int, float], reached: int, path: Path, site: str = "resid_mid") -> None:
     """The study's prefix probe: validation accuracy against the prefix length l, and the same probe's
-    on shuffled labels (dotted). accuracy, control: {l: accuracy}."""
+    on shuffled labels (dotted); the lengths past ``reached``, which its curriculum never trained,
+    shaded. accuracy, control: {l: accuracy}."""
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     lengths = sorted(accuracy)
     ax.plot(lengths, [accuracy[length] for length in lengths], "-o", label="prefix probe (2-D projection + MLP)")
     ax.plot(lengths, [control[length] for length in lengths], ":o", color="grey", label="the same on shuffled labels")
+    if reached < lengths[-1]:
+        ax.axvspan(reached + 0.5, lengths[-1] + 0.5, color="grey", alpha=0.12, label="heads the curriculum never trained")
+    ax.set_xticks(lengths)
+    _finish_unit_panel(fig, ax, path, "prefix length l (brackets placed)", f"validation accuracy ({site})",
+                       "E4: the study's prefix probe, the first l brackets of the task's string")
+
+
+def _finish_unit_panel(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
+    """Label a panel whose values lie in [0, 1], add its legend and grid, and save it to path."""
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("prefix length l (brackets placed)")
-    ax.set_ylabel(f"validation accuracy ({site})")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=8)
-    ax.set_title("E4: the study's prefix probe, the first l brackets of the task's string", fontsize=9)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     save(fig, path)
