@@ -54,15 +54,13 @@ def timed(analysis, run_dir: Path, scratch: Path) -> float:
     """Seconds of ``analysis(StudyRun)`` on a copy of ``run_dir`` without its stored analyses."""
     copy = scratch / run_dir.name
     shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("analysis", "figures"))
-    start = time.perf_counter()
-    analysis(StudyRun(Run.open(copy)))
-    return time.perf_counter() - start
+    return seconds(lambda path: analysis(StudyRun(Run.open(path))), copy)
 
 
-def seconds(analysis, run: Run) -> float:
-    """Seconds of ``analysis(run)``, an analysis that writes nothing."""
+def seconds(analysis, argument) -> float:
+    """Seconds of ``analysis(argument)``."""
     start = time.perf_counter()
-    analysis(run)
+    analysis(argument)
     return time.perf_counter() - start
 
 

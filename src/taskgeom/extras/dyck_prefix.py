@@ -136,12 +136,18 @@ def distinct_sample(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return picked
 
 
-def _draw(pool: Data, lengths: list[int], per_class: int, gen: torch.Generator) -> Data:
-    """A fresh subsample of pool of per_class x (largest label + 1) per length (``_resample_from_pool``)."""
+def draw_sizes(pool: Data, per_class: int) -> dict[int, int]:
+    """{l: per_class x (largest label + 1), at most the pool's size}: what ``_resample_from_pool``
+    draws from each length of pool."""
+    return {length: min(per_class * (int(y.max()) + 1), y.shape[0]) for length, (_, y) in pool.items()}
+
+
+def _draw(pool: Data, lengths: list[int], sizes: dict[int, int], gen: torch.Generator) -> Data:
+    """A fresh subsample of pool of ``sizes`` (``draw_sizes``) per length (``_resample_from_pool``)."""
     out = {}
     for length in lengths:
         h, y = pool[length]
-        index = distinct_sample(h.shape[0], min(per_class * (int(y.max()) + 1), h.shape[0]), gen)
+        index = distinct_sample(h.shape[0], sizes[length], gen)
         out[length] = (h[index], y[index])
     return out
 
@@ -188,7 +194,8 @@ def train_probe(pool: Data, n_classes: dict[int, int], d_model: int, gen: torch.
     s = settings
     lengths = sorted(pool)
     pool, validation = _split(pool, s.samples_per_class, gen)
-    train = _draw(pool, lengths, s.samples_per_class, gen)
+    sizes = draw_sizes(pool, s.samples_per_class)  # the pool does not change between redraws
+    train = _draw(pool, lengths, sizes, gen)
     with torch.random.fork_rng():
         torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
         probe = PrefixProbe(d_model, s.proj_dim, {length: n_classes[length] for length in lengths}, s.mlp_hidden)
@@ -201,7 +208,7 @@ def train_probe(pool: Data, n_classes: dict[int, int], d_model: int, gen: torch.
     for epoch in range(s.epochs):
         current = lengths[:active]
         if epoch > 0 and epoch % s.refresh_every == 0:
-            train.update(_draw(pool, current, s.samples_per_class, gen))
+            train.update(_draw(pool, current, sizes, gen))
         probe.train()
         optimizer.zero_grad(set_to_none=True)
         for length in current:
