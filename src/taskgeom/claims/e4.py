@@ -58,7 +58,7 @@ def prefix_probe(recipe: str, accuracy: dict[int, float], control: dict[int, flo
     ``linear_gain``, the earlier construction's value (the weakest linear probe's score minus its
     control, ``weakest_probe``), written beside."""
     gains = {length: accuracy[length] - control[length] for length in accuracy}
-    weakest = min(gains, key=lambda length: -math.inf if math.isnan(gains[length]) else gains[length])
+    weakest = min(gains, key=lambda length: _nan_smallest(gains[length]))
     return SPECS[1].judge(
         recipe,
         f"smallest over prefix lengths l = {min(gains)}..{max(gains)} of the study's prefix probe's validation accuracy (2-D "
@@ -69,9 +69,13 @@ def prefix_probe(recipe: str, accuracy: dict[int, float], control: dict[int, flo
          "site": site, "linear_probe_gain": linear_gain})
 
 
-def _gain(row: dict) -> float:
-    value = row["score"] - row["control"]
+def _nan_smallest(value: float) -> float:
+    """value, or -inf for NaN: the ordering that makes a NaN the smallest, so that it reaches the claim."""
     return -math.inf if math.isnan(value) else value
+
+
+def _gain(row: dict) -> float:
+    return _nan_smallest(row["score"] - row["control"])
 
 
 def weakest_probe(rows: Sequence[dict], layer: int, site: str = CLAIM_SITE) -> dict:
