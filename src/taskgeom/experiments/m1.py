@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from taskgeom.analysis.reading.steering import KINDS
-from taskgeom.analysis.stored.m1 import analyze, write
+from taskgeom.analysis.stored.m1 import Result, analyze, load, write
 from taskgeom.analysis.study import StudyRun
 from taskgeom.claims.catalog import evidence
 from taskgeom.claims.m1 import claim_values, claims
@@ -39,8 +39,7 @@ def m1(ctx: Context) -> None:
         for seed in ctx.seeds:
             run = StudyRun(ctx.trained(experiment, ("task.diversity=-1",), seed))
             with ctx.stage(f"analyse {run.path.name}"):
-                results[seed] = analyze(run)
-                write(run, results[seed])
+                results[seed] = stored_or_analyzed(run)
             ctx.claim(seed, *claims(results[seed]))
         first = ctx.seeds[0]  # its figures illustrate; the per-layer one spans every seed, and the tables hold them all
         captions = {name: _CAPTIONS[name].format(E=experiment.upper()) + ("" if name == "layers" else f" (seed {first})") for name in FIGURES}
@@ -48,6 +47,16 @@ def m1(ctx: Context) -> None:
                                                          tuple(f"{experiment}.{claim}" for claim in M1_EVIDENCE[name]))
                                         for name in FIGURES},
                        seeds=pd.concat([pd.DataFrame(r.rows).assign(seed=seed) for seed, r in results.items()], ignore_index=True))
+
+
+def stored_or_analyzed(run: StudyRun) -> Result:
+    """The run's stored M1 result (``analysis.stored.m1.load``), else analysed now and stored: a
+    reproduction stopped midway measures only the runs it had not reached."""
+    result = load(run)
+    if result is None:
+        result = analyze(run)
+        write(run, result)
+    return result
 
 
 m1.runs = lambda ctx: [task for study in ctx.taking_part("m1") for task in ctx.plans(study.name, ("task.diversity=-1",))]  # for the schedule

@@ -41,7 +41,8 @@ subtracted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,11 +52,11 @@ from taskgeom.analysis.measures.task_vectors import check_major_tasks
 from taskgeom.analysis.reading.cells import P0_PER_CELL, ForcedCells
 from taskgeom.analysis.reading.steering import KINDS, STUDY_SEQUENCES, Steering, steering_place
 from taskgeom.analysis.reading.trajectory import Trajectory
-from taskgeom.analysis.stored.rows import row, stamped
+from taskgeom.analysis.stored.rows import VERSIONS, row, stamped, stored_rows
 from taskgeom.analysis.study import DEFAULT_SITES, StudyRun
-from taskgeom.errors import AnalysisError
+from taskgeom.errors import AnalysisError, CheckpointError
 from taskgeom.hooks import Place
-from taskgeom.runs.storage import atomic_write_json
+from taskgeom.runs.storage import atomic_write_json, load_tensors, save_tensors
 from taskgeom.tasks import TokenFamily
 
 
@@ -83,6 +84,7 @@ class Result:
     window: slice
     p2_window: slice
     effect: str = "current token"
+    request: dict = field(default_factory=dict)  # what was asked (``analysis_request``): a stored result is read back only for the same
 
 
 READ_SITE_PREFIX = "steering_at_read_site"  # the rows of the variant steer-at-read-site
@@ -201,6 +203,7 @@ def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tupl
     on ``STUDY_SEQUENCES`` sequences of the ``steering`` split, and as the variant
     ``steer-at-read-site`` on the measurement batch."""
     places = check_request(run, layers, sites, n_sequences, window, per_cell)
+    request = analysis_request(places, n_sequences, window, n_random, per_cell)
     place, p3_place = claim_places(run)
     options = {"window": window, "n_random": n_random}
     selection = run.select_place(run.heldout("major", n_sequences, split="select"), places, **options)  # the selected-place variant
@@ -229,11 +232,20 @@ def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tupl
     rows += steering_rows(steering)
     rows += steering_rows(kept[place].steer("dirichlet", variant="steer-at-read-site"), READ_SITE_PREFIX)
 
-    summary = {r["metric"]: r["value"] for r in rows
-               if r["batch"] == "measure" and (r["layer"], r["site"]) == place and r["position"] is None and r["task"] is None}
     p3 = kept[p3_place]
     return Result(run.config.name, stamped(rows, "m1"), place, p3_place, selected, runner_up, measure.batch.task, measure.alpha.float(), p3.beta,
-                  p3.p3.mean, steering, summary, p3.window, kept[place].p2_additive.positions, measure.inputs.effect)
+                  p3.p3.mean, steering, _summary(rows, place), p3.window, kept[place].p2_additive.positions, measure.inputs.effect, request)
+
+
+def analysis_request(places: list[Place], n_sequences: int, window: float, n_random: int, per_cell: int) -> dict:
+    """What one ``analyze`` call measured, as stored beside its result: the places and the options."""
+    return {"places": [list(p) for p in places], "n_sequences": n_sequences, "window": window, "n_random": n_random, "per_cell": per_cell}
+
+
+def _summary(rows: list[dict], place: Place) -> dict[str, float]:
+    """{metric: value} of the non-positional measurement-batch rows at ``place``."""
+    return {r["metric"]: r["value"] for r in rows
+            if r["batch"] == "measure" and (r["layer"], r["site"]) == tuple(place) and r["position"] is None and r["task"] is None}
 
 
 def alignment_rows(place: Place, p3: Alignment, task: torch.Tensor, per_position: bool = True) -> list[dict]:
@@ -286,6 +298,51 @@ def steering_rows(steering: Steering, prefix: str = "steering") -> list[dict]:
     return rows
 
 
+RESULT_FILE = "m1.safetensors"  # beside m1.json: the rest of a Result (its tensors, places and steering), for ``load``
+_TENSORS = ("task", "alpha", "beta")
+_STEERING_TENSORS = ("a", "sequence", "unsteered", "steered", "mode", "random")
+
+
 def write(run: StudyRun, result: Result) -> None:
-    """Save the rows to ``analysis/m1.json`` (``pandas.read_json`` reads it in one call)."""
+    """Save the rows to ``analysis/m1.json`` (``pandas.read_json`` reads it in one call) and the rest
+    of ``result`` to ``analysis/m1.safetensors``, so that ``load`` gives it back without measuring."""
     atomic_write_json(run.path / "analysis" / "m1.json", result.rows)
+    steering = result.steering
+    tensors = {**{name: getattr(result, name) for name in _TENSORS}, **{f"mean.{name}": getattr(result.mean, name) for name in ("beta", "alpha", "tv")},
+               **{f"steering.{name}": getattr(steering, name) for name in _STEERING_TENSORS}}
+    fields = {"experiment": result.experiment, "place": result.place, "p3_place": result.p3_place, "selected": result.selected,
+              "runner_up": result.runner_up, "window": _span(result.window), "p2_window": _span(result.p2_window), "effect": result.effect,
+              "request": result.request, "steering": {"positions": steering.positions, "measure": steering.measure, "label": steering.label,
+                                                      "form": steering.form, "place": steering.place, "n_sequences": steering.n_sequences}}
+    save_tensors(run.path / "analysis" / RESULT_FILE, {name: t.clone() for name, t in tensors.items()},
+                 {"analysis": "m1", "version": str(VERSIONS["m1"]), "fields": json.dumps(fields)})
+
+
+def load(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tuple[str, ...] | None = None, n_sequences: int = 512,
+         window: float = 0.25, n_random: int = 8, per_cell: int = P0_PER_CELL) -> Result | None:
+    """The ``Result`` that ``analyze`` with these options gave, as ``write`` stored it, or None when the
+    run has none: no file, another version (``rows.VERSIONS``) or another request. CheckpointError
+    naming the file when it is damaged or not a stored M1 result."""
+    path = run.path / "analysis" / RESULT_FILE
+    rows = stored_rows(run, "m1")
+    if rows is None or not path.exists():
+        return None
+    tensors, meta = load_tensors(path)
+    if meta.get("analysis") != "m1" or "fields" not in meta:
+        raise CheckpointError(f"{path} is not a stored M1 result; delete it to measure the run again")
+    request = analysis_request(check_request(run, layers, sites, n_sequences, window, per_cell), n_sequences, window, n_random, per_cell)
+    fields = json.loads(meta["fields"])
+    if meta.get("version") != str(VERSIONS["m1"]) or fields["request"] != request:
+        return None
+    s = fields["steering"]
+    steering = Steering(**{name: tensors[f"steering.{name}"] for name in _STEERING_TENSORS}, positions=tuple(s["positions"]),
+                        measure=s["measure"], label=s["label"], form=s["form"], place=Place(*s["place"]), n_sequences=s["n_sequences"])
+    place = Place(*fields["place"])
+    mean = MeanAlignment(tensors["mean.beta"], tensors["mean.alpha"], tensors["mean.tv"])
+    return Result(fields["experiment"], rows, place, Place(*fields["p3_place"]), Place(*fields["selected"]),
+                  None if fields["runner_up"] is None else Place(*fields["runner_up"]), *(tensors[name] for name in _TENSORS), mean, steering,
+                  _summary(rows, place), slice(*fields["window"]), slice(*fields["p2_window"]), fields["effect"], request)
+
+
+def _span(window: slice) -> list[int | None]:
+    return [window.start, window.stop]
