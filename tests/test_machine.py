@@ -102,13 +102,43 @@ def test_the_schedule_runs_no_more_at_once_than_memory_allows(tmp_path):
     assert memory_workers(units, available=100 * need) == 100  # the schedule takes the least of this, the cores and the group
 
 
-def test_the_estimate_spreads_cpu_seconds_over_the_workers_but_never_below_the_longest_run():
-    from taskgeom.training.timing import CPU_SECONDS_PER_FLOP_SECOND as c, estimate_wall
+def test_the_estimate_spreads_the_pool_over_the_workers_but_never_below_its_longest_unit_then_adds_the_main_process():
+    from taskgeom.training.timing import estimate_wall
 
-    rate = 1e10
-    assert estimate_wall([4e10, 2e10, 2e10], rate, workers=2) == pytest.approx(c * 8 / 2)
-    assert estimate_wall([4e10, 2e10, 2e10], rate, workers=8) == pytest.approx(c * 4)  # the longest run
-    assert estimate_wall([], rate, workers=2) == 0
+    assert estimate_wall([40.0, 20.0, 20.0], 7.0, workers=2) == pytest.approx(80 / 2 + 7)
+    assert estimate_wall([40.0, 20.0, 20.0], 0.0, workers=8) == pytest.approx(40)  # the longest unit
+    assert estimate_wall([], 0.0, workers=2) == 0
+
+
+def test_the_plan_counts_only_the_work_left(tiny_reproduction, tmp_path):
+    """On the folder of a finished reproduction nothing is left to train, analyse or measure; on an
+    empty folder everything is, and each part's CPU seconds are its kind's cost per training
+    FLOP-second (analyses scaled by the blocks)."""
+    from conftest import TINY_REPRODUCTION, TINY_SEEDS
+    from taskgeom.experiments.executors import Executor
+    from taskgeom.experiments.request import Request, resolve, work_left
+    from taskgeom.experiments.base import Context
+    from taskgeom.training.timing import COST_PER_FLOP_SECOND as cost, depth_factor
+
+    def left(out):
+        request = Request("quick", TINY_SEEDS, out, settings=TINY_REPRODUCTION)
+        resolved = resolve(request)
+        ctx = Context(resolved.out, "quick", TINY_SEEDS, Executor("local", 2), "cpu", "none", resolved.settings, resolved.studies)
+        return work_left(ctx, resolved.experiments, rate=1e9)
+
+    done = left(tiny_reproduction)
+    assert not done[["train", "dual", "m1"]].any().any() and done["e4"].sum() == 0
+    assert (done["cpu_pool_s"] == 0).all() and (done["cpu_main_s"] == 0).all()
+
+    fresh = left(tmp_path / "fresh")
+    assert fresh["train"].all() and fresh["m1"].sum() == 3 * len(TINY_SEEDS)  # the k = -1 runs of E1, E2, E3
+    e4 = fresh[fresh["e4"] > 0]  # E4's k = -1 run of each seed, one measurement each
+    assert set(e4["recipe"]) == {"e4"} and set(e4["diversity"]) == {-1} and e4["e4"].sum() == len(TINY_SEEDS)
+    assert list(e4["cpu_main_s"]) == pytest.approx(list(cost["e4"] * e4["flops"] / 1e9))
+    assert fresh["dual"].sum() == 2 * 3 * len(TINY_SEEDS)  # the sweep at quick: E1 and E3 on the grid -1, 4, 10
+    one = fresh[fresh["dual"] & ~fresh["m1"]].iloc[0]
+    depth = depth_factor(1)  # TINY_REPRODUCTION: one block
+    assert one["cpu_pool_s"] == pytest.approx((cost["train"] + cost["dual"] * depth) * one["flops"] / 1e9)
 
 
 def test_the_probe_counts_a_matrix_multiplys_flops_per_cpu_second_of_the_process(monkeypatch):

@@ -132,3 +132,9 @@ class Extra:
     def runs(self, ctx: Context) -> list[TrainTask]:
         runs = getattr(self.function, "runs", None)
         return [] if runs is None else runs(ctx, self.study, **self.options)
+
+    def left(self, ctx: Context) -> list[str]:
+        """For ``--plan``: one run name per unit of its own measurement not yet stored (its function's
+        ``left``; none when it declares none)."""
+        left = getattr(self.function, "left", None)
+        return [] if left is None else left(ctx, self.study, **self.options)

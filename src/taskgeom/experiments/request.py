@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
+
 from taskgeom import experiments
 from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS
 from taskgeom.errors import TaskgeomError
@@ -108,9 +110,9 @@ def choose_studies(files: tuple[Path, ...], recipes: str | None, only: tuple[str
 
 
 def plan_text(request: Request, executor: Executor, device: str, tracker: str, csv: bool = False) -> str:
-    """The runs the request would train (``schedule.plan_table``: steps, parameters, tokens, FLOPs),
-    as CSV or as a table with its totals and the wall time estimated on this machine."""
-    from taskgeom.experiments.schedule import plan_table
+    """The runs the request reads (``schedule.plan_table``: steps, parameters, tokens, FLOPs) and what
+    is left of each (``work_left``), as CSV or as a table with its totals and the wall time of the
+    work left estimated on this machine."""
     from taskgeom.report.manifest import cpu_model
     from taskgeom.settings.devices import usable_cores
     from taskgeom.training.timing import estimate_wall, matmul_rate
@@ -118,17 +120,52 @@ def plan_text(request: Request, executor: Executor, device: str, tracker: str, c
     resolved = resolve(request)
     ctx = Context(resolved.out, request.profile, tuple(request.seeds), executor, device, tracker, resolved.settings, resolved.studies,
                   request.grid and tuple(request.grid))
-    table = plan_table(experiments.planned_runs(ctx, resolved.experiments))
+    rate, workers = matmul_rate(), min(executor.workers, usable_cores())
+    table = work_left(ctx, resolved.experiments, rate)
     if csv:
         return table.to_csv(index=False)
-    rate, workers = matmul_rate(), min(executor.workers, usable_cores())
-    return (f"{table.to_string(index=False)}\n"
+    pool, main = table["cpu_pool_s"], table["cpu_main_s"].sum()
+    wall = estimate_wall(list(pool[pool > 0]), main, workers)
+    shown = table.drop(columns=["cpu_pool_s", "cpu_main_s"])
+    return (f"{shown.to_string(index=False)}\n"
             f"{len(table)} runs, {table['steps'].sum():,} steps, {table['tokens'].sum():.3g} tokens, "
             f"{table['flops'].sum():.3g} training FLOPs (6 x parameters x tokens)\n"
-            f"estimated wall time here: {estimate_wall(list(table['flops']), rate, workers) / 60:.0f} min on {workers} "
-            f"worker(s) ({cpu_model()}, {usable_cores()} usable cores, matrix-multiply probe {rate / 1e9:.0f} GFLOP/s a "
-            f"thread); fitted on one measured reproduction (a 2-core AVX2 EPYC: 50 min estimated, 53 measured), "
-            f"on another CPU it may be off by a half\n")
+            f"left (a reproduction reads back what is stored): {table['train'].sum()} runs to train, "
+            f"{table['dual'].sum()} dual analyses, {table['m1'].sum()} M1 analyses, E4 on {table['e4'].sum()} seeds\n"
+            f"estimated wall time here: {wall / 60:.0f} min on {workers} worker(s) (training and dual analyses "
+            f"{(wall - main) / 60:.0f} min, then the M1 analyses and E4 in this process {main / 60:.0f} min; {cpu_model()}, "
+            f"{usable_cores()} usable cores, matrix-multiply probe {rate / 1e9:.0f} GFLOP/s a thread); each kind's cost per "
+            f"training FLOP fitted on one quick reproduction (a 2-core AVX2 EPYC), deeper models scaled by their blocks: "
+            f"it errs long there, and on another CPU it may be off by a half\n")
+
+
+def work_left(ctx: Context, chosen: dict[str, Experiment], rate: float) -> pd.DataFrame:
+    """``schedule.plan_table``'s row of every run the experiments ``chosen`` read, with what is left of
+    it: ``train`` (not trained yet), ``dual`` (the sweep's runs: the dual analysis not stored under its
+    version and sizes), ``m1`` (the m1 experiment's runs: the M1 result not stored for its request),
+    ``e4`` (E4's k = -1 run of each seed whose measurement is not stored); and the CPU seconds estimated here
+    for them at the probe's ``rate`` (``timing.COST_PER_FLOP_SECOND``; analyses scaled by
+    ``depth_factor``): ``cpu_pool_s`` on the schedule's pool, ``cpu_main_s`` in this process."""
+    from taskgeom.analysis.stored.m1 import load as load_m1
+    from taskgeom.analysis.study import StudyRun
+    from taskgeom.experiments.schedule import analysed, plan_table
+    from taskgeom.runs.folders import Run
+    from taskgeom.training.timing import COST_PER_FLOP_SECOND as cost, depth_factor
+
+    by_experiment = experiments.runs_by_experiment(ctx, chosen)
+    table = plan_table([task for tasks in by_experiment.values() for task in tasks])
+    trained = {task.name: (task.path / "model.safetensors").exists() for tasks in by_experiment.values() for task in tasks}
+    dual = {task.name for task in by_experiment.get("dual_modes", []) if task.analyse and not analysed(task.path)}
+    m1 = {task.name for task in by_experiment.get("m1", []) if not trained[task.name] or load_m1(StudyRun(Run.open(task.path))) is None}
+    e4 = chosen["e4"].left(ctx) if "e4" in chosen else []
+    table["train"] = ~table["run"].map(trained)
+    table["dual"], table["m1"] = table["run"].isin(dual), table["run"].isin(m1)
+    table["e4"] = table["run"].map(e4.count)
+    flop_s = table["flops"] / rate
+    depth = table["run"].map({task.name: depth_factor(task.config.model.n_layers) for tasks in by_experiment.values() for task in tasks})
+    table["cpu_pool_s"] = flop_s * (cost["train"] * table["train"] + cost["dual"] * depth * table["dual"])
+    table["cpu_main_s"] = flop_s * (cost["m1"] * depth * table["m1"] + cost["e4"] * table["e4"])
+    return table
 
 
 def run(request: Request, executor: Executor, device: str, tracker: str) -> Context:

@@ -107,7 +107,7 @@ def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float
     return seconds
 
 
-def _analysed(path: Path) -> bool:
+def analysed(path: Path) -> bool:
     """Whether the run at ``path`` has a current dual analysis; a damaged run directory counts as
     not analysed (its experiment reports it)."""
     from taskgeom.analysis.stored.dual import load_dual
@@ -130,7 +130,7 @@ def plan(tasks: list[TrainTask]) -> list[Unit]:
     units = []
     for name, task in first.items():
         train_threads = 0 if (task.path / "model.safetensors").exists() else task.threads
-        analysis_threads = analysis.get(name, 0) if name in analysis and not _analysed(task.path) else 0
+        analysis_threads = analysis.get(name, 0) if name in analysis and not analysed(task.path) else 0
         if train_threads or analysis_threads:
             units.append(Unit(task, train_threads, analysis_threads))
     return sorted(units, key=lambda u: -u.cost())

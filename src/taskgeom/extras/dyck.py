@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Literal
 
 import pandas as pd
@@ -43,10 +44,9 @@ from taskgeom.analysis.measures.anova import two_way
 from taskgeom.analysis.measures.linear_probes import Kind, linear_probe
 from taskgeom.analysis.measures.task_vectors import late_window
 from taskgeom.analysis.reading.states import collect
-from taskgeom.analysis.stored.m1 import analyze as analyze_m1
-from taskgeom.analysis.stored.m1 import write as write_m1
-from taskgeom.analysis.stored.rows import stored_rows
+from taskgeom.analysis.stored.rows import VERSIONS
 from taskgeom.analysis.study import StudyRun
+from taskgeom.experiments.m1 import stored_or_analyzed
 from taskgeom.claims.e4 import CLAIM_SITE, P0_SITE, natural_cells_ratio, p0_failure, prefix_probe, weakest_probe
 from taskgeom.claims.m1 import claim_values
 from taskgeom.experiments.base import Context
@@ -56,6 +56,7 @@ from taskgeom.extras.dyck_prefix import probe_layer, study_prefix_probe
 from taskgeom.extras.dyck_variance import study_p0
 from taskgeom.hooks import Place
 from taskgeom.report.interactive import Evidence, lines
+from taskgeom.report.manifest import read_json
 from taskgeom.runs.folders import Run
 from taskgeom.runs.storage import atomic_write_json
 from taskgeom.settings.recipes import Study, load_measure
@@ -130,14 +131,8 @@ def reference_p0(run: Run) -> dict[str, list[float]]:
 
 def reference_within(run: Run) -> float:
     """1 - P0 of a reference run as its M1 claim reads it (the study's forced-token cells at its claim
-    place), from its ``analysis/m1.json``; analysed now where that is absent or of another version."""
-    rows = stored_rows(run, "m1")
-    if rows is None:
-        study = StudyRun(run)
-        result = analyze_m1(study)
-        write_m1(study, result)
-        rows = result.rows
-    return 1.0 - claim_values(rows)["P0"].value
+    place), from its stored M1 result; analysed now where that is absent or of another version or request."""
+    return 1.0 - claim_values(stored_or_analyzed(StudyRun(run)).rows)["P0"].value
 
 
 def dyck_p0(run: Run) -> dict[str, dict[str, list[float]]]:
@@ -249,10 +244,62 @@ def e4(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> No
 def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int, diversity: int) -> dict[str, list[dict]]:
     """The P0 shares and prefix probes of recipe ``name``'s runs of ``seed`` (the probes on the run at
     k = ``diversity``); records its claims; returns the tidy rows of ``analysis/{name}.json``
-    (without the seed)."""
+    (without the seed). Each seed's rows are kept in ``analysis/{name}/seed-{seed}.json`` with the
+    runs they were measured on and read back from there while those runs and ``rows.VERSIONS``
+    ("e4", "m1") are the same, so a reproduction stopped midway measures only the seeds it had not
+    reached; the claims are read from the rows as stored."""
     majors = ctx.trained(name, ("task.diversity=-1",), seed)
     diverse = ctx.trained(name, (f"task.diversity={diversity}",), seed)
     reference_runs = {ref: ctx.trained(ref, ("task.diversity=-1",), seed) for ref in references}
+    path, key = seed_file(ctx, name, references, seed, diversity)
+    rows = stored_seed(path, key)
+    if rows is None:
+        atomic_write_json(path, {**key, "tables": measure_rows(ctx, name, majors, diverse, reference_runs, seed)})
+        rows = stored_seed(path, key)
+    layer, at = claim_layer(majors), {ref: claim_layer(run) for ref, run in reference_runs.items()}
+    p0 = {site: {} for site in P0_SITES}
+    for row in rows["p0"]:
+        p0[row["site"]].setdefault(row["series"], []).append(row["value"])
+    residual = [row["value"] for row in rows["p0_brackets"] if row["layer"] == layer]
+    within = {row["series"]: row["value"] for row in rows["p0_references"]}
+    study_probe = {probe: {row["length"]: row["value"] for row in rows["prefix_probe"]
+                           if row["probe"] == probe and row["metric"] == "prefix_probe.accuracy"} for probe in ("probe", "control")}
+    reached = next(row["reached"] for row in rows["prefix_probe"] if row["probe"] == "probe")
+    ctx.claim(seed, p0_failure(name, residual, layer, within, natural_cells_ratio(p0[CLAIM_SITE], layer, at)),
+              prefix_probe(name, study_probe["probe"], study_probe["control"], reached, probe_layer(diverse), PROBE_SITE, diversity,
+                           weakest_probe(rows["probes"], claim_layer(diverse))["gain"]))
+    return rows
+
+
+def seed_file(ctx: Context, name: str, references: Sequence[str], seed: int, diversity: int) -> tuple[Path, dict]:
+    """(where ``measure`` keeps one seed's tables, the key they are stored under: the versions, the
+    diversity and the run directories they read)."""
+    overrides = [(name, "task.diversity=-1"), (name, f"task.diversity={diversity}"), *((ref, "task.diversity=-1") for ref in references)]
+    runs = [f"{config.name}-{config.digest()}" for config in (ctx.config(recipe, (setting,), seed) for recipe, setting in overrides)]
+    key = {"version": VERSIONS["e4"], "m1_version": VERSIONS["m1"], "diversity": diversity, "runs": runs}
+    return ctx.out / "analysis" / name / f"seed-{seed}.json", key
+
+
+def left(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> list[str]:
+    """For ``--plan``: the k = -1 run of every seed whose measurement ``measure`` has not stored."""
+    diversity = probe_diversity(ctx, study)
+    return [seed_file(ctx, study.name, references, seed, diversity)[1]["runs"][0] for seed in ctx.seeds
+            if stored_seed(*seed_file(ctx, study.name, references, seed, diversity)) is None]
+
+
+def stored_seed(path: Path, key: dict) -> dict[str, list[dict]] | None:
+    """The tables of one seed's E4 measurement stored at ``path`` under ``key`` (the versions, the
+    diversity and the runs it read), or None when absent or stored under another key."""
+    if not path.exists():
+        return None
+    stored = read_json(path, "delete it to measure the seed again")
+    return stored["tables"] if isinstance(stored, dict) and {k: stored.get(k) for k in key} == key and "tables" in stored else None
+
+
+def measure_rows(ctx: Context, name: str, majors: Run, diverse: Run, reference_runs: dict[str, Run], seed: int) -> dict[str, list[dict]]:
+    """Measure one seed's E4 tables (``measure``): the P0 shares of ``majors`` and the references, the
+    prefix probes of ``diverse``."""
+    references = tuple(reference_runs)
     with ctx.stage(f"P0 as the study's variance.py ({name.upper()}; seed {seed})"):
         residual = study_p0(majors)  # [L, J]
         within = {ref: reference_within(run) for ref, run in reference_runs.items()}
@@ -277,13 +324,6 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int, div
                          "value": values[length], "best_epoch": result.best_epoch, "epochs": result.epochs, "reached": result.reached}
                         for name, result in study_probe.items() for metric, values in (("accuracy", result.accuracy), ("loss", result.loss))
                         for length in values]
-
-    at = {ref: claim_layer(run) for ref, run in reference_runs.items()}
-    layer = claim_layer(majors)
-    ctx.claim(seed, p0_failure(name, residual[layer].tolist(), layer, within, natural_cells_ratio(p0[CLAIM_SITE], layer, at)),
-              prefix_probe(name, study_probe["probe"].accuracy, study_probe["control"].accuracy, study_probe["probe"].reached, at_probe,
-                           PROBE_SITE, diversity,
-                           weakest_probe(probes["pool"], claim_layer(diverse))["gain"]))
     return {"p0": p0_rows, "p0_brackets": bracket_rows, "p0_references": reference_rows, "prefix_probe": study_probe_rows, "probes": probes["pool"],
             "probes_ood": probes["ood"], "probes_untrained": untrained}
 
@@ -334,6 +374,7 @@ def plot(ctx: Context, name: str, references: tuple[str, ...], measured: dict[st
 
 
 e4.runs = runs
+e4.left = left  # for --plan
 
 
 def evidence(table: pd.DataFrame) -> list[Evidence]:

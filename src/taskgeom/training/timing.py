@@ -82,14 +82,23 @@ class Timings:
 
 # ---- what a plan will take on this machine ---------------------------------------------------------
 
-# [measured] CPU seconds of a whole reproduction (training, evaluation, analyses) per second its
-# training FLOPs (6 x parameters x tokens) would take at one thread's float32 matrix-multiply rate.
-# The quick three-seed reproduction at 6270225 (the study's protocol and settings), from a fresh
-# clone on a 2-core AMD EPYC with AVX2 only, kernels pinned: 6,050 CPU-s (52 min 55 s wall, 190% of
-# two cores) for 1.28e14 FLOPs, the probe 76 GFLOP/s a thread: 3.59. Under the earlier conventions
-# (f2dc61a) a 2-core AVX-512 EPYC gave 2.39 (probe 113 GFLOP/s): how a CPU's training keeps up with
-# its matrix multiply differs, so an estimate on another CPU may be off by a half.
-CPU_SECONDS_PER_FLOP_SECOND = 3.59
+# [measured] CPU seconds of each kind of work per second its run's training FLOPs (6 x parameters x
+# tokens) take at one thread's float32 matrix-multiply rate (``matmul_rate``), from the per-stage CPU
+# seconds (``timings.json``) of the quick three-seed reproduction at 6c99fae from a fresh clone on a
+# 2-core AMD EPYC (kernels pinned to AVX2; the probe 79 GFLOP/s a thread): training 1.9-2.2 for every
+# run; a dual analysis 2.0-2.3 (E3) and 2.9-4.0 (E1); an M1 analysis 0.38 (E2), 1.14-1.16 (E3), 2.2-2.4
+# (E1). E4's own measurement of one seed (its P0 and the prefix probe, one thread: 112.6 + 93.4 s on
+# the quick runs, docs/benchmarks.md) per flop-second of its k = -1 run (46.9): 4.4. Where families
+# differ, the largest family's is taken, so an estimate errs long.
+COST_PER_FLOP_SECOND = {"train": 2.1, "dual": 3.8, "m1": 2.3, "e4": 4.4}
+
+
+def depth_factor(n_layers: int) -> float:
+    """[measured] How much more an analysis costs per training FLOP in a model of ``n_layers``
+    blocks than at 2 (its searches and readings run at every block): docs/benchmarks.md, analysis
+    over training at 6 blocks against 2, 2.0 times (dual) and 2.2 (M1); linear, 1 at 2 blocks and 2
+    at 6."""
+    return (n_layers + 2) / 4
 
 
 def matmul_rate(seconds: float = 0.5, n: int = 512) -> float:
@@ -111,9 +120,9 @@ def matmul_rate(seconds: float = 0.5, n: int = 512) -> float:
     return 2 * n ** 3 * count / max(spent, 1e-9)
 
 
-def estimate_wall(flops: list[float], rate: float, workers: int) -> float:
-    """Wall seconds that runs of ``flops`` training FLOPs each take on ``workers`` one-thread
-    workers of a machine whose probe gives ``rate`` FLOP/s (``CPU_SECONDS_PER_FLOP_SECOND`` for the
-    analyses and overheads): their CPU seconds over the workers, and no less than the longest run."""
-    cpu = [CPU_SECONDS_PER_FLOP_SECOND * f / rate for f in flops]
-    return max(sum(cpu) / max(1, workers), max(cpu, default=0.0))
+def estimate_wall(pool: list[float], main: float, workers: int) -> float:
+    """Wall seconds of a reproduction's work left: ``pool``, the CPU seconds of each unit of the
+    schedule (a run's training and dual analysis, one thread each), spread over ``workers`` but no
+    less than the longest unit; then ``main``, the CPU seconds of what the experiments do in the
+    main process one after another (the M1 analyses, E4's measurement)."""
+    return max(sum(pool) / max(1, workers), max(pool, default=0.0)) + main

@@ -46,7 +46,9 @@ from taskgeom.runs.folders import Run
 #    as KL(model || reference) on 1,024 sequences of the training mixture (the batch "transition").
 # m1 12: E2's r2_additive fits the task simplex to h - mu_t before x_t's map (the study's order), its random baseline too.
 # dual 12: E3's token span that V avoids from the probe's W_tok (the study's svd_basis(W_tok, 0.9)).
-VERSIONS = {"m1": 12, "dual": 12}
+# e4 1: E4's own measurement of one seed (``extras.dyck.measure``: P0 as the study's variance.py, the study's prefix
+#    probe, the earlier constructions), kept per seed in the results folder's ``analysis/e4/``.
+VERSIONS = {"m1": 12, "dual": 12, "e4": 1}
 FIELDS = ("metric", "value", "band", "layer", "site", "batch", "set", "step", "position", "task", "gain", "unreliable", "reason",
           "version")
 
