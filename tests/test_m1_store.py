@@ -57,6 +57,16 @@ def test_another_request_or_version_is_measured_again(analysed, monkeypatch):
     assert stored.load(study, **{**OPTIONS, "n_sequences": 64}) is None
     assert stored.load(study, **{**OPTIONS, "per_cell": 8}) is None
     assert stored.load(study, **OPTIONS, layers=(1,)) is None  # fewer places than were measured
+    rows_path = study.path / "analysis" / "m1.json"
+    original = rows_path.read_bytes()
+    rows = json.loads(original)
+    rows[0]["value"] += 1.0  # m1.json written since, by another analysis: the stored rest is not read beside it
+    rows_path.write_text(json.dumps(rows))
+    try:
+        assert stored.load(study, **OPTIONS) is None
+    finally:
+        rows_path.write_bytes(original)
+    assert stored.load(study, **OPTIONS) is not None
     monkeypatch.setitem(VERSIONS, "m1", VERSIONS["m1"] + 1)
     assert stored.load(study, **OPTIONS) is None
 
@@ -75,7 +85,7 @@ def test_a_damaged_or_foreign_file_is_a_clear_error_and_is_kept(analysed, tmp_pa
     original = path.read_bytes()
     try:
         path.write_bytes(original[: len(original) // 2])
-        with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        with pytest.raises(CheckpointError, match="truncated or corrupt.*delete it"):
             stored.load(study, **OPTIONS)
         assert path.stat().st_size == len(original) // 2  # nothing overwritten
         from taskgeom.runs.storage import save_tensors

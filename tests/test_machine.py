@@ -134,7 +134,7 @@ def test_the_plan_counts_only_the_work_left(tiny_reproduction, tmp_path):
     assert fresh["train"].all() and fresh["m1"].sum() == 3 * len(TINY_SEEDS)  # the k = -1 runs of E1, E2, E3
     e4 = fresh[fresh["e4"] > 0]  # E4's k = -1 run of each seed, one measurement each
     assert set(e4["recipe"]) == {"e4"} and set(e4["diversity"]) == {-1} and e4["e4"].sum() == len(TINY_SEEDS)
-    assert list(e4["cpu_main_s"]) == pytest.approx(list(cost["e4"] * e4["flops"] / 1e9))
+    assert list(e4["cpu_main_s"]) == pytest.approx(list(cost["e4"] * depth_factor(1) * e4["flops"] / 1e9))
     assert fresh["dual"].sum() == 2 * 3 * len(TINY_SEEDS)  # the sweep at quick: E1 and E3 on the grid -1, 4, 10
     one = fresh[fresh["dual"] & ~fresh["m1"]].iloc[0]
     depth = depth_factor(1)  # TINY_REPRODUCTION: one block

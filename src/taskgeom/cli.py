@@ -318,7 +318,8 @@ def analyze(
     """M1 geometry of a trained model (docs/concepts.md and docs/protocol.md): P0-P3 per layer and site on a
     measurement batch; the claims read the study's block at the same relative depth (resid_post),
     where causal steering is measured too, one position per forward pass. P0-P2 on a selection batch
-    give the selected-place variant. Writes analysis/m1.json (tidy rows) and figures/m1_*.png."""
+    give the selected-place variant. Writes analysis/m1.json (tidy rows), analysis/m1.safetensors (the rest of the
+    result, which a reproduction reads back for the same request) and figures/m1_*.png."""
     from taskgeom.analysis.study import open_run
     from taskgeom.experiments.m1 import analyze_one
 
@@ -380,9 +381,11 @@ def reproduce(
                                                "x, separator, y layout). Its recipes alone, with its settings, judged under the "
                                                "protocol; set it beside the study's settings with `taskgeom ladder results "
                                                "results-VARIANT`. The variants of the measurement are `taskgeom sensitivity`'s."),
-    plan: bool = typer.Option(False, "--plan", help="Print the runs this reproduction trains (steps, parameters, tokens, "
-                              "FLOPs; --csv for a table) and exit: nothing is trained or written."),
-    csv: bool = typer.Option(False, "--csv", help="With --plan: the run list as CSV."),
+    plan: bool = typer.Option(False, "--plan", help="Print the runs this reproduction reads (steps, parameters, tokens, "
+                              "FLOPs), what is left of each (to train; dual and M1 analyses, E4's measurement not stored) and "
+                              "the wall time that is estimated to take here; --csv for a table; then exit: nothing is trained or written."),
+    csv: bool = typer.Option(False, "--csv", help="With --plan: the run list as CSV, with what is left and its estimated CPU seconds "
+                             "on the pool (cpu_pool_s) and in this process (cpu_main_s), on this machine."),
     executor: str = _EXECUTOR,
     workers: Optional[int] = _WORKERS,
     address: Optional[str] = _ADDRESS,

@@ -133,8 +133,8 @@ class Extra:
         runs = getattr(self.function, "runs", None)
         return [] if runs is None else runs(ctx, self.study, **self.options)
 
-    def left(self, ctx: Context) -> list[str]:
+    def left(self, ctx: Context) -> list[str] | None:
         """For ``--plan``: one run name per unit of its own measurement not yet stored (its function's
-        ``left``; none when it declares none)."""
+        ``left``); None when it declares no ``left`` (it stores nothing to resume from)."""
         left = getattr(self.function, "left", None)
-        return [] if left is None else left(ctx, self.study, **self.options)
+        return None if left is None else left(ctx, self.study, **self.options)

@@ -1,6 +1,6 @@
 """M1, Bayesian task retrieval (docs/concepts.md#m1-the-geometry-of-task-retrieval): P0-P3 and causal steering on the k = -1 runs
 of the recipes that declare ``m1`` (E1, E2, E3; the runs ``bayes_optimum`` and E2's own experiment
-read too, whichever comes first trains them): each run analysed (``analysis.stored.m1``), its
+read too, whichever comes first trains them): each run analysed (``analysis.stored.m1``; a stored result read back), its
 claims read from the rows (``claims.m1``), and the figures. For E2 the analysis reads its
 prediction positions: P0's "cells" are a per-task intercept and linear map of the query x_i (an
 ANCOVA at each position), P2 reads r2_additive, and steering compares predictions of y_i by RMSE

@@ -1,7 +1,7 @@
 """What ``taskgeom reproduce`` is asked to do (``Request``), checked and resolved before anything
 runs: the recipes (the shipped ones and ``--recipe`` files, narrowed by ``--recipes`` and
 ``--only``), the experiments, a data variant's recipes and settings; then either its plan
-(``plan_text``: the runs it would train and the time they would take here) or the reproduction
+(``plan_text``: the runs it reads, what is left of each and the time that would take here) or the reproduction
 itself (``run``)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pandas as pd
 from taskgeom import experiments
 from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS
 from taskgeom.errors import TaskgeomError
-from taskgeom.experiments.base import Context, Experiment, shipped_studies
+from taskgeom.experiments.base import Context, Experiment, Extra, shipped_studies
 from taskgeom.experiments.executors import Executor
 from taskgeom.settings.recipes import DEFAULT_PROFILE, Study, load_study
 
@@ -131,7 +131,8 @@ def plan_text(request: Request, executor: Executor, device: str, tracker: str, c
             f"{len(table)} runs, {table['steps'].sum():,} steps, {table['tokens'].sum():.3g} tokens, "
             f"{table['flops'].sum():.3g} training FLOPs (6 x parameters x tokens)\n"
             f"left (a reproduction reads back what is stored): {table['train'].sum()} runs to train, "
-            f"{table['dual'].sum()} dual analyses, {table['m1'].sum()} M1 analyses, E4 on {table['e4'].sum()} seeds\n"
+            f"{table['dual'].sum()} dual analyses, {table['m1'].sum()} M1 analyses"
+            f"{''.join(f', {name.upper()} on {table[name].sum()} seeds' for name in table.attrs['own'])}\n"
             f"estimated wall time here: {wall / 60:.0f} min on {workers} worker(s) (training and dual analyses "
             f"{(wall - main) / 60:.0f} min, then the M1 analyses and E4 in this process {main / 60:.0f} min; {cpu_model()}, "
             f"{usable_cores()} usable cores, matrix-multiply probe {rate / 1e9:.0f} GFLOP/s a thread); each kind's cost per "
@@ -143,8 +144,9 @@ def work_left(ctx: Context, chosen: dict[str, Experiment], rate: float) -> pd.Da
     """``schedule.plan_table``'s row of every run the experiments ``chosen`` read, with what is left of
     it: ``train`` (not trained yet), ``dual`` (the sweep's runs: the dual analysis not stored under its
     version and sizes), ``m1`` (the m1 experiment's runs: the M1 result not stored for its request),
-    ``e4`` (E4's k = -1 run of each seed whose measurement is not stored); and the CPU seconds estimated here
-    for them at the probe's ``rate`` (``timing.COST_PER_FLOP_SECOND``; analyses scaled by
+    and a column per study's own experiment that says what of it is left (``Extra.left``; ``e4``: the
+    k = -1 run of each seed whose measurement is not stored; their names in ``attrs["own"]``); and the CPU seconds estimated here for
+    them at the probe's ``rate`` (``timing.COST_PER_FLOP_SECOND``; analyses scaled by
     ``depth_factor``): ``cpu_pool_s`` on the schedule's pool, ``cpu_main_s`` in this process."""
     from taskgeom.analysis.stored.m1 import load as load_m1
     from taskgeom.analysis.study import StudyRun
@@ -155,16 +157,27 @@ def work_left(ctx: Context, chosen: dict[str, Experiment], rate: float) -> pd.Da
     by_experiment = experiments.runs_by_experiment(ctx, chosen)
     table = plan_table([task for tasks in by_experiment.values() for task in tasks])
     trained = {task.name: (task.path / "model.safetensors").exists() for tasks in by_experiment.values() for task in tasks}
+
+    def m1_left(task) -> bool:
+        try:
+            return not trained[task.name] or load_m1(StudyRun(Run.open(task.path))) is None
+        except TaskgeomError:  # a damaged run directory or stored result: the reproduction says so, and measures it
+            return True
+
     dual = {task.name for task in by_experiment.get("dual_modes", []) if task.analyse and not analysed(task.path)}
-    m1 = {task.name for task in by_experiment.get("m1", []) if not trained[task.name] or load_m1(StudyRun(Run.open(task.path))) is None}
-    e4 = chosen["e4"].left(ctx) if "e4" in chosen else []
+    m1 = {task.name for task in by_experiment.get("m1", []) if m1_left(task)}
+    own = {name: left for name, experiment in chosen.items() if isinstance(experiment, Extra) and (left := experiment.left(ctx)) is not None}
     table["train"] = ~table["run"].map(trained)
     table["dual"], table["m1"] = table["run"].isin(dual), table["run"].isin(m1)
-    table["e4"] = table["run"].map(e4.count)
     flop_s = table["flops"] / rate
     depth = table["run"].map({task.name: depth_factor(task.config.model.n_layers) for tasks in by_experiment.values() for task in tasks})
     table["cpu_pool_s"] = flop_s * (cost["train"] * table["train"] + cost["dual"] * depth * table["dual"])
-    table["cpu_main_s"] = flop_s * (cost["m1"] * depth * table["m1"] + cost["e4"] * table["e4"])
+    table["cpu_main_s"] = flop_s * cost["m1"] * depth * table["m1"]
+    for name, runs in own.items():  # a study's own measurement, one unit per listed run (E4: each seed's k = -1 run)
+        table[name] = table["run"].map(runs.count)
+        table["cpu_main_s"] += flop_s * cost.get(name, 0.0) * depth * table[name]
+    table = table[[c for c in table.columns if not c.startswith("cpu_")] + ["cpu_pool_s", "cpu_main_s"]]
+    table.attrs["own"] = list(own)
     return table
 
 

@@ -54,6 +54,7 @@ from taskgeom.extras.dyck_figures import plot_p0_comparison, plot_p0_positions, 
 from taskgeom.extras.dyck_prefix import SITE as PROBE_SITE
 from taskgeom.extras.dyck_prefix import probe_layer, study_prefix_probe
 from taskgeom.extras.dyck_variance import study_p0
+from taskgeom.errors import TaskgeomError
 from taskgeom.hooks import Place
 from taskgeom.report.interactive import Evidence, lines
 from taskgeom.report.manifest import read_json
@@ -76,6 +77,8 @@ PROBE_SITES = P0_SITES
 ProbeSet = Literal["pool", "ood"]
 PROBE_SETS: tuple[str, ...] = ("pool", "ood")
 MEASURE_STREAM = "probe"
+# The tables of ``analysis/e4.json`` (one seed's: ``measure``)
+TABLES = ("p0", "p0_brackets", "p0_references", "prefix_probe", "probes", "probes_ood", "probes_untrained")
 
 
 def claim_layer(run: Run) -> int:
@@ -228,8 +231,7 @@ def runs(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> 
 def e4(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> None:
     """E4's claims on ``study``'s runs against ``references`` (every seed), one seed's figures, and
     every row in the folder's ``analysis/{study}.json``."""
-    tables: dict[str, list[dict]] = {"p0": [], "p0_brackets": [], "p0_references": [], "prefix_probe": [], "probes": [], "probes_ood": [],
-                                     "probes_untrained": []}
+    tables: dict[str, list[dict]] = {name: [] for name in TABLES}
     diversity = probe_diversity(ctx, study)
     for seed in ctx.seeds:
         measured = measure(ctx, study.name, tuple(references), seed, diversity)
@@ -283,8 +285,8 @@ def seed_file(ctx: Context, name: str, references: Sequence[str], seed: int, div
 def left(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> list[str]:
     """For ``--plan``: the k = -1 run of every seed whose measurement ``measure`` has not stored."""
     diversity = probe_diversity(ctx, study)
-    return [seed_file(ctx, study.name, references, seed, diversity)[1]["runs"][0] for seed in ctx.seeds
-            if stored_seed(*seed_file(ctx, study.name, references, seed, diversity)) is None]
+    files = [seed_file(ctx, study.name, references, seed, diversity) for seed in ctx.seeds]
+    return [key["runs"][0] for path, key in files if stored_seed(path, key) is None]
 
 
 def stored_seed(path: Path, key: dict) -> dict[str, list[dict]] | None:
@@ -293,7 +295,12 @@ def stored_seed(path: Path, key: dict) -> dict[str, list[dict]] | None:
     if not path.exists():
         return None
     stored = read_json(path, "delete it to measure the seed again")
-    return stored["tables"] if isinstance(stored, dict) and {k: stored.get(k) for k in key} == key and "tables" in stored else None
+    if not isinstance(stored, dict) or {k: stored.get(k) for k in key} != key:
+        return None
+    tables = stored.get("tables")
+    if not isinstance(tables, dict) or set(tables) != set(TABLES):
+        raise TaskgeomError(f"{path} holds no tables {list(TABLES)}; delete it to measure the seed again")
+    return tables
 
 
 def measure_rows(ctx: Context, name: str, majors: Run, diverse: Run, reference_runs: dict[str, Run], seed: int) -> dict[str, list[dict]]:

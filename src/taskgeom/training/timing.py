@@ -88,22 +88,23 @@ class Timings:
 # 2-core AMD EPYC (kernels pinned to AVX2; the probe 79 GFLOP/s a thread): training 1.9-2.2 for every
 # run; a dual analysis 2.0-2.3 (E3) and 2.9-4.0 (E1); an M1 analysis 0.38 (E2), 1.14-1.16 (E3), 2.2-2.4
 # (E1). E4's own measurement of one seed (its P0 and the prefix probe, one thread: 112.6 + 93.4 s on
-# the quick runs, docs/benchmarks.md) per flop-second of its k = -1 run (46.9): 4.4. Where families
-# differ, the largest family's is taken, so an estimate errs long.
+# the quick runs, docs/benchmarks.md, at e32f717 and 15d3dd0) per flop-second of its k = -1 run (46.9): 4.4,
+# without its linear probes and natural-state P0 (20-35 CPU-s a seed at 6c99fae). Where families
+# differ, the largest family's is taken.
 COST_PER_FLOP_SECOND = {"train": 2.1, "dual": 3.8, "m1": 2.3, "e4": 4.4}
 
 
 def depth_factor(n_layers: int) -> float:
     """[measured] How much more an analysis costs per training FLOP in a model of ``n_layers``
     blocks than at 2 (its searches and readings run at every block): docs/benchmarks.md, analysis
-    over training at 6 blocks against 2, 2.0 times (dual) and 2.2 (M1); linear, 1 at 2 blocks and 2
-    at 6."""
+    over training at 6 blocks against 2, 2.0 times (dual), 2.2 (M1) and 1.4 (E4's P0 and prefix
+    probe); linear, 1 at 2 blocks and 2 at 6 (long for E4)."""
     return (n_layers + 2) / 4
 
 
 def matmul_rate(seconds: float = 0.5, n: int = 512) -> float:
     """FLOP/s of torch's float32 ``n x n`` matrix multiply on one thread, for about ``seconds`` of
-    wall time (the probe every estimate of ``estimate_wall`` is scaled by). Per CPU second of this
+    wall time (the probe that scales ``COST_PER_FLOP_SECOND`` to this machine). Per CPU second of this
     process, so that a machine busy with other work reads its own speed, not its load."""
     import torch
 

@@ -1,6 +1,7 @@
 """The M1 analysis of one finished run (``taskgeom analyze``, the M1 experiment): P0-P3 at every
 requested layer and site, steering at the claims' block, as the rows of ``analysis/m1.json``
-(``rows``' layout; batch: the split, ``select`` or ``measure``). It is written with the objects of
+(``rows``' layout; batch: the split, ``select`` or ``measure``), and the rest of the ``Result`` in
+``analysis/m1.safetensors`` (``write``; ``load`` reads both back for the same request). It is written with the objects of
 ``analysis.study``, so each stored number is what they return.
 
 **The place** (docs/protocol.md): the M1 claims read a fixed block at ``resid_post``, the
@@ -41,8 +42,10 @@ subtracted.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -305,8 +308,10 @@ _STEERING_TENSORS = ("a", "sequence", "unsteered", "steered", "mode", "random")
 
 def write(run: StudyRun, result: Result) -> None:
     """Save the rows to ``analysis/m1.json`` (``pandas.read_json`` reads it in one call) and the rest
-    of ``result`` to ``analysis/m1.safetensors``, so that ``load`` gives it back without measuring."""
-    atomic_write_json(run.path / "analysis" / "m1.json", result.rows)
+    of ``result`` to ``analysis/m1.safetensors`` with the sha256 of that m1.json, so that ``load`` gives
+    it back without measuring, and never beside other rows."""
+    rows_path = run.path / "analysis" / "m1.json"
+    atomic_write_json(rows_path, result.rows)
     steering = result.steering
     tensors = {**{name: getattr(result, name) for name in _TENSORS}, **{f"mean.{name}": getattr(result.mean, name) for name in ("beta", "alpha", "tv")},
                **{f"steering.{name}": getattr(steering, name) for name in _STEERING_TENSORS}}
@@ -315,21 +320,31 @@ def write(run: StudyRun, result: Result) -> None:
               "request": result.request, "steering": {"positions": steering.positions, "measure": steering.measure, "label": steering.label,
                                                       "form": steering.form, "place": steering.place, "n_sequences": steering.n_sequences}}
     save_tensors(run.path / "analysis" / RESULT_FILE, {name: t.clone() for name, t in tensors.items()},
-                 {"analysis": "m1", "version": str(VERSIONS["m1"]), "fields": json.dumps(fields)})
+                 {"analysis": "m1", "version": str(VERSIONS["m1"]), "fields": json.dumps(fields), "rows_sha256": _sha256(rows_path)})
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def load(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tuple[str, ...] | None = None, n_sequences: int = 512,
          window: float = 0.25, n_random: int = 8, per_cell: int = P0_PER_CELL) -> Result | None:
     """The ``Result`` that ``analyze`` with these options gave, as ``write`` stored it, or None when the
-    run has none: no file, another version (``rows.VERSIONS``) or another request. CheckpointError
-    naming the file when it is damaged or not a stored M1 result."""
+    run has none: no file, another version (``rows.VERSIONS``), another request, or an m1.json written
+    since (by another analysis). CheckpointError naming the file when it is damaged or not a stored M1
+    result."""
     path = run.path / "analysis" / RESULT_FILE
     rows = stored_rows(run, "m1")
     if rows is None or not path.exists():
         return None
-    tensors, meta = load_tensors(path)
+    try:
+        tensors, meta = load_tensors(path)
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}; delete it to measure the run again") from None
     if meta.get("analysis") != "m1" or "fields" not in meta:
         raise CheckpointError(f"{path} is not a stored M1 result; delete it to measure the run again")
+    if meta.get("rows_sha256") != _sha256(run.path / "analysis" / "m1.json"):
+        return None
     request = analysis_request(check_request(run, layers, sites, n_sequences, window, per_cell), n_sequences, window, n_random, per_cell)
     fields = json.loads(meta["fields"])
     if meta.get("version") != str(VERSIONS["m1"]) or fields["request"] != request:

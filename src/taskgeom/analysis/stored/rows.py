@@ -22,6 +22,7 @@ from typing import Sequence
 import pandas as pd
 
 from taskgeom.analysis.measures.shares import Share
+from taskgeom.errors import RunDirError
 from taskgeom.runs.folders import Run
 
 # 4: m1.json and dual.json share one layout; shares carry their gain (null when not positive).
@@ -71,11 +72,15 @@ def stamped(rows: list[dict], analysis: str) -> list[dict]:
 
 def stored_rows(run: Run, analysis: str) -> list[dict] | None:
     """The rows of ``analysis/{analysis}.json`` of ``run``, or None when absent or written under
-    another version than ``VERSIONS[analysis]`` (then measured again)."""
+    another version than ``VERSIONS[analysis]`` (then measured again); RunDirError naming the file
+    when it is unreadable."""
     path = run.path / "analysis" / f"{analysis}.json"
     if not path.exists():
         return None
-    rows = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RunDirError(f"{path} is unreadable ({err}); delete it to measure the run again") from None
     return rows if rows and all(isinstance(r, dict) and r.get("version") == VERSIONS[analysis] for r in rows) else None
 
 
