@@ -8,6 +8,9 @@ instead of next-token laws by KL, one position per forward pass."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import Callable, ContextManager
+
 import pandas as pd
 
 from taskgeom.analysis.reading.steering import KINDS
@@ -38,8 +41,7 @@ def m1(ctx: Context) -> None:
         results = {}
         for seed in ctx.seeds:
             run = StudyRun(ctx.trained(experiment, ("task.diversity=-1",), seed))
-            with ctx.stage(f"analyse {run.path.name}"):
-                results[seed] = stored_or_analyzed(run)
+            results[seed] = stored_or_analyzed(run, ctx.stage)
             ctx.claim(seed, *claims(results[seed]))
         first = ctx.seeds[0]  # its figures illustrate; the per-layer one spans every seed, and the tables hold them all
         captions = {name: _CAPTIONS[name].format(E=experiment.upper()) + ("" if name == "layers" else f" (seed {first})") for name in FIGURES}
@@ -49,13 +51,15 @@ def m1(ctx: Context) -> None:
                        seeds=pd.concat([pd.DataFrame(r.rows).assign(seed=seed) for seed, r in results.items()], ignore_index=True))
 
 
-def stored_or_analyzed(run: StudyRun) -> Result:
-    """The run's stored M1 result (``analysis.stored.m1.load``), else analysed now and stored: a
+def stored_or_analyzed(run: StudyRun, stage: Callable[[str], ContextManager] = lambda name: nullcontext()) -> Result:
+    """The run's stored M1 result (``analysis.stored.m1.load``), else analysed now, in ``stage("analyse
+    RUN")`` (a timed stage of ``timings.json``: only what is measured is timed), and stored: a
     reproduction stopped midway measures only the runs it had not reached."""
     result = load(run)
     if result is None:
-        result = analyze(run)
-        write(run, result)
+        with stage(f"analyse {run.path.name}"):
+            result = analyze(run)
+            write(run, result)
     return result
 
 
