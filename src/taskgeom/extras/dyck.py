@@ -46,15 +46,15 @@ from taskgeom.analysis.measures.task_vectors import late_window
 from taskgeom.analysis.reading.states import collect
 from taskgeom.analysis.stored.rows import VERSIONS
 from taskgeom.analysis.study import StudyRun
-from taskgeom.experiments.m1 import stored_or_analyzed
 from taskgeom.claims.e4 import CLAIM_SITE, P0_SITE, natural_cells_ratio, p0_failure, prefix_probe, weakest_probe
 from taskgeom.claims.m1 import claim_values
+from taskgeom.errors import TaskgeomError
 from taskgeom.experiments.base import Context
+from taskgeom.experiments.m1 import stored_or_analyzed
 from taskgeom.extras.dyck_figures import plot_p0_comparison, plot_p0_positions, plot_prefix_probes, plot_study_probe
 from taskgeom.extras.dyck_prefix import SITE as PROBE_SITE
 from taskgeom.extras.dyck_prefix import probe_layer, study_prefix_probe
 from taskgeom.extras.dyck_variance import study_p0
-from taskgeom.errors import TaskgeomError
 from taskgeom.hooks import Place
 from taskgeom.report.interactive import Evidence, lines
 from taskgeom.report.manifest import read_json
@@ -259,18 +259,33 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int, div
         atomic_write_json(path, {**key, "tables": measure_rows(ctx, name, majors, diverse, reference_runs, seed)})
         rows = stored_seed(path, key)
     layer, at = claim_layer(majors), {ref: claim_layer(run) for ref, run in reference_runs.items()}
-    p0 = {site: {} for site in P0_SITES}
-    for row in rows["p0"]:
-        p0[row["site"]].setdefault(row["series"], []).append(row["value"])
     residual = [row["value"] for row in rows["p0_brackets"] if row["layer"] == layer]
     within = {row["series"]: row["value"] for row in rows["p0_references"]}
-    study_probe = {probe: {row["length"]: row["value"] for row in rows["prefix_probe"]
-                           if row["probe"] == probe and row["metric"] == "prefix_probe.accuracy"} for probe in ("probe", "control")}
-    reached = next(row["reached"] for row in rows["prefix_probe"] if row["probe"] == "probe")
-    ctx.claim(seed, p0_failure(name, residual, layer, within, natural_cells_ratio(p0[CLAIM_SITE], layer, at)),
-              prefix_probe(name, study_probe["probe"], study_probe["control"], reached, probe_layer(diverse), PROBE_SITE, diversity,
+    accuracy, _, reached = study_probe_readings(rows["prefix_probe"])
+    ctx.claim(seed, p0_failure(name, residual, layer, within, natural_cells_ratio(claim_site_shares(rows["p0"]), layer, at)),
+              prefix_probe(name, accuracy["probe"], accuracy["control"], reached, probe_layer(diverse), PROBE_SITE, diversity,
                            weakest_probe(rows["probes"], claim_layer(diverse))["gain"]))
     return rows
+
+
+def claim_site_shares(p0_rows: list[dict]) -> dict[str, list[float]]:
+    """{series: within-cell share per layer} at ``CLAIM_SITE`` from the ``p0`` table's rows."""
+    shares: dict[str, list[float]] = {}
+    for row in p0_rows:
+        if row["site"] == CLAIM_SITE:
+            shares.setdefault(row["series"], []).append(row["value"])
+    return shares
+
+
+def study_probe_readings(rows: list[dict]) -> tuple[dict[str, dict[int, float]], int, int]:
+    """({"probe" | "control": {length: validation accuracy}}, the layer read, the curriculum's reach)
+    from the ``prefix_probe`` table's rows of one seed."""
+    accuracy: dict[str, dict[int, float]] = {}
+    for row in rows:
+        if row["metric"] == "prefix_probe.accuracy":
+            accuracy.setdefault(row["probe"], {})[row["length"]] = row["value"]
+    layer, reached = next((row["layer"], row["reached"]) for row in rows if row["probe"] == "probe")
+    return accuracy, layer, reached
 
 
 def seed_file(ctx: Context, name: str, references: Sequence[str], seed: int, diversity: int) -> tuple[Path, dict]:
@@ -348,10 +363,7 @@ def plot(ctx: Context, name: str, references: tuple[str, ...], measured: dict[st
         f"last three planted brackets) at each block's {P0_SITE}, at bracket j's own position, against j, k = -1; dotted: "
         f"{' and '.join(references_within)}'s 1 - P0 (the study's forced-token cells, their M1 block) (seed {seed})",
         (f"{name}.P0_failure",)), site=P0_SITE)
-    shares: dict[str, list[float]] = {}
-    for row in measured["p0"]:
-        if row["site"] == CLAIM_SITE:
-            shares.setdefault(row["series"], []).append(row["value"])
+    shares = claim_site_shares(measured["p0"])
     series = {f"{ref.upper()} (task, token)": shares[ref] for ref in references}
     series |= {"E4 (task, token), bracket phase": shares["e4_token_due"], "E4 (task, last 3 brackets), bracket phase": shares["e4_last3_due"]}
     plot_p0_comparison(series, ctx.figure("p0_across_families.png",
@@ -359,11 +371,7 @@ def plot(ctx: Context, name: str, references: tuple[str, ...], measured: dict[st
                        f"share of state variance per layer at {CLAIM_SITE}; {' and '.join(r.upper() for r in references)} by "
                        f"(task, current token), E4 by (task, current token) and by (task, last three planted brackets), k = -1 (seed {seed})",
                        (f"{name}.P0_failure",)), site=CLAIM_SITE)
-    accuracy: dict[str, dict[int, float]] = {}
-    for row in measured["prefix_probe"]:
-        if row["metric"] == "prefix_probe.accuracy":
-            accuracy.setdefault(row["probe"], {})[row["length"]] = row["value"]
-    at, reached = next((row["layer"], row["reached"]) for row in measured["prefix_probe"] if row["probe"] == "probe")
+    accuracy, at, reached = study_probe_readings(measured["prefix_probe"])
     plot_study_probe(accuracy["probe"], accuracy["control"], reached, ctx.figure(
         "prefix_probe_accuracy.png",
         f"E4: the study's prefix probe (its run_prefix_probe: a 2-D projection and an MLP per length, block {at} {PROBE_SITE}): validation "
