@@ -200,7 +200,7 @@ def test_the_install_text_says_what_pip_fetches_and_where_the_cpu_wheel_is():
     assert all("--device" in texts[f"taskgeom {name} --help"] for name in ("train", "sweep", "reproduce"))
 
 
-PUBLISHED = ("quick", "deep", "quick-6c99fae", "quick-41ff3c0", "quick-c65b65f", "deep-7e255e1", "standard-7e255e1", "deep-e3-4x", "quick-cc12df1", "wide", "long-e1")  # docs/results/<name>: the published reproductions, in the Practicalities page's order
+PUBLISHED = ("quick", "deep", "standard", "quick-6c99fae", "quick-41ff3c0", "quick-c65b65f", "deep-7e255e1", "standard-7e255e1", "deep-e3-4x", "quick-cc12df1", "wide", "long-e1")  # docs/results/<name>: the published reproductions, in the Practicalities page's order
 
 
 def duration(seconds: float) -> str:
