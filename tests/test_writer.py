@@ -176,3 +176,40 @@ def test_a_run_directory_cut_short_after_its_config_is_finished_by_the_same_conf
     with exclusive_lock(made.path / LOCK_NAME, "test"):  # another process making it now: refused, naming the lock
         with pytest.raises(RunLockedError, match="being written by another process"):
             Run.create(tiny_config("dice"), path=tmp_path / "r")
+
+
+# ---- one writer per results folder ---------------------------------------------------------------
+REPRODUCE = """
+import sys
+from taskgeom.cli import app
+sys.argv = ["taskgeom", "reproduce", "--recipes", "e1", "--seeds", "0", "--grid", "-1", "--only", "bayes_optimum",
+            "--workers", "1", "--out", sys.argv[1], "--set", "train.steps=20", "--set", "train.batch_size=8",
+            "--set", "train.eval_every=10", "--set", "train.checkpoint_every=20", "--set", "train.snapshots=0"]
+app()
+"""
+
+
+def test_a_second_reproduction_into_one_results_folder_is_refused_with_nothing_written(tmp_path):
+    """Two processes, one folder: while a reproduction holds the folder (a child process started
+    first, holding it as ``reproduce`` does), a second ``taskgeom reproduce`` exits 3 before it
+    trains or writes anything; once the first has ended, the same command runs and writes the
+    manifests whole."""
+    from taskgeom.experiments import RESULTS_LOCK
+
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "claims.json").write_text("[]")  # what the first writer has written so far
+    child = subprocess.Popen([sys.executable, "-c", HOLD, str(out / RESULTS_LOCK)], env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        before = sorted(p.relative_to(out) for p in out.rglob("*"))
+        second = subprocess.run([sys.executable, "-c", REPRODUCE, str(out)], env=ENV, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 3, second.stdout + second.stderr
+        assert f"results folder {out} is being written by another process (pid {child.pid}" in " ".join(second.stderr.split())
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == before and (out / "claims.json").read_text() == "[]"
+    finally:
+        child.kill()
+        child.wait()
+    third = subprocess.run([sys.executable, "-c", REPRODUCE, str(out)], env=ENV, capture_output=True, text=True, timeout=300)
+    assert third.returncode in (0, 1), third.stdout + third.stderr
+    assert json.loads((out / "claims.json").read_text()) and (out / "reproduction.json").is_file()

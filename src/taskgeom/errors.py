@@ -28,6 +28,11 @@ class EnvironmentRefused(TaskgeomError):
     unreachable cluster): the CLI exits with code 3."""
 
 
+class ResultsLockedError(EnvironmentRefused):
+    """A results folder another ``taskgeom reproduce`` is writing (its lock is held): exit code 3,
+    refused before anything is trained or written."""
+
+
 class TrainingDiverged(TaskgeomError):
     """Training met a non-finite loss; the run is marked diverged: the CLI exits with code 1 (the
     work ran and failed)."""

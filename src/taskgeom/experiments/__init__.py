@@ -20,7 +20,8 @@ from taskgeom.experiments.m1 import m1
 from taskgeom.experiments.schedule import TrainTask, train_all
 from taskgeom.progress import console
 from taskgeom.report.manifest import MANIFEST, manifest
-from taskgeom.runs.storage import atomic_write_json
+from taskgeom.errors import ResultsLockedError
+from taskgeom.runs.storage import atomic_write_json, exclusive_lock
 from taskgeom.settings.config import ConfigError
 from taskgeom.settings.recipes import Study, experiment_function
 from taskgeom.tasks import TaskFamily
@@ -92,6 +93,9 @@ def planned_runs(ctx: Context, experiments: dict[str, Experiment] | None = None)
     return [task for tasks in runs_by_experiment(ctx, experiments).values() for task in tasks]
 
 
+RESULTS_LOCK = ".taskgeom.lock"  # in the results folder: held by the one reproduction writing it
+
+
 def reproduce(out: Path, profile: str, experiments: dict[str, Experiment] | None = None, executor: Executor = Executor(),
               device: str = "auto", tracker: str = "none", overrides: tuple[str, ...] = (), seeds: tuple[int, ...] = (0,),
               studies: tuple[Study, ...] | None = None, diversities: tuple[int, ...] | None = None) -> Context:
@@ -101,7 +105,9 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment] | None
     ``overrides`` applied first; the recipes of ``studies``, by default the shipped ones; the sweeps
     over ``diversities`` when given), judge each claim over the seeds, then write ``claims.json``,
     ``timings.json``, ``reproduction.json``, the tables and ``report.html``. ``experiments``: by
-    default those the studies declare at ``profile`` (``declared``)."""
+    default those the studies declare at ``profile`` (``declared``). One reproduction writes a
+    folder at a time: a second one into ``out`` is refused (``ResultsLockedError``, exit code 3)
+    before it trains or writes anything, so the manifests always come whole from one process."""
     from taskgeom.report.html import write_report
 
     if not seeds or len(set(seeds)) != len(seeds):
@@ -116,29 +122,30 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment] | None
     for task in tasks:  # every experiment measures in the task subspace: refuse before anything is written
         check_major_tasks(task.config.task.n_major, f"reproduce ({task.config.name}, k = {task.config.task.diversity})")
     ctx.out.mkdir(parents=True, exist_ok=True)
-    ctx.used |= {task.name: None for task in tasks}
-    if tasks and executor.kind == "local" and executor.workers > 1:  # one schedule: every run trained first, together
-        console.log("[bold]training[/bold] every run the experiments need")
-        ctx.experiment = "schedule"
-        with ctx.timings.experiment("schedule"):
-            train_all(tasks, executor, ctx.timings)
-    for name, experiment in experiments.items():
-        console.log(f"experiment [bold]{name}[/bold]")
-        ctx.experiment = name
-        first = len(ctx.measured)
-        with ctx.timings.experiment(name):
-            experiment(ctx)
-        ctx.made_by |= {claim.id: name for _, claim in ctx.measured[first:]}
-    ctx.claims = over_seeds(with_preconditions(ctx.measured))
-    atomic_write_json(ctx.out / "claims.json", [c.as_dict() for c in ctx.claims])
-    atomic_write_json(ctx.out / "timings.json", ctx.timings.as_dict())
-    figures = [{"path": f.path, "pdf": str(Path(f.path).with_suffix(".pdf")), "caption": f.caption, "experiment": f.experiment,
-                "claims": list(f.claims)} for f in ctx.figures]
-    sections = {study.name: study.section for study in ctx.studies}
-    atomic_write_json(ctx.out / MANIFEST, manifest(profile, ctx.overrides, device, executor.kind, list(experiments), list(ctx.used),
-                                                     ctx.made_by, figures, ctx.seeds, ctx.runs_root, sections, ctx.diversities,
-                                                     _evidence_modules(experiments)))
-    write_report(ctx.out)
+    with exclusive_lock(ctx.out / RESULTS_LOCK, f"results folder {ctx.out}", refused=ResultsLockedError):  # one writer a folder
+        ctx.used |= {task.name: None for task in tasks}
+        if tasks and executor.kind == "local" and executor.workers > 1:  # one schedule: every run trained first, together
+            console.log("[bold]training[/bold] every run the experiments need")
+            ctx.experiment = "schedule"
+            with ctx.timings.experiment("schedule"):
+                train_all(tasks, executor, ctx.timings)
+        for name, experiment in experiments.items():
+            console.log(f"experiment [bold]{name}[/bold]")
+            ctx.experiment = name
+            first = len(ctx.measured)
+            with ctx.timings.experiment(name):
+                experiment(ctx)
+            ctx.made_by |= {claim.id: name for _, claim in ctx.measured[first:]}
+        ctx.claims = over_seeds(with_preconditions(ctx.measured))
+        atomic_write_json(ctx.out / "claims.json", [c.as_dict() for c in ctx.claims])
+        atomic_write_json(ctx.out / "timings.json", ctx.timings.as_dict())
+        figures = [{"path": f.path, "pdf": str(Path(f.path).with_suffix(".pdf")), "caption": f.caption, "experiment": f.experiment,
+                    "claims": list(f.claims)} for f in ctx.figures]
+        sections = {study.name: study.section for study in ctx.studies}
+        atomic_write_json(ctx.out / MANIFEST, manifest(profile, ctx.overrides, device, executor.kind, list(experiments), list(ctx.used),
+                                                         ctx.made_by, figures, ctx.seeds, ctx.runs_root, sections, ctx.diversities,
+                                                         _evidence_modules(experiments)))
+        write_report(ctx.out)
     return ctx
 
 

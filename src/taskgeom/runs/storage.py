@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
-from taskgeom.errors import CheckpointError, EnvironmentRefused, RunLockedError
+from taskgeom.errors import CheckpointError, EnvironmentRefused, RunLockedError, TaskgeomError
 
 CHECKPOINT_FORMAT = "taskgeom-checkpoint-1"
 
@@ -179,9 +179,9 @@ def meta_float(meta: dict[str, str], key: str, path: Path, remedy: str) -> float
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: Path, what: str) -> Iterator[None]:
+def exclusive_lock(path: Path, what: str, refused: type[TaskgeomError] = RunLockedError) -> Iterator[None]:
     """Hold an exclusive OS lock (flock) on the file ``path`` for the ``with`` block, writing this
-    process id into it. Never waits: if another process holds it, RunLockedError naming ``what``,
+    process id into it. Never waits: if another process holds it, ``refused`` naming ``what``,
     the lock file and the holder's process id. The kernel releases the lock when the process
     ends, however it ends, so a lock file left by a killed process does not block. The file is
     kept (removing it would let two processes lock two different files of one name)."""
@@ -196,7 +196,7 @@ def exclusive_lock(path: Path, what: str) -> Iterator[None]:
         except OSError as err:
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise EnvironmentRefused(f"cannot lock {path}: {err.strerror}") from None
-            raise RunLockedError(f"{what} is being written by another process ({_holder(fd)}, holding the lock {path}); "
+            raise refused(f"{what} is being written by another process ({_holder(fd)}, holding the lock {path}); "
                                  "wait for it to finish, or stop it") from None
         mine = f"{os.getpid()} {socket.gethostname()}\n".encode()
         if os.pread(fd, 256, 0) != mine:  # left as it is when it names this process already
