@@ -28,7 +28,8 @@ def invoke(*args: str):
 def test_analyze_writes_tidy_rows_and_figures(trained):
     import numpy as np
 
-    from taskgeom.analysis.stored.rows import FIELDS, VERSIONS
+    from taskgeom.analysis.stored.keys import FORMATS
+    from taskgeom.analysis.stored.rows import FIELDS
     from taskgeom.analysis.study import StudyRun
     from taskgeom.analysis.measures.task_vectors import late_window
     from taskgeom.hooks import capture
@@ -53,7 +54,7 @@ def test_analyze_writes_tidy_rows_and_figures(trained):
     result = invoke(str(trained.path), "--sequences", "48")
     assert result.exit_code == 0, result.output
     table = pd.read_json(trained.path / "analysis" / "m1.json")
-    assert set(table.columns) == set(FIELDS) and set(table["version"]) == {VERSIONS["m1"]}
+    assert set(table.columns) == set(FIELDS) and set(table["version"]) == {FORMATS["m1"]}
     assert set(table["batch"]) == {"select", "measure", "cells", "trajectory"} and set(table["set"]) == {"major"}
     for batch in ("select", "measure"):
         per_layer = table[table["position"].isna() & (table["batch"] == batch)]

@@ -272,15 +272,16 @@ def test_results_hold_every_share_with_its_gain(folder):
 def test_an_m1_file_of_an_earlier_row_version_is_not_read(folder, tmp_path):
     """Stored rows of another layout are measured again, never misread: the sensitivity table
     leaves such an m1.json out, and the M1 experiment rewrites it (as ``taskgeom analyze`` does)."""
-    from taskgeom.analysis.stored.rows import VERSIONS, stored_rows
+    from taskgeom.analysis.stored.keys import FORMATS
+    from taskgeom.analysis.stored.rows import stored_rows
     from taskgeom.experiments.sensitivity import place_choices
 
     shutil.copytree(tg.results(folder).run("e1").path, tmp_path / "run")
     run = tg.open_run(tmp_path / "run")
     rows = stored(run, "m1")
-    assert stored_rows(run.directory, "m1") == rows and {r["version"] for r in rows} == {VERSIONS["m1"]}
+    assert stored_rows(run.directory, "m1") == rows and {r["version"] for r in rows} == {FORMATS["m1"]}
     assert {r["analysis"] for r in place_choices(run.directory)} == {"m1", "dual"}
-    (run.path / "analysis" / "m1.json").write_text(json.dumps([{**r, "version": VERSIONS["m1"] - 1} for r in rows]))
+    (run.path / "analysis" / "m1.json").write_text(json.dumps([{**r, "version": FORMATS["m1"] - 1} for r in rows]))
     assert stored_rows(run.directory, "m1") is None
     assert {r["analysis"] for r in place_choices(run.directory)} == {"dual"}
 

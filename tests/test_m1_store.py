@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from taskgeom.analysis.stored import m1 as stored
-from taskgeom.analysis.stored.rows import VERSIONS
+from taskgeom.analysis.stored import keys
+from taskgeom.analysis.stored.keys import FORMATS
 from taskgeom.analysis.study import StudyRun
 from taskgeom.claims.m1 import claims
 from taskgeom.errors import CheckpointError
@@ -67,8 +68,26 @@ def test_another_request_or_version_is_measured_again(analysed, monkeypatch):
     finally:
         rows_path.write_bytes(original)
     assert stored.load(study, **OPTIONS) is not None
-    monkeypatch.setitem(VERSIONS, "m1", VERSIONS["m1"] + 1)
+    monkeypatch.setitem(FORMATS, "m1", FORMATS["m1"] + 1)
     assert stored.load(study, **OPTIONS) is None
+
+
+def test_a_changed_protocol_choice_is_measured_again_with_no_number_bumped(analysed, monkeypatch):
+    """Steering's write site moved in the protocol, every format number left alone: the stored M1
+    result is not read back (its key holds the protocol's digest), so the next reproduction measures it."""
+    from dataclasses import replace
+
+    from taskgeom.analysis import protocol
+
+    study, _ = analysed
+    assert stored.load(study, **OPTIONS) is not None
+    moved = replace(protocol.STUDY, steering_write_site="resid_post")
+    assert moved.digest() != protocol.STUDY.digest()
+    monkeypatch.setattr(protocol, "STUDY", moved)
+    monkeypatch.setattr(keys, "STUDY", moved)
+    assert stored.load(study, **OPTIONS) is None
+    monkeypatch.undo()
+    assert stored.load(study, **OPTIONS) is not None
 
 
 def test_the_experiment_reads_a_stored_result_instead_of_measuring(analysed, monkeypatch):
@@ -94,4 +113,4 @@ def test_a_damaged_or_foreign_file_is_a_clear_error_and_is_kept(analysed, tmp_pa
             stored.load(study, **OPTIONS)
     finally:
         path.write_bytes(original)
-    assert json.loads((study.path / "analysis" / "m1.json").read_text())[0]["version"] == VERSIONS["m1"]
+    assert json.loads((study.path / "analysis" / "m1.json").read_text())[0]["version"] == FORMATS["m1"]

@@ -11,7 +11,7 @@ import yaml
 from conftest import tiny_config
 from taskgeom.experiments.executors import Executor
 from taskgeom.analysis.stored.dual import load_dual
-from taskgeom.analysis.stored.rows import VERSIONS
+from taskgeom.analysis.stored.keys import FORMATS
 from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN
 from taskgeom.experiments.sweep import Job, job_seconds, run_sweep, summary
 from taskgeom.runs.folders import Run
@@ -58,7 +58,9 @@ def test_sweep_isolates_failures_and_resumes(tmp_path):
     assert rows and load_dual(run) == rows  # the stored analysis is read as written
     old.write_text(json.dumps([{k: v for k, v in r.items() if k != "version"} for r in rows]))
     assert load_dual(run) is None  # an analysis of an earlier version is measured again
-    old.write_text(json.dumps([{**r, "version": VERSIONS["dual"] - 1} for r in rows]))
+    old.write_text(json.dumps([{**r, "version": FORMATS["dual"] - 1} for r in rows]))
+    assert load_dual(run) is None
+    old.write_text(json.dumps([{**r, "protocol": "0" * 12} for r in rows]))  # measured under another protocol
     assert load_dual(run) is None
     old.write_text(json.dumps(rows))
     kept = {p: p.stat().st_mtime_ns for p in (done / "model.safetensors", done / "analysis" / "dual.json")}

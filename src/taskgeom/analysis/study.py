@@ -56,10 +56,11 @@ from taskgeom.runs.folders import Run
 from taskgeom.settings.config import RunConfig
 from taskgeom.settings.recipes import DEFAULT_PROFILE
 from taskgeom.tasks import Batch, TaskFamily, TaskPool
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
-DEFAULT_SITES = ("resid_mid", "resid_post")
+DEFAULT_SITES = PROTOCOL.sites
 SEARCH_STREAMS = {"minor": "dual-minor-search", "ood": "dual-ood-search"}  # the orthogonal search's fresh batch of each step
-SELECTION_SEQUENCES = 512  # the M1 analysis' selection batch: the selected-place variant chooses where it does
+SELECTION_SEQUENCES = PROTOCOL.selection_sequences  # the M1 analysis' selection batch: the selected-place variant chooses where it does
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from taskgeom.analysis.measures.anova import two_way
 from taskgeom.analysis.measures.linear_probes import Kind, linear_probe
 from taskgeom.analysis.measures.task_vectors import late_window
 from taskgeom.analysis.reading.states import collect
-from taskgeom.analysis.stored.rows import VERSIONS
+from taskgeom.analysis.stored.keys import key as stored_key
 from taskgeom.analysis.study import StudyRun
 from taskgeom.claims.e4 import CLAIM_SITE, P0_SITE, natural_cells_ratio, p0_failure, prefix_probe, weakest_probe
 from taskgeom.claims.m1 import claim_values
@@ -63,9 +63,10 @@ from taskgeom.runs.storage import atomic_write_json
 from taskgeom.settings.recipes import Study, load_measure
 from taskgeom.tasks import Batch
 from taskgeom.tasks.dyck import Dyck
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
-MAX_BACK = 7  # probes for the planted bracket j back, j = 1..MAX_BACK
-N_SEQUENCES = 256  # sequences per probe analysis
+MAX_BACK = PROTOCOL.dyck_max_back  # probes for the planted bracket j back, j = 1..MAX_BACK
+N_SEQUENCES = PROTOCOL.dyck_probe_sequences  # sequences per probe analysis
 P0_SEQUENCES = 1024  # sequences of the P0 layouts [ours]: E4's bracket phase keeps a fraction of them at each late position
 # The recipes whose P0 E4 is set beside (the recipe's ``options: {references: [...]}``): token
 # families; E2 would need its token factor binned, since x_t is continuous there.
@@ -247,7 +248,7 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int, div
     """The P0 shares and prefix probes of recipe ``name``'s runs of ``seed`` (the probes on the run at
     k = ``diversity``); records its claims; returns the tidy rows of ``analysis/{name}.json``
     (without the seed). Each seed's rows are kept in ``analysis/{name}/seed-{seed}.json`` with the
-    runs they were measured on and read back from there while those runs and ``rows.VERSIONS``
+    runs they were measured on and read back from there while those runs and their keys (``analysis.stored.keys``: format numbers and the protocol's digest)
     ("e4", "m1") are the same, so a reproduction stopped midway measures only the seeds it had not
     reached; the claims are read from the rows as stored."""
     majors = ctx.trained(name, ("task.diversity=-1",), seed)
@@ -293,7 +294,7 @@ def seed_file(ctx: Context, name: str, references: Sequence[str], seed: int, div
     diversity and the run directories they read)."""
     overrides = [(name, "task.diversity=-1"), (name, f"task.diversity={diversity}"), *((ref, "task.diversity=-1") for ref in references)]
     runs = [f"{config.name}-{config.digest()}" for config in (ctx.config(recipe, (setting,), seed) for recipe, setting in overrides)]
-    key = {"version": VERSIONS["e4"], "m1_version": VERSIONS["m1"], "diversity": diversity, "runs": runs}
+    key = {**stored_key("e4"), "m1_version": stored_key("m1")["version"], "diversity": diversity, "runs": runs}
     return ctx.out / "analysis" / name / f"seed-{seed}.json", key
 
 

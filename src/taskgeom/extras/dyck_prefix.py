@@ -33,36 +33,18 @@ from taskgeom.hooks import Place
 from taskgeom.rng import generator
 from taskgeom.runs.folders import Run
 from taskgeom.tasks.dyck import Dyck
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.protocol import PrefixProbeSettings as ProbeSettings
 
-N_MASKS = 10  # fig_dyck_combined.py: --probe-masks
-PER_MASK = 32  # --probe-batch: sequences per (task, mask)
-MAX_PREFIX = 7  # --target-length
-PROBE_BLOCK = (5, 6)  # --layer 5 of the study's 6 blocks, placed by relative depth (Place.at_depth)
-SITE = "resid_mid"  # _data.py hooks model.layers[layer].attn_block
+N_MASKS = PROTOCOL.dyck_probe_masks  # fig_dyck_combined.py: --probe-masks
+PER_MASK = PROTOCOL.dyck_probe_per_mask  # --probe-batch: sequences per (task, mask)
+MAX_PREFIX = PROTOCOL.dyck_probe_max_prefix  # --target-length
+PROBE_BLOCK = PROTOCOL.dyck_probe_block  # --layer 5 of the study's 6 blocks, placed by relative depth (Place.at_depth)
+SITE = PROTOCOL.dyck_probe_site  # _data.py hooks model.layers[layer].attn_block
 TASK_CHUNK = 128  # tasks per forward pass (memory only)
 
 
-@dataclass(frozen=True)
-class ProbeSettings:
-    """The arguments ``fig_dyck_combined.py`` passes to ``run_prefix_probe`` (and ``train_prefix_probe``'s
-    defaults it keeps)."""
-
-    epochs: int = 2000
-    lr: float = 3e-3
-    proj_lr_scale: float = 0.1
-    proj_dim: int = 2
-    mlp_hidden: int = 64
-    mini_batch: int = 512
-    samples_per_class: int = 512
-    refresh_every: int = 2
-    curriculum_threshold: float = 0.1
-    loss_threshold: float = 6e-3
-    weight_decay: float = 1e-4
-    max_grad_norm: float = 1.0
-    eval_every: int = 10
-
-
-STUDY = ProbeSettings()
+STUDY = PROTOCOL.dyck_prefix_probe
 Data = dict[int, tuple[torch.Tensor, torch.Tensor]]  # {length l: (states [N, D], labels [N] long)}
 
 

@@ -22,11 +22,12 @@ from taskgeom.analysis.reading.states import collect
 from taskgeom.rng import generator
 from taskgeom.runs.folders import Run
 from taskgeom.tasks.dyck import Dyck
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
-N_MASKS = 30  # fig_dyck_combined.py: --n-masks
-PER_MASK = 2048  # fig_dyck_combined.py: --batch-size, sequences per (task, mask)
-PREFIX_K = 3  # fig_dyck_combined.py: --prefix-k
-SITE = "resid_mid"  # variance.py hooks model.layers[l].attn_block
+N_MASKS = PROTOCOL.dyck_p0_masks  # fig_dyck_combined.py: --n-masks
+PER_MASK = PROTOCOL.dyck_p0_per_mask  # fig_dyck_combined.py: --batch-size, sequences per (task, mask)
+PREFIX_K = PROTOCOL.dyck_p0_prefix_k  # fig_dyck_combined.py: --prefix-k
+SITE = PROTOCOL.dyck_p0_site  # variance.py hooks model.layers[l].attn_block
 STREAM = "p0-masks"
 
 

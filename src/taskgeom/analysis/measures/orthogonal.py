@@ -45,10 +45,11 @@ from taskgeom.analysis.measures.subspace import complement_basis, direction_abla
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place, intervene
 from taskgeom.rng import generator
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
-BATCH_SIZE = 32  # sequences per search step, the protocol's; the caller's loss_fn draws them
-TOKEN_SHARE = 0.9  # share of the token-effect variance the token subspace holds
-RANK_RTOL = 1e-6  # [ours] singular values below this fraction of the largest are cut from a span
+BATCH_SIZE = PROTOCOL.search_batch  # sequences per search step, the protocol's; the caller's loss_fn draws them
+TOKEN_SHARE = PROTOCOL.token_share  # share of the token-effect variance the token subspace holds
+RANK_RTOL = PROTOCOL.span_rank_rtol  # [ours] singular values below this fraction of the largest are cut from a span
 
 
 def token_subspace(nu: torch.Tensor, share: float = TOKEN_SHARE, centre: bool = True) -> torch.Tensor:

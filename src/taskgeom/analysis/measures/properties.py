@@ -38,8 +38,9 @@ import torch
 from taskgeom.analysis.measures.anova import Layout, Shares, task_linear, task_linear_by_position, two_way, two_way_by_position
 from taskgeom.analysis.measures.simplex import project_simplex, residual_r2, simplex_lstsq, sum_to_one_fit
 from taskgeom.analysis.measures.task_vectors import TaskSubspace, position_means, task_subspace, token_conditioned
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
-KL_FLOOR = 1e-3  # [ours] beta is mixed with this much of the uniform law before KL(alpha || beta)
+KL_FLOOR = PROTOCOL.kl_floor  # [ours] beta is mixed with this much of the uniform law before KL(alpha || beta)
 
 
 @dataclass(frozen=True)
@@ -258,8 +259,8 @@ def mean_alignment(raw: torch.Tensor, alpha: torch.Tensor, task: torch.Tensor, n
     return MeanAlignment(beta, target, 0.5 * (beta - target).abs().sum(-1))
 
 
-UNCERTAIN_BELOW = 0.99  # a position is uncertain while the median largest posterior weight is below this
-MIN_UNCERTAIN_POSITIONS = 5  # fewer uncertain positions than this: P3.shrinks is not applicable
+UNCERTAIN_BELOW = PROTOCOL.uncertain_below  # a position is uncertain while the median largest posterior weight is below this
+MIN_UNCERTAIN_POSITIONS = PROTOCOL.min_uncertain_positions  # fewer uncertain positions than this: P3.shrinks is not applicable
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 # Below this many nats (squared error for E2) of in-context gain, a share of it is unreliable and counts
 # neither way in a claim's verdict (docs/protocol.md, "Shares of in-context gain")
-MIN_RELIABLE_GAIN = 0.05
+MIN_RELIABLE_GAIN = PROTOCOL.min_reliable_gain
 
 
 def unreliable_gain(gain: float, min_gain: float = MIN_RELIABLE_GAIN) -> bool:

@@ -38,11 +38,12 @@ import torch
 from taskgeom.errors import AnalysisError
 from taskgeom.settings.devices import torch_threads
 from taskgeom.tasks.base import TaskProbe
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
-SUMS_TO_ONE = 1e-4  # pi sums to one (its last column is dropped) when every row is this close to 1
-FIT_SHARE = 0.8  # the share of the sequences the probe is fitted on (the study's validation_split 0.2)
-RANK_TOLERANCE = 1e-6  # S keeps the singular directions of W_task above this fraction of the largest
-PROBE_SEQUENCES = 5056  # the study's fit_n_samples = 5000 drawn in batches of 64: 79 batches, 5,056 major sequences
+SUMS_TO_ONE = PROTOCOL.probe_sums_to_one  # pi sums to one (its last column is dropped) when every row is this close to 1
+FIT_SHARE = PROTOCOL.probe_fit_share  # the share of the sequences the probe is fitted on (the study's validation_split 0.2)
+RANK_TOLERANCE = PROTOCOL.probe_rank_tolerance  # S keeps the singular directions of W_task above this fraction of the largest
+PROBE_SEQUENCES = PROTOCOL.probe_sequences  # the study's fit_n_samples = 5000 drawn in batches of 64: 79 batches, 5,056 major sequences
 PROBE_CHUNK = 250  # sequences a pass while collecting them (the pool posterior of 1,000 tasks is large)
 
 

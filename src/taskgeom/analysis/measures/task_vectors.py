@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from taskgeom.errors import AnalysisError
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
-RANK_TOLERANCE = 1e-6
+RANK_TOLERANCE = PROTOCOL.task_rank_tolerance
 MIN_MAJOR_TASKS = 2  # K - 1 >= 1: fewer major tasks span no task subspace
 
 

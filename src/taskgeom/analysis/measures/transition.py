@@ -17,6 +17,7 @@ import math
 import torch
 
 from taskgeom.tasks import TaskFamily, TaskPool
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 
 def predict_generalising(family: TaskFamily, tokens: torch.Tensor, pool: TaskPool, p_new: float) -> torch.Tensor:
@@ -29,7 +30,7 @@ def predict_generalising(family: TaskFamily, tokens: torch.Tensor, pool: TaskPoo
     return family.mix_predictive(tokens, majors, weights[..., :-1]) + weights[..., -1:] * family.predict_ood(tokens)
 
 
-EPS = 1e-12  # the study's clamp of both distributions
+EPS = PROTOCOL.transition_eps  # the study's clamp of both distributions
 
 
 def kl_to_model(reference: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,9 @@ from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.rng import generator
 from taskgeom.tasks import TaskPool, TokenFamily
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
-P0_PER_CELL = 1024  # the study's batch_size for P0/P1 (fig_task_vector_r2_combined.py)
+P0_PER_CELL = PROTOCOL.cell_sequences  # the study's batch_size for P0/P1 (fig_task_vector_r2_combined.py)
 P2_PER_CELL = 256  # and for P2 (fig_averaging_r2_combined.py)
 STREAM, P2_STREAM = "m1-cells", "m1-cells-p2"  # the draws of P0/P1's cells and of P2's
 

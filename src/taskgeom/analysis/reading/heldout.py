@@ -45,6 +45,7 @@ from taskgeom.analysis.reading.steering import PredictionReadout, Readout, Token
 from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
 from taskgeom.tasks import FAMILIES, Batch, TaskFamily, TaskPool, TokenFamily
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 Kind = Literal["major", "minor", "ood", "mixture"]  # mixture: the pool's training mixture
 KINDS: tuple[str, ...] = get_args(Kind)
@@ -84,7 +85,7 @@ STREAMS: dict[tuple[Split, str], str] = {
     (Split.TRANSITION, "mixture"): "dual-transition",
 }
 PAIRED = (Split.SELECT, Split.MEASURE, Split.GEOMETRY, Split.PROBE)  # E2's major sequences of these are paired over tasks
-LOSS_OOD_TASKS = 30  # the study's n_ood: the OOD sequences of the ``loss`` split come from 30 OOD tasks drawn once
+LOSS_OOD_TASKS = PROTOCOL.loss_ood_tasks  # the study's n_ood: the OOD sequences of the ``loss`` split come from 30 OOD tasks drawn once
 
 
 def stream(split: "Split | str", kind: str) -> str:

@@ -34,9 +34,10 @@ from taskgeom.analysis.reading.states import stream_layers
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.tasks import Batch, TaskFamily
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 CHUNK = 512  # sequences per forward pass or estimate while the task means are summed
-STUDY_SIZES = (128, 128)  # (OOD tasks, sequences per task): the study's draw, written beside the claims' larger one
+STUDY_SIZES = PROTOCOL.projection_study_sizes  # (OOD tasks, sequences per task): the study's draw, written beside the claims' larger one
 
 
 @dataclass(frozen=True)

@@ -42,17 +42,18 @@ from taskgeom.analysis.reading.states import LayerStreams
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place, intervene
 from taskgeom.tasks import Batch, TaskFamily, TokenFamily
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 Change = Callable[[torch.Tensor], torch.Tensor]
 SteeringForm = Literal["task", "subspace"]
 FORMS: tuple[str, ...] = ("task", "subspace")
-STUDY_POSITIONS: dict[str, range] = {"task": range(25, 40), "subspace": range(0, 40)}
-STUDY_SPAN = 40  # the study edits positions below 40
-STUDY_ESTIMATION = range(25, 40)  # the positions whose natural states give the subspace form's task vectors
-ESTIMATION_PER_TASK = 1024  # natural sequences of each major task the vectors are estimated on (the study's estimation_B)
-STUDY_SEQUENCES = 10_000  # sequences steered, drawn from the major mixture (the study's B)
-WRITE_SITE = "resid_mid"  # where the study writes the edit: the output of the block's attention sub-block
-RANK_CUT = 1e-6  # singular values of the task vectors kept above this fraction of the largest (the study's rank cut)
+STUDY_POSITIONS: dict[str, range] = {"task": PROTOCOL.steering_task_positions, "subspace": PROTOCOL.steering_subspace_positions}
+STUDY_SPAN = PROTOCOL.steering_span  # the study edits positions below 40
+STUDY_ESTIMATION = PROTOCOL.steering_estimation  # the positions whose natural states give the subspace form's task vectors
+ESTIMATION_PER_TASK = PROTOCOL.steering_estimation_per_task  # natural sequences of each major task the vectors are estimated on (the study's estimation_B)
+STUDY_SEQUENCES = PROTOCOL.steering_sequences  # sequences steered, drawn from the major mixture (the study's B)
+WRITE_SITE = PROTOCOL.steering_write_site  # where the study writes the edit: the output of the block's attention sub-block
+RANK_CUT = PROTOCOL.steering_rank_cut  # singular values of the task vectors kept above this fraction of the largest (the study's rank cut)
 KINDS = ("unsteered", "steered", "mode", "random")
 
 

@@ -19,11 +19,12 @@ import torch
 
 from taskgeom.analysis.measures.simplex import project_simplex, sum_to_one_fit
 from taskgeom.analysis.reading.steering import averaged_task_vectors
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
-PER_TASK = 1024  # natural sequences of each major task (the script's B)
-STUDY_ESTIMATION = range(40, 60)  # _ESTIM_POSITIONS, every family
-STUDY_PLOTTED = range(60)  # _PLOT_POSITIONS
-STUDY_TASKS = (0,)  # _TASK_IDS: the tasks whose sequences are shown
+PER_TASK = PROTOCOL.trajectory_per_task  # natural sequences of each major task (the script's B)
+STUDY_ESTIMATION = PROTOCOL.trajectory_estimation  # _ESTIM_POSITIONS, every family
+STUDY_PLOTTED = PROTOCOL.trajectory_plotted  # _PLOT_POSITIONS
+STUDY_TASKS = PROTOCOL.trajectory_tasks  # _TASK_IDS: the tasks whose sequences are shown
 
 
 @dataclass(frozen=True)

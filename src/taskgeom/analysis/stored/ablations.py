@@ -37,10 +37,11 @@ from taskgeom.analysis.study import Sequences, StudyRun
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.rng import generator
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
-N_RANDOM_CONTROLS = 5
-CONTROL_QUANTILE = 0.75
-BLOCK_SITE = "resid_mid"
+N_RANDOM_CONTROLS = PROTOCOL.random_controls
+CONTROL_QUANTILE = PROTOCOL.control_quantile
+BLOCK_SITE = PROTOCOL.ablation_site
 S_VARIANTS = ("s-with-mean", "probe-exact")  # the variants of the probe's S itself (``Geometry.s_basis``)
 
 

@@ -68,11 +68,12 @@ from taskgeom.runs.folders import Run
 from taskgeom.runs.storage import atomic_write_json
 from taskgeom.settings.recipes import MeasureSettings
 from taskgeom.tasks import TokenFamily
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
-PRIOR_TASKS = 2048  # OOD tasks whose predictions sample the OOD prediction map (d0)
-TRANSITION_SEQUENCES = 1024  # the study's num_samples of the predictor transition (fig_kl_transition_combined.py)
+PRIOR_TASKS = PROTOCOL.prior_tasks  # OOD tasks whose predictions sample the OOD prediction map (d0)
+TRANSITION_SEQUENCES = PROTOCOL.transition_sequences  # the study's num_samples of the predictor transition (fig_kl_transition_combined.py)
 REFERENCE_CHUNK = 256  # sequences whose Bayes predictors are computed at once
-EVAL_SEQUENCES = 512  # the study's evaluation sets: n_samples_eval = 500 drawn in batches of 64, so 8 batches, 512 sequences
+EVAL_SEQUENCES = PROTOCOL.eval_sequences  # the study's evaluation sets: n_samples_eval = 500 drawn in batches of 64, so 8 batches, 512 sequences
 
 
 def quartiles(x: torch.Tensor) -> list[float]:
@@ -243,7 +244,7 @@ def token_prediction_rows(run: StudyRun, checkpoints: dict[int, StudyRun], reado
 
 def load_dual(run: Run, projection_sizes: tuple[int, int] | None = None) -> list[dict] | None:
     """The saved rows of the run directory, or None if it has not been analysed under the current
-    conventions (rows of another ``rows.VERSIONS['dual']`` are measured again; the run is not
+    conventions (rows of another key, ``keys.key('dual')``, are measured again; the run is not
     retrained) or, when ``projection_sizes`` (OOD tasks, sequences per task) are given, with other
     sizes of projection R^2."""
     rows = stored_rows(run, "dual")

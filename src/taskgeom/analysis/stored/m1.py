@@ -55,7 +55,8 @@ from taskgeom.analysis.measures.task_vectors import check_major_tasks
 from taskgeom.analysis.reading.cells import P0_PER_CELL, ForcedCells
 from taskgeom.analysis.reading.steering import KINDS, STUDY_SEQUENCES, Steering, steering_place
 from taskgeom.analysis.reading.trajectory import Trajectory
-from taskgeom.analysis.stored.rows import VERSIONS, row, stamped, stored_rows
+from taskgeom.analysis.stored.keys import is_current, key
+from taskgeom.analysis.stored.rows import row, stamped, stored_rows
 from taskgeom.analysis.study import DEFAULT_SITES, StudyRun
 from taskgeom.errors import AnalysisError, CheckpointError
 from taskgeom.hooks import Place
@@ -320,7 +321,7 @@ def write(run: StudyRun, result: Result) -> None:
               "request": result.request, "steering": {"positions": steering.positions, "measure": steering.measure, "label": steering.label,
                                                       "form": steering.form, "place": steering.place, "n_sequences": steering.n_sequences}}
     save_tensors(run.path / "analysis" / RESULT_FILE, {name: t.clone() for name, t in tensors.items()},
-                 {"analysis": "m1", "version": str(VERSIONS["m1"]), "fields": json.dumps(fields), "rows_sha256": _sha256(rows_path)})
+                 {"analysis": "m1", **{name: str(value) for name, value in key("m1").items()}, "fields": json.dumps(fields), "rows_sha256": _sha256(rows_path)})
 
 
 def _sha256(path: Path) -> str:
@@ -330,7 +331,7 @@ def _sha256(path: Path) -> str:
 def load(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tuple[str, ...] | None = None, n_sequences: int = 512,
          window: float = 0.25, n_random: int = 8, per_cell: int = P0_PER_CELL) -> Result | None:
     """The ``Result`` that ``analyze`` with these options gave, as ``write`` stored it, or None when the
-    run has none: no file, another version (``rows.VERSIONS``), another request, or an m1.json written
+    run has none: no file, another key (``keys.key``: format number, protocol), another request, or an m1.json written
     since (by another analysis). CheckpointError naming the file when it is damaged or not a stored M1
     result."""
     path = run.path / "analysis" / RESULT_FILE
@@ -347,7 +348,7 @@ def load(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tuple[s
         return None
     request = analysis_request(check_request(run, layers, sites, n_sequences, window, per_cell), n_sequences, window, n_random, per_cell)
     fields = json.loads(meta["fields"])
-    if meta.get("version") != str(VERSIONS["m1"]) or fields["request"] != request:
+    if not is_current({name: meta.get(name) for name in key("m1")}, "m1", as_text=True) or fields["request"] != request:
         return None
     s = fields["steering"]
     steering = Steering(**{name: tensors[f"steering.{name}"] for name in _STEERING_TENSORS}, positions=tuple(s["positions"]),
