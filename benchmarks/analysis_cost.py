@@ -43,8 +43,11 @@ from taskgeom.training.train import train
 def training_seconds(run: Run, steps: int, scratch: Path) -> float:
     """Seconds to train ``run``'s config for all its steps, estimated from ``steps`` of them trained from scratch."""
     config = run.config
-    short = config.model_copy(update={"train": config.train.model_copy(update={"steps": steps, "eval_every": steps,
-                                                                                 "checkpoint_every": steps})})
+    short = config.model_copy(
+        update={
+            "train": config.train.model_copy(update={"steps": steps, "eval_every": steps, "checkpoint_every": steps})
+        }
+    )
     start = time.perf_counter()
     train(Run.create(short, scratch))
     return (time.perf_counter() - start) * config.train.steps / steps
@@ -71,7 +74,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a reproduction's sweep analyses use 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"{torch.get_num_threads()} thread(s), torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(
+        f"{torch.get_num_threads()} thread(s), torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    )
     print(f"{'run':<16} {'train (est.) s':>14} {'m1 s':>8} {'m1 / train':>10} {'dual s':>8} {'dual / train':>12}")
     for run_dir in args.runs:
         with tempfile.TemporaryDirectory() as scratch:
@@ -79,8 +84,10 @@ def main() -> None:
             base = training_seconds(run, args.steps, Path(scratch) / "baseline")
             if isinstance(run.family, Dyck):
                 p0, probe = (seconds(analysis, run) for analysis in (study_p0, study_prefix_probe))
-                print(f"{run_dir.name:<16} {base:>14.1f}   E4 P0 (study_p0) {p0:.1f} s, {p0 / base:.2f} of training; "
-                      f"prefix probe (study_prefix_probe, {run.pool.size} tasks) {probe:.1f} s, {probe / base:.2f} of training")
+                print(
+                    f"{run_dir.name:<16} {base:>14.1f}   E4 P0 (study_p0) {p0:.1f} s, {p0 / base:.2f} of training; "
+                    f"prefix probe (study_prefix_probe, {run.pool.size} tasks) {probe:.1f} s, {probe / base:.2f} of training"
+                )
                 continue
             m1 = timed(analyze_one, run_dir, Path(scratch) / "m1")
             dual = timed(analyze_dual, run_dir, Path(scratch) / "dual")

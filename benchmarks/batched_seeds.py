@@ -23,8 +23,8 @@ import time
 import torch
 from torch.func import functional_call, stack_module_state, vmap
 
-from taskgeom.settings.recipes import load_recipe
 from taskgeom.runs.folders import Run
+from taskgeom.settings.recipes import load_recipe
 
 
 def setup(recipe: str, seeds: int):
@@ -39,8 +39,15 @@ def setup(recipe: str, seeds: int):
 def batches(runs, steps: int) -> list[list]:
     """[step][seed] batches, each seed's own stream."""
     cfg = runs[0].config
-    return [[run.family.sample(run.pool, cfg.train.batch_size, cfg.task.seq_len, run.config.train.seed, step, "train").tokens
-             for run in runs] for step in range(steps)]
+    return [
+        [
+            run.family.sample(
+                run.pool, cfg.train.batch_size, cfg.task.seq_len, run.config.train.seed, step, "train"
+            ).tokens
+            for run in runs
+        ]
+        for step in range(steps)
+    ]
 
 
 def token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -103,15 +110,22 @@ def main() -> None:
         bat_s, bat_losses, params = batched(together, data, lr)
         seq_times.append(seq_s)
         bat_times.append(bat_s)
-    weight_gap = max((params[name][i] - dict(m.named_parameters())[name]).abs().max().item()
-                     for i, m in enumerate(alone) for name in params)
+    weight_gap = max(
+        (params[name][i] - dict(m.named_parameters())[name]).abs().max().item()
+        for i, m in enumerate(alone)
+        for name in params
+    )
     seq, bat = statistics.median(seq_times), statistics.median(bat_times)
-    print(f"{args.recipe} quick, {args.seeds} seeds, {args.steps} steps x {args.rounds} rounds, {args.threads} thread(s)")
+    print(
+        f"{args.recipe} quick, {args.seeds} seeds, {args.steps} steps x {args.rounds} rounds, {args.threads} thread(s)"
+    )
     print(f"  sequential (today): {seq * 1e3:.1f} ms per step of all seeds")
     print(f"  batched (vmap):     {bat * 1e3:.1f} ms per step of all seeds")
     print(f"  ratio sequential / batched: {seq / bat:.2f}x")
-    print(f"  after {args.steps} steps: largest |loss difference| {max(abs(a - b) for a, b in zip(seq_losses, bat_losses)):.3g}, "
-          f"largest |weight difference| {weight_gap:.3g}")
+    print(
+        f"  after {args.steps} steps: largest |loss difference| {max(abs(a - b) for a, b in zip(seq_losses, bat_losses)):.3g}, "
+        f"largest |weight difference| {weight_gap:.3g}"
+    )
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ import time
 
 import torch
 
+from taskgeom.runs.folders import Run
 from taskgeom.settings.devices import resolve_device
 from taskgeom.settings.recipes import load_recipe
-from taskgeom.runs.folders import Run
 from taskgeom.training.train import make_optimizer, train_step
 
 
@@ -44,16 +44,23 @@ def main() -> None:
     parser.add_argument("--recipe", default="e1")
     parser.add_argument("--profile", default="paper")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement (after 3 warm-up steps)")
-    parser.add_argument("--cpu-steps", type=int, default=None, help="timed steps of the CPU baseline (default: --steps)")
+    parser.add_argument(
+        "--cpu-steps", type=int, default=None, help="timed steps of the CPU baseline (default: --steps)"
+    )
     args = parser.parse_args()
 
     where = resolve_device(args.device)
     run = Run("unused", load_recipe(args.recipe, args.profile))
     cfg = run.config
     steps = max(args.steps, args.cpu_steps or 0) + 3
-    batches = [run.family.sample(run.pool, cfg.train.batch_size, cfg.task.seq_len, cfg.train.seed, s) for s in range(steps)]
-    print(f"{args.recipe} {args.profile}: {cfg.model.n_layers} layers, width {cfg.model.d_model}, batch {cfg.train.batch_size} x "
-          f"{cfg.task.seq_len} tokens; device {where}" + (f" ({torch.cuda.get_device_name(where)})" if where.type == "cuda" else ""))
+    batches = [
+        run.family.sample(run.pool, cfg.train.batch_size, cfg.task.seq_len, cfg.train.seed, s) for s in range(steps)
+    ]
+    print(
+        f"{args.recipe} {args.profile}: {cfg.model.n_layers} layers, width {cfg.model.d_model}, batch {cfg.train.batch_size} x "
+        f"{cfg.task.seq_len} tokens; device {where}"
+        + (f" ({torch.cuda.get_device_name(where)})" if where.type == "cuda" else "")
+    )
     baseline = tokens_per_second(run, batches[: (args.cpu_steps or args.steps) + 3], torch.device("cpu"), "fp32")
     print(f"  baseline cpu fp32: {baseline:,.0f} tokens/s ({torch.get_num_threads()} threads)")
     for precision in ("fp32", "bf16"):

@@ -28,8 +28,16 @@ SETTINGS = {
     "default": {},
     "aten avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
     "aten avx2 + mkl AVX2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"},
-    "aten avx2 + mkl AVX2 + onednn AVX2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-    "generic (default / COMPATIBLE / SSE41)": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "aten avx2 + mkl AVX2 + onednn AVX2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_CBWR": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    },
+    "generic (default / COMPATIBLE / SSE41)": {
+        "ATEN_CPU_CAPABILITY": "default",
+        "MKL_CBWR": "COMPATIBLE",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+    },
 }
 
 _CHILD = """
@@ -51,9 +59,16 @@ print(json.dumps({"sha256": hashlib.sha256(run.model_path.read_bytes()).hexdiges
 
 
 def train_once(recipe: str, steps: int, threads: int, pins: dict[str, str]) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")} | pins
-    out = subprocess.run([sys.executable, "-c", _CHILD, recipe, str(steps), str(threads)], env=env, capture_output=True, text=True,
-                         check=True)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
+    } | pins
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, recipe, str(steps), str(threads)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -69,13 +84,17 @@ def main() -> None:
             results[name].append(train_once(args.recipe, args.steps, args.threads, pins))
     base = results["default"]
     base_time = min(r["seconds_per_step"] for r in base)
-    print(f"{args.recipe} quick, {args.steps} steps, {args.threads} thread(s); torch's own CPU capability: {base[0]['capability']}")
+    print(
+        f"{args.recipe} quick, {args.steps} steps, {args.threads} thread(s); torch's own CPU capability: {base[0]['capability']}"
+    )
     for name, runs in results.items():
         a, b = (r["sha256"] for r in runs)
         same = "deterministic" if a == b else "NOT deterministic"
         vs = "= default bits" if a == base[0]["sha256"] else "other bits than default"
         ratio = min(r["seconds_per_step"] for r in runs) / base_time
-        print(f"  {name:<40} capability {runs[0]['capability']:<8} {a[:16]}  {same}, {vs}; time per step {ratio:.2f}x default")
+        print(
+            f"  {name:<40} capability {runs[0]['capability']:<8} {a[:16]}  {same}, {vs}; time per step {ratio:.2f}x default"
+        )
 
 
 if __name__ == "__main__":

@@ -23,15 +23,24 @@ import torch
 
 from taskgeom.experiments import Context, planned_runs
 from taskgeom.experiments.schedule import plan_table
-from taskgeom.settings.recipes import load_recipe
 from taskgeom.runs.folders import Run
+from taskgeom.settings.recipes import load_recipe
 from taskgeom.training.train import train
 
 
 def seconds_per_step(recipe: str, profile: str, steps: int, device: str) -> float:
     """Median seconds of ``steps`` training steps of ``recipe`` at ``profile`` (one warm-up step first)."""
-    config = load_recipe(recipe, profile, ["train.steps=100000", "train.eval_every=100000", "train.checkpoint_every=100000",
-                                           "train.snapshots=0", "train.threads=0"])
+    config = load_recipe(
+        recipe,
+        profile,
+        [
+            "train.steps=100000",
+            "train.eval_every=100000",
+            "train.checkpoint_every=100000",
+            "train.snapshots=0",
+            "train.threads=0",
+        ],
+    )
     times: list[float] = []
     last = [time.perf_counter()]
 
@@ -69,14 +78,18 @@ def main() -> None:
     seeds = tuple(int(s) for s in args.seeds.split(","))
     table = plan_table(planned_runs(Context(Path(tempfile.mkdtemp()), "paper", seeds)))
     rate = {}
-    print(f"device {args.device}, {args.threads} torch threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(
+        f"device {args.device}, {args.threads} torch threads, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    )
     for recipe in sorted(table["recipe"].unique()):
         paper, quick = (seconds_per_step(recipe, p, args.steps, args.device) for p in ("paper", "quick"))
         rate[recipe] = paper
         print(f"{recipe}: paper {paper:.3f} s/step, quick {quick:.4f} s/step: paper / quick {paper / quick:.1f}x")
     hours = [row.steps * rate[row.recipe] / 3600 for row in table.itertuples()]
-    print(f"paper run list ({len(table)} runs, seeds {args.seeds}): {sum(hours):.0f} device-hours of training on one device, "
-          f"{pack(hours, args.workers):.1f} h on {args.workers} devices (longest first); longest run {max(hours):.1f} h")
+    print(
+        f"paper run list ({len(table)} runs, seeds {args.seeds}): {sum(hours):.0f} device-hours of training on one device, "
+        f"{pack(hours, args.workers):.1f} h on {args.workers} devices (longest first); longest run {max(hours):.1f} h"
+    )
 
 
 if __name__ == "__main__":

@@ -35,15 +35,24 @@ def stage_costs(folder: Path, rate: float) -> pd.DataFrame:
         words = stage["stage"].split()
         kind = KINDS.get((stage["experiment"], words[0]))
         if kind is not None and words[1] in flops.index:
-            rows.append({"run": words[1], "recipe": words[1].split("-")[0], "kind": kind, "cpu_s": stage["cpu_s"],
-                         "per_flop_second": stage["cpu_s"] / (flops[words[1]] / rate)})
+            rows.append(
+                {
+                    "run": words[1],
+                    "recipe": words[1].split("-")[0],
+                    "kind": kind,
+                    "cpu_s": stage["cpu_s"],
+                    "per_flop_second": stage["cpu_s"] / (flops[words[1]] / rate),
+                }
+            )
     return pd.DataFrame(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path)
-    parser.add_argument("--rate", type=float, help="GFLOP/s a thread of the machine that ran it (default: this machine's probe)")
+    parser.add_argument(
+        "--rate", type=float, help="GFLOP/s a thread of the machine that ran it (default: this machine's probe)"
+    )
     args = parser.parse_args()
     rate = args.rate * 1e9 if args.rate else matmul_rate(2.0)
     table = stage_costs(args.results, rate)

@@ -73,9 +73,13 @@ def main() -> None:
     t_ours = (min(t[0] for t in times), min(t[1] for t in times))
     print(f"{args.states} states, K = {args.k}, width {args.width}, {args.threads} thread(s)")
     for i, clock in enumerate(("wall", "cpu")):
-        print(f"{clock:>4} time: scipy nnls loop {t_scipy[i]:.3f} s   batched torch {t_ours[i]:.4f} s   "
-              f"speed-up {t_scipy[i] / t_ours[i]:.1f}x (required >= 20x)")
-    print(f"max |ours - scipy nnls (penalty {PENALTY:g})| at {args.states} states: {np.abs(ours - reference).max():.2e}")
+        print(
+            f"{clock:>4} time: scipy nnls loop {t_scipy[i]:.3f} s   batched torch {t_ours[i]:.4f} s   "
+            f"speed-up {t_scipy[i] / t_ours[i]:.1f}x (required >= 20x)"
+        )
+    print(
+        f"max |ours - scipy nnls (penalty {PENALTY:g})| at {args.states} states: {np.abs(ours - reference).max():.2e}"
+    )
 
 
 if __name__ == "__main__":

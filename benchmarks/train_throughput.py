@@ -46,7 +46,9 @@ def step_flops(cfg, n_out: int) -> float:
     factor of every product once. Attention counts its causal half (position t scores and mixes
     t + 1 keys); the embedding lookup, norms and elementwise work count nothing."""
     m, batch, seq = cfg.model, cfg.train.batch_size, cfg.task.seq_len
-    weights = 2 * m.d_model * (3 * m.d_model + m.d_model + 2 * m.d_mlp)  # per token and layer: qkv, proj, MLP in and out
+    weights = (
+        2 * m.d_model * (3 * m.d_model + m.d_model + 2 * m.d_mlp)
+    )  # per token and layer: qkv, proj, MLP in and out
     attention = 2 * 2 * m.d_model * (seq + 1) / 2  # per token and layer: scores and mix, averaged over positions
     return 3 * batch * seq * (m.n_layers * (weights + attention) + 2 * m.d_model * n_out)
 
@@ -79,7 +81,11 @@ def sampler_rate(recipe: str, steps: int) -> tuple[float, int, int]:
     start = time.perf_counter()
     for step in range(steps):
         run.family.sample(run.pool, cfg.train.batch_size, cfg.task.seq_len, 0, step)
-    return steps * cfg.train.batch_size * cfg.task.seq_len / (time.perf_counter() - start), cfg.train.batch_size, cfg.task.seq_len
+    return (
+        steps * cfg.train.batch_size * cfg.task.seq_len / (time.perf_counter() - start),
+        cfg.train.batch_size,
+        cfg.task.seq_len,
+    )
 
 
 def compare(run: Run, batches: list, threads: int, rounds: int) -> float:
@@ -87,18 +93,26 @@ def compare(run: Run, batches: list, threads: int, rounds: int) -> float:
     torch.set_num_threads(threads)
     cfg = run.config
     ours, theirs = run.new_model(), hf_gpt2(cfg.model, run.family.vocab_size)
-    tokens_per_second(ours, run.family.training_loss, batches[:3]), tokens_per_second(theirs, hf_loss, batches[:3])  # warm-up
+    (
+        tokens_per_second(ours, run.family.training_loss, batches[:3]),
+        tokens_per_second(theirs, hf_loss, batches[:3]),
+    )  # warm-up
     rates = {"ours": [], "gpt2": [], "matmul": []}
     for _ in range(rounds):
         rates["matmul"].append(matmul_rate())
         rates["ours"].append(tokens_per_second(ours, run.family.training_loss, batches))
         rates["gpt2"].append(tokens_per_second(theirs, hf_loss, batches))
     flops_per_token = step_flops(cfg, run.family.vocab_size) / (cfg.train.batch_size * cfg.task.seq_len)
-    share = {name: statistics.median(r * flops_per_token / m for r, m in zip(rates[name], rates["matmul"])) for name in ("ours", "gpt2")}
+    share = {
+        name: statistics.median(r * flops_per_token / m for r, m in zip(rates[name], rates["matmul"]))
+        for name in ("ours", "gpt2")
+    }
     ours_rate, gpt2_rate = statistics.median(rates["ours"]), statistics.median(rates["gpt2"])
-    print(f"{threads} thread(s), median of {rounds} rounds: matmul (n=1024) {statistics.median(rates['matmul']) / 1e9:.0f} GFLOP/s; "
-          f"training tokens/s ours {ours_rate:,.0f} ({ours_rate * flops_per_token / 1e9:.0f} GFLOP/s, {share['ours']:.0%} of matmul)   "
-          f"HF GPT-2 {gpt2_rate:,.0f} ({share['gpt2']:.0%})   ratio ours/GPT-2 {ours_rate / gpt2_rate:.2f}")
+    print(
+        f"{threads} thread(s), median of {rounds} rounds: matmul (n=1024) {statistics.median(rates['matmul']) / 1e9:.0f} GFLOP/s; "
+        f"training tokens/s ours {ours_rate:,.0f} ({ours_rate * flops_per_token / 1e9:.0f} GFLOP/s, {share['ours']:.0%} of matmul)   "
+        f"HF GPT-2 {gpt2_rate:,.0f} ({share['gpt2']:.0%})   ratio ours/GPT-2 {ours_rate / gpt2_rate:.2f}"
+    )
     return ours_rate
 
 
@@ -114,14 +128,18 @@ def main() -> None:
     cfg = run.config
     batches = [run.family.sample(run.pool, cfg.train.batch_size, cfg.task.seq_len, 0, s) for s in range(args.steps)]
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    print(f"model: {cfg.model.n_layers} layers, width {cfg.model.d_model}, batch {cfg.train.batch_size} x {cfg.task.seq_len} tokens; "
-          f"parameters ours {count(run.new_model()):,}, GPT-2 {count(hf_gpt2(cfg.model, run.family.vocab_size)):,}; "
-          f"{step_flops(cfg, run.family.vocab_size) / 1e9:.2f} GFLOP of matrix multiplies per step")
+    print(
+        f"model: {cfg.model.n_layers} layers, width {cfg.model.d_model}, batch {cfg.train.batch_size} x {cfg.task.seq_len} tokens; "
+        f"parameters ours {count(run.new_model()):,}, GPT-2 {count(hf_gpt2(cfg.model, run.family.vocab_size)):,}; "
+        f"{step_flops(cfg, run.family.vocab_size) / 1e9:.2f} GFLOP of matrix multiplies per step"
+    )
     ours_rate = min(compare(run, batches, threads, args.rounds) for threads in args.threads)
     for recipe in ("e1", "e3"):
         rate, batch, seq = sampler_rate(recipe, 200)
-        print(f"sampler {recipe}: {rate:,.0f} tokens/s for batches of {batch} x {seq} (at {torch.get_num_threads()} thread(s)); "
-              f"ratio to the trainer's slowest consumption ({ours_rate:,.0f} tokens/s): {rate / ours_rate:.1f}")
+        print(
+            f"sampler {recipe}: {rate:,.0f} tokens/s for batches of {batch} x {seq} (at {torch.get_num_threads()} thread(s)); "
+            f"ratio to the trainer's slowest consumption ({ours_rate:,.0f} tokens/s): {rate / ours_rate:.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,16 @@ def tiny_config(family: str = "dice", **train) -> RunConfig:
         "name": f"tiny-{family}",
         "task": {"family": family, "seq_len": 16},
         "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 16},
-        "train": {"steps": 40, "batch_size": 8, "eval_every": 10, "checkpoint_every": 10, "eval_batch": 16, "lr": 3e-3, "threads": 1} | train,
+        "train": {
+            "steps": 40,
+            "batch_size": 8,
+            "eval_every": 10,
+            "checkpoint_every": 10,
+            "eval_batch": 16,
+            "lr": 3e-3,
+            "threads": 1,
+        }
+        | train,
     }
     return build_config(raw)
 
@@ -36,10 +45,22 @@ def two_block_run(folder, family: str, seq_len: int):
     from taskgeom.runs.folders import Run
     from taskgeom.training.train import train
 
-    config = build_config({
-        "name": f"two-block-{family}", "task": {"family": family, "seq_len": seq_len, "vocab_size": 4},
-        "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": seq_len},
-        "train": {"steps": 30, "batch_size": 16, "eval_every": 30, "checkpoint_every": 30, "eval_batch": 16, "lr": 3e-3, "threads": 1}})
+    config = build_config(
+        {
+            "name": f"two-block-{family}",
+            "task": {"family": family, "seq_len": seq_len, "vocab_size": 4},
+            "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": seq_len},
+            "train": {
+                "steps": 30,
+                "batch_size": 16,
+                "eval_every": 30,
+                "checkpoint_every": 30,
+                "eval_batch": 16,
+                "lr": 3e-3,
+                "threads": 1,
+            },
+        }
+    )
     run = Run.create(config, folder)
     train(run)
     return StudyRun(Run.open(run.path))
@@ -69,8 +90,17 @@ def tiny():
 
 
 # Every run of a reproduction shrunk to seconds: what the report, browser and README tests read.
-TINY_REPRODUCTION = ("train.steps=30", "train.eval_every=10", "train.checkpoint_every=10", "train.snapshots=2", "train.batch_size=16",
-                     "model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.d_mlp=32")
+TINY_REPRODUCTION = (
+    "train.steps=30",
+    "train.eval_every=10",
+    "train.checkpoint_every=10",
+    "train.snapshots=2",
+    "train.batch_size=16",
+    "model.n_layers=1",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.d_mlp=32",
+)
 
 
 TINY_SEEDS = (0, 1)
@@ -93,14 +123,25 @@ def tiny_reproduction(tmp_path_factory):
 # ``browser``: skipped where no ChromeDriver is installed, unless TASKGEOM_REQUIRE_BROWSER=1 (set by .ci/run).
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 # As root and on a machine with no network, Chromium needs these to start quietly.
-CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--window-size=1300,1800")
+CHROMIUM_FLAGS = (
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1300,1800",
+)
 
 
 def pytest_collection_modifyitems(config, items):
     if (CHROMIUM and DRIVER) or os.environ.get("TASKGEOM_REQUIRE_BROWSER") == "1":
         return
-    skip = pytest.mark.skip(reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+    skip = pytest.mark.skip(
+        reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+    )
     for item in items:
         if "browser" in item.keywords:
             item.add_marker(skip)

@@ -9,17 +9,23 @@ import pandas as pd
 import pytest
 import torch
 
-from taskgeom.analysis.stored.ablations import N_RANDOM_CONTROLS, ablation_rows, block_places, control_statistic, find_blocks
-from taskgeom.analysis.stored.dual import loss_sets
 from taskgeom.analysis.measures.task_probe import ProbeData, fit_probe, fit_rows, probe_basis_with_mean
+from taskgeom.analysis.stored.ablations import (
+    N_RANDOM_CONTROLS,
+    ablation_rows,
+    block_places,
+    control_statistic,
+    find_blocks,
+)
+from taskgeom.analysis.stored.dual import loss_sets
 from taskgeom.analysis.study import StudyRun
-from taskgeom.claims.rules import over_seeds
-from taskgeom.settings.recipes import build_config
-from taskgeom.errors import AnalysisError
 from taskgeom.claims.dual_modes import ablation_claims
-from taskgeom.runs.folders import Run
-from taskgeom.tasks import TaskProbe
+from taskgeom.claims.rules import over_seeds
+from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
+from taskgeom.runs.folders import Run
+from taskgeom.settings.recipes import build_config
+from taskgeom.tasks import TaskProbe
 from taskgeom.training.train import train
 
 
@@ -33,11 +39,17 @@ def planted(gen: torch.Generator, N: int, P: int, K: int, D: int, vocab: int | N
     (E2: x A with continuous x), pi a posterior over K tasks (summing to one unless told otherwise)."""
     pi = torch._standard_gamma(torch.ones(N, P, K + (0 if sums_to_one else 1), dtype=torch.float64), gen)
     pi = (pi / pi.sum(-1, keepdim=True))[..., :K]
-    current = torch.randint(0, vocab, (N, P), generator=gen) if vocab else torch.randn(N, P, 2, generator=gen, dtype=torch.float64)
+    current = (
+        torch.randint(0, vocab, (N, P), generator=gen)
+        if vocab
+        else torch.randn(N, P, 2, generator=gen, dtype=torch.float64)
+    )
     tokens = torch.nn.functional.one_hot(current, vocab).double() if vocab else current
     logits = torch.randn(N, P, 4, generator=gen, dtype=torch.float64)
     w, a, c, pos, b = (torch.randn(n, D, generator=gen, dtype=torch.float64) for n in (K, tokens.shape[-1], 4, P, 1))
-    states = pi @ w + tokens @ a + logits @ c + pos + b + 0.01 * torch.randn(N, P, D, generator=gen, dtype=torch.float64)
+    states = (
+        pi @ w + tokens @ a + logits @ c + pos + b + 0.01 * torch.randn(N, P, D, generator=gen, dtype=torch.float64)
+    )
     return states, pi, current, logits, w
 
 
@@ -61,11 +73,14 @@ def by_hand(states, pi, current, vocab, logits, rows, dropped: bool, positions: 
     return weights
 
 
-@pytest.mark.parametrize("vocab, spec, sums_to_one", [
-    (5, TaskProbe(window=(0.5, 1.0), logits=True, positions=True), True),             # E3's probe, k = -1
-    (5, TaskProbe(window=(0.5, 1.0), logits=False, positions=True), False),           # E1's at k > -1 (pi short of one)
-    (None, TaskProbe(window=(0.5, 1.0), logits=False, positions=False, centred=True), True),  # E2's, x_t, centred
-])
+@pytest.mark.parametrize(
+    "vocab, spec, sums_to_one",
+    [
+        (5, TaskProbe(window=(0.5, 1.0), logits=True, positions=True), True),  # E3's probe, k = -1
+        (5, TaskProbe(window=(0.5, 1.0), logits=False, positions=True), False),  # E1's at k > -1 (pi short of one)
+        (None, TaskProbe(window=(0.5, 1.0), logits=False, positions=False, centred=True), True),  # E2's, x_t, centred
+    ],
+)
 def test_the_probe_s_is_the_row_space_of_a_least_squares_fit_by_hand(vocab, spec, sums_to_one):
     """S of the exact fit (the variant ``probe-exact``) is the row space of W_task of numpy's
     least-squares fit of the study's regressors with its dropped columns (principal cosines 1):
@@ -78,16 +93,22 @@ def test_the_probe_s_is_the_row_space_of_a_least_squares_fit_by_hand(vocab, spec
     data = ProbeData(states.float(), pi, current, logits, vocab)
     fit = fit_probe(data, spec, torch.Generator().manual_seed(1), exact=True)
     single = fit_probe(data, spec, torch.Generator().manual_seed(1))
-    np.testing.assert_allclose(single.basis.numpy() @ single.basis.numpy().T, fit.basis.numpy() @ fit.basis.numpy().T, atol=1e-3)
+    np.testing.assert_allclose(
+        single.basis.numpy() @ single.basis.numpy().T, fit.basis.numpy() @ fit.basis.numpy().T, atol=1e-3
+    )
 
-    weights = by_hand(states.float().double(), pi, current, vocab, logits if spec.logits else None, rows, sums_to_one, spec.positions)
+    weights = by_hand(
+        states.float().double(), pi, current, vocab, logits if spec.logits else None, rows, sums_to_one, spec.positions
+    )
     spanned = weights - weights.mean(0) if spec.centred else weights
     rank = K - 1 if sums_to_one else K
     assert len(rows) == int(0.8 * N) and fit.dropped == sums_to_one and fit.basis.shape == (D, rank)
     np.testing.assert_allclose(fit.weights.numpy(), weights, atol=1e-6)
     np.testing.assert_allclose(fit.basis.T.numpy() @ fit.basis.numpy(), np.eye(rank), atol=1e-10)
     span = np.linalg.svd(spanned.T, full_matrices=False)[0][:, :rank]
-    np.testing.assert_allclose(np.linalg.svd(fit.basis.numpy().T @ span, compute_uv=False), np.ones(rank), atol=1e-8)  # principal cosines
+    np.testing.assert_allclose(
+        np.linalg.svd(fit.basis.numpy().T @ span, compute_uv=False), np.ones(rank), atol=1e-8
+    )  # principal cosines
     if sums_to_one and not spec.centred:  # the planted contrasts: each task's effect minus the last task's
         np.testing.assert_allclose(fit.weights[: K - 1].numpy(), (w[: K - 1] - w[K - 1]).numpy(), atol=0.05)
 
@@ -119,8 +140,15 @@ def test_the_probe_is_fitted_as_the_study_s_single_precision_pseudo_inverse():
 
     rows = fit_rows(N, torch.Generator().manual_seed(1)).numpy()
     flat = lambda x: x[rows].reshape(len(rows) * P, -1).numpy()  # noqa: E731
-    design = np.concatenate([flat(pi)[:, : K - 1], np.eye(vocab)[current[rows].reshape(-1).numpy()][:, :-1], flat(logits),
-                             np.ones((len(rows) * P, 1))], 1)
+    design = np.concatenate(
+        [
+            flat(pi)[:, : K - 1],
+            np.eye(vocab)[current[rows].reshape(-1).numpy()][:, :-1],
+            flat(logits),
+            np.ones((len(rows) * P, 1)),
+        ],
+        1,
+    )
     by_hand = ols_single_precision(design, flat(states.float()))[: K - 1]
     np.testing.assert_allclose(fit.weights[: K - 1].numpy(), by_hand, rtol=1e-2, atol=1e-2 * np.abs(by_hand).max())
     assert not np.allclose(exact.weights[: K - 1].numpy(), by_hand, rtol=0.1, atol=0.1 * np.abs(by_hand).max())
@@ -151,10 +179,30 @@ def test_the_protocol_s_leaves_the_mean_state_out_where_the_minimum_norm_fit_hol
     """On a small trained E3 model (k = -1), the mean state's direction lies in the intercept of the
     study's probe: its S (rank K - 1) holds under 10% of it, where the rank-K minimum-norm fit
     (``s-with-mean``) holds most of it."""
-    config = build_config({
-        "name": "small-markov", "task": {"family": "markov", "seq_len": 32},
-        "model": {"n_layers": 2, "d_model": 32, "n_heads": 2, "d_mlp": 64, "max_len": 32, "final_norm": False, "activation": "silu"},
-        "train": {"steps": 300, "batch_size": 32, "eval_every": 100, "checkpoint_every": 100, "eval_batch": 16, "lr": 3e-3, "threads": 1}})
+    config = build_config(
+        {
+            "name": "small-markov",
+            "task": {"family": "markov", "seq_len": 32},
+            "model": {
+                "n_layers": 2,
+                "d_model": 32,
+                "n_heads": 2,
+                "d_mlp": 64,
+                "max_len": 32,
+                "final_norm": False,
+                "activation": "silu",
+            },
+            "train": {
+                "steps": 300,
+                "batch_size": 32,
+                "eval_every": 100,
+                "checkpoint_every": 100,
+                "eval_batch": 16,
+                "lr": 3e-3,
+                "threads": 1,
+            },
+        }
+    )
     run = Run.create(config, tmp_path_factory.mktemp("markov-mean"))
     train(run)
     study = StudyRun(Run.open(run.path))
@@ -168,10 +216,22 @@ def test_the_protocol_s_leaves_the_mean_state_out_where_the_minimum_norm_fit_hol
 
 def tiny_run(tmp_path_factory, family: str) -> StudyRun:
     """A 2-block model trained for 40 steps on a pool with minors (seconds)."""
-    config = build_config({
-        "name": f"tiny-{family}", "task": {"family": family, "seq_len": 16, "diversity": 2},
-        "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 16},
-        "train": {"steps": 40, "batch_size": 8, "eval_every": 20, "checkpoint_every": 20, "eval_batch": 16, "lr": 3e-3, "threads": 1}})
+    config = build_config(
+        {
+            "name": f"tiny-{family}",
+            "task": {"family": family, "seq_len": 16, "diversity": 2},
+            "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 16},
+            "train": {
+                "steps": 40,
+                "batch_size": 8,
+                "eval_every": 20,
+                "checkpoint_every": 20,
+                "eval_batch": 16,
+                "lr": 3e-3,
+                "threads": 1,
+            },
+        }
+    )
     run = Run.create(config, tmp_path_factory.mktemp(family))
     train(run)
     return StudyRun(Run.open(run.path))
@@ -225,11 +285,15 @@ def test_the_summary_is_the_mean_of_the_per_block_rows_and_the_control_their_lar
             assert summary.empty
             continue
         assert len(summary) == 1 and summary["site"].iloc[0] == "resid_mid"
-        over_blocks = per_block["value"].max() if metric == "gain_removed_random" else per_block["value"].mean()  # the study's band: the largest
+        over_blocks = (
+            per_block["value"].max() if metric == "gain_removed_random" else per_block["value"].mean()
+        )  # the study's band: the largest
         np.testing.assert_allclose(summary["value"].iloc[0], over_blocks, rtol=1e-9, atol=1e-9, err_msg=metric)
 
 
-def _ood_losses_by_hand(run: StudyRun, tokens: torch.Tensor, layer: int | None = None, directions: torch.Tensor | None = None) -> np.ndarray:
+def _ood_losses_by_hand(
+    run: StudyRun, tokens: torch.Tensor, layer: int | None = None, directions: torch.Tensor | None = None
+) -> np.ndarray:
     """[P] the cross-entropy of each prediction on the OOD tokens: [N, T], averaged over the
     sequences, with h <- h - h V V^T written at ``layer``'s resid_mid by a forward hook when given."""
     handle = None
@@ -260,9 +324,13 @@ def test_the_random_control_is_the_study_s_band_by_hand(dice, measured):
     assert ood[ood["metric"] == "gain_removed_ablate_S"]["gain"].iloc[0] == pytest.approx(gain, rel=1e-5)
     bands = []
     for layer, block in enumerate(blocks):
-        shares = [100 * (_ood_losses_by_hand(dice, tokens, layer, d).mean() - clean.mean()) / gain for d in block.controls]
-        stored = [ood[(ood["metric"] == f"gain_removed_random_draw{i}") & (ood["layer"] == layer)]["value"].iloc[0]
-                  for i in range(N_RANDOM_CONTROLS)]
+        shares = [
+            100 * (_ood_losses_by_hand(dice, tokens, layer, d).mean() - clean.mean()) / gain for d in block.controls
+        ]
+        stored = [
+            ood[(ood["metric"] == f"gain_removed_random_draw{i}") & (ood["layer"] == layer)]["value"].iloc[0]
+            for i in range(N_RANDOM_CONTROLS)
+        ]
         np.testing.assert_allclose(stored, shares, rtol=1e-4, atol=1e-4)
         bands.append(float(np.percentile(shares, 75)))  # signed: the 4th smallest of 5
         at = ood[(ood["metric"] == "gain_removed_random") & (ood["layer"] == layer)]
@@ -292,8 +360,10 @@ def test_a_claim_whose_only_applicable_seed_is_unreliable_is_not_applicable(meas
     rows = rows.assign(diversity=2, step=np.nan)
     ood = rows["set"] == "ood"
     unreliable = rows.assign(unreliable=rows["unreliable"].where(~ood, True), gain=rows["gain"].where(~ood, 0.01))
-    null = rows.assign(value=rows["value"].where(~(ood & rows["metric"].str.startswith("gain_removed"))),
-                       reason=rows["reason"].where(~ood, "the in-context gain L_0 - L = -0.01 is not positive"))
+    null = rows.assign(
+        value=rows["value"].where(~(ood & rows["metric"].str.startswith("gain_removed"))),
+        reason=rows["reason"].where(~ood, "the in-context gain L_0 - L = -0.01 is not positive"),
+    )
     reliable = rows.assign(unreliable=rows["unreliable"].where(~ood, False), gain=rows["gain"].where(~ood, 1.0))
     claim_of = lambda table: next(c for c in ablation_claims(table, "e1", 2) if c.id == "e1.ablate_V_ood")  # noqa: E731
 
@@ -314,14 +384,38 @@ def test_the_sensitivity_summary_judges_each_claim_over_the_runs():
     from taskgeom.experiments.sensitivity import summarise
 
     def line(run, variant, value, status):
-        return {"run": run, "diversity": 8, "claim": "e1.ablate_V_ood", "variant": variant, "value": value, "status": status,
-                "place": "mean over blocks"}
+        return {
+            "run": run,
+            "diversity": 8,
+            "claim": "e1.ablate_V_ood",
+            "variant": variant,
+            "value": value,
+            "status": status,
+            "place": "mean over blocks",
+        }
 
-    rows = pd.DataFrame([line("a", "protocol", 60.0, "pass"), line("b", "protocol", 40.0, "fail"), line("c", "protocol", 70.0, "pass"),
-                         line("a", "v-best-block", 80.0, "pass"), line("b", "v-best-block", float("nan"), "n/a")])
+    rows = pd.DataFrame(
+        [
+            line("a", "protocol", 60.0, "pass"),
+            line("b", "protocol", 40.0, "fail"),
+            line("c", "protocol", 70.0, "pass"),
+            line("a", "v-best-block", 80.0, "pass"),
+            line("b", "v-best-block", float("nan"), "n/a"),
+        ]
+    )
     summary = summarise(rows).set_index("variant")
-    assert summary.loc["protocol", ["median", "min", "max", "verdict", "runs"]].tolist() == [60.0, 40.0, 70.0, "unstable", 3]
-    assert summary.loc["v-best-block", ["median", "verdict", "runs"]].tolist() == [80.0, "pass", 2]  # an n/a run counts neither way
+    assert summary.loc["protocol", ["median", "min", "max", "verdict", "runs"]].tolist() == [
+        60.0,
+        40.0,
+        70.0,
+        "unstable",
+        3,
+    ]
+    assert summary.loc["v-best-block", ["median", "verdict", "runs"]].tolist() == [
+        80.0,
+        "pass",
+        2,
+    ]  # an n/a run counts neither way
 
 
 def test_sensitivity_measures_the_protocol_again_as_the_claims_did(tiny_reproduction):
@@ -333,19 +427,30 @@ def test_sensitivity_measures_the_protocol_again_as_the_claims_did(tiny_reproduc
 
     from taskgeom.experiments.sensitivity import sensitivity
 
-    claims = {c["id"]: {s["seed"]: s["value"] for s in c["seeds"]} for c in json.loads((tiny_reproduction / "claims.json").read_text())}
+    claims = {
+        c["id"]: {s["seed"]: s["value"] for s in c["seeds"]}
+        for c in json.loads((tiny_reproduction / "claims.json").read_text())
+    }
     stages = json.loads((tiny_reproduction / "timings.json").read_text())["stages"]
     threads = {m[1]: int(m[2]) for s in stages if (m := re.match(r"analyse (\S+) \((\d+) threads\)", s["stage"]))}
-    runs = [Run.open(p) for p in sorted((tiny_reproduction / "runs").glob("e1-*")) if (p / "model.safetensors").exists()]
+    runs = [
+        Run.open(p) for p in sorted((tiny_reproduction / "runs").glob("e1-*")) if (p / "model.safetensors").exists()
+    ]
     top = max(r.config.task.diversity for r in runs)
     compared = []
     for run in (r for r in runs if r.config.task.diversity == top):
         table = sensitivity([run.path], ("s-with-mean",), threads=threads[run.path.name])
         for line in table[table["variant"] == "protocol"].itertuples():
             expected = claims[line.claim][run.config.train.seed]
-            assert (line.value == expected) or (expected is None and np.isnan(line.value)), (line.claim, line.value, expected)
+            assert (line.value == expected) or (expected is None and np.isnan(line.value)), (
+                line.claim,
+                line.value,
+                expected,
+            )
             compared.append(line.claim)
-    ablations = {f"e1.{name}" for name in ("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major", "random_control")}
+    ablations = {
+        f"e1.{name}" for name in ("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major", "random_control")
+    }
     assert all(compared.count(claim) == 2 for claim in ablations)  # measured again on each of the two seeds
 
 
@@ -365,7 +470,9 @@ def test_the_protocol_probe_and_its_token_span_are_the_study_s_on_major_sequence
     n = 79 * 64
     tokens = family.sample(pool, n, T, run.seed, 0, "probe", "major").tokens
     captured = []
-    handle = run.model.site(1, "resid_mid").register_forward_hook(lambda module, inputs, output: captured.append(output.detach()))
+    handle = run.model.site(1, "resid_mid").register_forward_hook(
+        lambda module, inputs, output: captured.append(output.detach())
+    )
     with torch.no_grad():
         logits = run.model(tokens)
     handle.remove()
@@ -399,8 +506,11 @@ def test_the_protocol_probe_and_its_token_span_are_the_study_s_on_major_sequence
     energy = np.cumsum(s**2)
     tokens = vt[: int((energy < 0.9 * energy[-1]).sum()) + 1].T
     assert geometry.token_directions.shape == tokens.shape
-    np.testing.assert_allclose(geometry.token_directions.double().numpy() @ geometry.token_directions.double().numpy().T,
-                               tokens @ tokens.T, atol=2e-3)
+    np.testing.assert_allclose(
+        geometry.token_directions.double().numpy() @ geometry.token_directions.double().numpy().T,
+        tokens @ tokens.T,
+        atol=2e-3,
+    )
 
 
 def test_the_transition_reads_the_training_mixture(dice):

@@ -17,8 +17,8 @@ import torch
 
 import taskgeom as tg
 from taskgeom.analysis.reading.steering import KINDS, STUDY_SEQUENCES, steering_place
-from taskgeom.errors import AnalysisError, TaskgeomError
 from taskgeom.claims.m1 import steering_claim
+from taskgeom.errors import AnalysisError, TaskgeomError
 from taskgeom.hooks import capture, intervene
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,33 +62,61 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
     assert [ast.unparse(node) for node in imports] == ["import taskgeom as tg"]
     namespace = {"folder": folder}
     exec(compile(code, "the study", "exec"), namespace)
-    run, place, geometry, shares, r2, claims = (namespace[k] for k in ("run", "place", "geometry", "shares", "r2", "claims"))
+    run, place, geometry, shares, r2, claims = (
+        namespace[k] for k in ("run", "place", "geometry", "shares", "r2", "claims")
+    )
 
     m1, dual = stored(run, "m1"), stored(run, "dual")
     pinned = one(m1, "place.m1")
     assert tuple(place) == (pinned["layer"], pinned["site"])
     at = {"layer": place.layer, "site": place.site, "position": None, "task": None}
-    for name, metric, batch in (("P0", "p0.cell_r2_forced", "cells"), ("P1", "p1.additive_share_forced", "cells"),
-                                ("P2", "p2.r2_additive_forced", "cells"), ("P3", "p3.tv_trajectory", "trajectory")):
-        assert namespace["p"][name] == pytest.approx(one(m1, metric, batch=batch, **at)["value"], rel=1e-12, abs=1e-15), name
+    for name, metric, batch in (
+        ("P0", "p0.cell_r2_forced", "cells"),
+        ("P1", "p1.additive_share_forced", "cells"),
+        ("P2", "p2.r2_additive_forced", "cells"),
+        ("P3", "p3.tv_trajectory", "trajectory"),
+    ):
+        assert namespace["p"][name] == pytest.approx(
+            one(m1, metric, batch=batch, **at)["value"], rel=1e-12, abs=1e-15
+        ), name
         assert claims.loc[f"e3.{name}", "seeds"][0]["value"] == pytest.approx(namespace["p"][name], rel=1e-12), name
-    steering_at = steering_place(run.family, run.config.model.n_layers)  # the stored steering: the study's block, its own draws
-    drawn = run.geometry(namespace["major"], steering_at).steer("dirichlet", sequences=run.heldout("major", STUDY_SEQUENCES, split="steering"))
+    steering_at = steering_place(
+        run.family, run.config.model.n_layers
+    )  # the stored steering: the study's block, its own draws
+    drawn = run.geometry(namespace["major"], steering_at).steer(
+        "dirichlet", sequences=run.heldout("major", STUDY_SEQUENCES, split="steering")
+    )
     stored_steering = claims.loc["e3.steering", "seeds"][0]
     assert stored_steering["value"] == steering_claim(drawn, "e3").value
     for kind in KINDS:
-        row = one(m1, f"steering.kl_{kind}", layer=steering_at.layer, site="resid_mid")  # written where the study writes it
+        row = one(
+            m1, f"steering.kl_{kind}", layer=steering_at.layer, site="resid_mid"
+        )  # written where the study writes it
         assert row["value"] == drawn.mean(kind) == stored_steering["parts"][kind], kind
     steered = namespace["steered"]
-    for shown in (steered, geometry, geometry.p3, *shares.values()):  # a result prints as a one-line summary, not its tensors
+    for shown in (
+        steered,
+        geometry,
+        geometry.p3,
+        *shares.values(),
+    ):  # a result prints as a one-line summary, not its tensors
         assert len(repr(shown)) < 300 and "tensor(" not in repr(shown) and "\n" not in repr(shown), repr(shown)
-    assert f"steered {steered.mean('steered'):.4g}" in repr(steered) and f"{shares['major'].gain:.4g} nats" in repr(shares["major"])
+    assert f"steered {steered.mean('steered'):.4g}" in repr(steered) and f"{shares['major'].gain:.4g} nats" in repr(
+        shares["major"]
+    )
     assert steered.a.eq(torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)).all()
-    assert torch.isfinite(steered.steered).all() and not torch.equal(steered.steered, steered.unsteered)  # the edit moved the model
+    assert torch.isfinite(steered.steered).all() and not torch.equal(
+        steered.steered, steered.unsteered
+    )  # the edit moved the model
     mid = {"layer": place.layer, "site": "resid_mid"}  # the block of the S ablation the study ablates
     for kind, share in shares.items():
         row = one(dual, "gain_removed_ablate_S", set=kind, **mid)
-        assert (row["value"], row["gain"], row["unreliable"], row["reason"]) == (share.value, share.gain, share.unreliable, share.reason)
+        assert (row["value"], row["gain"], row["unreliable"], row["reason"]) == (
+            share.value,
+            share.gain,
+            share.unreliable,
+            share.reason,
+        )
         assert one(dual, "loss_ablate_S", set=kind, **mid)["value"] == pytest.approx(share.ablated, rel=1e-12)
     assert r2 == pytest.approx(one(dual, "projection_r2", step=None)["value"], rel=1e-12)
     assert set(namespace["table"]["set"]) >= {"major", "ood"}
@@ -102,14 +130,24 @@ def test_projection_r2_and_its_variant_at_every_place_and_the_reference_are_the_
     for place in e3.places():
         row = one(dual, "table.projection_r2", layer=place.layer, site=place.site)
         r2 = e3.projection_r2(ood, major, place)
-        assert (r2.mean, r2.quartiles) == (pytest.approx(row["value"], rel=1e-12), pytest.approx(row["band"], rel=1e-12))
-        if row["metric"] == "table.projection_r2" and (place.layer, place.site) == (one(dual, "projection_r2", step=None)["layer"],
-                                                                                    one(dual, "projection_r2", step=None)["site"]):
+        assert (r2.mean, r2.quartiles) == (
+            pytest.approx(row["value"], rel=1e-12),
+            pytest.approx(row["band"], rel=1e-12),
+        )
+        if row["metric"] == "table.projection_r2" and (place.layer, place.site) == (
+            one(dual, "projection_r2", step=None)["layer"],
+            one(dual, "projection_r2", step=None)["site"],
+        ):
             assert r2.standard_error == pytest.approx(one(dual, "projection_r2_se")["value"], rel=1e-12)
-            assert e3.projection_r2(study_draw, major, place).mean == pytest.approx(one(dual, "projection_r2_study_draw")["value"], rel=1e-12)
-        variant = e3.projection_r2(geometry_ood, e3.heldout("major", 256, split="geometry"), place, variant="per-sequence-r2")
-        assert variant.mean == pytest.approx(one(dual, "table.projection_r2_per_sequence", layer=place.layer, site=place.site)["value"],
-                                             rel=1e-6)
+            assert e3.projection_r2(study_draw, major, place).mean == pytest.approx(
+                one(dual, "projection_r2_study_draw")["value"], rel=1e-12
+            )
+        variant = e3.projection_r2(
+            geometry_ood, e3.heldout("major", 256, split="geometry"), place, variant="per-sequence-r2"
+        )
+        assert variant.mean == pytest.approx(
+            one(dual, "table.projection_r2_per_sequence", layer=place.layer, site=place.site)["value"], rel=1e-6
+        )
     reference = e3.projection_reference(ood, major)
     assert reference.mean == pytest.approx(one(dual, "projection_r2_reference")["value"], rel=1e-12)
     claims = tg.results(folder).claims.set_index("id")
@@ -183,10 +221,12 @@ def test_ablation_losses_equal_a_plain_forward_hook(folder, recipe):
     def hooked(*edits) -> torch.Tensor:
         handles = []
         for place, edit in edits:
+
             def hook(_module, _inputs, out, edit=edit):
                 out = out.clone()
                 out[:, positions] = edit(out[:, positions])
                 return out
+
             handles.append(run.model.site(*place).register_forward_hook(hook))
         try:
             with torch.no_grad():
@@ -212,7 +252,9 @@ def test_ablation_losses_equal_a_plain_forward_hook(folder, recipe):
     with geometry.ablate(), run.ablate(v, place_v):
         both = run.loss(sequences, per_position=True)
     torch.testing.assert_close(both, hooked(ablate_s, ablate_v), rtol=0, atol=1e-5)
-    assert not torch.allclose(both, clean) and run.loss(sequences) == pytest.approx(float(clean[run.family.loss_from:].mean()), rel=1e-12)
+    assert not torch.allclose(both, clean) and run.loss(sequences) == pytest.approx(
+        float(clean[run.family.loss_from :].mean()), rel=1e-12
+    )
     if recipe == "e3":  # a token family's loss is the cross-entropy of the next token, written out here
         with torch.no_grad():
             logp = torch.log_softmax(run.model(sequences.batch.tokens).double(), -1)
@@ -232,12 +274,17 @@ def test_cache_holds_the_states_the_hooks_capture(e3):
 
 
 def test_a_split_or_a_set_that_does_not_exist_is_a_clear_error(e3):
-    with pytest.raises(AnalysisError, match=r"unknown split 'mesure'; choose one of \['select', 'measure', 'geometry', 'loss', "
-                                            r"'search-select', 'prior', 'projection', 'steering', 'probe', 'trajectory', 'transition'\]"):
+    with pytest.raises(
+        AnalysisError,
+        match=r"unknown split 'mesure'; choose one of \['select', 'measure', 'geometry', 'loss', "
+        r"'search-select', 'prior', 'projection', 'steering', 'probe', 'trajectory', 'transition'\]",
+    ):
         e3.heldout("major", 8, split="mesure")
     with pytest.raises(AnalysisError, match=r"split 'select' has no ood sequences; it has \['major'\]"):
         e3.heldout("ood", 8, split="select")
-    with pytest.raises(AnalysisError, match=r"unknown set 'majors'; choose one of \['major', 'minor', 'ood', 'mixture'\]"):
+    with pytest.raises(
+        AnalysisError, match=r"unknown set 'majors'; choose one of \['major', 'minor', 'ood', 'mixture'\]"
+    ):
         e3.heldout("majors", 8, split="measure")
     with pytest.raises(AnalysisError, match="has no minor tasks"):
         e3.heldout("minor", 8, split="loss")
@@ -264,7 +311,9 @@ def test_results_hold_every_share_with_its_gain(folder):
     assert dual["value"].isna().any()  # the tiny runs have shares of a non-positive gain: the next line reads some
     assert dual.loc[dual["value"].isna(), "reason"].fillna("").astype(str).str.contains("not positive").all()
     curve = pd.read_csv(folder / "tables" / "rank_curve.csv")
-    assert {"gain", "unreliable", "reason"} <= set(curve.columns) and (curve["value"].notna() == (curve["gain"] > 0)).all()
+    assert {"gain", "unreliable", "reason"} <= set(curve.columns) and (
+        curve["value"].notna() == (curve["gain"] > 0)
+    ).all()
     with pytest.raises(TaskgeomError, match="used no run of 'e3' at diversity 5"):
         results.run("e3", diversity=5)
 
@@ -297,12 +346,15 @@ def test_the_run_at_each_kept_training_step_gives_the_stored_projection_across_t
         assert r2.mean == pytest.approx(one(dual, "projection_r2", step=step)["value"], rel=1e-12), step
 
 
-@pytest.mark.parametrize("n_layers, expected", [
-    (2, {3: 1, 4: 1, 0: 0, 5: 1}),
-    (3, {3: 1, 4: 2, 0: 0, 5: 2}),
-    (6, {b: b for b in range(6)}),
-    (16, {3: 10, 4: 13, 0: 2, 5: 15}),
-])
+@pytest.mark.parametrize(
+    "n_layers, expected",
+    [
+        (2, {3: 1, 4: 1, 0: 0, 5: 1}),
+        (3, {3: 1, 4: 2, 0: 0, 5: 2}),
+        (6, {b: b for b in range(6)}),
+        (16, {3: 10, 4: 13, 0: 2, 5: 15}),
+    ],
+)
 def test_place_at_depth_maps_a_study_block_of_six_to_the_same_relative_depth(n_layers, expected):
     for block, layer in expected.items():
         assert tg.Place.at_depth(block, 6, n_layers) == (layer, "resid_post")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from taskgeom.analysis.reading import projection
-from taskgeom.hooks import Place
 from taskgeom.analysis.reading.steering import study_form
 from taskgeom.errors import AnalysisError
+from taskgeom.hooks import Place
 from taskgeom.tasks import make
 from taskgeom.tasks.markov import Markov
 
@@ -48,8 +48,13 @@ def test_a_family_that_declares_nothing_is_told_what_to_declare():
 
 def test_no_analysis_asks_a_built_in_family_s_class():
     pattern = re.compile(r"(isinstance|issubclass)\([^)]*\b(" + "|".join(BUILT_IN) + r")\b")
-    found = [f"{path.relative_to(SOURCE)}:{number}" for path in SOURCE.rglob("*.py") if path.parent.name != "tasks"
-             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    found = [
+        f"{path.relative_to(SOURCE)}:{number}"
+        for path in SOURCE.rglob("*.py")
+        if path.parent.name != "tasks"
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert found == []
 
 
@@ -65,12 +70,18 @@ def test_reproduce_refuses_a_family_without_what_its_experiments_read_before_tra
     from taskgeom.settings.recipes import load_study
     from taskgeom.tasks import registry
 
-    assert experiments.undeclared(Undeclared) == {"steering_form": "m1", "projection_window": "dual_modes", "task_probe": "dual_modes"}
+    assert experiments.undeclared(Undeclared) == {
+        "steering_form": "m1",
+        "projection_window": "dual_modes",
+        "task_probe": "dual_modes",
+    }
     assert experiments.undeclared(Markov) == {} and experiments.undeclared(Undeclared, ("bayes_optimum",)) == {}
     registry.load_plugins()
     monkeypatch.setitem(registry.FAMILIES, "markov", Undeclared)
     out = tmp_path / "results"
-    with pytest.raises(ConfigError, match=r"experiment m1 reads what the 'markov' family \(recipe e3\) declares no steering_form"):
+    with pytest.raises(
+        ConfigError, match=r"experiment m1 reads what the 'markov' family \(recipe e3\) declares no steering_form"
+    ):
         experiments.reproduce(out, "quick", {"m1": experiments.m1}, studies=(load_study("e3"),))
     with pytest.raises(ConfigError, match="declares no projection_window, task_probe"):
         experiments.reproduce(out, "quick", {"dual_modes": experiments.dual_modes}, studies=(load_study("e3"),))
@@ -88,7 +99,9 @@ def test_train_says_once_what_the_family_does_not_declare(monkeypatch, tmp_path)
     small = ["--set", "train.steps=2", "--set", "train.eval_every=2", "--set", "train.checkpoint_every=2"]
     result = CliRunner().invoke(app, ["train", "e3", *small, "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    note = "note: the 'markov' family declares no steering_form, projection_window, task_probe, which m1, dual_modes read"
+    note = (
+        "note: the 'markov' family declares no steering_form, projection_window, task_probe, which m1, dual_modes read"
+    )
     assert result.output.count(note) == 1
     monkeypatch.setitem(registry.FAMILIES, "markov", Markov)
     assert "note:" not in CliRunner().invoke(app, ["train", "e3", *small, "--out", str(tmp_path)]).output

@@ -9,12 +9,12 @@ from dataclasses import fields
 
 import pytest
 import torch
+from conftest import tiny_config
 from typer.testing import CliRunner
 
-from conftest import tiny_config
 from taskgeom.cli import app
-from taskgeom.settings.devices import DeviceError, autocast, resolve_device, to_device
 from taskgeom.runs.folders import Run
+from taskgeom.settings.devices import DeviceError, autocast, resolve_device, to_device
 from taskgeom.tasks import Batch, make
 from taskgeom.training.train import train
 
@@ -153,5 +153,8 @@ def test_training_sends_every_batch_and_evaluation_set_to_its_device(tmp_path, m
     config = tiny_config("dice")  # 40 steps of 8 x 16 tokens; held-out sets of 16 x 16 (major, ood)
     train(Run.create(config, path=tmp_path / "r"), device="cpu")
     token_moves = [(shape[0], device) for shape, device in moved if shape[1:] == (config.task.seq_len,)]
-    assert Counter(rows for rows, _ in token_moves) == {config.train.batch_size: config.train.steps, config.train.eval_batch: 2}
+    assert Counter(rows for rows, _ in token_moves) == {
+        config.train.batch_size: config.train.steps,
+        config.train.eval_batch: 2,
+    }
     assert {device for _, device in token_moves} == {torch.device("cpu")}

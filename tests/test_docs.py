@@ -20,8 +20,24 @@ import taskgeom as tg
 from taskgeom.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ("index", "getting-started", "concepts", "protocol", "cli", "python-api", "api", "adding-a-family", "hmm-example",
-         "scaling-out", "results", "quick-seeds-0-5", "scale-ladder", "benchmarks", "changelog", "practicalities")
+PAGES = (
+    "index",
+    "getting-started",
+    "concepts",
+    "protocol",
+    "cli",
+    "python-api",
+    "api",
+    "adding-a-family",
+    "hmm-example",
+    "scaling-out",
+    "results",
+    "quick-seeds-0-5",
+    "scale-ladder",
+    "benchmarks",
+    "changelog",
+    "practicalities",
+)
 README_LIMIT = 160
 
 
@@ -29,8 +45,23 @@ README_LIMIT = 160
 def site(tmp_path_factory) -> Path:
     """The site as ``mkdocs build --strict`` writes it (a warning fails the build)."""
     out = tmp_path_factory.mktemp("site")
-    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(out)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stdout + built.stderr
     assert not re.search(r"^(WARNING|ERROR)", built.stderr, re.M), built.stderr
     return out
@@ -53,9 +84,24 @@ def test_the_api_reference_documents_every_public_name(site):
     documented = set(re.findall(r'id="(taskgeom[\w.]*)"', page))
     public = [name for name in tg.__all__ if name not in ("__version__", "tasks", "results", "MIN_RELIABLE_GAIN")]
     assert {f"taskgeom.{name}" for name in public} - documented == set()
-    assert {"taskgeom.results.results", "taskgeom.analysis.measures.shares.MIN_RELIABLE_GAIN", "taskgeom.tasks", "taskgeom.tasks.make"} <= documented
-    for verb in ("StudyRun.heldout", "StudyRun.cache", "StudyRun.geometry", "StudyRun.loss", "StudyRun.ablate",
-                 "StudyRun.orthogonal_search", "Geometry.steer", "Geometry.ablate", "Geometry.projection_r2", "Geometry.p3"):
+    assert {
+        "taskgeom.results.results",
+        "taskgeom.analysis.measures.shares.MIN_RELIABLE_GAIN",
+        "taskgeom.tasks",
+        "taskgeom.tasks.make",
+    } <= documented
+    for verb in (
+        "StudyRun.heldout",
+        "StudyRun.cache",
+        "StudyRun.geometry",
+        "StudyRun.loss",
+        "StudyRun.ablate",
+        "StudyRun.orthogonal_search",
+        "Geometry.steer",
+        "Geometry.ablate",
+        "Geometry.projection_r2",
+        "Geometry.p3",
+    ):
         assert f"taskgeom.{verb}" in documented, verb
     for name in public + ["results", "MIN_RELIABLE_GAIN"]:  # each with its own docstring, not only a signature
         obj = getattr(tg, name)
@@ -80,22 +126,34 @@ def test_the_site_reads_in_chromium_with_no_broken_internal_link(site, browser):
     assert len(options) >= 10 and [name for name in options if name not in section] == []
 
     browser.get((site / "protocol.html").as_uri())
-    headings = browser.execute_script("return Array.from(document.querySelectorAll('article h2')).map(function (h) { return [h.id, h.textContent]; })")
+    headings = browser.execute_script(
+        "return Array.from(document.querySelectorAll('article h2')).map(function (h) { return [h.id, h.textContent]; })"
+    )
     (r2,) = [id_ for id_, text in headings if re.match(r"Projection R\^2", text)]
-    following = browser.execute_script("var e = document.getElementById(arguments[0]).nextElementSibling; return e ? e.textContent : ''", r2)
+    following = browser.execute_script(
+        "var e = document.getElementById(arguments[0]).nextElementSibling; return e ? e.textContent : ''", r2
+    )
     assert "OOD" in following
 
     ids, hrefs = {}, {}  # page: its element ids; page: the href of every link on it, as the browser resolves it
-    for page in sorted(set(site.rglob("*.html")) - {site / "404.html"}):  # 404.html links from the server's root, for a web server
+    for page in sorted(
+        set(site.rglob("*.html")) - {site / "404.html"}
+    ):  # 404.html links from the server's root, for a web server
         browser.get(page.as_uri())
-        ids[page], hrefs[page] = browser.execute_script("""return [Array.from(document.querySelectorAll('[id]')).map(function (e) { return e.id; }),
+        ids[page], hrefs[page] = (
+            browser.execute_script("""return [Array.from(document.querySelectorAll('[id]')).map(function (e) { return e.id; }),
             Array.from(document.querySelectorAll('a[href]')).map(function (a) { return a.href; })];""")
+        )
     broken = []
     for page, links in hrefs.items():
         for href in links:
             url = urlsplit(href)
             target = Path(unquote(url.path))
-            if url.scheme == "file" and not (target.is_file() and site in target.parents and (not url.fragment or unquote(url.fragment) in ids.get(target, ()))):
+            if url.scheme == "file" and not (
+                target.is_file()
+                and site in target.parents
+                and (not url.fragment or unquote(url.fragment) in ids.get(target, ()))
+            ):
                 broken.append((page.name, href))
     assert len(ids) >= len(PAGES) and broken == [], broken
 
@@ -133,9 +191,13 @@ def test_every_file_of_the_repository_the_docs_name_is_in_it():
     of git while the pages sent readers to them."""
     named = set()
     for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
-        named |= {(page.name, path.rstrip(".,")) for path in re.findall(r"\bdocs/[\w./-]+", page.read_text(encoding="utf-8"))}
+        named |= {
+            (page.name, path.rstrip(".,")) for path in re.findall(r"\bdocs/[\w./-]+", page.read_text(encoding="utf-8"))
+        }
     missing = sorted((page, path) for page, path in named if not (ROOT / path).exists())
-    ignored = subprocess.run(["git", "check-ignore", "--no-index", *{path for _, path in named}], cwd=ROOT, capture_output=True, text=True).stdout
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *{path for _, path in named}], cwd=ROOT, capture_output=True, text=True
+    ).stdout
     assert len(named) >= 10 and missing == [] and ignored == "", (missing, ignored)
 
 
@@ -145,7 +207,9 @@ def test_the_published_tables_are_what_their_manifests_print(name):
     claims' parts, stands on the Results page as printed."""
     from taskgeom.report.markdown import claims_markdown
 
-    assert claims_markdown(ROOT / "docs" / "results" / name) in (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    assert claims_markdown(ROOT / "docs" / "results" / name) in (ROOT / "docs" / "results.md").read_text(
+        encoding="utf-8"
+    )
 
 
 def test_the_protocols_thresholds_table_is_the_catalogs_and_the_published_claims_were_judged_by_it():
@@ -159,8 +223,12 @@ def test_the_protocols_thresholds_table_is_the_catalogs_and_the_published_claims
 
     page = (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8")
     table = re.search(r"<!-- thresholds: generated .*? -->\n\n(.*?)\n\n<!-- end of thresholds -->", page, re.S)
-    assert table and table.group(1) == thresholds_table(), "regenerate it: python -c 'from taskgeom.claims.catalog import thresholds_table; print(thresholds_table())'"
-    assert len(table.group(1).splitlines()) == len(CLAIMS) + 2 and len({(c.experiment, c.name) for c in CLAIMS}) == len(CLAIMS)
+    assert table and table.group(1) == thresholds_table(), (
+        "regenerate it: python -c 'from taskgeom.claims.catalog import thresholds_table; print(thresholds_table())'"
+    )
+    assert len(table.group(1).splitlines()) == len(CLAIMS) + 2 and len({(c.experiment, c.name) for c in CLAIMS}) == len(
+        CLAIMS
+    )
     judged = 0
     for folder in sorted((ROOT / "docs" / "results").iterdir()):
         if not (folder / MANIFEST).exists():
@@ -168,7 +236,10 @@ def test_the_protocols_thresholds_table_is_the_catalogs_and_the_published_claims
         experiments = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["claims"]
         for claim in json.loads((folder / "claims.json").read_text(encoding="utf-8")):
             entry = spec(experiments[claim["id"]], claim["id"].split(".", 1)[1])
-            assert (claim["comparison"], claim["threshold"]) == (entry.comparison, entry.threshold), (folder.name, claim["id"])
+            assert (claim["comparison"], claim["threshold"]) == (entry.comparison, entry.threshold), (
+                folder.name,
+                claim["id"],
+            )
             judged += 1
     assert judged > 100
 
@@ -178,13 +249,22 @@ def test_the_readme_runs_the_tests_with_the_docs_extra_and_holds_the_sites_table
     line = re.search(r"^Run the tests.*?^```bash\n(.*?)\n", readme, flags=re.S | re.M).group(1)  # what .ci/run extracts
     assert "python -m pytest" in line and '".[test,docs]"' in line and "&& taskgeom reproduce" in readme
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-    assert re.search(r'^docs = \[.*"mkdocs-material.*"mkdocstrings\[python\]', pyproject, flags=re.M) and "pdoc" not in pyproject
+    assert (
+        re.search(r'^docs = \[.*"mkdocs-material.*"mkdocstrings\[python\]', pyproject, flags=re.M)
+        and "pdoc" not in pyproject
+    )
 
     from taskgeom.report.markdown import claims_markdown
 
     printed = claims_markdown(ROOT / "docs" / "results" / "quick")
-    source, table = printed.splitlines()[0], printed[printed.index("| claim | threshold |"):]  # the line it came from, the condensed table
-    for page in (readme, (ROOT / "docs" / "index.md").read_text(encoding="utf-8")):  # the README holds what the site holds
+    source, table = (
+        printed.splitlines()[0],
+        printed[printed.index("| claim | threshold |") :],
+    )  # the line it came from, the condensed table
+    for page in (
+        readme,
+        (ROOT / "docs" / "index.md").read_text(encoding="utf-8"),
+    ):  # the README holds what the site holds
         assert source in page and table in page
 
 
@@ -209,7 +289,10 @@ def test_code_blocks_fit_the_page_and_claim_ids_stay_whole_at_1280_px(site, brow
         browser.set_window_size(1300, 1800)
 
 
-E3_TRAINING = {"deep": "deep-7e255e1", "deep-e3-4x": "deep-e3-4x"}  # rung: its docs/results/<folder>, beside docs/ladder-e3-4x/places_<rung>.csv
+E3_TRAINING = {
+    "deep": "deep-7e255e1",
+    "deep-e3-4x": "deep-e3-4x",
+}  # rung: its docs/results/<folder>, beside docs/ladder-e3-4x/places_<rung>.csv
 BY_BLOCK = {"p0.cell_r2": "P0", "p1.additive_share": "P1", "p2.r2_task": "P2"}
 
 
@@ -225,9 +308,14 @@ def by_block_table() -> str:
         for (metric, layer), values in places.groupby(["metric", "layer"])["value"]:
             cells[metric, rung, layer] = f"{values.median():.3g} [{values.min():.3g}, {values.max():.3g}]"
     columns = [(metric, rung) for metric in BY_BLOCK for rung in E3_TRAINING]
-    lines = ["| block | " + " | ".join(f"{BY_BLOCK[m]}, {r}" for m, r in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines = [
+        "| block | " + " | ".join(f"{BY_BLOCK[m]}, {r}" for m, r in columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
     layers = sorted({layer for _, _, layer in cells})
-    return "\n".join(lines + [f"| {layer} | " + " | ".join(cells[m, r, layer] for m, r in columns) + " |" for layer in layers])
+    return "\n".join(
+        lines + [f"| {layer} | " + " | ".join(cells[m, r, layer] for m, r in columns) + " |" for layer in layers]
+    )
 
 
 def test_the_e3_training_section_is_its_manifests_and_the_places_of_the_same_runs():
@@ -248,4 +336,6 @@ def test_the_e3_training_section_is_its_manifests_and_the_places_of_the_same_run
         places = pd.read_csv(ROOT / "docs" / "ladder-e3-4x" / f"places_{rung}.csv")
         for metric, claim in BY_BLOCK.items():
             read = places[(places["metric"] == metric) & (places["layer"] == 3) & (places["site"] == "resid_post")]
-            assert dict(zip(read["seed"], read["value"])) == pytest.approx({s["seed"]: s["value"] for s in claims[f"e3.{claim}"]["seeds"]}, rel=1e-12)
+            assert dict(zip(read["seed"], read["value"])) == pytest.approx(
+                {s["seed"]: s["value"] for s in claims[f"e3.{claim}"]["seeds"]}, rel=1e-12
+            )

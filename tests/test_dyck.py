@@ -69,7 +69,9 @@ def test_completion_counts_are_ballot_numbers(n_pairs):
     for r in range(2 * n_pairs + 1):
         for d in range(r + 1):  # ballot formula: paths of length r from d to 0 staying >= 0
             up = (r - d) // 2
-            expected = math.comb(r, up) - math.comb(r, up - 1) if (r - d) % 2 == 0 and up >= 1 else float((r - d) % 2 == 0)
+            expected = (
+                math.comb(r, up) - math.comb(r, up - 1) if (r - d) % 2 == 0 and up >= 1 else float((r - d) % 2 == 0)
+            )
             assert table[r, d] == expected, (r, d)
 
 
@@ -115,7 +117,9 @@ def test_planted_and_depth_match_loops():
                     assert depth[b, t] == sum(1 - 2 * s for s in seen)
 
 
-@pytest.mark.parametrize("n_noise", [6, 7])  # 6: the study's vocabulary of 8 (docs/protocol.md#the-studys-settings-the-paper-profile)
+@pytest.mark.parametrize(
+    "n_noise", [6, 7]
+)  # 6: the study's vocabulary of 8 (docs/protocol.md#the-studys-settings-the-paper-profile)
 def test_id_posterior_and_predictive_match_brute_force(n_noise):
     fam = tasks.make("dyck", n_pairs=3, n_noise=n_noise)
     words = dyck_words(3)  # 5 words: the pool holds all of them, so every sequence is consistent
@@ -125,9 +129,17 @@ def test_id_posterior_and_predictive_match_brute_force(n_noise):
     for b, row in enumerate(batch.tokens.tolist()):
         for t in range(len(row)):
             seq = row[: t + 1]
-            post = torch.tensor([w * math.exp(sum(brute_log_likelihood(fam, seq, word))) for word, w in zip(words, pool.weights.tolist())], dtype=torch.float64)
+            post = torch.tensor(
+                [
+                    w * math.exp(sum(brute_log_likelihood(fam, seq, word)))
+                    for word, w in zip(words, pool.weights.tolist())
+                ],
+                dtype=torch.float64,
+            )
             torch.testing.assert_close(logpost[b, t].exp(), post / post.sum(), rtol=1e-9, atol=1e-12)
-            torch.testing.assert_close(pred[b, t], torch.tensor(brute_mixture(fam, seq, words, pool.weights.tolist()), dtype=torch.float64))
+            torch.testing.assert_close(
+                pred[b, t], torch.tensor(brute_mixture(fam, seq, words, pool.weights.tolist()), dtype=torch.float64)
+            )
     torch.testing.assert_close(pred.sum(-1), torch.ones(pred.shape[:2], dtype=torch.float64))
 
 
@@ -149,7 +161,9 @@ def test_posterior_of_inconsistent_contexts_keeps_the_last_defined_one():
     fam = tasks.make("dyck", n_pairs=4)
     words = dyck_words(4)
     pool = TaskPool(torch.tensor(words[:3]), torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), 3)
-    batch = fam.sample(TaskPool(torch.tensor(words[3:]), torch.full((11,), 1 / 11, dtype=torch.float64), 11), 16, 40, seed=7)
+    batch = fam.sample(
+        TaskPool(torch.tensor(words[3:]), torch.full((11,), 1 / 11, dtype=torch.float64), 11), 16, 40, seed=7
+    )
     logpost = fam.log_posterior(batch.tokens, pool)
     pred = fam.predict_id(batch.tokens, pool)
     assert torch.isfinite(pred).all() and not logpost.isnan().any()
@@ -157,7 +171,13 @@ def test_posterior_of_inconsistent_contexts_keeps_the_last_defined_one():
     for b, row in enumerate(batch.tokens.tolist()):
         last = pool.weights
         for t in range(len(row)):
-            post = torch.tensor([w * math.exp(sum(brute_log_likelihood(fam, row[: t + 1], word))) for word, w in zip(words[:3], pool.weights.tolist())], dtype=torch.float64)
+            post = torch.tensor(
+                [
+                    w * math.exp(sum(brute_log_likelihood(fam, row[: t + 1], word)))
+                    for word, w in zip(words[:3], pool.weights.tolist())
+                ],
+                dtype=torch.float64,
+            )
             if post.sum() > 0:
                 last = post / post.sum()
             else:
@@ -232,8 +252,12 @@ def _old_predict_ood(fam, tokens: torch.Tensor) -> torch.Tensor:
 def test_ood_predictive_equals_the_count_table_where_that_is_finite(n_pairs):
     fam = tasks.make("dyck", n_pairs=n_pairs, p_bracket=0.7)
     seq_len = 2 * n_pairs + 30
-    tokens = torch.cat([fam.sample_ood(16, seq_len, seed=3).tokens,  # Dyck prefixes, and finished words
-                        torch.randint(0, fam.vocab_size, (16, seq_len), generator=generator(3, 0, "junk"))])  # invalid ones too
+    tokens = torch.cat(
+        [
+            fam.sample_ood(16, seq_len, seed=3).tokens,  # Dyck prefixes, and finished words
+            torch.randint(0, fam.vocab_size, (16, seq_len), generator=generator(3, 0, "junk")),
+        ]
+    )  # invalid ones too
     old = _old_predict_ood(fam, tokens)
     assert torch.isfinite(old).all()
     torch.testing.assert_close(fam.predict_ood(tokens), old, rtol=0, atol=1e-10)
@@ -275,7 +299,10 @@ def test_e4_recipe_builds_the_family(tmp_path):
     from taskgeom.runs.folders import Run
     from taskgeom.settings.recipes import load_recipe
 
-    for profile, seq_len in (("quick", 96), ("paper", 192)):  # the study's vocabulary of 8 in every profile (docs/protocol.md#the-studys-settings-the-paper-profile)
+    for profile, seq_len in (
+        ("quick", 96),
+        ("paper", 192),
+    ):  # the study's vocabulary of 8 in every profile (docs/protocol.md#the-studys-settings-the-paper-profile)
         config = load_recipe("e4", profile)
         assert config.task.family == "dyck" and config.task.n_pairs == 10 and config.task.n_noise == 6
         assert config.task.seq_len == seq_len

@@ -15,7 +15,9 @@ from taskgeom.settings.recipes import build_config
 
 N_MASKS, PER_MASK = 3, 8
 # Small enough to run in seconds, with a curriculum threshold that promotes lengths on the way
-SMALL = ProbeSettings(epochs=120, lr=3e-2, mini_batch=16, samples_per_class=12, curriculum_threshold=1.3, loss_threshold=1e-4)
+SMALL = ProbeSettings(
+    epochs=120, lr=3e-2, mini_batch=16, samples_per_class=12, curriculum_threshold=1.3, loss_threshold=1e-4
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +26,22 @@ def dyck_run(tmp_path_factory):
     from taskgeom.runs.folders import Run
     from taskgeom.training.train import train
 
-    config = build_config({
-        "name": "tiny-dyck-k2", "task": {"family": "dyck", "seq_len": 24, "n_pairs": 3, "n_noise": 3, "p_bracket": 0.4, "diversity": 2},
-        "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 24},
-        "train": {"steps": 30, "batch_size": 16, "eval_every": 30, "checkpoint_every": 30, "eval_batch": 16, "lr": 3e-3, "threads": 1}})
+    config = build_config(
+        {
+            "name": "tiny-dyck-k2",
+            "task": {"family": "dyck", "seq_len": 24, "n_pairs": 3, "n_noise": 3, "p_bracket": 0.4, "diversity": 2},
+            "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 24},
+            "train": {
+                "steps": 30,
+                "batch_size": 16,
+                "eval_every": 30,
+                "checkpoint_every": 30,
+                "eval_batch": 16,
+                "lr": 3e-3,
+                "threads": 1,
+            },
+        }
+    )
     run = Run.create(config, tmp_path_factory.mktemp("dyck"))
     train(run)
     return Run.open(run.path)
@@ -52,7 +66,9 @@ def _pool_by_hand(run, layer: int, gen: torch.Generator) -> dict[int, tuple[torc
         if len(seen) >= 2:
             classes[length] = seen
     cache = {}
-    handle = model.site(layer, "resid_mid").register_forward_hook(lambda module, inputs, out: cache.__setitem__("h", out))
+    handle = model.site(layer, "resid_mid").register_forward_hook(
+        lambda module, inputs, out: cache.__setitem__("h", out)
+    )
     states = {length: [] for length in classes}
     labels = {length: [] for length in classes}
     for m in range(N_MASKS):
@@ -127,8 +143,13 @@ def _train_by_hand(pool, n_classes, d_model, gen, s: ProbeSettings) -> tuple[dic
     with torch.random.fork_rng():
         torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
         probe = PrefixProbe(d_model, s.proj_dim, {length: n_classes[length] for length in lengths}, s.mlp_hidden)
-    opt = torch.optim.AdamW([{"params": probe.proj.parameters(), "lr": s.lr * s.proj_lr_scale},
-                             {"params": probe.heads.parameters(), "lr": s.lr}], weight_decay=s.weight_decay)
+    opt = torch.optim.AdamW(
+        [
+            {"params": probe.proj.parameters(), "lr": s.lr * s.proj_lr_scale},
+            {"params": probe.heads.parameters(), "lr": s.lr},
+        ],
+        weight_decay=s.weight_decay,
+    )
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=s.epochs, eta_min=s.lr * 0.01)
     n_active, best, best_state = 2, float("inf"), None
     for epoch in range(s.epochs):
@@ -142,7 +163,7 @@ def _train_by_hand(pool, n_classes, d_model, gen, s: ProbeSettings) -> tuple[dic
             h, y = train[length]
             perm = torch.randperm(len(y), generator=gen)
             for start in range(0, len(y), s.mini_batch):
-                idx = perm[start: start + s.mini_batch]
+                idx = perm[start : start + s.mini_batch]
                 nn.CrossEntropyLoss()(probe(h[idx], length), y[idx]).backward()
         nn.utils.clip_grad_norm_(probe.parameters(), s.max_grad_norm)
         opt.step()
@@ -164,8 +185,10 @@ def _train_by_hand(pool, n_classes, d_model, gen, s: ProbeSettings) -> tuple[dic
     probe.eval()
     with torch.no_grad():
         logits = {length: probe(val[length][0], length) for length in lengths}
-        return ({length: (logits[length].argmax(-1) == val[length][1]).float().mean().item() for length in lengths},
-                {length: nn.CrossEntropyLoss()(logits[length], val[length][1]).item() for length in lengths})
+        return (
+            {length: (logits[length].argmax(-1) == val[length][1]).float().mean().item() for length in lengths},
+            {length: nn.CrossEntropyLoss()(logits[length], val[length][1]).item() for length in lengths},
+        )
 
 
 def test_the_probe_is_trained_as_the_study_s_by_hand(dyck_run):
@@ -181,9 +204,10 @@ def test_the_probe_is_trained_as_the_study_s_by_hand(dyck_run):
     result = train_probe(pool, n_classes, 16, generator(0, 0, "train"), SMALL)
     assert result.accuracy == accuracy and result.loss == loss
     assert len(loss) >= 2 and result.best_epoch > 1 and result.accuracy[2] > 0.9  # it learns the first brackets
-    assert result.best_epoch <= result.epochs == SMALL.epochs and result.reached == max(pool)  # the curriculum brought every length in
+    assert result.best_epoch <= result.epochs == SMALL.epochs and result.reached == max(
+        pool
+    )  # the curriculum brought every length in
     assert SITE == "resid_mid"
-
 
 
 def test_a_distinct_sample_is_a_uniform_choice_without_repeats():

@@ -20,10 +20,22 @@ def dyck_run(tmp_path_factory):
     from taskgeom.runs.folders import Run
     from taskgeom.training.train import train
 
-    config = build_config({
-        "name": "tiny-dyck", "task": {"family": "dyck", "seq_len": 24, "n_pairs": 3, "n_noise": 3, "p_bracket": 0.4},
-        "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 24},
-        "train": {"steps": 30, "batch_size": 16, "eval_every": 30, "checkpoint_every": 30, "eval_batch": 16, "lr": 3e-3, "threads": 1}})
+    config = build_config(
+        {
+            "name": "tiny-dyck",
+            "task": {"family": "dyck", "seq_len": 24, "n_pairs": 3, "n_noise": 3, "p_bracket": 0.4},
+            "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 24},
+            "train": {
+                "steps": 30,
+                "batch_size": 16,
+                "eval_every": 30,
+                "checkpoint_every": 30,
+                "eval_batch": 16,
+                "lr": 3e-3,
+                "threads": 1,
+            },
+        }
+    )
     run = Run.create(config, tmp_path_factory.mktemp("dyck"))
     train(run)
     return Run.open(run.path)
@@ -48,8 +60,12 @@ def _residual_ratio_by_hand(run) -> np.ndarray:
     J = min(len(r) for r in real)
     L, K, D = len(model.blocks), len(words), run.config.model.d_model
     cache = {}
-    handles = [model.site(layer, "resid_mid").register_forward_hook(lambda module, inputs, out, layer=layer: cache.__setitem__(layer, out))
-               for layer in range(L)]
+    handles = [
+        model.site(layer, "resid_mid").register_forward_hook(
+            lambda module, inputs, out, layer=layer: cache.__setitem__(layer, out)
+        )
+        for layer in range(L)
+    ]
     sum_h, sum_h2 = np.zeros((L, K, J, D)), np.zeros((L, K, J))
     for k, word in enumerate(words):
         for m in range(N_MASKS):
@@ -66,18 +82,18 @@ def _residual_ratio_by_hand(run) -> np.ndarray:
             for layer in range(L):
                 h = cache[layer][:, real[m][:J]].double().numpy()
                 sum_h[layer, k] += h.sum(0)
-                sum_h2[layer, k] += (h ** 2).sum(-1).sum(0)
+                sum_h2[layer, k] += (h**2).sum(-1).sum(0)
     for handle in handles:
         handle.remove()
     n = N_MASKS * PER_MASK
     mean_h = sum_h / n
-    var = np.clip(sum_h2 / n - (mean_h ** 2).sum(-1), 0.0, None)
+    var = np.clip(sum_h2 / n - (mean_h**2).sum(-1), 0.0, None)
     ratio = np.zeros((L, J))
     for layer in range(L):
         for j in range(J):
             groups = {}
             for k in range(K):
-                groups.setdefault(tuple(words[k][max(0, j + 1 - 3): j + 1]), []).append(k)
+                groups.setdefault(tuple(words[k][max(0, j + 1 - 3) : j + 1]), []).append(k)
             grand = mean_h[layer, :, j].mean(0)
             between = within = 0.0
             for ids in groups.values():
@@ -111,4 +127,7 @@ def test_bracket_masks_place_the_family_s_brackets():
     noise = torch.randint(0, 3, (200, 30), generator=torch.Generator().manual_seed(2))
     tokens = family.plant(words.expand(200, -1), masks, noise)
     assert torch.equal(tokens >= family.n_noise, masks)
-    assert torch.equal(family.planted(tokens, 1)[masks.sum(1) == family.length, -1], words[0, -1].expand(int((masks.sum(1) == family.length).sum())))
+    assert torch.equal(
+        family.planted(tokens, 1)[masks.sum(1) == family.length, -1],
+        words[0, -1].expand(int((masks.sum(1) == family.length).sum())),
+    )

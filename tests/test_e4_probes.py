@@ -11,10 +11,10 @@ import torch
 from taskgeom.claims.catalog import spec
 from taskgeom.claims.e4 import weakest_probe
 from taskgeom.extras.dyck import MAX_BACK, prefix_probes, probe_batch, probe_rows, probe_targets
-from taskgeom.settings.recipes import load_recipe
 from taskgeom.extras.dyck_figures import plot_prefix_probes
 from taskgeom.rng import generator
 from taskgeom.runs.folders import Run
+from taskgeom.settings.recipes import load_recipe
 
 torch.set_num_threads(1)
 
@@ -75,8 +75,14 @@ def _planted_states(tokens: torch.Tensor, targets: dict, hold: list[str], width:
     """[N, T, len(hold) + width]: the targets named in ``hold`` as (noisy) coordinates, then noise."""
     gen = generator(3, 0, "planted")
     N, T = tokens.shape
-    held = [2 * targets[name][1].double() - 1 if name.startswith("back_") else targets[name][1].double() for name in hold]
-    signal = torch.stack(held, -1) + 0.2 * torch.randn(N, T, len(hold), generator=gen, dtype=torch.float64) if hold else torch.zeros(N, T, 0, dtype=torch.float64)
+    held = [
+        2 * targets[name][1].double() - 1 if name.startswith("back_") else targets[name][1].double() for name in hold
+    ]
+    signal = (
+        torch.stack(held, -1) + 0.2 * torch.randn(N, T, len(hold), generator=gen, dtype=torch.float64)
+        if hold
+        else torch.zeros(N, T, 0, dtype=torch.float64)
+    )
     return torch.cat([signal, torch.randn(N, T, width, generator=gen, dtype=torch.float64)], -1)
 
 
@@ -86,7 +92,10 @@ def test_probes_read_planted_geometry(run):
     tokens = probe_batch(run, "pool", 128).tokens
     mask, targets = probe_targets(run.family, tokens)
     names = [f"back_{j}" for j in range(1, MAX_BACK + 1)]
-    states = [((0, "resid_mid"), _planted_states(tokens, targets, [])), ((1, "resid_mid"), _planted_states(tokens, targets, [*names, "depth"]))]
+    states = [
+        ((0, "resid_mid"), _planted_states(tokens, targets, [])),
+        ((1, "resid_mid"), _planted_states(tokens, targets, [*names, "depth"])),
+    ]
     rows = {(r["layer"], r["target"]): r for r in probe_rows(states, targets, mask, "pool", seed=0)}
     for name in names:
         majority = max(float((targets[name][1][mask] == c).double().mean()) for c in (0, 1))
@@ -104,20 +113,29 @@ def test_weakest_probe_is_the_target_the_claims_place_does_not_hold(run):
     tokens = probe_batch(run, "pool", 128).tokens
     mask, targets = probe_targets(run.family, tokens)
     held = [f"back_{j}" for j in range(1, MAX_BACK)]
-    states = [((0, "resid_post"), _planted_states(tokens, targets, [])),
-              ((1, "resid_post"), _planted_states(tokens, targets, [*held, "depth"])),
-              ((1, "resid_mid"), _planted_states(tokens, targets, [f"back_{MAX_BACK}"]))]  # another site: not read
+    states = [
+        ((0, "resid_post"), _planted_states(tokens, targets, [])),
+        ((1, "resid_post"), _planted_states(tokens, targets, [*held, "depth"])),
+        ((1, "resid_mid"), _planted_states(tokens, targets, [f"back_{MAX_BACK}"])),
+    ]  # another site: not read
     rows = probe_rows(states, targets, mask, "pool", seed=0)
     weakest = weakest_probe(rows, 1)
     assert weakest["target"] == f"back_{MAX_BACK}" and weakest["layer"] == 1
     assert weakest["gain"] == pytest.approx(weakest["score"] - weakest["control"])
     assert weakest["gain"] < spec("e4", "prefix_probe").threshold + 0.05
-    held_gains = [r["score"] - r["control"] for r in rows if (r["layer"], r["site"]) == (1, "resid_post") and r["target"] in held]
+    held_gains = [
+        r["score"] - r["control"] for r in rows if (r["layer"], r["site"]) == (1, "resid_post") and r["target"] in held
+    ]
     assert len(held_gains) == len(held) and min(held_gains) > 0.3
     assert weakest_probe(rows, 1, "resid_mid")["target"] != f"back_{MAX_BACK}"
     first = next(r for r in rows if (r["layer"], r["site"], r["target"]) == (0, "resid_post", "back_1"))
-    assert weakest_probe([{**r, "score": math.nan} if r is first else r for r in rows], 1) == weakest  # another layer: not read
-    nan_there = [{**r, "score": math.nan} if (r["layer"], r["site"], r["target"]) == (1, "resid_post", "back_1") else r for r in rows]
+    assert (
+        weakest_probe([{**r, "score": math.nan} if r is first else r for r in rows], 1) == weakest
+    )  # another layer: not read
+    nan_there = [
+        {**r, "score": math.nan} if (r["layer"], r["site"], r["target"]) == (1, "resid_post", "back_1") else r
+        for r in rows
+    ]
     assert weakest_probe(nan_there, 1)["target"] == "back_1" and math.isnan(weakest_probe(nan_there, 1)["gain"])
     with pytest.raises(ValueError, match="no probe rows"):
         weakest_probe(rows, 1, "attn_out")

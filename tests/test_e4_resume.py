@@ -6,8 +6,8 @@ import json
 import shutil
 
 import pytest
-
 from conftest import TINY_REPRODUCTION, TINY_SEEDS
+
 from taskgeom.experiments import reproduce
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.request import Request, resolve
@@ -15,8 +15,16 @@ from taskgeom.experiments.request import Request, resolve
 
 def _e4(out):
     resolved = resolve(Request("quick", TINY_SEEDS, out, only=("e4",), settings=TINY_REPRODUCTION))
-    return reproduce(out, "quick", resolved.experiments, Executor("local", 1), device="cpu", overrides=TINY_REPRODUCTION, seeds=TINY_SEEDS,
-                     studies=resolved.studies)
+    return reproduce(
+        out,
+        "quick",
+        resolved.experiments,
+        Executor("local", 1),
+        device="cpu",
+        overrides=TINY_REPRODUCTION,
+        seeds=TINY_SEEDS,
+        studies=resolved.studies,
+    )
 
 
 def _claims(out):
@@ -27,7 +35,9 @@ def test_a_second_reproduction_reads_each_seed_back_and_gives_the_same_claims(ti
     copy = tmp_path / "copy"
     shutil.copytree(tiny_reproduction, copy)
     assert sorted(p.name for p in (copy / "analysis" / "e4").iterdir()) == [f"seed-{s}.json" for s in TINY_SEEDS]
-    monkeypatch.setattr("taskgeom.extras.dyck.measure_rows", lambda *a: pytest.fail("measured a seed whose rows are stored"))
+    monkeypatch.setattr(
+        "taskgeom.extras.dyck.measure_rows", lambda *a: pytest.fail("measured a seed whose rows are stored")
+    )
     _e4(copy)
     assert _claims(copy) == _claims(tiny_reproduction)
     assert (copy / "analysis" / "e4.json").read_bytes() == (tiny_reproduction / "analysis" / "e4.json").read_bytes()
@@ -43,7 +53,13 @@ def test_rows_stored_under_another_key_are_measured_again(tiny_reproduction, tmp
     from taskgeom.extras import dyck
 
     real = dyck.measure_rows
-    monkeypatch.setattr(dyck, "measure_rows", lambda ctx, name, majors, diverse, refs, seed: measured.append(seed) or real(ctx, name, majors, diverse, refs, seed))
+    monkeypatch.setattr(
+        dyck,
+        "measure_rows",
+        lambda ctx, name, majors, diverse, refs, seed: (
+            measured.append(seed) or real(ctx, name, majors, diverse, refs, seed)
+        ),
+    )
     _e4(copy)
     assert measured == [TINY_SEEDS[0]]
     assert json.loads(stale.read_text())["version"] == stored["version"]  # written again under the current key

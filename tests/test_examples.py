@@ -18,8 +18,17 @@ from taskgeom.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 # A GPT-2 trained for a few steps at the quick profile's context length, for the Hugging Face block.
-TINY_GPT2 = ["model.arch=gpt2", "train.steps=20", "train.batch_size=8", "train.eval_every=10", "train.checkpoint_every=20",
-             "train.snapshots=0", "model.n_layers=1", "model.d_model=16", "model.d_mlp=32"]
+TINY_GPT2 = [
+    "model.arch=gpt2",
+    "train.steps=20",
+    "train.batch_size=8",
+    "train.eval_every=10",
+    "train.checkpoint_every=20",
+    "train.snapshots=0",
+    "model.n_layers=1",
+    "model.d_model=16",
+    "model.d_mlp=32",
+]
 
 
 PAGES = ("README.md", "docs/getting-started.md", "docs/scaling-out.md")
@@ -27,8 +36,11 @@ PAGES = ("README.md", "docs/getting-started.md", "docs/scaling-out.md")
 
 def python_blocks() -> list[tuple[str, str]]:
     """(page, code) of every Python block of PAGES, in order."""
-    return [(page, block) for page in PAGES
-            for block in re.findall(r"^```python\n(.*?)^```", (ROOT / page).read_text(encoding="utf-8"), flags=re.S | re.M)]
+    return [
+        (page, block)
+        for page in PAGES
+        for block in re.findall(r"^```python\n(.*?)^```", (ROOT / page).read_text(encoding="utf-8"), flags=re.S | re.M)
+    ]
 
 
 def test_every_python_block_of_the_readme_and_the_site_runs_as_written(tiny_reproduction, tmp_path, monkeypatch):
@@ -41,7 +53,12 @@ def test_every_python_block_of_the_readme_and_the_site_runs_as_written(tiny_repr
     assert exported.exit_code == 0, exported.output
 
     blocks = python_blocks()
-    assert [page for page, _ in blocks] == ["README.md", "docs/getting-started.md", "docs/getting-started.md", "docs/scaling-out.md"]
+    assert [page for page, _ in blocks] == [
+        "README.md",
+        "docs/getting-started.md",
+        "docs/getting-started.md",
+        "docs/scaling-out.md",
+    ]
     namespace: dict = {}
     for number, (page, block) in enumerate(blocks, 1):
         exec(compile(block, f"{page} python block {number}", "exec"), namespace)
@@ -51,10 +68,17 @@ def test_every_python_block_of_the_readme_and_the_site_runs_as_written(tiny_repr
     assert namespace["ablated"] != namespace["loss"]
     assert torch.equal(namespace["steered"].a[0], torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64))
     assert not torch.equal(namespace["steered"].steered, namespace["steered"].unsteered)  # the edit moved the model
-    assert len(namespace["claims"]) == 46 and set(namespace["p0"]["recipe"]) == {"e1", "e3"}  # forced cells: E2 has no token to force
+    assert len(namespace["claims"]) == 46 and set(namespace["p0"]["recipe"]) == {
+        "e1",
+        "e3",
+    }  # forced cells: E2 has no token to force
     place, p0 = namespace["place"], namespace["p0"]
-    stored = p0[(p0["run"] == namespace["run"].path.name) & (p0["layer"] == place.layer) & (p0["site"] == place.site)]["value"]
-    assert namespace["cells"].cell_r2 == pytest.approx(float(stored.iloc[0]), rel=1e-9)  # the block's P0 is the stored claim's
+    stored = p0[(p0["run"] == namespace["run"].path.name) & (p0["layer"] == place.layer) & (p0["site"] == place.site)][
+        "value"
+    ]
+    assert namespace["cells"].cell_r2 == pytest.approx(
+        float(stored.iloc[0]), rel=1e-9
+    )  # the block's P0 is the stored claim's
     assert any(row["metric"] == "p0.cell_r2" for row in namespace["result"].rows)
 
 
@@ -64,17 +88,32 @@ def test_the_quickstart_notebook_runs_top_to_bottom(tmp_path):
 
     notebook = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
     start = time.perf_counter()
-    nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nbclient.NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     seconds = time.perf_counter() - start
-    text = "".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs)
+    text = "".join(
+        output.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
+    )
     assert "P0 cell-means R^2" in text and "mean KL(model || q_a)" in text
-    compared = re.findall(r"^(\S[^\n]*?)\s+API (\S+)  stored (\S+)$", text, flags=re.M)  # the study's numbers beside the stored ones
+    compared = re.findall(
+        r"^(\S[^\n]*?)\s+API (\S+)  stored (\S+)$", text, flags=re.M
+    )  # the study's numbers beside the stored ones
     assert [name for name, _, _ in compared] == ["P0", "P1", "P2", "P3", "share major", "share ood", "projection R^2"]
     # the stored analyses ran on the sweep's one thread (dual) or the reproduction's threads (m1); on a CPU whose
     # kernels reduce in another order per thread count the floats differ in the last bits (an Intel Xeon: 1e-8
     # relative at most), never more
     for name, api, stored in compared:
-        assert api == stored if "None" in (api, stored) else float(api) == pytest.approx(float(stored), rel=1e-7), (name, api, stored)
-    assert any("image/png" in output.get("data", {}) for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs)
+        assert api == stored if "None" in (api, stored) else float(api) == pytest.approx(float(stored), rel=1e-7), (
+            name,
+            api,
+            stored,
+        )
+    assert any(
+        "image/png" in output.get("data", {})
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.outputs
+    )
     assert (tmp_path / "notebook-results" / "claims.json").is_file()
     print(f"quickstart.ipynb ran in {seconds:.1f} s")

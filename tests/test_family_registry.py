@@ -18,7 +18,7 @@ from taskgeom.settings.fields import TaskSettings
 from taskgeom.settings.recipes import build_config
 
 # A family of its own: E3's chains under another name, with one setting of its own.
-PLUGIN = '''
+PLUGIN = """
 from pydantic import Field
 from taskgeom.settings.fields import Int, TokenTaskSettings
 from taskgeom.tasks.markov import Markov
@@ -32,7 +32,7 @@ class Chain(Markov):
 
     def __init__(self, vocab_size):
         super().__init__(vocab_size, alpha=1.0)
-'''
+"""
 
 
 def plugin(root: Path, package: str, entry: str, source: str) -> dict:
@@ -51,7 +51,14 @@ def run(env: dict, code: str) -> subprocess.CompletedProcess:
 
 
 def taskgeom(env: dict, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).parent / "taskgeom"), *args], env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "taskgeom"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
 
 
 def test_shipped_families_are_registered_with_their_settings_models():
@@ -76,32 +83,49 @@ def test_registering_a_name_twice_is_refused():
 
 def test_a_plugin_family_validates_builds_and_trains(tmp_path):
     env = plugin(tmp_path, "chainfam", "chain = chainfam:Chain", PLUGIN.format(name="chain"))
-    done = run(env, "from taskgeom.settings.config import ConfigError\nfrom taskgeom.settings.recipes import build_config\n"
-                    "c = build_config({'name': 'x', 'task': {'family': 'chain', 'seq_len': 8}})\n"
-                    "print(type(c.family).__name__, c.family.vocab_size, c.task.vocab_size, c.digest())\n"
-                    "try:\n    build_config({'name': 'x', 'task': {'family': 'chain', 'alpha': 2.0}})\n"
-                    "except ConfigError as err:\n    print(err)\n")
+    done = run(
+        env,
+        "from taskgeom.settings.config import ConfigError\nfrom taskgeom.settings.recipes import build_config\n"
+        "c = build_config({'name': 'x', 'task': {'family': 'chain', 'seq_len': 8}})\n"
+        "print(type(c.family).__name__, c.family.vocab_size, c.task.vocab_size, c.digest())\n"
+        "try:\n    build_config({'name': 'x', 'task': {'family': 'chain', 'alpha': 2.0}})\n"
+        "except ConfigError as err:\n    print(err)\n",
+    )
     assert done.returncode == 0, done.stderr
     first, second = done.stdout.splitlines()
     assert first.split()[:3] == ["Chain", "5", "5"]
     assert second == "unknown config field 'task.alpha'"
     recipe = tmp_path / "chain.yaml"
-    recipe.write_text("base: {name: chain, task: {family: chain, seq_len: 8}, model: {n_layers: 1, d_model: 16, n_heads: 2, d_mlp: 32, "
-                      "max_len: 8}, train: {steps: 4, batch_size: 4, eval_every: 4, checkpoint_every: 4, eval_batch: 8}}\nprofiles: {quick: {}}\n")
+    recipe.write_text(
+        "base: {name: chain, task: {family: chain, seq_len: 8}, model: {n_layers: 1, d_model: 16, n_heads: 2, d_mlp: 32, "
+        "max_len: 8}, train: {steps: 4, batch_size: 4, eval_every: 4, checkpoint_every: 4, eval_batch: 8}}\nprofiles: {quick: {}}\n"
+    )
     trained = taskgeom(env, "train", str(recipe), "--out", str(tmp_path / "runs"), cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr
     (run_dir,) = [path for path in (tmp_path / "runs").iterdir() if path.is_dir()]
     assert (run_dir / "model.safetensors").is_file() and "family: chain" in (run_dir / "config.yaml").read_text()
 
 
-@pytest.mark.parametrize("entry,source,message", [
-    ("dice = dupfam:Chain", PLUGIN.format(name="dice"),
-     "error: family 'dice' is registered twice: by taskgeom and by package dupfam (entry point dice = dupfam:Chain); uninstall one of them"),
-    ("broken = dupfam:Chain", "raise ImportError('no module named hmmlearn')\n",
-     "error: package dupfam (entry point broken = dupfam:Chain) failed to import: ImportError: no module named hmmlearn"),
-    ("other = dupfam:Chain", PLUGIN.format(name="chain"),
-     "error: package dupfam (entry point other = dupfam:Chain): the entry point's name must be the family's name ('chain')"),
-])
+@pytest.mark.parametrize(
+    "entry,source,message",
+    [
+        (
+            "dice = dupfam:Chain",
+            PLUGIN.format(name="dice"),
+            "error: family 'dice' is registered twice: by taskgeom and by package dupfam (entry point dice = dupfam:Chain); uninstall one of them",
+        ),
+        (
+            "broken = dupfam:Chain",
+            "raise ImportError('no module named hmmlearn')\n",
+            "error: package dupfam (entry point broken = dupfam:Chain) failed to import: ImportError: no module named hmmlearn",
+        ),
+        (
+            "other = dupfam:Chain",
+            PLUGIN.format(name="chain"),
+            "error: package dupfam (entry point other = dupfam:Chain): the entry point's name must be the family's name ('chain')",
+        ),
+    ],
+)
 def test_a_bad_plugin_ends_every_command_with_one_line_naming_its_package(tmp_path, entry, source, message):
     env = plugin(tmp_path, "dupfam", entry, source)
     done = taskgeom(env, "train", "e1", "--out", str(tmp_path / "runs"), cwd=tmp_path)

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import tiny_config
 
 DIVERSITIES = "-1,0,1"
@@ -32,25 +31,49 @@ TIMEOUT_S = 120
 def _sweep(recipe: Path, out: Path, log: Path) -> subprocess.Popen:
     """``taskgeom sweep`` in its own process group (so that SIGKILL reaches all of it), one run
     at a time in that process, one thread per run."""
-    command = [sys.executable, "-m", "taskgeom", "sweep", str(recipe), "--diversity", DIVERSITIES, "--seeds", "0", "--out", str(out),
-               "--workers", "1", "--cpus-per-run", "1", "--device", "cpu"]
+    command = [
+        sys.executable,
+        "-m",
+        "taskgeom",
+        "sweep",
+        str(recipe),
+        "--diversity",
+        DIVERSITIES,
+        "--seeds",
+        "0",
+        "--out",
+        str(out),
+        "--workers",
+        "1",
+        "--cpus-per-run",
+        "1",
+        "--device",
+        "cpu",
+    ]
     with open(log, "w") as stream:
-        return subprocess.Popen(command, cwd=out.parent, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            command, cwd=out.parent, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def _state(out: Path) -> dict[str, set[str]]:
     """Run directories by stage: ``training`` (a checkpoint, no final model), ``analysed``."""
     runs = list(out.glob("tiny-dice-*"))
     return {
-        "training": {r.name for r in runs if (r / "checkpoint.safetensors").exists() and not (r / "model.safetensors").exists()},
+        "training": {
+            r.name for r in runs if (r / "checkpoint.safetensors").exists() and not (r / "model.safetensors").exists()
+        },
         "analysed": {r.name for r in runs if (r / "analysis" / "dual.json").exists()},
     }
 
 
 def _files(out: Path) -> set[str]:
     """Every file a run or the sweep wrote, but the index and temp files (never trusted, never read)."""
-    return {str(p.relative_to(out)) for p in out.rglob("*")
-            if p.is_file() and p.name != "index.sqlite" and "tmp" not in p.name and p.name != ".lock"}
+    return {
+        str(p.relative_to(out))
+        for p in out.rglob("*")
+        if p.is_file() and p.name != "index.sqlite" and "tmp" not in p.name and p.name != ".lock"
+    }
 
 
 def _safetensors(path: Path) -> tuple[dict, bytes]:
@@ -78,8 +101,10 @@ def test_a_sweep_killed_mid_way_and_restarted_ends_as_one_never_interrupted(tmp_
                 os.killpg(victim.pid, signal.SIGKILL)
                 break
             if victim.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the sweep was never caught half way (exit {victim.returncode}, last state {state}): "
-                            f"{(tmp_path / 'victim.log').read_text()[-2000:]}")
+                pytest.fail(
+                    f"the sweep was never caught half way (exit {victim.returncode}, last state {state}): "
+                    f"{(tmp_path / 'victim.log').read_text()[-2000:]}"
+                )
             time.sleep(POLL_S)
         assert victim.wait(timeout=30) == -signal.SIGKILL
     finally:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import two_block_run
+from test_p2_additive import project_to_simplex, sum_to_one_fit
 
 from taskgeom.analysis.study import StudyRun
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place, capture
 from taskgeom.rng import generator
-from conftest import two_block_run
-from test_p2_additive import project_to_simplex, sum_to_one_fit
 
 PER_CELL = 24
 
@@ -29,7 +29,9 @@ def values_by_hand(run: StudyRun, position: int, stream: str = "m1-cells") -> li
     """Steps 1-2: the token values seen at ``position`` over PER_CELL natural sequences of every task."""
     family, majors, K = run.family, run.pool.subset("major"), run.pool.n_major
     task = torch.arange(K).repeat_interleave(PER_CELL)
-    natural = family.make_batch(majors.params[task], task, position + 1, generator(run.seed, position, f"{stream}/tokens")).tokens
+    natural = family.make_batch(
+        majors.params[task], task, position + 1, generator(run.seed, position, f"{stream}/tokens")
+    ).tokens
     return sorted(set(natural[:, position].tolist()))
 
 
@@ -40,7 +42,9 @@ def cells_by_hand(run: StudyRun, place: Place, position: int, values: list[int],
     task = torch.arange(K).repeat_interleave(PER_CELL)
     cells = {}
     for a in values:
-        batch = family.make_batch(majors.params[task], task, position + 1, generator(run.seed, position, f"{stream}/token-{a}")).tokens
+        batch = family.make_batch(
+            majors.params[task], task, position + 1, generator(run.seed, position, f"{stream}/token-{a}")
+        ).tokens
         for k in range(K):
             tokens = batch[task == k].clone()
             tokens[:, position] = a
@@ -59,9 +63,13 @@ def shares_by_hand(run: StudyRun, place: Place, position: int) -> tuple[float, f
     total = ((states - grand) ** 2).sum()
     means = {cell: h.mean(0) for cell, h in cells.items()}
     within = sum(((h - means[cell]) ** 2).sum() for cell, h in cells.items())
-    task_mean = {k: np.mean([means[(k, a)] for a in values], 0) for k in range(K)}  # balanced cells: the additive fit in closed form
+    task_mean = {
+        k: np.mean([means[(k, a)] for a in values], 0) for k in range(K)
+    }  # balanced cells: the additive fit in closed form
     token_mean = {a: np.mean([means[(k, a)] for k in range(K)], 0) for a in values}
-    interaction = sum(PER_CELL * ((means[(k, a)] - task_mean[k] - token_mean[a] + grand) ** 2).sum() for (k, a) in cells)
+    interaction = sum(
+        PER_CELL * ((means[(k, a)] - task_mean[k] - token_mean[a] + grand) ** 2).sum() for (k, a) in cells
+    )
     return 1 - within / total, 1 - interaction / (total - within), len(values)
 
 
@@ -85,7 +93,10 @@ def p2_by_hand(run: StudyRun, place: Place, estimation: range, window: range, no
     theta; the mean over the window."""
     values = sorted(set().union(*(values_by_hand(run, p, "m1-cells-p2") for p in [*estimation, *window])))
     K = run.pool.n_major
-    cells = {p: {cell: norm(h) for cell, h in cells_by_hand(run, place, p, values, "m1-cells-p2").items()} for p in {*estimation, *window}}
+    cells = {
+        p: {cell: norm(h) for cell, h in cells_by_hand(run, place, p, values, "m1-cells-p2").items()}
+        for p in {*estimation, *window}
+    }
     pooled = {}
     for p in estimation:
         means = {cell: h.mean(0) for cell, h in cells[p].items()}
@@ -113,7 +124,9 @@ def test_p2_is_the_study_s_averaging_r2_on_its_cells_by_hand(markov):
     from taskgeom.analysis.measures.task_vectors import fraction_window
 
     T, family = markov.config.task.seq_len, markov.family
-    estimation, window = (range(w.start, w.stop) for w in (fraction_window(T, family.vector_window), fraction_window(T, family.p2_window)))
+    estimation, window = (
+        range(w.start, w.stop) for w in (fraction_window(T, family.vector_window), fraction_window(T, family.p2_window))
+    )
     places = [Place(0, "resid_post"), Place(1, "resid_post")]
     measured = markov.cell_p2(places, per_cell=PER_CELL, n_random=0)
     norm = markov.model.blocks[1].ln_attn  # E3's P2 reads block 0's output after the next block's LayerNorm
@@ -124,7 +137,9 @@ def test_p2_is_the_study_s_averaging_r2_on_its_cells_by_hand(markov):
 
     assert measured[places[0]].post_layernorm and not measured[places[1]].post_layernorm
     for place, normalise in zip(places, (after_norm, lambda h: h)):
-        assert measured[place].value == pytest.approx(p2_by_hand(markov, place, estimation, window, normalise), rel=1e-6)
+        assert measured[place].value == pytest.approx(
+            p2_by_hand(markov, place, estimation, window, normalise), rel=1e-6
+        )
 
 
 def test_forcing_the_token_moves_the_states(markov):
@@ -134,7 +149,9 @@ def test_forcing_the_token_moves_the_states(markov):
     a = int(cells.tokens[0])
     family, majors, K = markov.family, markov.pool.subset("major"), markov.pool.n_major
     task = torch.arange(K).repeat_interleave(PER_CELL)
-    tokens = family.make_batch(majors.params[task], task, position + 1, generator(markov.seed, position, f"m1-cells/token-{a}")).tokens
+    tokens = family.make_batch(
+        majors.params[task], task, position + 1, generator(markov.seed, position, f"m1-cells/token-{a}")
+    ).tokens
     with torch.no_grad(), capture(markov.model, [place]) as store:
         markov.model(tokens)
         natural = store[tuple(place)][:, position].reshape(K, PER_CELL, -1)
@@ -153,11 +170,42 @@ def test_the_claims_read_the_forced_cells_and_the_variant_the_natural_ones(marko
     major = markov.heldout("major", 64, split="measure")
     geometry = markov.geometry(major, place)
     cells = markov.forced_cells([place], per_cell=PER_CELL)
-    marks = [{"metric": label, "value": 1.0, "layer": 1, "site": "resid_post", "batch": "measure", "position": None, "task": None}
-             for label in ("place.m1", "place.p3")]
-    p3 = [{"metric": m, "value": 0.5, "layer": 1, "site": "resid_post", "batch": "measure", "position": None, "task": None}
-          for m in ("p3.uncertain_positions", "p3.tv_first_uncertain", "p3.tv_last_uncertain", "p3.tv_mean_beta", "p3.tv_last_quarter")]
-    natural_rows = place_rows(geometry, per_position=False) + marks + p3 + trajectory_rows(markov.trajectories([place], per_task=8), place)
+    marks = [
+        {
+            "metric": label,
+            "value": 1.0,
+            "layer": 1,
+            "site": "resid_post",
+            "batch": "measure",
+            "position": None,
+            "task": None,
+        }
+        for label in ("place.m1", "place.p3")
+    ]
+    p3 = [
+        {
+            "metric": m,
+            "value": 0.5,
+            "layer": 1,
+            "site": "resid_post",
+            "batch": "measure",
+            "position": None,
+            "task": None,
+        }
+        for m in (
+            "p3.uncertain_positions",
+            "p3.tv_first_uncertain",
+            "p3.tv_last_uncertain",
+            "p3.tv_mean_beta",
+            "p3.tv_last_quarter",
+        )
+    ]
+    natural_rows = (
+        place_rows(geometry, per_position=False)
+        + marks
+        + p3
+        + trajectory_rows(markov.trajectories([place], per_task=8), place)
+    )
     p2 = markov.cell_p2([place], per_cell=PER_CELL)
     rows = natural_rows + cell_rows(cells, p2)
     layout = cells.layout(place)
@@ -178,4 +226,5 @@ def test_bad_cells_are_refused(markov):
         markov.forced_cells(markov.places(), position=16)
     with pytest.raises(AnalysisError, match="per_cell"):
         from taskgeom.analysis.stored.m1 import check_request
+
         check_request(markov, per_cell=1)

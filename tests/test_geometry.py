@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import planted_paths
+
 from taskgeom.analysis.measures.properties import KL_FLOOR, alignment, interpolation, shrinkage, stability
 from taskgeom.analysis.reading.states import collect, stream_layers
 from taskgeom.hooks import capture
@@ -111,7 +111,9 @@ def test_streamed_states_equal_one_full_forward():
     streamed = collect(model, tokens, sites, batch_size=3)
     for site in sites:
         assert torch.equal(streamed[site], full[site]), site
-    layers = [layer for layer, _ in stream_layers(model, tokens, [(2, "resid_pre"), (0, "mlp_out")], positions=slice(4, 9))]
+    layers = [
+        layer for layer, _ in stream_layers(model, tokens, [(2, "resid_pre"), (0, "mlp_out")], positions=slice(4, 9))
+    ]
     assert layers == [0, 2]
     part = collect(model, tokens, [(2, "resid_pre")], batch_size=4, positions=slice(4, 9))[(2, "resid_pre")]
     assert torch.equal(part, full[(2, "resid_pre")][:, 4:9])
@@ -130,7 +132,9 @@ def test_selection_and_measurement_sequences_are_held_out_and_independent(tmp_pa
         assert batch.task.lt(run.pool.n_major).all() and batch.tokens.shape == (16, run.config.task.seq_len)
         assert not torch.equal(batch.tokens, eval_sets(run)[0].batch.tokens)
     assert not torch.equal(select.tokens, measure.tokens)
-    assert torch.equal(select.tokens, StudyRun(run).heldout("major", 16, split="select").batch.tokens)  # a pure function of the seed
+    assert torch.equal(
+        select.tokens, StudyRun(run).heldout("major", 16, split="select").batch.tokens
+    )  # a pure function of the seed
 
 
 def test_shrinkage_compares_quarters_of_the_uncertain_positions_or_is_not_applicable():
@@ -169,11 +173,19 @@ def test_p0_p1_per_position_equal_a_plain_loop_over_positions():
     N, T_ = 60, 5
     task = torch.arange(N) % K
     tokens = torch.randint(0, V, (N, T_), generator=gen)
-    theta, nu = torch.randn(K, D, generator=gen, dtype=torch.float64), torch.randn(V, D, generator=gen, dtype=torch.float64)
+    theta, nu = (
+        torch.randn(K, D, generator=gen, dtype=torch.float64),
+        torch.randn(V, D, generator=gen, dtype=torch.float64),
+    )
     interaction = torch.randn(K, V, D, generator=gen, dtype=torch.float64)
     drift = 3 * torch.randn(T_, D, generator=gen, dtype=torch.float64)
-    h = (drift + theta[task][:, None] + nu[tokens] + 0.5 * interaction[task[:, None], tokens]
-         + 0.3 * torch.randn(N, T_, D, generator=gen, dtype=torch.float64))
+    h = (
+        drift
+        + theta[task][:, None]
+        + nu[tokens]
+        + 0.5 * interaction[task[:, None], tokens]
+        + 0.3 * torch.randn(N, T_, D, generator=gen, dtype=torch.float64)
+    )
     shares = two_way_by_position(h, task, tokens, K, V)
     k = task.numpy()
     for t in range(T_):
@@ -200,8 +212,12 @@ def test_planted_geometry_holds_at_every_position_though_mu_drifts():
     h, tokens, task, _, _, window = planted()
     shares = two_way_by_position(h, task, tokens, K, V)
     late = slice(window.start, None)
-    torch.testing.assert_close(shares.within_share[late], torch.zeros(T - window.start, dtype=torch.float64), atol=1e-12, rtol=0)
-    torch.testing.assert_close(shares.additive_share[late], torch.ones(T - window.start, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        shares.within_share[late], torch.zeros(T - window.start, dtype=torch.float64), atol=1e-12, rtol=0
+    )
+    torch.testing.assert_close(
+        shares.additive_share[late], torch.ones(T - window.start, dtype=torch.float64), atol=1e-12, rtol=0
+    )
 
 
 def _project_by_bisection(v):
@@ -246,18 +262,33 @@ def test_p3_reads_the_mean_beta_of_each_task_against_its_mean_posterior():
     assert p3.tv_mean_beta == pytest.approx(tv[:, window].mean(), abs=1e-9)
     assert p3.tv_mean_beta < float(p3.tv[:, window].mean())  # averaging first removes the per-state noise
     expected = shrinkage(torch.tensor(tv), p3.mean.alpha)  # P3.shrinks on the mean curves
-    assert (p3.shrinkage.positions, p3.shrinkage.tv_first, p3.shrinkage.tv_last) == (expected.positions, pytest.approx(expected.tv_first),
-                                                                                     pytest.approx(expected.tv_last))
+    assert (p3.shrinkage.positions, p3.shrinkage.tv_first, p3.shrinkage.tv_last) == (
+        expected.positions,
+        pytest.approx(expected.tv_first),
+        pytest.approx(expected.tv_last),
+    )
 
 
-@pytest.mark.parametrize("fractions, length, expected", [
-    ((100 / 128, 120 / 128), 128, (100, 120)), ((54 / 64, 1.0), 64, (54, 64)), ((170 / 192, 190 / 192), 192, (170, 190)),
-    ((100 / 128, 120 / 128), 64, (50, 60)), ((0.75, 1.0), 16, (12, 16)), ((0.99, 1.0), 8, (7, 8))])
+@pytest.mark.parametrize(
+    "fractions, length, expected",
+    [
+        ((100 / 128, 120 / 128), 128, (100, 120)),
+        ((54 / 64, 1.0), 64, (54, 64)),
+        ((170 / 192, 190 / 192), 192, (170, 190)),
+        ((100 / 128, 120 / 128), 64, (50, 60)),
+        ((0.75, 1.0), 16, (12, 16)),
+        ((0.99, 1.0), 8, (7, 8)),
+    ],
+)
 def test_task_vector_windows_are_the_studys_fractions_of_the_context(fractions, length, expected):
     from taskgeom.analysis.measures.task_vectors import fraction_window
     from taskgeom.tasks import Dice, Markov, Regression
 
-    assert (Dice.vector_window, Regression.vector_window, Markov.vector_window) == ((100 / 128, 120 / 128), (54 / 64, 1.0), (170 / 192, 190 / 192))
+    assert (Dice.vector_window, Regression.vector_window, Markov.vector_window) == (
+        (100 / 128, 120 / 128),
+        (54 / 64, 1.0),
+        (170 / 192, 190 / 192),
+    )
     window = fraction_window(length, fractions)
     assert (window.start, window.stop) == expected
     with pytest.raises(ValueError, match="fractions"):

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import planted_paths
 
 from taskgeom.analysis.measures.properties import alignment, interpolation, stability_linear
-from conftest import planted_paths
 from taskgeom.analysis.measures.task_vectors import late_window
 from taskgeom.tasks import Regression
 
@@ -53,8 +53,13 @@ def test_planted_task_by_x_interaction_lowers_p1_and_noise_raises_the_within_sha
     assert 0.0 < layout.additive_share < 0.99
     noisy = late_h + 0.5 * torch.randn(late_h.shape, generator=gen, dtype=torch.float64)
     flat = noisy.reshape(-1, D)
-    design = torch.cat([torch.nn.functional.one_hot(task[:, None].expand(-1, late_h.shape[1]).reshape(-1), K).double()[:, :, None]
-                        * torch.cat([torch.ones(len(flat), 1, dtype=torch.float64), late_x.reshape(-1, DX)], 1)[:, None]], 0)
+    design = torch.cat(
+        [
+            torch.nn.functional.one_hot(task[:, None].expand(-1, late_h.shape[1]).reshape(-1), K).double()[:, :, None]
+            * torch.cat([torch.ones(len(flat), 1, dtype=torch.float64), late_x.reshape(-1, DX)], 1)[:, None]
+        ],
+        0,
+    )
     design = design.reshape(len(flat), -1)
     resid = flat - design @ torch.linalg.lstsq(design, flat).solution
     expected = float((resid**2).sum() / ((flat - flat.mean(0)) ** 2).sum())
@@ -126,19 +131,27 @@ def test_ancova_per_position_equals_numpy_least_squares_at_each_position():
     x = torch.randn(N, T_, DX, generator=gen, dtype=torch.float64)
     slopes = torch.randn(K, DX, D, generator=gen, dtype=torch.float64)
     drift = 3 * torch.randn(T_, D, generator=gen, dtype=torch.float64)
-    h = drift + torch.einsum("ntd,nde->nte", x, slopes[task]) + 0.5 * torch.randn(N, T_, D, generator=gen, dtype=torch.float64)
+    h = (
+        drift
+        + torch.einsum("ntd,nde->nte", x, slopes[task])
+        + 0.5 * torch.randn(N, T_, D, generator=gen, dtype=torch.float64)
+    )
     shares = task_linear_by_position(h, task, x, K)
     onehot = np.eye(K)[task.numpy()]
     for t in range(T_):
         y, xt = h[:, t].numpy(), x[:, t].numpy()
         full = np.concatenate([onehot[:, [m]] * np.concatenate([np.ones((N, 1)), xt], 1) for m in range(K)], 1)
         additive = np.concatenate([onehot, xt], 1)
-        res = {name: ((y - design @ np.linalg.lstsq(design, y, rcond=None)[0]) ** 2).sum()
-               for name, design in (("full", full), ("additive", additive))}
+        res = {
+            name: ((y - design @ np.linalg.lstsq(design, y, rcond=None)[0]) ** 2).sum()
+            for name, design in (("full", full), ("additive", additive))
+        }
         total = ((y - y.mean(0)) ** 2).sum()
         assert 0.01 < res["full"] / total < 0.99
         assert float(shares.within_share[t]) == pytest.approx(res["full"] / total, rel=1e-9), t
-        assert float(shares.additive_share[t]) == pytest.approx(1 - (res["additive"] - res["full"]) / (total - res["full"]), rel=1e-9), t
+        assert float(shares.additive_share[t]) == pytest.approx(
+            1 - (res["additive"] - res["full"]) / (total - res["full"]), rel=1e-9
+        ), t
 
 
 def test_r2_additive_equals_numpy_least_squares_and_is_one_on_planted_states():
@@ -153,7 +166,9 @@ def test_r2_additive_equals_numpy_least_squares_and_is_one_on_planted_states():
     maps = torch.randn(T, DX, D, generator=gen, dtype=torch.float64)  # a different map of x_t at each position
     y = beta @ theta + torch.einsum("ntd,tde->nte", x, maps)
     r2, by_position = additive_r2(y, beta @ theta, x, window)
-    assert r2 == pytest.approx(1.0, abs=1e-10) and torch.allclose(by_position, torch.ones(T, dtype=torch.float64), atol=1e-10)
+    assert r2 == pytest.approx(1.0, abs=1e-10) and torch.allclose(
+        by_position, torch.ones(T, dtype=torch.float64), atol=1e-10
+    )
 
     noisy = y + 0.7 * torch.randn(y.shape, generator=gen, dtype=torch.float64)
     task_part = (beta + 0.1 * torch.randn(beta.shape, generator=gen, dtype=torch.float64)) @ theta
@@ -163,7 +178,9 @@ def test_r2_additive_equals_numpy_least_squares_and_is_one_on_planted_states():
     for t in range(T):
         rest = Y[:, t] - P[:, t]
         residual[t] = ((rest - X[:, t] @ np.linalg.lstsq(X[:, t], rest, rcond=None)[0]) ** 2).sum()
-        assert float(by_position[t]) == pytest.approx(1 - residual[t] / ((Y[:, t] - Y[:, t].mean(0)) ** 2).sum(), rel=1e-9), t
+        assert float(by_position[t]) == pytest.approx(
+            1 - residual[t] / ((Y[:, t] - Y[:, t].mean(0)) ** 2).sum(), rel=1e-9
+        ), t
     late = Y[:, window].reshape(-1, D)
     expected = 1 - residual[window].sum() / ((late - late.mean(0)) ** 2).sum()
     assert 0.05 < expected < 0.99

@@ -17,21 +17,36 @@ from taskgeom.analysis.study import StudyRun, open_run  # noqa: E402
 from taskgeom.cli import app  # noqa: E402
 from taskgeom.errors import AnalysisError, TaskgeomError  # noqa: E402
 from taskgeom.hooks import capture, intervene  # noqa: E402
-from taskgeom.models import hf  # noqa: E402
-from taskgeom.models import pretrained  # noqa: E402
+from taskgeom.models import (
+    hf,  # noqa: E402
+    pretrained,  # noqa: E402
+)
 from taskgeom.runs.folders import Run  # noqa: E402
 from taskgeom.settings.config import ConfigError, ModelConfig  # noqa: E402
-from taskgeom.settings.recipes import build_config  # noqa: E402
-from taskgeom.settings.recipes import load_recipe  # noqa: E402
+from taskgeom.settings.recipes import (
+    build_config,  # noqa: E402
+    load_recipe,  # noqa: E402
+)
 from taskgeom.training.train import train  # noqa: E402
 
 SMALL = ModelConfig(n_layers=3, d_model=32, n_heads=2, d_mlp=64, max_len=16)
 # the task settings the round-trip model is trained on: E1's variant e1-v6 (V = 6, near-disjoint majors), whose geometry
 # 200 steps of a tiny GPT-2 reach (the recipe's V = 16 is the study's setting, docs/protocol.md#the-studys-settings-the-paper-profile)
 TASK = ["task.seq_len=24", "train.seed=0", "task.vocab_size=6", "task.majors=disjoint"]
-TRAIN = TASK + ["model.max_len=24", "model.d_model=32", "model.d_mlp=64", "model.arch=gpt2", "train.steps=200", "train.batch_size=32",
-                "train.lr=3e-3", "train.eval_every=200", "train.checkpoint_every=200", "train.eval_batch=64", "train.snapshots=2",
-                "train.threads=1"]
+TRAIN = TASK + [
+    "model.max_len=24",
+    "model.d_model=32",
+    "model.d_mlp=64",
+    "model.arch=gpt2",
+    "train.steps=200",
+    "train.batch_size=32",
+    "train.lr=3e-3",
+    "train.eval_every=200",
+    "train.checkpoint_every=200",
+    "train.eval_batch=64",
+    "train.snapshots=2",
+    "train.threads=1",
+]
 N_SEQUENCES = 96
 
 
@@ -105,7 +120,10 @@ def test_intervention_equals_rerunning_the_later_blocks_by_hand(pair):
     torch.testing.assert_close(adapter(tokens), clean)  # the hooks left with their blocks
 
     # attn_out is what the layer adds to the stream: the edited write is what resid_post receives
-    with capture(adapter, [(1, s) for s in hf.SITES]) as states, intervene(adapter, (1, "attn_out"), lambda h: h + shift, positions):
+    with (
+        capture(adapter, [(1, s) for s in hf.SITES]) as states,
+        intervene(adapter, (1, "attn_out"), lambda h: h + shift, positions),
+    ):
         adapter(tokens)
     with capture(adapter, [(1, "attn_out")]) as unedited:
         adapter(tokens)
@@ -117,14 +135,19 @@ def test_intervention_equals_rerunning_the_later_blocks_by_hand(pair):
 
 def test_sites_the_adapter_lacks_are_clear_errors(pair):
     _, adapter = pair
-    with pytest.raises(AnalysisError, match=r"no site 'mlp_in'; its sites are \['resid_pre', 'attn_out', 'resid_mid', 'mlp_out', 'resid_post'\]"):
+    with pytest.raises(
+        AnalysisError,
+        match=r"no site 'mlp_in'; its sites are \['resid_pre', 'attn_out', 'resid_mid', 'mlp_out', 'resid_post'\]",
+    ):
         adapter.site(0, "mlp_in")
     with pytest.raises(AnalysisError, match="layer 3 does not exist"):
         adapter.site(3, "resid_post")
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
-    config = transformers.BertConfig(vocab_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    config = transformers.BertConfig(
+        vocab_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
     model = transformers.BertForMaskedLM(config)
     with pytest.raises(TaskgeomError, match=r"model type 'bert' is not supported; .* \['gpt2', 'llama'\]"):
         hf.HFCausalLM(model)
@@ -142,7 +165,10 @@ def test_hf_arch_runs_build_seeded_models_and_need_token_families():
     assert run.sites == a.sites == hf.SITES
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     other = Run("unused", load_recipe("e1", "quick", TRAIN + ["train.seed=1"])).new_model()
-    assert not torch.equal(a.state_dict()["hf.transformer.h.0.attn.c_attn.weight"], other.state_dict()["hf.transformer.h.0.attn.c_attn.weight"])
+    assert not torch.equal(
+        a.state_dict()["hf.transformer.h.0.attn.c_attn.weight"],
+        other.state_dict()["hf.transformer.h.0.attn.c_attn.weight"],
+    )
     llama = Run("unused", load_recipe("e3", "quick", ["model.arch=llama", "model.d_model=32"])).new_model()
     assert llama.model_type == "llama" and llama.hf.config.hidden_size == 32 and llama.vocab_size == 8
     with pytest.raises(ConfigError, match="model.arch 'gpt2' reads tokens, but the regression family feeds vectors"):
@@ -158,8 +184,14 @@ def test_e3_p2_reads_the_states_after_the_next_layers_input_norm(tmp_path, arch,
     (the study's post_layernorm=True); on an HF model that norm is the next decoder layer's own."""
     from taskgeom.hooks import Place
 
-    created = Run.create(load_recipe("e3", "quick", [f"model.arch={arch}", "model.d_model=32", "model.d_mlp=64", "task.seq_len=24",
-                                                     "model.max_len=24"]), tmp_path)
+    created = Run.create(
+        load_recipe(
+            "e3",
+            "quick",
+            [f"model.arch={arch}", "model.d_model=32", "model.d_mlp=64", "task.seq_len=24", "model.max_len=24"],
+        ),
+        tmp_path,
+    )
     run = StudyRun(created, created.new_model().eval())  # an untrained model: the norm is what is checked
     major = run.heldout("major", 48, split="measure")
     place = Place(0, "resid_post")
@@ -241,12 +273,16 @@ def test_resid_mid_edit_changes_only_its_positions_and_later(pair):
     for layer in range(len(adapter.blocks)):
         with capture(adapter, [(layer, "resid_pre"), (layer, "resid_post")]) as clean:
             logits = adapter(tokens)
-        with intervene(adapter, (layer, "resid_mid"), lambda h: h + shift, [7, 11]), \
-                capture(adapter, [(layer, "resid_pre"), (layer, "resid_post")]) as edited:
+        with (
+            intervene(adapter, (layer, "resid_mid"), lambda h: h + shift, [7, 11]),
+            capture(adapter, [(layer, "resid_pre"), (layer, "resid_post")]) as edited,
+        ):
             changed = adapter(tokens)
         torch.testing.assert_close(edited[(layer, "resid_pre")], clean[(layer, "resid_pre")], atol=0, rtol=0)
         torch.testing.assert_close(changed[:, :7], logits[:, :7], atol=0, rtol=0)
-        torch.testing.assert_close(edited[(layer, "resid_post")][:, :7], clean[(layer, "resid_post")][:, :7], atol=0, rtol=0)
+        torch.testing.assert_close(
+            edited[(layer, "resid_post")][:, :7], clean[(layer, "resid_post")][:, :7], atol=0, rtol=0
+        )
         assert (changed[:, 7] - logits[:, 7]).abs().max() > 1e-3
         assert (edited[(layer, "resid_post")][:, 11] - clean[(layer, "resid_post")][:, 11]).abs().max() > 1e-2
 
@@ -284,8 +320,18 @@ def test_exported_model_loads_with_from_pretrained_and_keeps_the_weights(trained
 
 def test_m1_of_the_loaded_copy_equals_the_runs_own(trained, exported):
     own = analyze(StudyRun(trained), n_sequences=N_SEQUENCES)
-    result = CliRunner().invoke(app, ["analyze", str(exported), "--recipe", "e1", *sum((["--set", s] for s in TASK), []),
-                                      "--sequences", str(N_SEQUENCES)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "analyze",
+            str(exported),
+            "--recipe",
+            "e1",
+            *sum((["--set", s] for s in TASK), []),
+            "--sequences",
+            str(N_SEQUENCES),
+        ],
+    )
     assert result.exit_code == 0, result.output
     table = pd.read_json(exported / "taskgeom" / "analysis" / "m1.json")
     assert set(table["site"]) == {"resid_mid", "resid_post"}
@@ -296,8 +342,13 @@ def test_m1_of_the_loaded_copy_equals_the_runs_own(trained, exported):
     for rows in (table.to_dict("records"), api.rows):
         got = _table(rows)
         assert got.index.equals(expected.index)
-        torch.testing.assert_close(torch.tensor(got["value"].to_numpy()), torch.tensor(expected["value"].to_numpy()), atol=1e-5, rtol=1e-4,
-                                   equal_nan=True)  # n/a rows are NaN in both
+        torch.testing.assert_close(
+            torch.tensor(got["value"].to_numpy()),
+            torch.tensor(expected["value"].to_numpy()),
+            atol=1e-5,
+            rtol=1e-4,
+            equal_nan=True,
+        )  # n/a rows are NaN in both
     assert (api.place, api.p3_place, api.selected) == (own.place, own.p3_place, own.selected)
 
 
@@ -331,12 +382,18 @@ def test_larger_vocabulary_is_cut_to_the_tasks_tokens(tmp_path):
         torch.testing.assert_close(logits, adapter.eval()(tokens)[..., :16], atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("args, message", [
-    ((), "name the recipe of the task it was trained on with --recipe"),
-    (("--recipe", "e1"), "the task's sequences have 64 positions; the model at"),
-    (("--recipe", "e3", "--set", "task.seq_len=24"), "the task has 8 tokens; the model at"),
-    (("--recipe", "e2"), "a Hugging Face causal LM reads tokens, but the recipe's family 'regression' feeds vectors"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((), "name the recipe of the task it was trained on with --recipe"),
+        (("--recipe", "e1"), "the task's sequences have 64 positions; the model at"),
+        (("--recipe", "e3", "--set", "task.seq_len=24"), "the task has 8 tokens; the model at"),
+        (
+            ("--recipe", "e2"),
+            "a Hugging Face causal LM reads tokens, but the recipe's family 'regression' feeds vectors",
+        ),
+    ],
+)
 def test_pretrained_directory_that_does_not_fit_the_task_exits_2(exported, args, message):
     result = CliRunner().invoke(app, ["analyze", str(exported), *args, "--out", str(exported / "bad")])
     assert result.exit_code == 2
@@ -367,12 +424,16 @@ def test_export_never_overwrites_and_weightless_directories_are_named(trained, e
 
     weights = load_file(Run.open(trained.path).model_path)
     loaded = Run.open(trained.path).load_model().state_dict()
-    assert weights and all(torch.equal(loaded[name], tensor) for name, tensor in weights.items())  # the run still loads its own weights
+    assert weights and all(
+        torch.equal(loaded[name], tensor) for name, tensor in weights.items()
+    )  # the run still loads its own weights
 
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "config.json").write_text((exported / "config.json").read_text())
-    result = CliRunner().invoke(app, ["analyze", str(bare), "--recipe", "e1", *sum((["--set", s] for s in TASK), []), "--sequences", "48"])
+    result = CliRunner().invoke(
+        app, ["analyze", str(bare), "--recipe", "e1", *sum((["--set", s] for s in TASK), []), "--sequences", "48"]
+    )
     assert result.exit_code == 2 and "the Hugging Face model cannot be loaded" in result.output
 
 

@@ -45,7 +45,9 @@ def import_graph(root: Path) -> dict[str, dict[str, int]]:
                     source = ".".join(base + ([node.module] if node.module else []))
                 else:
                     source = node.module or ""
-                targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source for alias in node.names]
+                targets = [
+                    f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source for alias in node.names
+                ]
             else:
                 continue
             for target in targets:
@@ -99,7 +101,10 @@ def _shortest_cycle(graph: dict[str, dict[str, int]], start: str) -> list[str]:
 
 def describe(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
     """``a (line 3) -> b (line 40) -> a``: each module with the line of its import of the next."""
-    return " -> ".join(f"{module} (line {graph[module][following]})" for module, following in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+    return (
+        " -> ".join(f"{module} (line {graph[module][following]})" for module, following in zip(cycle, cycle[1:]))
+        + f" -> {cycle[-1]}"
+    )
 
 
 def test_taskgeom_has_no_import_cycles():
@@ -140,10 +145,28 @@ def test_a_planted_cycle_is_found(tmp_path):
 # (their rules and their catalog), then the report and the results facade, the experiments, the
 # recipes' own experiments (extras), and on top the command line and the package's facade. A module
 # imports only modules of its own layer or below.
-LAYERS = {"settings": 0.1, "tasks": 0.2, "settings.config": 0.3, "settings.recipes": 0.3, "models": 0.4, "runs": 0.5,
-          "models.pretrained": 0.6, "training": 0.6,
-          "analysis.measures": 1.0, "analysis.reading": 1.1, "analysis.geometry": 1.2, "analysis.study": 1.2, "analysis.stored": 1.3,
-          "claims": 2, "report": 3, "results": 3, "experiments": 4, "extras": 5, "cli": 6, "__main__": 6}
+LAYERS = {
+    "settings": 0.1,
+    "tasks": 0.2,
+    "settings.config": 0.3,
+    "settings.recipes": 0.3,
+    "models": 0.4,
+    "runs": 0.5,
+    "models.pretrained": 0.6,
+    "training": 0.6,
+    "analysis.measures": 1.0,
+    "analysis.reading": 1.1,
+    "analysis.geometry": 1.2,
+    "analysis.study": 1.2,
+    "analysis.stored": 1.3,
+    "claims": 2,
+    "report": 3,
+    "results": 3,
+    "experiments": 4,
+    "extras": 5,
+    "cli": 6,
+    "__main__": 6,
+}
 
 
 def layer(module: str) -> float:
@@ -159,17 +182,40 @@ def layer(module: str) -> float:
 
 def test_no_module_imports_one_above_it():
     graph = import_graph(PACKAGE)
-    upward = [f"{module} ({layer(module)}) -> {target} ({layer(target)}), line {line}"
-              for module, edges in graph.items() for target, line in edges.items() if layer(target) > layer(module)]
+    upward = [
+        f"{module} ({layer(module)}) -> {target} ({layer(target)}), line {line}"
+        for module, edges in graph.items()
+        for target, line in edges.items()
+        if layer(target) > layer(module)
+    ]
     assert upward == []
-    assert layer("taskgeom.errors") == layer("taskgeom.hooks") == 0 and layer("taskgeom.analysis.measures.shares") == 1.0
-    assert layer("taskgeom.settings.fields") < layer("taskgeom.tasks.registry") < layer("taskgeom.settings.config") < layer("taskgeom.models")
-    assert layer("taskgeom.models.hf") < layer("taskgeom.runs.folders") < layer("taskgeom.models.pretrained") == layer("taskgeom.training.train")
-    assert layer("taskgeom.claims.catalog") == 2 and layer("taskgeom.experiments.sensitivity") == 4 and layer("taskgeom") == 6
+    assert (
+        layer("taskgeom.errors") == layer("taskgeom.hooks") == 0 and layer("taskgeom.analysis.measures.shares") == 1.0
+    )
+    assert (
+        layer("taskgeom.settings.fields")
+        < layer("taskgeom.tasks.registry")
+        < layer("taskgeom.settings.config")
+        < layer("taskgeom.models")
+    )
+    assert (
+        layer("taskgeom.models.hf")
+        < layer("taskgeom.runs.folders")
+        < layer("taskgeom.models.pretrained")
+        == layer("taskgeom.training.train")
+    )
+    assert (
+        layer("taskgeom.claims.catalog") == 2
+        and layer("taskgeom.experiments.sensitivity") == 4
+        and layer("taskgeom") == 6
+    )
 
 
 def test_no_folder_holds_more_than_thirteen_modules():
     """A folder of the package holds about a dozen modules at most (docs/adding-a-family.md, "Where code goes: the layers")."""
-    crowded = {str(folder.relative_to(PACKAGE)): n for folder in [PACKAGE, *PACKAGE.rglob("*/")] if folder.name != "__pycache__"
-               and (n := len([p for p in folder.glob("*.py") if p.name != "__init__.py"])) > 13}
+    crowded = {
+        str(folder.relative_to(PACKAGE)): n
+        for folder in [PACKAGE, *PACKAGE.rglob("*/")]
+        if folder.name != "__pycache__" and (n := len([p for p in folder.glob("*.py") if p.name != "__init__.py"])) > 13
+    }
     assert crowded == {}

@@ -29,8 +29,17 @@ def test_a_rung_measures_only_its_recipes_over_its_grid(tmp_path):
     from taskgeom.experiments.executors import Executor
 
     out = tmp_path / "rung"
-    reproduce(out, "wide", None, Executor("local", 1), device="cpu", overrides=(*TINY_REPRODUCTION, "model.d_model=16"),
-              seeds=(0,), studies=tuple(s for s in shipped_studies() if s.name == "e1"), diversities=(-1, 2))
+    reproduce(
+        out,
+        "wide",
+        None,
+        Executor("local", 1),
+        device="cpu",
+        overrides=(*TINY_REPRODUCTION, "model.d_model=16"),
+        seeds=(0,),
+        studies=tuple(s for s in shipped_studies() if s.name == "e1"),
+        diversities=(-1, 2),
+    )
     ids = [c["id"] for c in _claims(out)]
     assert ids and all(i.startswith("e1.") for i in ids) and "e1.ablate_V_ood" in ids and "e1.bayes_optimal" in ids
     manifest = json.loads((out / "reproduction.json").read_text())
@@ -40,11 +49,14 @@ def test_a_rung_measures_only_its_recipes_over_its_grid(tmp_path):
     assert {r.split("-")[0] for r in manifest["runs"]} == {"e1"}
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--profile", "huge"], "unknown profile 'huge' for recipe e1"),
-    (["--recipes", "e9"], "--recipes: unknown recipes ['e9']"),
-    (["--recipes", "e1", "--grid", "1,1"], "--grid names 1 more than once"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--profile", "huge"], "unknown profile 'huge' for recipe e1"),
+        (["--recipes", "e9"], "--recipes: unknown recipes ['e9']"),
+        (["--recipes", "e1", "--grid", "1,1"], "--grid names 1 more than once"),
+    ],
+)
 def test_reproduce_refuses_a_rung_it_cannot_run_before_writing(tmp_path, args, message):
     out = tmp_path / "never"
     result = CliRunner().invoke(app, ["reproduce", "--out", str(out), *args])
@@ -65,7 +77,12 @@ def test_the_ladder_table_is_each_rung_s_per_seed_values(tiny_reproduction, tmp_
     for row in moved["seeds"]:
         row["value"] += 1.0
     values = [r["value"] for r in moved["seeds"]]
-    moved |= {"median": float(np.median(values)), "min": min(values), "max": max(values), "value": float(np.median(values))}
+    moved |= {
+        "median": float(np.median(values)),
+        "min": min(values),
+        "max": max(values),
+        "value": float(np.median(values)),
+    }
     (high / "claims.json").write_text(json.dumps(claims))
     out = tmp_path / "ladder"
     result = CliRunner().invoke(app, ["ladder", f"small={low}", f"big={high}", "--out", str(out)])
@@ -76,13 +93,18 @@ def test_the_ladder_table_is_each_rung_s_per_seed_values(tiny_reproduction, tmp_
         for claim in _claims(rung):
             measured = [r["value"] for r in claim["seeds"] if r["status"] != "n/a"]
             cell = rows[claim["id"]][column]
-            assert cell.startswith("n/a") if claim["status"] == "n/a" else cell.startswith(_stats(measured)), (claim["id"], cell)
+            assert cell.startswith("n/a") if claim["status"] == "n/a" else cell.startswith(_stats(measured)), (
+                claim["id"],
+                cell,
+            )
     long = pd.read_csv(out / "ladder.csv")
     assert len(long) == 2 * sum(len(c["seeds"]) for c in _claims(low)) and set(long["rung"]) == {"small", "big"}
     recipes = {c["id"].split(".")[0] for c in _claims(low) if c["status"] != "n/a"}
     assert all((out / f"ladder_{recipe}.png").stat().st_size > 0 for recipe in recipes)
     verdicts = pd.read_csv(out / "verdicts.csv", keep_default_na=False, na_values=[""]).set_index(["claim", "profile"])
-    assert len(verdicts) == 2 * len(_claims(low)) and (out / "verdicts.png").stat().st_size > 0  # the grid, every claim at each rung
+    assert (
+        len(verdicts) == 2 * len(_claims(low)) and (out / "verdicts.png").stat().st_size > 0
+    )  # the grid, every claim at each rung
     assert verdicts.loc[(moved["id"], "big"), "median"] == pytest.approx(moved["median"], rel=1e-12)
     assert verdicts.loc[(moved["id"], "big"), "status"] == moved["status"]
     curve = pd.read_csv(low / "tables" / "rank_curve.csv")  # the rank curve at the highest k, by hand
@@ -125,9 +147,9 @@ def test_the_ladder_refuses_a_folder_that_is_not_a_reproduction(tmp_path):
 def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the_same_run(tiny_reproduction):
     """The protocol's values are the stored claims' (one code path); each variant lists the claims
     it can move; with one block, reading V at the best block is reading the block mean."""
-    from taskgeom.experiments.sensitivity import ABLATION_VARIANTS, ablation_variants
     from taskgeom.analysis.study import StudyRun
     from taskgeom.experiments.base import Context
+    from taskgeom.experiments.sensitivity import ABLATION_VARIANTS, ablation_variants
     from taskgeom.runs.folders import Run
 
     high = int(pd.read_csv(tiny_reproduction / "tables" / "sweep.csv")["diversity"].max())
@@ -137,19 +159,26 @@ def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the
     rows = pd.DataFrame(ablation_variants(StudyRun(Run.open(run_dir))))
     claims = {c["id"]: next(s for s in c["seeds"] if s["seed"] == 0) for c in _claims(tiny_reproduction)}
     protocol = rows[rows["variant"] == "protocol"].set_index("claim")
-    assert sorted(protocol.index) == sorted(f"e1.{c}" for c in ("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major",
-                                                                 "random_control"))
+    assert sorted(protocol.index) == sorted(
+        f"e1.{c}" for c in ("ablate_S_major", "ablate_S_ood", "ablate_V_ood", "ablate_V_major", "random_control")
+    )
     for claim, measured in protocol.iterrows():
         assert measured["status"] == claims[claim]["status"], claim
         stored = claims[claim]["value"]  # null in claims.json where the claim does not apply
-        assert (math.isnan(measured["value"]) if stored is None else measured["value"] == pytest.approx(stored, rel=1e-9)), claim
-    listed = {name: sorted(c.split(".")[1] for c in rows[rows["variant"] == name]["claim"]) for name in ABLATION_VARIANTS}
-    assert listed == {"centred-S": ["ablate_S_major", "ablate_S_ood"],
-                      "v-avoids-tokens": ["ablate_V_major", "ablate_V_ood", "random_control"],
-                      "v-searched-on-ood": ["ablate_V_major", "ablate_V_ood"],
-                      "v-best-block": ["ablate_V_major", "ablate_V_ood", "random_control"],
-                      "s-with-mean": ["ablate_S_major", "ablate_S_ood", "ablate_V_major", "ablate_V_ood", "random_control"],
-                      "probe-exact": ["ablate_S_major", "ablate_S_ood", "ablate_V_major", "ablate_V_ood", "random_control"]}
+        assert (
+            math.isnan(measured["value"]) if stored is None else measured["value"] == pytest.approx(stored, rel=1e-9)
+        ), claim
+    listed = {
+        name: sorted(c.split(".")[1] for c in rows[rows["variant"] == name]["claim"]) for name in ABLATION_VARIANTS
+    }
+    assert listed == {
+        "centred-S": ["ablate_S_major", "ablate_S_ood"],
+        "v-avoids-tokens": ["ablate_V_major", "ablate_V_ood", "random_control"],
+        "v-searched-on-ood": ["ablate_V_major", "ablate_V_ood"],
+        "v-best-block": ["ablate_V_major", "ablate_V_ood", "random_control"],
+        "s-with-mean": ["ablate_S_major", "ablate_S_ood", "ablate_V_major", "ablate_V_ood", "random_control"],
+        "probe-exact": ["ablate_S_major", "ablate_S_ood", "ablate_V_major", "ablate_V_ood", "random_control"],
+    }
     best = rows[rows["variant"] == "v-best-block"].set_index("claim")
     for claim in best.index:
         assert best.loc[claim, "value"] == pytest.approx(protocol.loc[claim, "value"], rel=1e-12, nan_ok=True)
@@ -165,27 +194,34 @@ def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the
 def test_sensitivity_reads_the_m1_and_projection_variants_from_the_stored_analyses(tiny_reproduction):
     """Under the protocol the stored rows give the claims' own values and verdicts; each variant
     lists the claims it can move, read where it says."""
-    from taskgeom.experiments.sensitivity import stored_variants
     from taskgeom.experiments.base import Context
+    from taskgeom.experiments.sensitivity import stored_variants
     from taskgeom.runs.folders import Run
 
     claims = {c["id"]: next(s for s in c["seeds"] if s["seed"] == 0) for c in _claims(tiny_reproduction)}
     ctx = Context(tiny_reproduction, overrides=TINY_REPRODUCTION)
     high = int(pd.read_csv(tiny_reproduction / "tables" / "sweep.csv")["diversity"].max())
-    run_dirs = {k: tiny_reproduction / "runs" / f"{c.name}-{c.digest()}" for k in (-1, high)
-                for c in [ctx.config("e1", (f"task.diversity={k}",), 0)]}
+    run_dirs = {
+        k: tiny_reproduction / "runs" / f"{c.name}-{c.digest()}"
+        for k in (-1, high)
+        for c in [ctx.config("e1", (f"task.diversity={k}",), 0)]
+    }
     rows = pd.DataFrame(stored_variants(Run.open(run_dirs[-1])))
     protocol = rows[(rows["variant"] == "protocol") & rows["claim"].str.startswith("e1.P")].set_index("claim")
     assert sorted(protocol.index) == sorted(f"e1.{c}" for c in ("P0", "P1", "P2", "P2.vs_random", "P3", "P3.shrinks"))
     for claim, measured in protocol.iterrows():
         assert measured["status"] == claims[claim]["status"], claim
         stored = claims[claim]["value"]  # null in claims.json where the claim does not apply
-        assert (math.isnan(measured["value"]) if stored is None else measured["value"] == pytest.approx(stored, rel=1e-12)), claim
+        assert (
+            math.isnan(measured["value"]) if stored is None else measured["value"] == pytest.approx(stored, rel=1e-12)
+        ), claim
     assert sorted(rows[rows["variant"] == "pooled-anova"]["claim"]) == ["e1.P0", "e1.P1"]
     assert set(rows[rows["variant"] == "site-mid"]["place"]) == {"layer 0 resid_mid"}
     assert len(rows[rows["variant"] == "selected-place"]) == 6
     projection = pd.DataFrame(stored_variants(Run.open(run_dirs[high]))).set_index("variant")  # k = high: no m1.json
-    assert projection.loc["protocol", "value"] == pytest.approx(claims["e1.projection_r2_high_diversity"]["value"], rel=1e-12)
+    assert projection.loc["protocol", "value"] == pytest.approx(
+        claims["e1.projection_r2_high_diversity"]["value"], rel=1e-12
+    )
     assert {"protocol", "per-sequence-r2"} == set(projection.index)
 
     result = CliRunner().invoke(app, ["sensitivity", str(run_dirs[-1]), "--variant", "pooled-anova"])
@@ -194,14 +230,17 @@ def test_sensitivity_reads_the_m1_and_projection_variants_from_the_stored_analys
 
 
 def test_the_pinned_place_holds_the_claims_values_and_every_place_is_listed(tiny_reproduction):
-    from taskgeom.experiments.sensitivity import place_choices
     from taskgeom.experiments.base import Context
+    from taskgeom.experiments.sensitivity import place_choices
     from taskgeom.runs.folders import Run
 
     claims = {c["id"]: {r["seed"]: r["value"] for r in c["seeds"]} for c in _claims(tiny_reproduction)}
     high = int(pd.read_csv(tiny_reproduction / "tables" / "sweep.csv")["diversity"].max())
     ctx = Context(tiny_reproduction, overrides=TINY_REPRODUCTION)
-    for k, metric, claim in ((-1, "p2.r2_additive", "e1.P2"), (high, "projection_r2", "e1.projection_r2_high_diversity")):
+    for k, metric, claim in (
+        (-1, "p2.r2_additive", "e1.P2"),
+        (high, "projection_r2", "e1.projection_r2_high_diversity"),
+    ):
         config = ctx.config("e1", (f"task.diversity={k}",), 0)
         rows = pd.DataFrame(place_choices(Run.open(tiny_reproduction / "runs" / f"{config.name}-{config.digest()}")))
         mine = rows[rows["metric"] == metric]
@@ -221,7 +260,10 @@ def test_reproduce_trains_a_data_variant_alone_under_its_settings_and_refuses_a_
     plan = pd.read_csv(io.StringIO(result.output))
     assert set(plan["recipe"]) == {"e1"}
     overrides = BY_NAME["e1-v6"].overrides
-    expected = {f"e1-{Context(tmp_path).config('e1', (*overrides, f'task.diversity={k}'), 0).digest()}" for k in plan["diversity"]}
+    expected = {
+        f"e1-{Context(tmp_path).config('e1', (*overrides, f'task.diversity={k}'), 0).digest()}"
+        for k in plan["diversity"]
+    }
     assert set(plan["run"]) == expected
     assert Context(tmp_path).config("e1", overrides).task.vocab_size == 6
 

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from taskgeom.analysis.stored import m1 as stored
 from taskgeom.analysis.stored import keys
+from taskgeom.analysis.stored import m1 as stored
 from taskgeom.analysis.stored.keys import FORMATS
 from taskgeom.analysis.study import StudyRun
 from taskgeom.claims.m1 import claims
@@ -20,8 +20,17 @@ from taskgeom.runs.folders import Run
 from taskgeom.settings.recipes import load_recipe
 from taskgeom.training.train import train
 
-TINY = ["task.seq_len=24", "model.max_len=24", "model.d_model=16", "model.d_mlp=32", "train.steps=20", "train.eval_every=20",
-        "train.checkpoint_every=20", "train.eval_batch=32", "train.threads=1"]
+TINY = [
+    "task.seq_len=24",
+    "model.max_len=24",
+    "model.d_model=16",
+    "model.d_mlp=32",
+    "train.steps=20",
+    "train.eval_every=20",
+    "train.checkpoint_every=20",
+    "train.eval_batch=32",
+    "train.threads=1",
+]
 OPTIONS = {"n_sequences": 48, "n_random": 2, "per_cell": 4}
 
 
@@ -39,18 +48,37 @@ def test_the_stored_result_is_the_analysed_one(analysed):
     study, result = analysed
     back = stored.load(study, **OPTIONS)
     assert back is not None
-    assert [c.as_dict() for c in claims(back)] == [c.as_dict() for c in claims(result)]  # every value and part, bit for bit
+    assert [c.as_dict() for c in claims(back)] == [
+        c.as_dict() for c in claims(result)
+    ]  # every value and part, bit for bit
     for name in ("task", "alpha", "beta"):
-        assert torch.equal(getattr(back, name), getattr(result, name)) and getattr(back, name).dtype == getattr(result, name).dtype
+        assert (
+            torch.equal(getattr(back, name), getattr(result, name))
+            and getattr(back, name).dtype == getattr(result, name).dtype
+        )
     for name in ("beta", "alpha", "tv"):
         assert torch.equal(getattr(back.mean, name), getattr(result.mean, name))
     for name in ("a", "sequence", "unsteered", "steered", "mode", "random"):
         assert torch.equal(getattr(back.steering, name), getattr(result.steering, name))
-    same = ("experiment", "place", "p3_place", "selected", "runner_up", "summary", "window", "p2_window", "effect", "request")
+    same = (
+        "experiment",
+        "place",
+        "p3_place",
+        "selected",
+        "runner_up",
+        "summary",
+        "window",
+        "p2_window",
+        "effect",
+        "request",
+    )
     assert {name: getattr(back, name) for name in same} == {name: getattr(result, name) for name in same}
     assert back.steering.positions == result.steering.positions and back.steering.place == result.steering.place
-    assert (back.steering.form, back.steering.label, back.steering.n_sequences) == (result.steering.form, result.steering.label,
-                                                                                    result.steering.n_sequences)
+    assert (back.steering.form, back.steering.label, back.steering.n_sequences) == (
+        result.steering.form,
+        result.steering.label,
+        result.steering.n_sequences,
+    )
 
 
 def test_another_request_or_version_is_measured_again(analysed, monkeypatch):
@@ -92,7 +120,9 @@ def test_a_changed_protocol_choice_is_measured_again_with_no_number_bumped(analy
 
 def test_the_experiment_reads_a_stored_result_instead_of_measuring(analysed, monkeypatch):
     study, result = analysed
-    experiment = importlib.import_module("taskgeom.experiments.m1")  # the module (the package's name m1 is its function)
+    experiment = importlib.import_module(
+        "taskgeom.experiments.m1"
+    )  # the module (the package's name m1 is its function)
     monkeypatch.setattr(experiment, "load", lambda run: stored.load(run, **OPTIONS))
     monkeypatch.setattr(experiment, "analyze", lambda run: pytest.fail("measured a run whose result is stored"))
     assert [c.as_dict() for c in claims(stored_or_analyzed(study))] == [c.as_dict() for c in claims(result)]
@@ -108,6 +138,7 @@ def test_a_damaged_or_foreign_file_is_a_clear_error_and_is_kept(analysed, tmp_pa
             stored.load(study, **OPTIONS)
         assert path.stat().st_size == len(original) // 2  # nothing overwritten
         from taskgeom.runs.storage import save_tensors
+
         save_tensors(path, {"x": torch.zeros(1)}, {"analysis": "dual"})
         with pytest.raises(CheckpointError, match="not a stored M1 result"):
             stored.load(study, **OPTIONS)

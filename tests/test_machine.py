@@ -17,20 +17,34 @@ AVX2_FLAGS = {"sse2", "avx", "avx2", "fma"}
 
 def test_an_x86_cpu_with_avx2_pins_aten_mkl_and_onednn():
     choice = kernels.choose(environ={}, machine="x86_64", flags=AVX2_FLAGS | {"avx512f"})
-    assert choice.mode == "pinned" and choice.variables == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert choice.mode == "pinned" and choice.variables == {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_CBWR": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    }
 
 
-@pytest.mark.parametrize("machine, flags, why", [("aarch64", {"asimd"}, "not x86-64"), ("arm64", set(), "not x86-64"),
-                                                 ("x86_64", {"sse2", "avx"}, "no AVX2")])
+@pytest.mark.parametrize(
+    "machine, flags, why",
+    [("aarch64", {"asimd"}, "not x86-64"), ("arm64", set(), "not x86-64"), ("x86_64", {"sse2", "avx"}, "no AVX2")],
+)
 def test_a_cpu_that_cannot_hold_the_pins_runs_natively_and_says_why(machine, flags, why):
     choice = kernels.choose(environ={}, machine=machine, flags=flags)
-    assert choice.mode == "native" and choice.variables == {} and why in choice.reason and "bits will differ" in choice.reason
+    assert (
+        choice.mode == "native"
+        and choice.variables == {}
+        and why in choice.reason
+        and "bits will differ" in choice.reason
+    )
 
 
 def test_a_variable_the_user_set_is_kept_and_no_other_is_added():
     choice = kernels.choose(environ={"ATEN_CPU_CAPABILITY": "default"}, machine="x86_64", flags=AVX2_FLAGS)
     assert choice.mode == "user" and choice.variables == {"ATEN_CPU_CAPABILITY": "default"}
-    assert kernels.choose(native=True, environ={"MKL_CBWR": "COMPATIBLE"}, machine="x86_64", flags=AVX2_FLAGS).mode == "user"
+    assert (
+        kernels.choose(native=True, environ={"MKL_CBWR": "COMPATIBLE"}, machine="x86_64", flags=AVX2_FLAGS).mode
+        == "user"
+    )
 
 
 def test_pins_set_by_an_earlier_choice_are_not_mistaken_for_the_users():
@@ -61,7 +75,11 @@ def test_the_cli_pins_the_kernels_by_default_and_honours_native_kernels_and_the_
     environ.clear()
     environ["ATEN_CPU_CAPABILITY"] = "default"
     assert _run().exit_code == 0
-    assert environ["ATEN_CPU_CAPABILITY"] == "default" and "MKL_CBWR" not in environ and environ[kernels.CHOICE_VARIABLE] == "user"
+    assert (
+        environ["ATEN_CPU_CAPABILITY"] == "default"
+        and "MKL_CBWR" not in environ
+        and environ[kernels.CHOICE_VARIABLE] == "user"
+    )
 
 
 def test_the_manifest_records_the_kernel_choice(environ):
@@ -79,7 +97,9 @@ def test_workers_default_to_the_cores_of_a_restricted_affinity_mask():
         assert usable_cores() == 1 and default_workers() == 1
     finally:
         os.sched_setaffinity(0, before)
-    assert usable_cores() <= len(before) and default_workers(threads_per_run=len(before)) == max(1, usable_cores() // len(before))
+    assert usable_cores() <= len(before) and default_workers(threads_per_run=len(before)) == max(
+        1, usable_cores() // len(before)
+    )
 
 
 def test_a_cgroup_quota_bounds_the_usable_cores(tmp_path):
@@ -91,6 +111,7 @@ def test_a_cgroup_quota_bounds_the_usable_cores(tmp_path):
 
 def test_the_schedule_runs_no_more_at_once_than_memory_allows(tmp_path):
     from conftest import tiny_config
+
     from taskgeom.experiments.schedule import TrainTask, Unit, memory_workers
     from taskgeom.training.memory import training_memory
 
@@ -99,7 +120,9 @@ def test_the_schedule_runs_no_more_at_once_than_memory_allows(tmp_path):
     need = sum(training_memory(config).values())
     assert memory_workers(units, available=int(2.5 * need)) == 2
     assert memory_workers(units, available=need // 2) == 1
-    assert memory_workers(units, available=100 * need) == 100  # the schedule takes the least of this, the cores and the group
+    assert (
+        memory_workers(units, available=100 * need) == 100
+    )  # the schedule takes the least of this, the cores and the group
 
 
 def test_the_estimate_spreads_the_pool_over_the_workers_but_never_below_its_longest_unit_then_adds_the_main_process():
@@ -115,15 +138,19 @@ def test_the_plan_counts_only_the_work_left(tiny_reproduction, tmp_path):
     empty folder everything is, and each part's CPU seconds are its kind's cost per training
     FLOP-second (analyses scaled by the blocks)."""
     from conftest import TINY_REPRODUCTION, TINY_SEEDS
+
+    from taskgeom.experiments.base import Context
     from taskgeom.experiments.executors import Executor
     from taskgeom.experiments.request import Request, resolve, work_left
-    from taskgeom.experiments.base import Context
-    from taskgeom.training.timing import COST_PER_FLOP_SECOND as cost, depth_factor
+    from taskgeom.training.timing import COST_PER_FLOP_SECOND as cost
+    from taskgeom.training.timing import depth_factor
 
     def left(out):
         request = Request("quick", TINY_SEEDS, out, settings=TINY_REPRODUCTION)
         resolved = resolve(request)
-        ctx = Context(resolved.out, "quick", TINY_SEEDS, Executor("local", 2), "cpu", "none", resolved.settings, resolved.studies)
+        ctx = Context(
+            resolved.out, "quick", TINY_SEEDS, Executor("local", 2), "cpu", "none", resolved.settings, resolved.studies
+        )
         return work_left(ctx, resolved.experiments, rate=1e9)
 
     done = left(tiny_reproduction)
@@ -151,13 +178,17 @@ def test_the_probe_counts_a_matrix_multiplys_flops_per_cpu_second_of_the_process
     ticks, cpu = iter(range(10_000)), iter([10.0, 10.5])
     monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(ticks)))
     monkeypatch.setattr(timing.time, "process_time", lambda: next(cpu))
-    assert timing.matmul_rate(seconds=3.5, n=8) == pytest.approx(3 * 2 * 8 ** 3 / 0.5)
+    assert timing.matmul_rate(seconds=3.5, n=8) == pytest.approx(3 * 2 * 8**3 / 0.5)
 
 
 def test_the_plan_prints_its_wall_time_on_this_machine_with_the_probe(environ):
     result = _run()
     assert result.exit_code == 0, result.output
-    assert "estimated wall time here:" in result.output and "GFLOP/s a thread" in result.output and "usable cores" in result.output
+    assert (
+        "estimated wall time here:" in result.output
+        and "GFLOP/s a thread" in result.output
+        and "usable cores" in result.output
+    )
 
 
 # The weights of 20 steps of the quick E1 recipe under the portable kernels (ATen, MKL and oneDNN at
@@ -173,7 +204,9 @@ PUBLISHED_VENDOR = "AuthenticAMD"
 
 
 def _cpu_vendor() -> str | None:
-    for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines() if Path("/proc/cpuinfo").is_file() else []:
+    for line in (
+        Path("/proc/cpuinfo").read_text(errors="replace").splitlines() if Path("/proc/cpuinfo").is_file() else []
+    ):
         if line.startswith("vendor_id"):
             return line.split(":", 1)[1].strip()
     return None
@@ -191,9 +224,20 @@ def test_a_short_quick_e1_training_gives_the_published_bits(tmp_path):
     if os.environ.get(kernels.CHOICE_VARIABLE) != "pinned":
         pytest.skip("the published bits need the portable kernels, which this CPU cannot hold")
     if _cpu_vendor() != PUBLISHED_VENDOR:
-        pytest.skip(f"the published bits were trained on {PUBLISHED_VENDOR} CPUs; this one is {_cpu_vendor()}, where the pins give other bits")
-    config = load_recipe("e1", "quick", ["train.steps=20", "train.eval_every=20", "train.checkpoint_every=20", "train.snapshots=0",
-                                         "train.eval_batch=16"])
+        pytest.skip(
+            f"the published bits were trained on {PUBLISHED_VENDOR} CPUs; this one is {_cpu_vendor()}, where the pins give other bits"
+        )
+    config = load_recipe(
+        "e1",
+        "quick",
+        [
+            "train.steps=20",
+            "train.eval_every=20",
+            "train.checkpoint_every=20",
+            "train.snapshots=0",
+            "train.eval_batch=16",
+        ],
+    )
     run = Run.create(config, tmp_path)
     train(run, device="cpu")
     tensors, digest = load_file(run.model_path), hashlib.sha256()

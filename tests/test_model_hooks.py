@@ -17,7 +17,16 @@ from taskgeom.settings.config import ModelConfig
 def model(request):
     torch.manual_seed(0)
     positions, activation, final_norm = request.param
-    cfg = ModelConfig(n_layers=3, d_model=32, n_heads=4, d_mlp=64, max_len=24, positions=positions, activation=activation, final_norm=final_norm)
+    cfg = ModelConfig(
+        n_layers=3,
+        d_model=32,
+        n_heads=4,
+        d_mlp=64,
+        max_len=24,
+        positions=positions,
+        activation=activation,
+        final_norm=final_norm,
+    )
     return Transformer(cfg, vocab_size=7).eval()
 
 
@@ -28,9 +37,21 @@ def test_the_mlp_activation_and_the_final_norm_are_settings():
     from taskgeom.training.memory import parameter_count
 
     for activation, final_norm in (("silu", False), ("gelu", True)):
-        config = build_config({"name": "m", "task": {"family": "dice", "seq_len": 8},
-                               "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 8,
-                                         "activation": activation, "final_norm": final_norm}})
+        config = build_config(
+            {
+                "name": "m",
+                "task": {"family": "dice", "seq_len": 8},
+                "model": {
+                    "n_layers": 2,
+                    "d_model": 16,
+                    "n_heads": 2,
+                    "d_mlp": 32,
+                    "max_len": 8,
+                    "activation": activation,
+                    "final_norm": final_norm,
+                },
+            }
+        )
         torch.manual_seed(0)
         model = Transformer(config.model, vocab_size=6)
         assert sum(p.numel() for p in model.parameters()) == parameter_count(config)
@@ -38,11 +59,15 @@ def test_the_mlp_activation_and_the_final_norm_are_settings():
         x = torch.randn(4, 16)
         mlp = model.blocks[0].mlp
         hidden = mlp[0](x)
-        expected = hidden * torch.sigmoid(hidden) if activation == "silu" else 0.5 * hidden * (1 + torch.erf(hidden / 2**0.5))
+        expected = (
+            hidden * torch.sigmoid(hidden) if activation == "silu" else 0.5 * hidden * (1 + torch.erf(hidden / 2**0.5))
+        )
         torch.testing.assert_close(mlp(x), mlp[2](expected))
         if final_norm:
             normed = (h - h.mean(-1, keepdim=True)) / (h.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
-            torch.testing.assert_close(model.readout(h), normed @ model.unembed.weight.T)  # LayerNorm's fresh weight 1, bias 0
+            torch.testing.assert_close(
+                model.readout(h), normed @ model.unembed.weight.T
+            )  # LayerNorm's fresh weight 1, bias 0
         else:
             assert not any(name.startswith("ln_final") for name, _ in model.named_parameters())
             torch.testing.assert_close(model.readout(h), h @ model.unembed.weight.T)
@@ -54,8 +79,12 @@ def test_residual_identities_hold_at_every_layer(model):
     with capture(model, sites) as states:
         logits = model(tokens)
     for layer in range(3):
-        torch.testing.assert_close(states[(layer, "resid_mid")], states[(layer, "resid_pre")] + states[(layer, "attn_out")])
-        torch.testing.assert_close(states[(layer, "resid_post")], states[(layer, "resid_mid")] + states[(layer, "mlp_out")])
+        torch.testing.assert_close(
+            states[(layer, "resid_mid")], states[(layer, "resid_pre")] + states[(layer, "attn_out")]
+        )
+        torch.testing.assert_close(
+            states[(layer, "resid_post")], states[(layer, "resid_mid")] + states[(layer, "mlp_out")]
+        )
         if layer:
             torch.testing.assert_close(states[(layer, "resid_pre")], states[(layer - 1, "resid_post")])
     torch.testing.assert_close(logits, model.readout(states[(2, "resid_post")]))
@@ -110,7 +139,9 @@ def test_forward_from_a_layer_equals_the_whole_forward(model):
         whole = model(tokens)
     for layer in range(3):
         assert torch.equal(model.forward_from(layer, states[(layer, "resid_pre")]), whole)
-    assert torch.equal(model.forward_from(3, states[(2, "resid_post")]), whole)  # after the last block: the readout alone
+    assert torch.equal(
+        model.forward_from(3, states[(2, "resid_post")]), whole
+    )  # after the last block: the readout alone
 
 
 def test_a_block_in_halves_is_the_block(model):
@@ -131,7 +162,14 @@ def test_layer_streams_run_edits_from_their_layer_as_the_whole_model_does(model)
     streams = LayerStreams(model, tokens)
     with torch.no_grad():
         assert torch.equal(streams.model_from(None)(tokens), model(tokens))
-        for site in [(2, "resid_mid"), (0, "resid_pre"), (1, "attn_out"), (1, "resid_post"), (0, "mlp_out"), (1, "resid_mid")]:
+        for site in [
+            (2, "resid_mid"),
+            (0, "resid_pre"),
+            (1, "attn_out"),
+            (1, "resid_post"),
+            (0, "mlp_out"),
+            (1, "resid_mid"),
+        ]:
             with intervene(model, site, lambda h: 0.5 * h + 1.0, positions=slice(3, 20)):
                 torch.testing.assert_close(streams.model_from(site)(tokens), model(tokens), atol=1e-6, rtol=0)
     assert sorted(streams.streams) == [0, 1, 2, 3] and sorted(streams.mids) == [0, 1, 2]

@@ -21,6 +21,7 @@ def test_the_bayes_ood_losses_are_the_add_alpha_learner_s_cross_entropy_by_hand(
     """E1's OOD-optimal predictor after t tokens gives face a (count of a so far + alpha) / (t + 1 +
     V alpha); its loss at prediction t scores token t + 1. A loop over sequences and positions."""
     from conftest import tiny_config
+
     from taskgeom.analysis.stored.dual import bayes_ood_losses
     from taskgeom.analysis.study import StudyRun
     from taskgeom.runs.folders import Run
@@ -43,16 +44,28 @@ def test_the_bayes_ood_losses_are_the_add_alpha_learner_s_cross_entropy_by_hand(
 def _rows(k: int, loss_first: float, loss: float, bayes_first: float, bayes: float) -> list[dict]:
     """Planted dual.json rows of the run at diversity k: the OOD losses and projection R^2."""
     at = {"diversity": k, "step": np.nan, "layer": np.nan, "set": "ood", "band": None, "site": None}
-    return [{**at, "metric": m, "value": v} for m, v in (("loss_first", loss_first), ("loss", loss), ("bayes_ood_loss_first", bayes_first),
-                                                         ("bayes_ood_loss", bayes), ("projection_r2", 0.3 if k == -1 else 0.19),
-                                                         ("projection_r2_se", 0.004), ("projection_r2_tasks", 1024),
-                                                         ("projection_r2_per_task", 128), ("projection_r2_study_draw", 0.21))]
+    return [
+        {**at, "metric": m, "value": v}
+        for m, v in (
+            ("loss_first", loss_first),
+            ("loss", loss),
+            ("bayes_ood_loss_first", bayes_first),
+            ("bayes_ood_loss", bayes),
+            ("projection_r2", 0.3 if k == -1 else 0.19),
+            ("projection_r2_se", 0.004),
+            ("projection_r2_tasks", 1024),
+            ("projection_r2_per_task", 128),
+            ("projection_r2_study_draw", 0.21),
+        )
+    ]
 
 
 def _seed(gain: float, bayes_gain: float) -> pd.DataFrame:
     rows = _rows(-1, 2.3, 2.2, 2.2, 2.0) + _rows(10, 2.1 + gain, 2.1, 2.0 + bayes_gain, 2.0)
     frame = pd.DataFrame(rows)
-    frame.loc[frame["metric"] == "projection_r2", "band"] = pd.Series([[0.1, 0.4]] * 2, index=frame.index[frame["metric"] == "projection_r2"])
+    frame.loc[frame["metric"] == "projection_r2", "band"] = pd.Series(
+        [[0.1, 0.4]] * 2, index=frame.index[frame["metric"] == "projection_r2"]
+    )
     frame.loc[frame["metric"] == "projection_r2", ["layer", "site"]] = [4, "resid_post"]
     return frame
 
@@ -60,7 +73,11 @@ def _seed(gain: float, bayes_gain: float) -> pd.DataFrame:
 def test_the_ood_mode_is_the_run_s_gain_over_the_bayes_ood_gain_and_only_ood_claims_carry_it():
     rows = _seed(0.04, 0.1)  # 0.4 of the Bayes OOD gain: no OOD mode
     mode = ood_mode(rows, "e3", 10)
-    assert mode["value"] == pytest.approx(0.4) and mode["ood_gain"] == pytest.approx(0.04) and mode["bayes_ood_gain"] == pytest.approx(0.1)
+    assert (
+        mode["value"] == pytest.approx(0.4)
+        and mode["ood_gain"] == pytest.approx(0.04)
+        and mode["bayes_ood_gain"] == pytest.approx(0.1)
+    )
     assert mode["status"] == "fail" and mode["claim"] == "e3.ood_mode" and OOD_MODE_SHARE == 0.5
     assert ood_mode(_seed(0.06, 0.1), "e3", 10)["status"] == "pass"
     assert ood_mode(rows[~rows["metric"].str.startswith("bayes")], "e3", 10) is None  # rows of an earlier version

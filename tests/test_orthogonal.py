@@ -6,7 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from taskgeom.analysis.measures.orthogonal import BATCH_SIZE, avoid_basis, initial_coordinates, orthogonal_searches, token_subspace
+from taskgeom.analysis.measures.orthogonal import (
+    BATCH_SIZE,
+    avoid_basis,
+    initial_coordinates,
+    orthogonal_searches,
+    token_subspace,
+)
 from taskgeom.analysis.measures.subspace import complement_basis
 from taskgeom.analysis.reading.states import LayerStreams
 from taskgeom.models.transformer import HookPoint, Transformer
@@ -246,7 +252,9 @@ def test_the_rank_curve_recovers_the_planted_dimensions():
     costs = []
     for rank in range(1, 5):
         model = ThreeReadouts()
-        v = orthogonal_searches(model, searching(model, loss_fn), [(SITE, avoid, rank)], lr=0.1, average=0.5)[0].directions
+        v = orthogonal_searches(model, searching(model, loss_fn), [(SITE, avoid, rank)], lr=0.1, average=0.5)[
+            0
+        ].directions
         costs.append(float(((v.T @ W) ** 2).sum()))
     assert costs == pytest.approx([9.0, 13.0, 14.0, 14.0], rel=0.05)
 
@@ -255,7 +263,9 @@ def test_searches_in_lockstep_are_the_searches_alone(planted):
     """Several searches over one stream of batches: each result is what it is alone, though they
     stop at different steps, and each step's batch is asked for by the searches in turn."""
     model, avoid, u, loss_fn, seen = planted
-    blind = torch.cat([avoid, u[:, None]], 1)  # nothing left to ablate that the readout sees: a flat loss, stopped early
+    blind = torch.cat(
+        [avoid, u[:, None]], 1
+    )  # nothing left to ablate that the readout sees: a flat loss, stopped early
     searches = [(SITE, avoid, 1), (SITE, blind, 3), (SITE, avoid[:, :2], 2)]
     together = orthogonal_searches(model, searching(model, loss_fn), searches, steps=60, patience=5)
     assert together[1].steps < 30 < together[2].steps and together[0].steps == 60
@@ -282,7 +292,11 @@ def test_a_search_from_cached_layer_streams_equals_the_whole_model_search():
     def cached(step, site):
         return family.training_loss(streams[step].model_from(site), batches[step])
 
-    for plain, reused in zip(orthogonal_searches(model, whole, searches, steps=15), orthogonal_searches(model, cached, searches, steps=15)):
+    for plain, reused in zip(
+        orthogonal_searches(model, whole, searches, steps=15), orthogonal_searches(model, cached, searches, steps=15)
+    ):
         torch.testing.assert_close(reused.directions, plain.directions, atol=1e-5, rtol=0)
         assert reused.losses == pytest.approx(plain.losses, abs=1e-5)
-    assert all(sorted(s.streams) == [0, 1, 2] for s in streams.values())  # each prefix computed once, to the deepest search
+    assert all(
+        sorted(s.streams) == [0, 1, 2] for s in streams.values()
+    )  # each prefix computed once, to the deepest search

@@ -33,10 +33,22 @@ def sum_to_one_fit(y: np.ndarray, theta: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def markov(tmp_path_factory) -> StudyRun:
-    config = build_config({
-        "name": "tiny-p2", "task": {"family": "markov", "seq_len": 32, "vocab_size": 4},
-        "model": {"n_layers": 4, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 32, "final_norm": False},
-        "train": {"steps": 30, "batch_size": 16, "eval_every": 30, "checkpoint_every": 30, "eval_batch": 16, "lr": 3e-3, "threads": 1}})
+    config = build_config(
+        {
+            "name": "tiny-p2",
+            "task": {"family": "markov", "seq_len": 32, "vocab_size": 4},
+            "model": {"n_layers": 4, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 32, "final_norm": False},
+            "train": {
+                "steps": 30,
+                "batch_size": 16,
+                "eval_every": 30,
+                "checkpoint_every": 30,
+                "eval_batch": 16,
+                "lr": 3e-3,
+                "threads": 1,
+            },
+        }
+    )
     run = Run.create(config, tmp_path_factory.mktemp("p2"))
     train(run)
     return StudyRun(Run.open(run.path))
@@ -49,7 +61,9 @@ def test_e3_r2_additive_is_the_study_s_steps_by_hand_after_the_next_layernorm(ma
     assert additive.post_layernorm
     with torch.no_grad(), capture(markov.model, [place]) as store:
         markov.model(major.batch.tokens)
-        h = markov.model.blocks[2].ln_attn(store[tuple(place)]).double()  # the next block's LayerNorm (post_layernorm=True)
+        h = (
+            markov.model.blocks[2].ln_attn(store[tuple(place)]).double()
+        )  # the next block's LayerNorm (post_layernorm=True)
     normed = markov.geometry(major, place)  # the vectors fitted on the normalised states, as the package fits them
     fitted = type(normed)(markov, place, major, h.float(), normed.window, 0)
     theta, nu, mu = fitted.task_vectors.numpy(), fitted.token_effects.numpy(), fitted.mu.numpy()
@@ -66,10 +80,14 @@ def test_e3_r2_additive_is_the_study_s_steps_by_hand_after_the_next_layernorm(ma
             total += ((states[n, p] - mean_p) ** 2).sum()
         by_hand.append(1 - residual / total)
     np.testing.assert_allclose(additive.by_position.numpy(), by_hand, rtol=1e-6, atol=1e-9)
-    window = range(round(T * 180 / 192), round(T * 190 / 192))  # the last ten of the study's evaluation positions 0-189, as fractions
+    window = range(
+        round(T * 180 / 192), round(T * 190 / 192)
+    )  # the last ten of the study's evaluation positions 0-189, as fractions
     assert (additive.positions.start, additive.positions.stop) == (window.start, window.stop) == (30, 32)
     assert additive.value == pytest.approx(np.mean([by_hand[p] for p in window]), rel=1e-9)
-    plain = markov.geometry(major, Place(3, "resid_post")).p2_additive  # the last block: no LayerNorm follows (final_norm False)
+    plain = markov.geometry(
+        major, Place(3, "resid_post")
+    ).p2_additive  # the last block: no LayerNorm follows (final_norm False)
     assert not plain.post_layernorm
 
 
@@ -81,13 +99,26 @@ def test_p2_reads_r2_additive_and_the_variant_reads_r2_task(markov):
     geometry = markov.geometry(major, Place(1, "resid_post"))
     rows = place_rows(geometry, per_position=False)
     rows += [{**rows[0], "metric": label, "value": 1.0} for label in ("place.m1", "place.p3")]
-    rows += [{**rows[0], "metric": m, "value": 0.5} for m in ("p3.tv_mean_beta", "p3.tv_last_quarter", "p3.tv_first_uncertain",
-                                                               "p3.tv_last_uncertain", "p3.uncertain_positions")]
+    rows += [
+        {**rows[0], "metric": m, "value": 0.5}
+        for m in (
+            "p3.tv_mean_beta",
+            "p3.tv_last_quarter",
+            "p3.tv_first_uncertain",
+            "p3.tv_last_uncertain",
+            "p3.uncertain_positions",
+        )
+    ]
     rows += trajectory_rows(markov.trajectories([Place(1, "resid_post")], per_task=8), Place(1, "resid_post"))
     protocol, earlier = claim_values(rows), claim_values(rows, "p2-task-only")
     assert protocol["P2"].value == pytest.approx(geometry.p2_additive.value, rel=1e-12)
-    assert protocol["P2.vs_random"].value == pytest.approx(geometry.p2_additive.value - float(geometry.p2_additive.random.mean()), rel=1e-9)
-    assert earlier["P2"].value == pytest.approx(geometry.p2.r2_task, rel=1e-12) and protocol["P2"].parts["r2_task"] == earlier["P2"].value
+    assert protocol["P2.vs_random"].value == pytest.approx(
+        geometry.p2_additive.value - float(geometry.p2_additive.random.mean()), rel=1e-9
+    )
+    assert (
+        earlier["P2"].value == pytest.approx(geometry.p2.r2_task, rel=1e-12)
+        and protocol["P2"].parts["r2_task"] == earlier["P2"].value
+    )
     assert protocol["P2"].value != pytest.approx(earlier["P2"].value, rel=1e-3)  # the two quantities differ
 
 
@@ -96,10 +127,22 @@ def test_e2_r2_additive_fits_the_task_simplex_first_then_x_by_hand(tmp_path_fact
     the task simplex fitted to h - mu_t as it is (x_t's effect left in; the sum-to-one fit, then the
     projection), then one linear map of x_t, no intercept, fitted by least squares to what the
     simplex leaves; R^2 against the scatter of h - mu_t about its mean. Plain loops and numpy."""
-    config = build_config({
-        "name": "tiny-p2-e2", "task": {"family": "regression", "d": 2, "n_examples": 8},
-        "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 24},
-        "train": {"steps": 30, "batch_size": 16, "eval_every": 30, "checkpoint_every": 30, "eval_batch": 16, "lr": 3e-3, "threads": 1}})
+    config = build_config(
+        {
+            "name": "tiny-p2-e2",
+            "task": {"family": "regression", "d": 2, "n_examples": 8},
+            "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 24},
+            "train": {
+                "steps": 30,
+                "batch_size": 16,
+                "eval_every": 30,
+                "checkpoint_every": 30,
+                "eval_batch": 16,
+                "lr": 3e-3,
+                "threads": 1,
+            },
+        }
+    )
     run = Run.create(config, tmp_path_factory.mktemp("p2-e2"))
     train(run)
     study = StudyRun(Run.open(run.path))
@@ -108,7 +151,11 @@ def test_e2_r2_additive_fits_the_task_simplex_first_then_x_by_hand(tmp_path_fact
     geometry = study.geometry(major, place)
     additive = geometry.p2_additive
     states = geometry.states.double().numpy()  # [N, P, D] at the analysed positions (the x tokens)
-    theta, mu, x = geometry.task_vectors.double().numpy(), geometry.mu.double().numpy(), major.inputs.current.double().numpy()
+    theta, mu, x = (
+        geometry.task_vectors.double().numpy(),
+        geometry.mu.double().numpy(),
+        major.inputs.current.double().numpy(),
+    )
     by_hand = []
     for p in range(states.shape[1]):
         centred = states[:, p] - mu[p]
@@ -116,4 +163,6 @@ def test_e2_r2_additive_fits_the_task_simplex_first_then_x_by_hand(tmp_path_fact
         weights = np.linalg.lstsq(x[:, p], left, rcond=None)[0]
         by_hand.append(1 - ((left - x[:, p] @ weights) ** 2).sum() / ((centred - centred.mean(0)) ** 2).sum())
     np.testing.assert_allclose(additive.by_position.numpy(), by_hand, rtol=1e-6, atol=1e-8)
-    assert additive.value == pytest.approx(np.mean([by_hand[p] for p in range(additive.positions.start, additive.positions.stop)]), rel=1e-9)
+    assert additive.value == pytest.approx(
+        np.mean([by_hand[p] for p in range(additive.positions.start, additive.positions.stop)]), rel=1e-9
+    )

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from taskgeom.analysis.reading import projection
 from taskgeom.analysis.reading.heldout import sample_tasks
 from taskgeom.errors import AnalysisError
@@ -59,14 +59,19 @@ def test_a_trained_models_projection_r2_is_the_numpy_loop_over_tasks(tmp_path, m
 
     tokens = ood.batch.tokens
     T = tokens.shape[1]
-    expected = numpy_fig4([states(tokens[4 * j : 4 * j + 4]) for j in range(6)],
-                          [states(major.batch.tokens[major.batch.task == k]) for k in range(3)], range(T - 2))  # E1: 0 .. T - 3
+    expected = numpy_fig4(
+        [states(tokens[4 * j : 4 * j + 4]) for j in range(6)],
+        [states(major.batch.tokens[major.batch.task == k]) for k in range(3)],
+        range(T - 2),
+    )  # E1: 0 .. T - 3
     np.testing.assert_allclose(measured.values.numpy(), expected, rtol=1e-5, atol=1e-6)
     assert measured.mean == pytest.approx(expected.mean(), rel=1e-5)
     assert measured.quartiles == pytest.approx(np.quantile(expected, [0.25, 0.75]).tolist(), rel=1e-5)
     assert study.projection_r2(ood, major, variant="protocol").values.equal(measured.values)
     per_sequence = study.projection_r2(ood, major, variant="per-sequence-r2")
-    assert per_sequence.variant == "per-sequence-r2" and per_sequence.values.shape == (24 * 4,)  # every state of the late quarter
+    assert per_sequence.variant == "per-sequence-r2" and per_sequence.values.shape == (
+        24 * 4,
+    )  # every state of the late quarter
     with pytest.raises(AnalysisError, match="does not change projection R\\^2"):
         study.projection_r2(ood, major, variant="centred-S")
     with pytest.raises(AnalysisError, match="OOD tasks against the major tasks"):
@@ -82,12 +87,24 @@ def test_the_e1_linear_code_reference_is_the_hand_computation():
     R^2 = 1/3."""
     dice = Dice(4, 1.0, "prior", 0.0)
     params = torch.eye(4, dtype=torch.float64)  # only their identity matters: sequences sharing params are one task
-    major = Batch(torch.tensor([[0, 1, 2], [0, 3, 0], [1, 1, 1], [1, 0, 3], [2, 2, 0], [2, 3, 3]]), torch.tensor([0, 0, 1, 1, 2, 2]),
-                  params[[0, 0, 1, 1, 2, 2]])
-    ood = Batch(torch.tensor([[3, 0, 1], [0, 2, 2], [3, 3, 0], [3, 1, 3]]), torch.full((4,), -1), params[[3, 0, 3, 0]] + 1)
+    major = Batch(
+        torch.tensor([[0, 1, 2], [0, 3, 0], [1, 1, 1], [1, 0, 3], [2, 2, 0], [2, 3, 3]]),
+        torch.tensor([0, 0, 1, 1, 2, 2]),
+        params[[0, 0, 1, 1, 2, 2]],
+    )
+    ood = Batch(
+        torch.tensor([[3, 0, 1], [0, 2, 2], [3, 3, 0], [3, 1, 3]]), torch.full((4,), -1), params[[3, 0, 3, 0]] + 1
+    )
     reference = projection.reference(dice, ood, major)
-    assert reference.values.tolist() == pytest.approx([0.0, 1 / 3], abs=1e-12)  # the tasks in the order they first appear
-    assert (reference.n_tasks, reference.per_task, reference.place, reference.mean) == (2, 2, None, pytest.approx(1 / 6))
+    assert reference.values.tolist() == pytest.approx(
+        [0.0, 1 / 3], abs=1e-12
+    )  # the tasks in the order they first appear
+    assert (reference.n_tasks, reference.per_task, reference.place, reference.mean) == (
+        2,
+        2,
+        None,
+        pytest.approx(1 / 6),
+    )
 
 
 def test_a_family_without_an_estimate_has_no_reference_and_says_why():
@@ -99,7 +116,9 @@ def test_a_family_without_an_estimate_has_no_reference_and_says_why():
     assert "does not define ood_estimate" in projection.reference_unavailable(plain)
     assert projection.reference_unavailable(Dice(4, 1.0, "prior", 0.0)) is None
     batch = Batch(torch.zeros(2, 3, dtype=torch.long), torch.full((2,), -1), torch.ones(2, 4, dtype=torch.float64))
-    with pytest.raises(AnalysisError, match="no linear-code reference: the 'plain' family does not define ood_estimate"):
+    with pytest.raises(
+        AnalysisError, match="no linear-code reference: the 'plain' family does not define ood_estimate"
+    ):
         projection.reference(plain, batch, batch)
     with pytest.raises(NotImplementedError):
         plain.ood_estimate(batch)
@@ -110,25 +129,35 @@ def test_the_markov_and_ridge_estimates_are_the_posterior_means():
     tokens = torch.tensor([[0, 1, 1, 2]])
     estimate = markov.ood_estimate(Batch(tokens, torch.tensor([-1]), torch.zeros(1, 3, 3))).view(1, 4, 3, 3)
     counts = torch.full((3, 3), 0.5, dtype=torch.float64)
-    for (a, b) in ((0, 1), (1, 1), (1, 2)):
+    for a, b in ((0, 1), (1, 1), (1, 2)):
         counts[a, b] += 1
     assert torch.allclose(estimate[0, 3], counts / counts.sum(-1, keepdim=True))
-    assert torch.allclose(markov.predict_ood(tokens)[0, 3], (counts / counts.sum(-1, keepdim=True))[2])  # the current state's row
+    assert torch.allclose(
+        markov.predict_ood(tokens)[0, 3], (counts / counts.sum(-1, keepdim=True))[2]
+    )  # the current state's row
     regression = Regression(2, 0.5, "pair")
-    batch = regression.make_batch(torch.ones(1, 2, dtype=torch.float64), torch.tensor([-1]), 8, torch.Generator().manual_seed(0))
+    batch = regression.make_batch(
+        torch.ones(1, 2, dtype=torch.float64), torch.tensor([-1]), 8, torch.Generator().manual_seed(0)
+    )
     x, y = batch.x[0], batch.y[0]
     w = torch.linalg.solve(x[:3].T @ x[:3] + 0.25 * torch.eye(2, dtype=torch.float64), x[:3].T @ y[:3])
     assert torch.allclose(regression.ood_estimate(batch)[0, 3], w) and regression.ood_estimate(batch)[0, 0].eq(0).all()
 
 
-@pytest.mark.parametrize("family", [Dice(6, 1.0, "prior", 0.0), Markov(4, 1.0), Regression(3, 0.5, "pair")], ids=["dice", "markov", "regression"])
+@pytest.mark.parametrize(
+    "family",
+    [Dice(6, 1.0, "prior", 0.0), Markov(4, 1.0), Regression(3, 0.5, "pair")],
+    ids=["dice", "markov", "regression"],
+)
 def test_whole_tasks_are_drawn_per_task_as_a_pure_function_of_seed_and_stream(family):
     pool = family.sample_pool(3, 4, 0.1, seed=1)
     T = 8
     ood = sample_tasks(family, pool, "ood", 5, "projection", T, seed=0, n_tasks=4)
     assert ood.tokens.shape[0] == 20 and ood.task.eq(-1).all()
     params = ood.params.reshape(4, 5, -1)
-    assert params.eq(params[:, :1]).all() and len(torch.unique(params[:, 0], dim=0)) == 4  # one task per group, four tasks
+    assert (
+        params.eq(params[:, :1]).all() and len(torch.unique(params[:, 0], dim=0)) == 4
+    )  # one task per group, four tasks
     assert not ood.tokens[0].equal(ood.tokens[1])  # the sequences of a task are drawn, not copied
     assert ood.tokens.equal(sample_tasks(family, pool, "ood", 5, "projection", T, seed=0, n_tasks=4).tokens)
     assert not ood.tokens.equal(sample_tasks(family, pool, "ood", 5, "projection", T, seed=1, n_tasks=4).tokens)

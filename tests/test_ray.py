@@ -13,15 +13,15 @@ import sys
 import pytest
 import torch
 import yaml
+from conftest import tiny_config
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from conftest import tiny_config
 from taskgeom.cli import app
 from taskgeom.errors import TaskgeomError
-from taskgeom.settings.devices import default_workers
 from taskgeom.experiments.executors import Executor, execute
 from taskgeom.experiments.sweep import Job, run_sweep
+from taskgeom.settings.devices import default_workers
 
 HAS_RAY = importlib.util.find_spec("ray") is not None
 
@@ -42,7 +42,9 @@ def ray_instance(ray):
 
 def _recipe(folder):
     recipe = folder / "tiny.yaml"
-    recipe.write_text(yaml.safe_dump({"base": tiny_config("dice", steps=30).model_dump(mode="json"), "profiles": {"quick": {}}}))
+    recipe.write_text(
+        yaml.safe_dump({"base": tiny_config("dice", steps=30).model_dump(mode="json"), "profiles": {"quick": {}}})
+    )
     return recipe
 
 
@@ -82,7 +84,9 @@ def test_restarting_a_finished_ray_sweep_redoes_nothing(ray_sweep, ray_instance,
     recipe, folder, _ = ray_sweep
     root = folder / "runs"
     tables = {name: (folder / name).read_text() for name in ("sweep.csv", "by_step.csv")}
-    written = {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and not p.name.startswith("index.sqlite")}
+    written = {
+        p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and not p.name.startswith("index.sqlite")
+    }
     assert len([p for p in written if p.name == "model.safetensors"]) == 2
 
     run_sweep(_jobs(recipe, root), Executor("ray", cpus_per_run=1), folder)
@@ -121,7 +125,10 @@ def test_a_dead_job_becomes_a_failed_row(tmp_path, monkeypatch, ray):
     """What the executor yields for a crashed task turns into that job's failed row; the others stand."""
     jobs = _jobs(_recipe(tmp_path), tmp_path / "runs")
     submitted = [job.for_ray(0) for job in jobs]  # what run_sweep hands the executor
-    finished = [(submitted[0], ray.exceptions.WorkerCrashedError()), (submitted[1], [{"run": "r", "status": "ok", "metric": "m", "value": 1.5}])]
+    finished = [
+        (submitted[0], ray.exceptions.WorkerCrashedError()),
+        (submitted[1], [{"run": "r", "status": "ok", "metric": "m", "value": 1.5}]),
+    ]
     monkeypatch.setattr("taskgeom.experiments.sweep.execute", lambda fn, items, executor: iter(finished))
     table = run_sweep(jobs, Executor("ray"), tmp_path).set_index("diversity")
     assert table.loc[-1, "status"] == "failed" and table.loc[-1, "error"].startswith("WorkerCrashedError")
@@ -152,9 +159,32 @@ def test_an_address_nobody_answers_is_refused_at_once(tmp_path, ray):
     address nobody answers is the environment refusing (exit 3); one that is not HOST:PORT is bad
     input (exit 2)."""
     recipe = _recipe(tmp_path)
-    for address, message, code in (("127.0.0.1:1", "no Ray cluster answers at 127.0.0.1:1", 3), ("nohost", "must look like HOST:PORT", 2)):
-        result = subprocess.run([sys.executable, "-m", "taskgeom", "sweep", str(recipe), "--diversity", "-1", "--seeds", "0",
-                                 "--out", str(tmp_path), "--executor", "ray", "--address", address], capture_output=True, text=True, timeout=60)
+    for address, message, code in (
+        ("127.0.0.1:1", "no Ray cluster answers at 127.0.0.1:1", 3),
+        ("nohost", "must look like HOST:PORT", 2),
+    ):
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "taskgeom",
+                "sweep",
+                str(recipe),
+                "--diversity",
+                "-1",
+                "--seeds",
+                "0",
+                "--out",
+                str(tmp_path),
+                "--executor",
+                "ray",
+                "--address",
+                address,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert result.returncode == code and message in result.stderr, result.stderr
         assert not list(tmp_path.glob("tiny-dice-*"))
 
@@ -172,30 +202,38 @@ def test_ray_jobs_use_a_gpu_only_when_they_declare_one():
 
 def test_ray_is_imported_only_when_asked_for():
     code = "import sys, taskgeom.cli, taskgeom.experiments; print('ray' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
 
 
 def test_missing_ray_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails
     recipe = _recipe(tmp_path)
-    result = CliRunner().invoke(app, ["sweep", str(recipe), "--diversity", "-1", "--seeds", "0", "--out", str(tmp_path), "--executor", "ray"])
+    result = CliRunner().invoke(
+        app, ["sweep", str(recipe), "--diversity", "-1", "--seeds", "0", "--out", str(tmp_path), "--executor", "ray"]
+    )
     assert result.exit_code == 2
     assert "pip install taskgeom[ray]" in result.output
     assert not list(tmp_path.glob("tiny-dice-*"))
 
 
-@pytest.mark.parametrize("options, message", [
-    (["--executor", "dask"], "unknown executor 'dask'"),
-    (["--address", "10.0.0.1:6379"], "need --executor ray"),
-    (["--gpus-per-run", "0.5"], "need --executor ray"),
-    (["--executor", "ray", "--cpus-per-run", "-1"], "--cpus-per-run must be at least 1"),
-    (["--executor", "ray", "--gpus-per-run", "-0.5"], "--gpus-per-run must be"),
-    (["--executor", "ray", "--gpus-per-run", "1.5"], "--gpus-per-run must be"),
-    (["--workers", "0"], "--workers must be at least 1"),
-    (["--device", "tpu"], "unknown device 'tpu'"),
-    (["--executor", "ray", "--device", "gpu"], "unknown device 'gpu'"),
-    (["--tracker", "mlflow"], "unknown tracker 'mlflow'"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--executor", "dask"], "unknown executor 'dask'"),
+        (["--address", "10.0.0.1:6379"], "need --executor ray"),
+        (["--gpus-per-run", "0.5"], "need --executor ray"),
+        (["--executor", "ray", "--cpus-per-run", "-1"], "--cpus-per-run must be at least 1"),
+        (["--executor", "ray", "--gpus-per-run", "-0.5"], "--gpus-per-run must be"),
+        (["--executor", "ray", "--gpus-per-run", "1.5"], "--gpus-per-run must be"),
+        (["--workers", "0"], "--workers must be at least 1"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--executor", "ray", "--device", "gpu"], "unknown device 'gpu'"),
+        (["--tracker", "mlflow"], "unknown tracker 'mlflow'"),
+    ],
+)
 def test_bad_executor_and_training_options_exit_2(tmp_path, options, message):
     result = CliRunner().invoke(app, ["sweep", str(_recipe(tmp_path)), "--out", str(tmp_path), *options])
     assert result.exit_code == 2, result.output
@@ -203,13 +241,25 @@ def test_bad_executor_and_training_options_exit_2(tmp_path, options, message):
     assert not list(tmp_path.glob("tiny-dice-*"))
 
 
-@pytest.mark.parametrize("options, executor, device, tracker", [
-    ([], Executor("local", default_workers()), "auto", "none"),
-    (["--workers", "3", "--cpus-per-run", "2", "--device", "cpu", "--tracker", "tensorboard"], Executor("local", 3, None, 2, 0.0), "cpu",
-     "tensorboard"),
-    pytest.param(["--executor", "ray", "--workers", "1", "--cpus-per-run", "1", "--device", "cpu"], Executor("ray", 1, None, 1, 0.0), "cpu",
-                 "none", marks=pytest.mark.skipif(not HAS_RAY, reason="needs the ray extra")),
-])
+@pytest.mark.parametrize(
+    "options, executor, device, tracker",
+    [
+        ([], Executor("local", default_workers()), "auto", "none"),
+        (
+            ["--workers", "3", "--cpus-per-run", "2", "--device", "cpu", "--tracker", "tensorboard"],
+            Executor("local", 3, None, 2, 0.0),
+            "cpu",
+            "tensorboard",
+        ),
+        pytest.param(
+            ["--executor", "ray", "--workers", "1", "--cpus-per-run", "1", "--device", "cpu"],
+            Executor("ray", 1, None, 1, 0.0),
+            "cpu",
+            "none",
+            marks=pytest.mark.skipif(not HAS_RAY, reason="needs the ray extra"),
+        ),
+    ],
+)
 def test_reproduce_takes_the_executor_options(tmp_path, monkeypatch, options, executor, device, tracker):
     """The options of `reproduce` reach the context every experiment receives."""
     import taskgeom.experiments
@@ -226,7 +276,9 @@ def test_the_sweeps_of_reproduce_run_on_its_executor(tmp_path, monkeypatch):
     """dual_modes hands the context's executor to its sweep, and its device and tracker to every job."""
     from taskgeom.experiments.base import Context
 
-    dual_modes = importlib.import_module("taskgeom.experiments.dual_modes")  # the package exports a function of that name
+    dual_modes = importlib.import_module(
+        "taskgeom.experiments.dual_modes"
+    )  # the package exports a function of that name
 
     class Stop(Exception):
         pass
@@ -243,4 +295,6 @@ def test_the_sweeps_of_reproduce_run_on_its_executor(tmp_path, monkeypatch):
         dual_modes.dual_modes(Context(tmp_path, "quick", executor=executor, device="cpu", tracker="tensorboard"))
     ((jobs, used, out),) = calls
     assert used is executor and out == tmp_path / "tables"
-    assert jobs and {(job.device, job.tracker, job.root) for job in jobs} == {("cpu", "tensorboard", str(tmp_path / "runs"))}
+    assert jobs and {(job.device, job.tracker, job.root) for job in jobs} == {
+        ("cpu", "tensorboard", str(tmp_path / "runs"))
+    }

@@ -28,7 +28,9 @@ def _family(**kw) -> tasks.TaskFamily:
 
 
 def _batch(family, x: torch.Tensor, y: torch.Tensor) -> Batch:
-    return Batch(family.encode(x, y), torch.zeros(x.shape[0], dtype=torch.long), torch.zeros(x.shape[0], x.shape[2]), x, y)
+    return Batch(
+        family.encode(x, y), torch.zeros(x.shape[0], dtype=torch.long), torch.zeros(x.shape[0], x.shape[2]), x, y
+    )
 
 
 # ---- layout -----------------------------------------------------------------------------------
@@ -73,7 +75,7 @@ def test_posterior_over_two_tasks_after_one_example_by_hand():
     post = family.log_posterior(batch, pool).exp()[0]  # [n, K]
     # by hand: p_k ∝ pi_k exp(-(y - w_k.x)^2 / (2 sigma^2)) after the first example
     r1, r2 = 1.3 - (0.4 * 1.0 + -1.1 * -2.0), 1.3 - (0.4 * 0.5 + -1.1 * 0.25)
-    a1, a2 = 0.3 * math.exp(-r1**2 / (2 * 0.49)), 0.7 * math.exp(-r2**2 / (2 * 0.49))
+    a1, a2 = 0.3 * math.exp(-(r1**2) / (2 * 0.49)), 0.7 * math.exp(-(r2**2) / (2 * 0.49))
     torch.testing.assert_close(post[0], torch.tensor([0.3, 0.7], dtype=torch.float64))
     torch.testing.assert_close(post[1], torch.tensor([a1 / (a1 + a2), a2 / (a1 + a2)], dtype=torch.float64))
     dmmse = (a1 * (2.0 * 1.0 + 0.3 * -2.0) + a2 * (2.0 * 0.5 + 0.3 * 0.25)) / (a1 + a2)
@@ -83,7 +85,10 @@ def test_posterior_over_two_tasks_after_one_example_by_hand():
 def test_mix_prediction_with_one_hot_weights_is_the_task_prediction():
     family = _family(d=3)
     gen = torch.Generator().manual_seed(0)
-    params, x = torch.randn(4, 3, generator=gen, dtype=torch.float64), torch.randn(5, 6, 3, generator=gen, dtype=torch.float64)
+    params, x = (
+        torch.randn(4, 3, generator=gen, dtype=torch.float64),
+        torch.randn(5, 6, 3, generator=gen, dtype=torch.float64),
+    )
     k = torch.randint(0, 4, (5, 6), generator=gen)
     onehot = torch.nn.functional.one_hot(k, 4).double()
     torch.testing.assert_close(family.mix_prediction(x, params, onehot), (params[k] * x).sum(-1))
@@ -126,8 +131,12 @@ def test_vector_model_keeps_hook_identities_and_its_loss_is_the_mse():
     with capture(model, sites) as store:
         out = model(batch.tokens)
     for layer in range(2):
-        torch.testing.assert_close(store[(layer, "resid_mid")], store[(layer, "resid_pre")] + store[(layer, "attn_out")])
-        torch.testing.assert_close(store[(layer, "resid_post")], store[(layer, "resid_mid")] + store[(layer, "mlp_out")])
+        torch.testing.assert_close(
+            store[(layer, "resid_mid")], store[(layer, "resid_pre")] + store[(layer, "attn_out")]
+        )
+        torch.testing.assert_close(
+            store[(layer, "resid_post")], store[(layer, "resid_mid")] + store[(layer, "mlp_out")]
+        )
     assert out.shape == (5, 24, 1)
     expected = ((out[:, 1::3, 0] - batch.y.float()) ** 2).mean()
     torch.testing.assert_close(family.training_loss(model, batch), expected)
@@ -139,7 +148,9 @@ def _raw(**task) -> dict:
     return {"name": "t", "task": {"family": "regression", **task}, "model": {"max_len": 48}}
 
 
-@pytest.mark.parametrize("field,value", [("d", 0), ("n_examples", 0), ("n_examples", -3), ("noise", 0.0), ("noise", -0.5)])
+@pytest.mark.parametrize(
+    "field,value", [("d", 0), ("n_examples", 0), ("n_examples", -3), ("noise", 0.0), ("noise", -0.5)]
+)
 def test_config_rejects_impossible_sizes_naming_the_field(field, value):
     with pytest.raises(ConfigError, match=f"task.{field}"):
         build_config(_raw(**{field: value}))
@@ -155,10 +166,14 @@ def test_config_rejects_sequences_longer_than_the_model_positions():
 
 
 def test_a_short_run_trains_and_evaluates_against_dmmse_and_ridge(tmp_path):
-    config = build_config({
-        "name": "e2t", "task": {"family": "regression", "d": 2, "n_examples": 4, "diversity": 1},
-        "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 12},
-        "train": {"steps": 4, "batch_size": 8, "eval_every": 2, "checkpoint_every": 2, "eval_batch": 16}})
+    config = build_config(
+        {
+            "name": "e2t",
+            "task": {"family": "regression", "d": 2, "n_examples": 4, "diversity": 1},
+            "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 12},
+            "train": {"steps": 4, "batch_size": 8, "eval_every": 2, "checkpoint_every": 2, "eval_batch": 16},
+        }
+    )
     run = Run.create(config, tmp_path)
     record = train(run)
     assert set(record["eval"]) == {"major", "minor", "ood"}
@@ -168,7 +183,9 @@ def test_a_short_run_trains_and_evaluates_against_dmmse_and_ridge(tmp_path):
     assert {r["position"] for r in rows} == set(range(4))
     # position 0: no examples yet, so ridge predicts 0 and its squared error is the mean y^2
     ood = run.family.sample_ood(16, config.task.seq_len, config.train.seed, 0, "eval-ood")
-    first = next(r["value"] for r in rows if r["set"] == "ood" and r["metric"] == "bayes_ood_loss" and r["position"] == 0)
+    first = next(
+        r["value"] for r in rows if r["set"] == "ood" and r["metric"] == "bayes_ood_loss" and r["position"] == 0
+    )
     assert first == pytest.approx(float((ood.y[:, 0] ** 2).mean()), rel=1e-12)
 
 
@@ -183,7 +200,11 @@ def test_pair_layout_reads_the_prediction_at_x():
 def test_late_means_average_the_last_half_of_the_examples():
     from taskgeom.claims.e2 import late_means
 
-    rows = [{"set": s, "position": i, "metric": "loss", "value": float(10 * i + (s == "ood"))} for s in ("major", "ood") for i in range(6)]
+    rows = [
+        {"set": s, "position": i, "metric": "loss", "value": float(10 * i + (s == "ood"))}
+        for s in ("major", "ood")
+        for i in range(6)
+    ]
     means = late_means(pd.DataFrame(rows), 6)
     assert means.loc["major", "loss"] == pytest.approx((30 + 40 + 50) / 3)
     assert means.loc["ood", "loss"] == pytest.approx((31 + 41 + 51) / 3)
@@ -194,7 +215,9 @@ def test_e2_majors_are_the_same_at_every_diversity_and_with_major_seed_in_every_
     from taskgeom.settings.recipes import load_recipe
 
     def majors(seed: int, k: int, *more: str) -> torch.Tensor:
-        return Run(tmp_path, load_recipe("e2", "paper", [f"train.seed={seed}", f"task.diversity={k}", *more])).pool.params[:3]
+        return Run(
+            tmp_path, load_recipe("e2", "paper", [f"train.seed={seed}", f"task.diversity={k}", *more])
+        ).pool.params[:3]
 
     first = majors(0, -1)
     assert first.shape == (3, 6)
@@ -202,8 +225,13 @@ def test_e2_majors_are_the_same_at_every_diversity_and_with_major_seed_in_every_
         assert torch.equal(majors(seed, k), first), (seed, k)
     # without a major seed: drawn from the run's pool seed, still the same at every diversity of one seed
     per_run = majors(0, -1, "task.major_seed=null")
-    assert torch.equal(majors(0, 6, "task.major_seed=null"), per_run) and not torch.equal(majors(1, -1, "task.major_seed=null"), per_run)
-    minors = [Run(tmp_path, load_recipe("e2", "paper", [f"train.seed={s}", "task.diversity=2"])).pool.params[3:] for s in (0, 1)]
+    assert torch.equal(majors(0, 6, "task.major_seed=null"), per_run) and not torch.equal(
+        majors(1, -1, "task.major_seed=null"), per_run
+    )
+    minors = [
+        Run(tmp_path, load_recipe("e2", "paper", [f"train.seed={s}", "task.diversity=2"])).pool.params[3:]
+        for s in (0, 1)
+    ]
     assert not torch.equal(*minors)
 
 
@@ -217,7 +245,11 @@ def test_pair_layout_bayes_at_the_x_tokens_matches_numpy():
     assert at.tolist() == list(range(0, 18, 2))
     torch.testing.assert_close(batch.tokens[:, at, :3], batch.x.float())
     assert (batch.tokens[:, at, 3:] == 0).all()  # neither y_i nor the y flag at x_i's token
-    post, dmmse, ridge = family.log_posterior(batch, pool).exp().numpy(), family.predict_id(batch, pool).numpy(), family.predict_ood(batch).numpy()
+    post, dmmse, ridge = (
+        family.log_posterior(batch, pool).exp().numpy(),
+        family.predict_id(batch, pool).numpy(),
+        family.predict_ood(batch).numpy(),
+    )
     x, y, w, prior = batch.x.numpy(), batch.y.numpy(), pool.params.numpy(), pool.weights.numpy()
     for b in range(5):
         for i in range(9):
@@ -227,4 +259,6 @@ def test_pair_layout_bayes_at_the_x_tokens_matches_numpy():
             np.testing.assert_allclose(post[b, i], p, rtol=1e-9, atol=1e-12)
             assert dmmse[b, i] == pytest.approx(float(p @ w @ x[b, i]), rel=1e-9, abs=1e-12)
             X, Y = x[b, :i], y[b, :i]
-            assert ridge[b, i] == pytest.approx(float(np.linalg.solve(X.T @ X + 0.25 * np.eye(3), X.T @ Y) @ x[b, i]), rel=1e-9, abs=1e-12)
+            assert ridge[b, i] == pytest.approx(
+                float(np.linalg.solve(X.T @ X + 0.25 * np.eye(3), X.T @ Y) @ x[b, i]), rel=1e-9, abs=1e-12
+            )

@@ -13,12 +13,12 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pandas as pd
-import torch
 import pytest
+import torch
 import yaml
+from conftest import TINY_REPRODUCTION, TINY_SEEDS
 from typer.testing import CliRunner
 
-from conftest import TINY_REPRODUCTION, TINY_SEEDS
 from taskgeom.cli import app
 
 REPORT_OUTPUTS = {"report.html", "plotly.min.js", "tables/analysis.parquet", "tables/analysis.csv"}
@@ -26,8 +26,11 @@ REPORT_OUTPUTS = {"report.html", "plotly.min.js", "tables/analysis.parquet", "ta
 
 def _files(folder: Path) -> dict[str, tuple[str, int]]:
     """{relative path: (md5, mtime_ns)} of every file under ``folder``."""
-    return {str(p.relative_to(folder)): (hashlib.md5(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (hashlib.md5(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 class _Page(HTMLParser):
@@ -43,7 +46,7 @@ class _Page(HTMLParser):
         if "id" in attrs:
             self.ids.add(attrs["id"])
         if tag == "tr" and attrs.get("id", "").startswith("claim-"):
-            self._claim = attrs["id"][len("claim-"):]
+            self._claim = attrs["id"][len("claim-") :]
             self.links[self._claim] = []
         if tag == "a" and self._claim and attrs.get("href", "").startswith("#"):
             self.links[self._claim].append(attrs["href"][1:])
@@ -95,9 +98,13 @@ def test_the_report_command_rebuilds_the_same_page_from_the_files_alone(tiny_rep
     result = CliRunner().invoke(app, ["report", str(copy)])
     assert result.exit_code == 0, result.output
     after = _files(copy)
-    assert {k: v for k, v in after.items() if k not in REPORT_OUTPUTS} == {k: v for k, v in before.items() if k not in REPORT_OUTPUTS}
+    assert {k: v for k, v in after.items() if k not in REPORT_OUTPUTS} == {
+        k: v for k, v in before.items() if k not in REPORT_OUTPUTS
+    }
     assert set(after) - set(before) == {"report.html", "plotly.min.js", "tables/analysis.parquet"}
-    assert (copy / "report.html").read_text(encoding="utf-8") == original  # nothing in the page comes from anything but the files
+    assert (copy / "report.html").read_text(
+        encoding="utf-8"
+    ) == original  # nothing in the page comes from anything but the files
     assert (copy / "tables" / "analysis.csv").read_bytes() == csv
     assert result.output.strip() == str(copy / "report.html")
 
@@ -106,8 +113,10 @@ def test_the_summary_counts_equal_claims_json_and_every_claim_links_to_its_evide
     claims = json.loads((tiny_reproduction / "claims.json").read_text())
     page = _page(tiny_reproduction)
     counts = Counter(c["status"] for c in claims)
-    assert (f"{counts['pass']} pass, {counts['fail']} fail, {counts['unstable']} unstable, {counts['n/a']} n/a of {len(claims)} claims "
-            "over seeds 0, 1") in page.totals
+    assert (
+        f"{counts['pass']} pass, {counts['fail']} fail, {counts['unstable']} unstable, {counts['n/a']} n/a of {len(claims)} claims "
+        "over seeds 0, 1"
+    ) in page.totals
     summed = [sum(int(row[i]) for row in page.summary) for i in (1, 2, 3, 4)]
     assert summed == [counts["pass"], counts["fail"], counts["unstable"], counts["n/a"]]
     assert set(page.links) == {c["id"] for c in claims}
@@ -115,7 +124,10 @@ def test_the_summary_counts_equal_claims_json_and_every_claim_links_to_its_evide
         assert targets, f"{claim_id} links to no evidence"
         assert set(targets) <= page.ids, f"{claim_id} links to missing anchors {set(targets) - page.ids}"
     manifest = json.loads((tiny_reproduction / "reproduction.json").read_text())
-    for claim_id, targets in page.links.items():  # the PNG figures a claim links to are exactly those registered as its evidence
+    for (
+        claim_id,
+        targets,
+    ) in page.links.items():  # the PNG figures a claim links to are exactly those registered as its evidence
         registered = {"fig-" + Path(f["path"]).stem for f in manifest["figures"] if claim_id in f["claims"]}
         assert {t for t in targets if t.startswith("fig-")} == registered, claim_id
     assert "fig-e1_m1_layers" in page.links["e1.P0"] and "e1-layers" in page.links["e1.P0"]
@@ -146,7 +158,9 @@ def test_the_long_table_holds_every_analysis_row_of_every_run(tiny_reproduction)
             written = [math.nan if r.get("value") is None else r["value"] for r in rows]
             assert mine["value"].tolist() == pytest.approx(written, nan_ok=True)
             banded = [(i, r["band"]) for i, r in enumerate(rows) if r.get("band")]
-            assert [(mine["band_low"].iloc[i], mine["band_high"].iloc[i]) for i, _ in banded] == [tuple(b) for _, b in banded]
+            assert [(mine["band_low"].iloc[i], mine["band_high"].iloc[i]) for i, _ in banded] == [
+                tuple(b) for _, b in banded
+            ]
             expected += len(rows)
     e4 = json.loads((tiny_reproduction / "analysis" / "e4.json").read_text())
     expected += sum(len(rows) for rows in e4.values())
@@ -161,7 +175,9 @@ def test_reproduce_applies_its_overrides_to_every_run_and_records_them(tiny_repr
     configs = [yaml.safe_load(p.read_text()) for p in (tiny_reproduction / "runs").glob("*/config.yaml")]
     assert len(configs) == 9 * len(TINY_SEEDS)  # per seed: E1 and E3 at k = -1, 3, 8; E2; E4 at two diversities
     assert {(c["train"]["steps"], c["model"]["d_model"], c["model"]["n_layers"]) for c in configs} == {(30, 16, 1)}
-    assert sorted(c["train"]["seed"] for c in configs) == sorted(list(TINY_SEEDS) * 9) and manifest["seeds"] == list(TINY_SEEDS)
+    assert sorted(c["train"]["seed"] for c in configs) == sorted(list(TINY_SEEDS) * 9) and manifest["seeds"] == list(
+        TINY_SEEDS
+    )
     claim_ids = {c["id"] for c in json.loads((tiny_reproduction / "claims.json").read_text())}
     assert set(manifest["claims"]) == claim_ids and set(manifest["claims"].values()) == set(manifest["experiments"])
 
@@ -185,8 +201,10 @@ def test_the_report_command_refuses_a_folder_it_cannot_read_and_keeps_the_page(t
 
 
 def _plot_specs(page: str) -> dict[str, dict]:
-    return {m.group(1): json.loads(m.group(2).replace("<\\/", "</"))
-            for m in re.finditer(r"<script type='application/json' id='([^']+)-spec'>(.*?)</script>", page, re.S)}
+    return {
+        m.group(1): json.loads(m.group(2).replace("<\\/", "</"))
+        for m in re.finditer(r"<script type='application/json' id='([^']+)-spec'>(.*?)</script>", page, re.S)
+    }
 
 
 def test_every_line_of_every_interactive_figure_is_one_series(tiny_reproduction):
@@ -197,7 +215,11 @@ def test_every_line_of_every_interactive_figure_is_one_series(tiny_reproduction)
     lines = [(anchor, trace["name"], trace["x"]) for anchor, trace in traces if trace.get("fill") != "toself"]
     assert lines and [(a, n) for a, n, xs in lines if len(xs) != len(set(map(str, xs)))] == []
     # two seeds: each per-layer, per-position and diversity line has its range over the seeds drawn as a band
-    bands = {(anchor, trace["name"].removesuffix(" (range over seeds)")) for anchor, trace in traces if trace.get("fill") == "toself"}
+    bands = {
+        (anchor, trace["name"].removesuffix(" (range over seeds)"))
+        for anchor, trace in traces
+        if trace.get("fill") == "toself"
+    }
     banded = {(a, n) for a, n, _ in lines if a in ("e1-layers", "e3-positions", "dual-projection")}
     assert {a for a, _ in banded} == {"e1-layers", "e3-positions", "dual-projection"} and banded <= bands
 
@@ -206,12 +228,24 @@ def test_the_report_shows_only_the_runs_and_sections_of_its_reproduction(tiny_re
     copy = tmp_path / "results"
     shutil.copytree(tiny_reproduction, copy)
     manifest = json.loads((copy / "reproduction.json").read_text())
-    m1_e1 = next(name for name in manifest["runs"] if (copy / "runs" / name / "analysis" / "m1.json").exists() and name.startswith("e1-"))
-    shutil.copytree(copy / "runs" / m1_e1, copy / "runs" / "e1-of-another-reproduction")  # e.g. a smoke run in the same runs/
-    claims = [c for c in json.loads((copy / "claims.json").read_text()) if c["id"].startswith("e4.")]  # as `--only e4` writes
+    m1_e1 = next(
+        name
+        for name in manifest["runs"]
+        if (copy / "runs" / name / "analysis" / "m1.json").exists() and name.startswith("e1-")
+    )
+    shutil.copytree(
+        copy / "runs" / m1_e1, copy / "runs" / "e1-of-another-reproduction"
+    )  # e.g. a smoke run in the same runs/
+    claims = [
+        c for c in json.loads((copy / "claims.json").read_text()) if c["id"].startswith("e4.")
+    ]  # as `--only e4` writes
     (copy / "claims.json").write_text(json.dumps(claims))
-    only = {**manifest, "experiments": ["e4"], "claims": {c["id"]: "e4" for c in claims},
-            "figures": [f for f in manifest["figures"] if f["experiment"] == "e4"]}
+    only = {
+        **manifest,
+        "experiments": ["e4"],
+        "claims": {c["id"]: "e4" for c in claims},
+        "figures": [f for f in manifest["figures"] if f["experiment"] == "e4"],
+    }
     (copy / "reproduction.json").write_text(json.dumps(only))
 
     result = CliRunner().invoke(app, ["report", str(copy)])
@@ -233,12 +267,16 @@ def test_a_table_shows_a_missing_integer_as_a_dash():
 def test_the_manifest_records_the_machine_and_every_model_s_bits(tiny_reproduction):
     manifest = json.loads((tiny_reproduction / "reproduction.json").read_text())
     machine = manifest["machine"]
-    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and machine["torch"] == torch.__version__
+    assert (
+        machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and machine["torch"] == torch.__version__
+    )
     assert machine["cpu"] and machine["mkl"] in torch.__config__.show() and machine["onednn"] in torch.__config__.show()
     assert machine["torch_threads"] == torch.get_num_threads() and isinstance(machine["kernel_environment"], dict)
     assert set(manifest["models"]) == set(manifest["runs"])
     for name, digest in manifest["models"].items():  # against an independent hash of the file
-        assert digest == hashlib.sha256((tiny_reproduction / "runs" / name / "model.safetensors").read_bytes()).hexdigest()
+        assert (
+            digest == hashlib.sha256((tiny_reproduction / "runs" / name / "model.safetensors").read_bytes()).hexdigest()
+        )
 
 
 def _claims_file(folder: Path) -> list[dict]:
@@ -252,9 +290,15 @@ def test_compare_names_the_run_whose_bits_differ_and_the_claims_whose_verdict_di
     same = CliRunner().invoke(app, ["compare", str(a), str(b)])
     assert same.exit_code == 0, same.output
     runs = json.loads((a / "reproduction.json").read_text())["runs"]
-    assert f"runs in both: {len(runs)} ({len(runs)} bitwise equal, 0 differ)" in same.output and "claims that differ: 0" in same.output
+    assert (
+        f"runs in both: {len(runs)} ({len(runs)} bitwise equal, 0 differ)" in same.output
+        and "claims that differ: 0" in same.output
+    )
     n_claims = len(_claims_file(a))
-    assert f"claims in both: {n_claims} ({n_claims} with the same verdict and every seed's value exactly equal)" in same.output
+    assert (
+        f"claims in both: {n_claims} ({n_claims} with the same verdict and every seed's value exactly equal)"
+        in same.output
+    )
     # b: one run trained to other bits (as on another CPU), one claim judged otherwise
     changed = runs[0]
     manifest = json.loads((b / "reproduction.json").read_text())
@@ -271,7 +315,9 @@ def test_compare_names_the_run_whose_bits_differ_and_the_claims_whose_verdict_di
     assert f"({len(runs) - 1} bitwise equal, 1 differ)" in result.output and f"differs: {changed}" in result.output
     assert re.search(rf"cpu_capability +\S+ +!= {re.escape(planted)}", result.output)
     assert f"({n_claims - 1} with the same verdict and every seed's value exactly equal)" in result.output
-    assert "claims that differ: 1" in result.output and re.search(rf"{re.escape(flipped['id'])} .*-> unstable .*verdict", result.output)
+    assert "claims that differ: 1" in result.output and re.search(
+        rf"{re.escape(flipped['id'])} .*-> unstable .*verdict", result.output
+    )
 
 
 def test_the_markdown_table_is_the_claims_file_with_its_machine(tiny_reproduction):
@@ -279,13 +325,22 @@ def test_the_markdown_table_is_the_claims_file_with_its_machine(tiny_reproductio
     assert result.exit_code == 0, result.output
     claims = _claims_file(tiny_reproduction)
     counts = Counter(c["status"] for c in claims)
-    assert f"**{counts['pass']} pass, {counts['fail']} fail, {counts['unstable']} unstable, {counts['n/a']} n/a of {len(claims)} claims**" \
+    assert (
+        f"**{counts['pass']} pass, {counts['fail']} fail, {counts['unstable']} unstable, {counts['n/a']} n/a of {len(claims)} claims**"
         in result.output
-    assert f"seeds {', '.join(map(str, TINY_SEEDS))}" in result.output and torch.backends.cpu.get_cpu_capability() in result.output
-    full, by_recipe = result.output.split("| claim | threshold |")  # the table per claim, then the same verdicts per recipe
+    )
+    assert (
+        f"seeds {', '.join(map(str, TINY_SEEDS))}" in result.output
+        and torch.backends.cpu.get_cpu_capability() in result.output
+    )
+    full, by_recipe = result.output.split(
+        "| claim | threshold |"
+    )  # the table per claim, then the same verdicts per recipe
     rows = [line for line in full.splitlines() if line.startswith("| `")]
     assert [row.split("`")[1] for row in rows] == [c["id"] for c in claims]
-    assert {row.split("`")[1] for row in by_recipe.splitlines() if row.startswith("| `")} == {c["id"].split(".", 1)[1] for c in claims}
+    assert {row.split("`")[1] for row in by_recipe.splitlines() if row.startswith("| `")} == {
+        c["id"].split(".", 1)[1] for c in claims
+    }
     for row, claim in zip(rows, claims):
         seeds = row.split(" | ")[4]
         assert [int(cell.split(":")[0]) for cell in seeds.split(", ")] == [r["seed"] for r in claim["seeds"]]

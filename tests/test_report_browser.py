@@ -18,8 +18,9 @@ def test_the_report_renders_in_chromium_with_every_figure_and_link(tiny_reproduc
 
     browser.get((tiny_reproduction / "report.html").as_uri())
     plots = browser.execute_script("return document.querySelectorAll('div.plot').length")
-    WebDriverWait(browser, 60).until(lambda d: d.execute_script(
-        "return document.querySelectorAll('div.plot .main-svg').length") >= plots)
+    WebDriverWait(browser, 60).until(
+        lambda d: d.execute_script("return document.querySelectorAll('div.plot .main-svg').length") >= plots
+    )
     browser.save_screenshot(str(tmp_path / "report.png"))
 
     errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
@@ -29,7 +30,9 @@ def test_the_report_renders_in_chromium_with_every_figure_and_link(tiny_reproduc
         var svg = div.querySelector('.main-svg'), box = svg ? svg.getBoundingClientRect() : {width: 0, height: 0};
         return [div.id, box.width * box.height, div.querySelectorAll('.trace, .point, path.js-line').length]; });""")
     assert [d for d in drawn if d[1] < 10_000 or d[2] == 0] == []  # every plot has an area and something drawn in it
-    images = browser.execute_script("return Array.from(document.images).map(function (i) { return [i.src, i.naturalWidth]; })")
+    images = browser.execute_script(
+        "return Array.from(document.images).map(function (i) { return [i.src, i.naturalWidth]; })"
+    )
     assert images and [src for src, width in images if width == 0] == []
 
     missing = browser.execute_script("""return Array.from(document.querySelectorAll('tr[id^="claim-"] a')).filter(function (a) {
@@ -46,9 +49,14 @@ def test_the_report_renders_in_chromium_with_every_figure_and_link(tiny_reproduc
         return Array.from(tr.cells).slice(1).map(function (td) { return parseInt(td.textContent); }); });""")
     assert [sum(column) for column in zip(*rows)] == [counts["pass"], counts["fail"], counts["unstable"], counts["n/a"]]
     assert browser.find_element("id", "totals").text.startswith(
-        f"{counts['pass']} pass, {counts['fail']} fail, {counts['unstable']} unstable, {counts['n/a']} n/a of {len(claims)} claims")
+        f"{counts['pass']} pass, {counts['fail']} fail, {counts['unstable']} unstable, {counts['n/a']} n/a of {len(claims)} claims"
+    )
     strips = browser.execute_script("""return Array.from(document.querySelectorAll('tr[id^="claim-"] svg.strip')).map(function (svg) {
         var box = svg.getBoundingClientRect(); return [box.width, svg.querySelectorAll('circle').length]; });""")
     measured = [c for c in claims if any(row["status"] != "n/a" and row["value"] is not None for row in c["seeds"])]
-    assert len(strips) == len(measured) and all(width > 0 for width, _ in strips)  # a drawn strip of dots per measured claim
-    assert sorted(dots for _, dots in strips) == sorted(sum(row["status"] != "n/a" and row["value"] is not None for row in c["seeds"]) for c in measured)
+    assert len(strips) == len(measured) and all(
+        width > 0 for width, _ in strips
+    )  # a drawn strip of dots per measured claim
+    assert sorted(dots for _, dots in strips) == sorted(
+        sum(row["status"] != "n/a" and row["value"] is not None for row in c["seeds"]) for c in measured
+    )

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-
 import sqlite3
 
 import pytest
+from conftest import tiny_config
 from typer.testing import CliRunner
 
-from conftest import tiny_config
 from taskgeom.cli import app
 from taskgeom.errors import TaskgeomError
-from taskgeom.runs.index import query, refresh
 from taskgeom.runs.folders import Run
+from taskgeom.runs.index import query, refresh
 from taskgeom.training.train import train
 
 runner = CliRunner()
@@ -52,11 +51,16 @@ def test_index_follows_the_folder_it_lives_in(tmp_path):
     import sqlite3
 
     root = tmp_path / "a"
-    runs = [Run.create(tiny_config("dice", steps=5, seed=seed, **extra), root) for seed, extra in ((0, {}), (1, {"precision": "bf16"}))]
+    runs = [
+        Run.create(tiny_config("dice", steps=5, seed=seed, **extra), root)
+        for seed, extra in ((0, {}), (1, {"precision": "bf16"}))
+    ]
     for run in runs:
         train(run, device="cpu")
     table = query(root).set_index("seed")
-    assert table.loc[1, "precision"] == "bf16" and table.loc[0, "precision"] == "fp32" and set(table["device"]) == {"cpu"}
+    assert (
+        table.loc[1, "precision"] == "bf16" and table.loc[0, "precision"] == "fp32" and set(table["device"]) == {"cpu"}
+    )
 
     shutil.copytree(root, tmp_path / "b")  # the index travels with the folder
     assert refresh(tmp_path / "b") == []
@@ -128,8 +132,11 @@ def _tree(root) -> dict:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
 
 
-@pytest.mark.parametrize("content", [b"[]", b"[1, 2]", b'{"format": 1, "taskgeom": "\xff\xfe"}', b"", b'"text"'],
-                         ids=["empty-list", "list", "not-utf8", "empty", "string"])
+@pytest.mark.parametrize(
+    "content",
+    [b"[]", b"[1, 2]", b'{"format": 1, "taskgeom": "\xff\xfe"}', b"", b'"text"'],
+    ids=["empty-list", "list", "not-utf8", "empty", "string"],
+)
 def test_a_run_with_an_odd_run_json_is_named_and_the_others_listed(folder, content):
     root, runs = folder
     (runs[1].path / "run.json").write_bytes(content)
@@ -183,7 +190,9 @@ def test_an_index_that_is_a_directory_is_read_around_and_left_alone(folder):
     assert list(table.index) == [2]
     assert "index.sqlite (it is a directory)" in err and "skipped" in err
     assert (root / "index.sqlite" / "keep").read_text() == "x"
-    assert refresh(root) == [f"writing the index {root / 'index.sqlite'} (it is a directory); the runs are listed from their directories"]
+    assert refresh(root) == [
+        f"writing the index {root / 'index.sqlite'} (it is a directory); the runs are listed from their directories"
+    ]
 
 
 def test_an_index_with_a_corrupt_page_is_rebuilt(folder):
@@ -224,8 +233,12 @@ def read_only(monkeypatch):
             p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
         if os.access(root, os.W_OK):  # root ignores modes
             connect = sqlite3.connect
-            monkeypatch.setattr("taskgeom.runs.index.sqlite3.connect",
-                                lambda path, **kw: connect(path, **kw) if str(path) == ":memory:" else connect(f"file:{path}?mode=ro", uri=True, **kw))
+            monkeypatch.setattr(
+                "taskgeom.runs.index.sqlite3.connect",
+                lambda path, **kw: (
+                    connect(path, **kw) if str(path) == ":memory:" else connect(f"file:{path}?mode=ro", uri=True, **kw)
+                ),
+            )
 
     yield apply
     for p, mode in reversed(made):
@@ -258,7 +271,9 @@ def test_a_diverged_run_is_listed_as_diverged(folder):
     root, runs = folder
     runs[1].model_path.unlink()
     meta = json.loads((runs[1].path / "run.json").read_text())
-    (runs[1].path / "run.json").write_text(json.dumps(meta | {"status": "diverged", "diverged": {"step": 10, "metric": "train_loss", "value": "nan"}}))
+    (runs[1].path / "run.json").write_text(
+        json.dumps(meta | {"status": "diverged", "diverged": {"step": 10, "metric": "train_loss", "value": "nan"}})
+    )
     runs[0].model_path.unlink()
     code, table, err = _list(root)
     assert code == 0 and err == "", err

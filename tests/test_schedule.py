@@ -6,20 +6,22 @@ from __future__ import annotations
 import json
 
 import yaml
-
 from conftest import tiny_config
+
 from taskgeom.experiments import Context, reproduce
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.schedule import TrainTask, phases, plan
 from taskgeom.experiments.sweep import Job, run_job
-from taskgeom.settings.recipes import load_recipe
 from taskgeom.runs.folders import Run
+from taskgeom.settings.recipes import load_recipe
 from taskgeom.training.train import train
 
 
 def _recipe(tmp_path, steps: int = 30):
     recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(yaml.safe_dump({"base": tiny_config("dice", steps=steps).model_dump(mode="json"), "profiles": {"quick": {}}}))
+    recipe.write_text(
+        yaml.safe_dump({"base": tiny_config("dice", steps=steps).model_dump(mode="json"), "profiles": {"quick": {}}})
+    )
     return str(recipe)
 
 
@@ -54,10 +56,16 @@ def test_scheduled_runs_equal_runs_trained_alone_and_experiments_find_them_finis
 def test_the_schedule_takes_each_run_once_most_expensive_first(tmp_path):
     recipe = _recipe(tmp_path)
     small, big = (load_recipe(recipe, "quick", [f"train.steps={n}"]) for n in (10, 40))
-    tasks = [TrainTask(small, str(tmp_path), "cpu", "none", 1), TrainTask(big, str(tmp_path), "cpu", "none", 2),
-             TrainTask(small, str(tmp_path), "cpu", "none", 2)]
+    tasks = [
+        TrainTask(small, str(tmp_path), "cpu", "none", 1),
+        TrainTask(big, str(tmp_path), "cpu", "none", 2),
+        TrainTask(small, str(tmp_path), "cpu", "none", 2),
+    ]
     todo = plan(tasks)
-    assert [(u.task.config.train.steps, u.train_threads, u.analysis_threads) for u in todo] == [(40, 2, 0), (10, 1, 0)]  # the first task naming a run sets its threads
+    assert [(u.task.config.train.steps, u.train_threads, u.analysis_threads) for u in todo] == [
+        (40, 2, 0),
+        (10, 1, 0),
+    ]  # the first task naming a run sets its threads
     train(Run.create(big, tmp_path))
     assert [u.task.config.train.steps for u in plan(tasks)] == [10]
 
@@ -65,10 +73,16 @@ def test_the_schedule_takes_each_run_once_most_expensive_first(tmp_path):
 def test_an_analysis_runs_in_the_phase_of_its_threads_after_its_training(tmp_path):
     recipe = _recipe(tmp_path)
     a, b, c = (load_recipe(recipe, "quick", [f"train.steps={n}"]) for n in (10, 20, 30))
-    tasks = [TrainTask(a, str(tmp_path), "cpu", "none", 2), TrainTask(a, str(tmp_path), "cpu", "none", 1, analyse=True),
-             TrainTask(b, str(tmp_path), "cpu", "none", 1, analyse=True), TrainTask(c, str(tmp_path), "cpu", "none", 2)]
-    steps = [(threads, [(u.task.config.train.steps, u.train_threads, u.analysis_threads) for u in group])
-             for threads, group in phases(plan(tasks))]
+    tasks = [
+        TrainTask(a, str(tmp_path), "cpu", "none", 2),
+        TrainTask(a, str(tmp_path), "cpu", "none", 1, analyse=True),
+        TrainTask(b, str(tmp_path), "cpu", "none", 1, analyse=True),
+        TrainTask(c, str(tmp_path), "cpu", "none", 2),
+    ]
+    steps = [
+        (threads, [(u.task.config.train.steps, u.train_threads, u.analysis_threads) for u in group])
+        for threads, group in phases(plan(tasks))
+    ]
     # a trains with 2 threads (its first task's) and is analysed with 1 (the sweep's), in the single-thread phase
     assert steps == [(2, [(30, 2, 0), (10, 2, 0)]), (1, [(20, 1, 1), (10, 0, 1)])]
 
@@ -82,7 +96,11 @@ def test_threads_never_outnumber_cores(tmp_path, monkeypatch):
     tasks = [TrainTask(c, str(tmp_path), "cpu", "none", threads) for c, threads in zip(configs, (1, 2, 1, 2))]
     groups = []
     monkeypatch.setattr(schedule, "usable_cores", lambda: 2)
-    monkeypatch.setattr(schedule, "_run_phase", lambda group, workers: groups.append(([u.task.config.train.steps for u in group], workers)) or [])
+    monkeypatch.setattr(
+        schedule,
+        "_run_phase",
+        lambda group, workers: groups.append(([u.task.config.train.steps for u in group], workers)) or [],
+    )
     schedule.train_all(tasks, Executor(workers=2), Timings())
     assert groups == [([40, 20], 1), ([30, 10], 2)]  # two-thread runs alone, then single-thread runs two at a time
 
@@ -90,31 +108,46 @@ def test_threads_never_outnumber_cores(tmp_path, monkeypatch):
 def test_the_schedule_analyses_a_sweep_run_as_the_sweep_would(tmp_path):
     """The dual analysis done in the schedule writes the dual.json the sweep writes for the same
     run alone (bitwise); the sweep then finds it and analyses nothing."""
-    from taskgeom.training.timing import Timings
     from taskgeom.experiments.schedule import train_all
+    from taskgeom.training.timing import Timings
 
     recipe = _recipe(tmp_path, steps=40)
     job = Job(recipe, -1, 0, "quick", str(tmp_path / "alone"))
     assert run_job(job, threads=1)[0]["status"] == "ok"
     config = job.config()
     profile = Timings()
-    train_all([TrainTask(config, str(tmp_path / "scheduled"), "cpu", "none", 1, analyse=True)], Executor(workers=2), profile)
+    train_all(
+        [TrainTask(config, str(tmp_path / "scheduled"), "cpu", "none", 1, analyse=True)], Executor(workers=2), profile
+    )
     name = f"{config.name}-{config.digest()}"
     for file in ("model.safetensors", "analysis/dual.json"):
-        assert (tmp_path / "scheduled" / name / file).read_bytes() == (tmp_path / "alone" / name / file).read_bytes(), file
+        assert (tmp_path / "scheduled" / name / file).read_bytes() == (tmp_path / "alone" / name / file).read_bytes(), (
+            file
+        )
     assert [s.stage.split()[0] for s in profile.stages] == ["train", "analyse"]
     again = run_job(Job(recipe, -1, 0, "quick", str(tmp_path / "scheduled")), threads=1)
-    assert again[0]["analysis_cpu_s"] < 1.0 and plan([TrainTask(config, str(tmp_path / "scheduled"), "cpu", "none", 1, analyse=True)]) == []
+    assert (
+        again[0]["analysis_cpu_s"] < 1.0
+        and plan([TrainTask(config, str(tmp_path / "scheduled"), "cpu", "none", 1, analyse=True)]) == []
+    )
 
 
 def test_an_analysis_needing_more_threads_than_its_training_never_oversubscribes(tmp_path):
     recipe = _recipe(tmp_path)
     a, b = (load_recipe(recipe, "quick", [f"train.steps={n}"]) for n in (10, 20))
-    tasks = [TrainTask(a, str(tmp_path), "cpu", "none", 1, analyse=False), TrainTask(a, str(tmp_path), "cpu", "none", 2, analyse=True),
-             TrainTask(b, str(tmp_path), "cpu", "none", 1)]
-    steps = [(threads, [(u.task.config.train.steps, u.train_threads, u.analysis_threads) for u in group])
-             for threads, group in phases(plan(tasks))]
-    assert steps == [(2, [(10, 1, 2)]), (1, [(20, 1, 0)])]  # trained with 1 thread, then analysed with 2, in the 2-thread phase
+    tasks = [
+        TrainTask(a, str(tmp_path), "cpu", "none", 1, analyse=False),
+        TrainTask(a, str(tmp_path), "cpu", "none", 2, analyse=True),
+        TrainTask(b, str(tmp_path), "cpu", "none", 1),
+    ]
+    steps = [
+        (threads, [(u.task.config.train.steps, u.train_threads, u.analysis_threads) for u in group])
+        for threads, group in phases(plan(tasks))
+    ]
+    assert steps == [
+        (2, [(10, 1, 2)]),
+        (1, [(20, 1, 0)]),
+    ]  # trained with 1 thread, then analysed with 2, in the 2-thread phase
 
 
 def test_no_analysis_of_a_run_whose_training_failed_and_a_damaged_run_is_left_to_its_experiment(tmp_path, monkeypatch):
@@ -132,8 +165,14 @@ def test_no_analysis_of_a_run_whose_training_failed_and_a_damaged_run_is_left_to
             yield unit, (RuntimeError("boom") if unit.train_threads else {"analyse": (0.0, 0.0)})
 
     monkeypatch.setattr(schedule, "_run_phase", fake)
-    schedule.train_all([TrainTask(config, str(tmp_path), "cpu", "none", 2), TrainTask(config, str(tmp_path), "cpu", "none", 1, analyse=True)],
-                       Executor(workers=2), Timings())
+    schedule.train_all(
+        [
+            TrainTask(config, str(tmp_path), "cpu", "none", 2),
+            TrainTask(config, str(tmp_path), "cpu", "none", 1, analyse=True),
+        ],
+        Executor(workers=2),
+        Timings(),
+    )
     assert done == [(2, 0)]  # the analysis of the run that failed to train is not attempted
     task.path.mkdir(parents=True)
     (task.path / "model.safetensors").write_bytes(b"")

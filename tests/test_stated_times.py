@@ -39,8 +39,10 @@ MANIFEST = r"docs/results/([\w-]+)"  # a published reproduction's folder, as a p
 
 
 def published_timings() -> dict[str, dict]:
-    return {path.parent.name: json.loads(path.read_text(encoding="utf-8"))
-            for path in sorted((ROOT / "docs" / "results").glob("*/timings.json"))}
+    return {
+        path.parent.name: json.loads(path.read_text(encoding="utf-8"))
+        for path in sorted((ROOT / "docs" / "results").glob("*/timings.json"))
+    }
 
 
 def renderings(timings: dict) -> set[str]:
@@ -58,9 +60,16 @@ def renderings(timings: dict) -> set[str]:
 def stated_times(where: str, text: str) -> list[tuple[str, int, str, str, frozenset[str]]]:
     """Every time ``text`` states, as (where, line, the statement as written, its kind, the
     manifest folders its paragraph names), less the labelled estimates of ESTIMATES."""
-    taken = [(m.start(), m.end()) for page, phrase in ESTIMATES if page == where
-             for m in re.finditer(r"\s+".join(map(re.escape, phrase.split())), text)]
-    paragraphs = [(m.start(), m.end(), frozenset(re.findall(MANIFEST, m.group(0)))) for m in re.finditer(r"[^\n]+(?:\n[^\n]+)*", text)]
+    taken = [
+        (m.start(), m.end())
+        for page, phrase in ESTIMATES
+        if page == where
+        for m in re.finditer(r"\s+".join(map(re.escape, phrase.split())), text)
+    ]
+    paragraphs = [
+        (m.start(), m.end(), frozenset(re.findall(MANIFEST, m.group(0))))
+        for m in re.finditer(r"[^\n]+(?:\n[^\n]+)*", text)
+    ]
     found = []
     for kind, pattern in STATEMENTS.items():
         for match in re.finditer(pattern, text):
@@ -68,7 +77,12 @@ def stated_times(where: str, text: str) -> list[tuple[str, int, str, str, frozen
                 continue
             taken.append(match.span())
             named = next(names for start, end, names in paragraphs if start <= match.start() < end)
-            found.append((match.start(), (where, text.count("\n", 0, match.start()) + 1, " ".join(match.group(0).split()), kind, named)))
+            found.append(
+                (
+                    match.start(),
+                    (where, text.count("\n", 0, match.start()) + 1, " ".join(match.group(0).split()), kind, named),
+                )
+            )
     return [statement for _, statement in sorted(found)]
 
 
@@ -107,7 +121,9 @@ def test_every_time_the_readme_and_the_pages_state_is_a_published_manifests():
     assert unbacked(statements) == [], "a time that no manifest its paragraph names records (page, line, text)"
     # the scan finds what it is for: the manifests' times on the pages that quote them
     assert len(statements) >= 10, statements
-    assert {"docs/results.md", "docs/scale-ladder.md", "docs/practicalities.md", "README.md"} <= {s[0] for s in statements}
+    assert {"docs/results.md", "docs/scale-ladder.md", "docs/practicalities.md", "README.md"} <= {
+        s[0] for s in statements
+    }
     assert ("docs/scale-ladder.md", "1 h 5 min 51 s") in {(s[0], s[2]) for s in statements}
     for where, phrase in ESTIMATES:  # each estimate left out is still on its page and says it is one
         assert phrase in " ".join(texts[where].split()) and "estimate" in phrase, (where, phrase)
@@ -116,18 +132,33 @@ def test_every_time_the_readme_and_the_pages_state_is_a_published_manifests():
 def test_a_time_no_manifest_records_is_caught():
     """The scan rejects a planted wrong time of each kind, and a right one beside the wrong manifest;
     it passes the manifests' own."""
-    wrong = ("The wide rung took 1 h 5 min 57 s wall and 5,941 CPU-s; long-e1 25 min\n48 s, 2,930 s wall\n"
-             "(docs/results/wide/, docs/results/long-e1/). Quick took 53 minutes. It takes 57 minutes on a 2-core Intel Xeon.\n\n"
-             "The deep rung: 24 min 23 s wall, 2,424.9 CPU-s (`docs/results/quick/`).\n\nThe quick one, 56 min 46 s.")
+    wrong = (
+        "The wide rung took 1 h 5 min 57 s wall and 5,941 CPU-s; long-e1 25 min\n48 s, 2,930 s wall\n"
+        "(docs/results/wide/, docs/results/long-e1/). Quick took 53 minutes. It takes 57 minutes on a 2-core Intel Xeon.\n\n"
+        "The deep rung: 24 min 23 s wall, 2,424.9 CPU-s (`docs/results/quick/`).\n\nThe quick one, 56 min 46 s."
+    )
     statements = stated_times("docs/planted.md", wrong)
-    assert [s[2] for s in unbacked(statements)] == ["1 h 5 min 57 s", "5,941 CPU-s", "25 min 48 s", "2,930 s wall",
-                                                   "took 53 minutes", "57 minutes on a 2-core",
-                                                   "24 min 23 s", "2,424.9 CPU-s", "56 min 46 s"]
+    assert [s[2] for s in unbacked(statements)] == [
+        "1 h 5 min 57 s",
+        "5,941 CPU-s",
+        "25 min 48 s",
+        "2,930 s wall",
+        "took 53 minutes",
+        "57 minutes on a 2-core",
+        "24 min 23 s",
+        "2,424.9 CPU-s",
+        "56 min 46 s",
+    ]
     assert [s[1] for s in unbacked(statements)] == [1, 1, 1, 2, 3, 3, 5, 5, 7]
-    right = ("The wide rung took 1 h 5 min 51 s wall and 5,914.0 CPU-s (3,951 s wall); long-e1 25 min\n39 s, 2,895 CPU-s;"
-             " its schedule 25 min 8 s (`docs/results/wide/timings.json`, `docs/results/long-e1/timings.json`).")
+    right = (
+        "The wide rung took 1 h 5 min 51 s wall and 5,914.0 CPU-s (3,951 s wall); long-e1 25 min\n39 s, 2,895 CPU-s;"
+        " its schedule 25 min 8 s (`docs/results/wide/timings.json`, `docs/results/long-e1/timings.json`)."
+    )
     statements = stated_times("docs/planted.md", right)
     assert len(statements) == 6 and unbacked(statements) == []
     # whole minutes only in the set-up line of the README and Getting started
-    assert unbacked(stated_times("README.md", "50 minutes on a 2-core AMD EPYC with AVX2, 57 on a 2-core Intel Xeon")) == []
+    assert (
+        unbacked(stated_times("README.md", "50 minutes on a 2-core AMD EPYC with AVX2, 57 on a 2-core Intel Xeon"))
+        == []
+    )
     assert len(unbacked(stated_times("docs/results.md", "50 minutes on a 2-core AMD EPYC"))) == 1

@@ -10,15 +10,22 @@ import math
 import pytest
 import torch
 
+from taskgeom.analysis.reading.steering import (
+    Steering,
+    TokenReadout,
+    clip_positions,
+    kl_rows,
+    position_task_vectors,
+    random_edit,
+    steering_place,
+)
 from taskgeom.analysis.stored.m1 import steering_rows
-from taskgeom.analysis.reading.steering import (Steering, TokenReadout, clip_positions, kl_rows, position_task_vectors, random_edit,
-                                        steering_place)
 from taskgeom.analysis.study import StudyRun
-from taskgeom.settings.recipes import build_config
-from taskgeom.errors import AnalysisError
 from taskgeom.claims.m1 import steering_claim
+from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place, capture
 from taskgeom.runs.folders import Run
+from taskgeom.settings.recipes import build_config
 from taskgeom.tasks import make
 
 N = 24  # held-out sequences: 8 per major task
@@ -33,8 +40,12 @@ def study_run(tmp_path, family: str, **task) -> StudyRun:
     edits move its outputs visibly); the steering place, block 2, has blocks after it, so an edit
     at one position reaches the later ones."""
     length = {"seq_len": 32} if family != "regression" else {}
-    raw = {"name": f"steer-{family}", "task": {"family": family, **length, **task},
-           "model": {"n_layers": 4, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 32}, "train": {"steps": 1, "threads": 1}}
+    raw = {
+        "name": f"steer-{family}",
+        "task": {"family": family, **length, **task},
+        "model": {"n_layers": 4, "d_model": 16, "n_heads": 2, "d_mlp": 32, "max_len": 32},
+        "train": {"steps": 1, "threads": 1},
+    }
     run = Run.create(build_config(raw), tmp_path)
     model = run.new_model().eval()
     with torch.no_grad():
@@ -46,6 +57,7 @@ def study_run(tmp_path, family: str, **task) -> StudyRun:
 def hooked_outputs(run: StudyRun, place: Place, tokens: torch.Tensor, position: int, change) -> torch.Tensor:
     """The whole model's outputs with a plain forward hook at ``place`` that replaces the state
     at model ``position`` by change(state [B, D])."""
+
     def hook(_module, _inputs, output):
         output = output.clone()
         output[:, position] = change(output[:, position])
@@ -91,7 +103,9 @@ def test_token_readout_mixes_the_tasks_next_token_laws(family):
     for m in range(3):
         for i, t in enumerate((2, 5)):
             law = [params[k] if family == "dice" else params[k][tokens[sequence[m], t]] for k in range(K)]
-            assert q[m, i].tolist() == pytest.approx([sum(a[m, k].item() * law[k][v] for k in range(K)) for v in range(V)], rel=1e-12)
+            assert q[m, i].tolist() == pytest.approx(
+                [sum(a[m, k].item() * law[k][v] for k in range(K)) for v in range(V)], rel=1e-12
+            )
 
 
 def test_per_position_task_vectors_by_hand():
@@ -122,7 +136,11 @@ def test_each_steered_position_equals_its_own_pass_under_a_plain_hook(tmp_path, 
     geometry = run.geometry(major, place)
     positions = (26, 29) if family == "dice" else (0, 7)
     result = geometry.steer("dirichlet", positions=positions, variant="steer-at-read-site")
-    assert result.positions == positions and result.form == ("task" if family == "dice" else "subspace") and result.place == place
+    assert (
+        result.positions == positions
+        and result.form == ("task" if family == "dice" else "subspace")
+        and result.place == place
+    )
     a, tokens, task = result.a, major.batch.tokens, major.batch.task
     assert a.shape == (N, 3) and torch.equal(result.sequence, torch.arange(N))
     h = states_by_hand(run, place, tokens)
@@ -206,7 +224,9 @@ def test_the_protocol_steers_as_the_study_s_injection_by_hand(tmp_path, monkeypa
         plain = torch.softmax(run.model(tokens).double(), -1)
     steered, unsteered = [], []
     for p in positions:
-        edited = torch.softmax(hooked_outputs(run, Place(place.layer, "resid_mid"), tokens, p, edit_by_hand(p)).double(), -1)
+        edited = torch.softmax(
+            hooked_outputs(run, Place(place.layer, "resid_mid"), tokens, p, edit_by_hand(p)).double(), -1
+        )
         targets = [sum(a[n, k] * law(k, n, p) for k in range(3)) for n in range(N)]
         steered.append([kl_by_hand(edited[n, p].tolist(), targets[n].tolist()) for n in range(N)])
         unsteered.append([kl_by_hand(plain[n, p].tolist(), targets[n].tolist()) for n in range(N)])
@@ -258,8 +278,13 @@ def test_e2_steering_is_the_rmse_to_the_mixtures_prediction_by_hand(tmp_path, la
     for i, example in enumerate(examples):
         where = int(read[example])
         mu = h[:, where].mean(0)  # the paired batch gives every task the same number of sequences
-        out = hooked_outputs(run, place, batch.tokens, where,
-                             lambda s: (s.double() - (s.double() - mu) @ basis @ basis.T + a @ theta).float())
+        out = hooked_outputs(
+            run,
+            place,
+            batch.tokens,
+            where,
+            lambda s: (s.double() - (s.double() - mu) @ basis @ basis.T + a @ theta).float(),
+        )
         steered.append(out[:, where, 0].double())
     steered = torch.stack(steered, 1)
     mode_y = torch.stack([(batch.x[torch.arange(N), i].double() * w[a.argmax(-1)]).sum(-1) for i in examples], 1)
@@ -307,32 +332,78 @@ def test_the_random_control_moves_each_state_as_far_as_the_edit():
 def fabricated(measure: str, unsteered: list[float], steered: list[float], mode: list[float]) -> Steering:
     t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
     n = len(unsteered)
-    return Steering(torch.full((n, 3), 1 / 3, dtype=torch.float64), torch.arange(n), (25, 26, 27), t(unsteered), t(steered), t(mode),
-                    t([1.0] * n), measure, "KL" if measure == "kl" else "RMSE", "task", Place(3, "resid_post"), n)
+    return Steering(
+        torch.full((n, 3), 1 / 3, dtype=torch.float64),
+        torch.arange(n),
+        (25, 26, 27),
+        t(unsteered),
+        t(steered),
+        t(mode),
+        t([1.0] * n),
+        measure,
+        "KL" if measure == "kl" else "RMSE",
+        "task",
+        Place(3, "resid_post"),
+        n,
+    )
 
 
 def test_steering_rows_are_means_with_quartile_bands_and_what_was_steered():
     steering = fabricated("kl", [0.9, 0.1, 0.5, 0.7, 0.3], [0.01, 0.2, 0.05, 0.04, 0.02], [0.6, 0.8, 0.4, 1.0, 0.2])
     rows = {r["metric"]: r for r in steering_rows(steering)}
-    assert list(rows) == ["steering.kl_unsteered", "steering.kl_steered", "steering.kl_mode", "steering.kl_random", "steering.n_sequences",
-                          "steering.n_points", "steering.position_first", "steering.position_last", "steering.n_positions"]
-    assert rows["steering.kl_unsteered"]["value"] == pytest.approx(0.5) and rows["steering.kl_unsteered"]["band"] == pytest.approx([0.3, 0.7])
-    assert rows["steering.kl_steered"]["value"] == pytest.approx(0.064) and rows["steering.kl_mode"]["value"] == pytest.approx(0.6)
-    assert [rows[f"steering.{m}"]["value"] for m in ("n_sequences", "n_points", "position_first", "position_last", "n_positions")] == [
-        5, 5, 25, 27, 3]
-    assert all((r["layer"], r["site"], r["batch"], r["position"]) == (3, "resid_post", "measure", None) for r in rows.values())
+    assert list(rows) == [
+        "steering.kl_unsteered",
+        "steering.kl_steered",
+        "steering.kl_mode",
+        "steering.kl_random",
+        "steering.n_sequences",
+        "steering.n_points",
+        "steering.position_first",
+        "steering.position_last",
+        "steering.n_positions",
+    ]
+    assert rows["steering.kl_unsteered"]["value"] == pytest.approx(0.5) and rows["steering.kl_unsteered"][
+        "band"
+    ] == pytest.approx([0.3, 0.7])
+    assert rows["steering.kl_steered"]["value"] == pytest.approx(0.064) and rows["steering.kl_mode"][
+        "value"
+    ] == pytest.approx(0.6)
+    assert [
+        rows[f"steering.{m}"]["value"]
+        for m in ("n_sequences", "n_points", "position_first", "position_last", "n_positions")
+    ] == [5, 5, 25, 27, 3]
+    assert all(
+        (r["layer"], r["site"], r["batch"], r["position"]) == (3, "resid_post", "measure", None) for r in rows.values()
+    )
 
 
-@pytest.mark.parametrize("measure, unsteered, steered, mode, value, status", [
-    ("kl", 0.75, 0.25, 0.5, 1.0, "pass"),       # exactly a third of unsteered, below the mode task's
-    ("kl", 0.75, 0.26, 0.5, 1.04, "fail"),      # more than a third
-    ("kl", 0.75, 0.125, 0.1, 1.25, "fail"),     # a sixth of unsteered, but above the mode task's
-    ("rmse", 0.75, 0.375, 0.5, 1.0, "pass"),    # E2: half of unsteered passes
-    ("rmse", 0.75, 0.25, 0.5, 2 / 3, "pass"),
-    ("rmse", 0.75, 0.5, 0.75, 4 / 3, "fail"),
-])
-def test_the_claim_passes_at_most_a_third_of_unsteered_and_below_the_mode_task(measure, unsteered, steered, mode, value, status):
+@pytest.mark.parametrize(
+    "measure, unsteered, steered, mode, value, status",
+    [
+        ("kl", 0.75, 0.25, 0.5, 1.0, "pass"),  # exactly a third of unsteered, below the mode task's
+        ("kl", 0.75, 0.26, 0.5, 1.04, "fail"),  # more than a third
+        ("kl", 0.75, 0.125, 0.1, 1.25, "fail"),  # a sixth of unsteered, but above the mode task's
+        ("rmse", 0.75, 0.375, 0.5, 1.0, "pass"),  # E2: half of unsteered passes
+        ("rmse", 0.75, 0.25, 0.5, 2 / 3, "pass"),
+        ("rmse", 0.75, 0.5, 0.75, 4 / 3, "fail"),
+    ],
+)
+def test_the_claim_passes_at_most_a_third_of_unsteered_and_below_the_mode_task(
+    measure, unsteered, steered, mode, value, status
+):
     claim = steering_claim(fabricated(measure, [unsteered] * 2, [steered] * 2, [mode] * 2), "e1")
     assert claim.value == pytest.approx(value, rel=1e-12) and claim.status == status and claim.threshold == 1.0
-    assert claim.parts == {"unsteered": unsteered, "steered": steered, "mode": mode, "random": 1.0, "layer": 3, "site": "resid_post",
-                           "position_first": 25, "position_last": 27, "n_positions": 3, "n_sequences": 2, "n_points": 2, "form": "task"}
+    assert claim.parts == {
+        "unsteered": unsteered,
+        "steered": steered,
+        "mode": mode,
+        "random": 1.0,
+        "layer": 3,
+        "site": "resid_post",
+        "position_first": 25,
+        "position_last": 27,
+        "n_positions": 3,
+        "n_sequences": 2,
+        "n_points": 2,
+        "form": "task",
+    }

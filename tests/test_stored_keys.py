@@ -18,7 +18,10 @@ COMMITTED = Path(__file__).with_name("stored_fingerprints.json")
 
 
 def current() -> dict[str, dict]:
-    return {analysis: {"format": keys.FORMATS[analysis], "code": keys.code_fingerprint(analysis)} for analysis in keys.FORMATS}
+    return {
+        analysis: {"format": keys.FORMATS[analysis], "code": keys.code_fingerprint(analysis)}
+        for analysis in keys.FORMATS
+    }
 
 
 def test_each_analysis_code_is_the_one_its_format_number_was_recorded_with():
@@ -31,25 +34,32 @@ def test_each_analysis_code_is_the_one_its_format_number_was_recorded_with():
         f"the code of the stored analyses {changed} changed since their fingerprints were recorded ({recorded} -> {now}). "
         "Either bump its format number in taskgeom.analysis.stored.keys.FORMATS (stored results are then measured again; "
         "say why in CHANGELOG.md), or, if no stored number can move, record the new fingerprint: "
-        "TASKGEOM_RECORD_FINGERPRINTS=1 python -m pytest tests/test_stored_keys.py (docs: contributing.md#stored-results)")
+        "TASKGEOM_RECORD_FINGERPRINTS=1 python -m pytest tests/test_stored_keys.py (docs: contributing.md#stored-results)"
+    )
 
 
 def _fingerprint_of(source: str) -> str:
-    return ast.dump(keys._without_docstrings(ast.parse(source)), annotate_fields=False)
+    return ast.dump(keys._normalized(ast.parse(source)), annotate_fields=False)
 
 
 def test_the_fingerprint_ignores_docstrings_comments_and_layout_but_not_code():
-    source = 'def f(x):\n    """Doc."""\n    return x + 1  # one\n\nSITE = "resid_mid"\n'
-    same = 'def f(x):\n    """Another doc, reworded."""\n    # a comment\n    return (x\n            + 1)\n\n\nSITE = "resid_mid"  # where\n'
+    source = 'import os\nfrom a import b, c\ndef f(x):\n    """Doc."""\n    return x + 1  # one\n\nSITE = "resid_mid"\n'
+    same = (
+        'from a import c\nimport os\nfrom a import b\ndef f(x):\n    """Another doc, reworded."""\n    # a comment\n'
+        '    return (x\n            + 1)\n\n\nSITE = "resid_mid"  # where\n'
+    )
     assert _fingerprint_of(source) == _fingerprint_of(same)
     assert _fingerprint_of(source) != _fingerprint_of(source.replace("resid_mid", "resid_post"))
     assert _fingerprint_of(source) != _fingerprint_of(source.replace("x + 1", "x + 2"))
+    assert _fingerprint_of(source) != _fingerprint_of(source.replace("import b, c", "import b, d"))
 
 
 def test_each_analysis_fingerprints_the_measuring_code_it_imports():
     for analysis, entry in keys.ENTRY.items():
         modules = keys.code_modules(analysis)
-        assert entry in modules and "taskgeom.analysis.protocol" in modules and "taskgeom.analysis.stored.keys" in modules
+        assert (
+            entry in modules and "taskgeom.analysis.protocol" in modules and "taskgeom.analysis.stored.keys" in modules
+        )
         assert all(m.startswith(keys.MEASURING) for m in modules)
     assert "taskgeom.analysis.reading.steering" in keys.code_modules("m1")
     assert "taskgeom.extras.dyck_prefix" in keys.code_modules("e4")
@@ -59,10 +69,13 @@ def test_the_key_holds_the_format_and_the_protocol_digest(monkeypatch):
     assert keys.key("dual") == {"version": keys.FORMATS["dual"], "protocol": protocol.STUDY.digest()}
     row = keys.key("dual")
     assert keys.is_current(row, "dual") and keys.is_current({k: str(v) for k, v in row.items()}, "dual", as_text=True)
-    for field, value in (("eval_sequences", 256), ("steering_write_site", "resid_post"), ("trajectory_estimation", range(40, 61))):
+    for field, value in (
+        ("eval_sequences", 256),
+        ("steering_write_site", "resid_post"),
+        ("trajectory_estimation", range(40, 61)),
+    ):
         monkeypatch.setattr(keys, "STUDY", replace(protocol.STUDY, **{field: value}))
         assert not keys.is_current(row, "dual"), field
     monkeypatch.undo()
     assert not keys.is_current({**row, "version": row["version"] - 1}, "dual")
     assert protocol.Protocol().digest() == protocol.STUDY.digest()  # a pure function of the fields
-

@@ -12,9 +12,9 @@ from taskgeom import tasks
 from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN, share_of_gain
 from taskgeom.analysis.measures.subspace import complement_basis, projection_r2, task_ablation
 from taskgeom.analysis.measures.task_vectors import task_subspace, token_conditioned
-from taskgeom.errors import AnalysisError
 from taskgeom.analysis.measures.theory import participation_ratio, readout_lipschitz
 from taskgeom.analysis.measures.transition import predict_generalising
+from taskgeom.errors import AnalysisError
 
 
 def test_projection_r2_is_one_inside_and_zero_orthogonal():
@@ -68,7 +68,12 @@ def test_token_conditioned_projection_regresses_on_each_tokens_own_vectors():
     x = torch.einsum("nk,knd->nd", beta, conditioned[:, tokens])
     token_form = projection_r2(x, subspace.conditioned_basis(tokens))
     torch.testing.assert_close(token_form, torch.ones(100), atol=1e-6, rtol=0)
-    brute = torch.stack([projection_r2(x[i : i + 1], torch.linalg.qr(conditioned[:, tokens[i]].T)[0][:, :K - 1])[0] for i in range(100)])
+    brute = torch.stack(
+        [
+            projection_r2(x[i : i + 1], torch.linalg.qr(conditioned[:, tokens[i]].T)[0][:, : K - 1])[0]
+            for i in range(100)
+        ]
+    )
     torch.testing.assert_close(token_form, brute, atol=1e-6, rtol=0)
     assert projection_r2(x, subspace.basis).mean() < 0.9
 
@@ -128,7 +133,11 @@ def test_a_share_of_a_gain_that_is_not_positive_is_null_with_its_reason_and_a_sm
     assert share_of_gain(clean, torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)).value is None  # zero gain
     small = torch.tensor([1.0, 1.0 - MIN_RELIABLE_GAIN / 2, 1.0 - MIN_RELIABLE_GAIN / 2], dtype=torch.float64)
     shaky = share_of_gain(small + 0.01, small)
-    assert shaky.value == pytest.approx(100 * 0.01 / (MIN_RELIABLE_GAIN / 2)) and shaky.unreliable is True and shaky.reason is None
+    assert (
+        shaky.value == pytest.approx(100 * 0.01 / (MIN_RELIABLE_GAIN / 2))
+        and shaky.unreliable is True
+        and shaky.reason is None
+    )
 
 
 def test_generalising_predictor_interpolates_majors_and_the_prior():

@@ -36,13 +36,33 @@ def test_posterior_and_predictive_match_brute_force(name, V):
     for b in range(5):
         seq = batch.tokens[b].tolist()
         for t in range(7):
-            joint = torch.tensor([math.log(pool.weights[k]) + brute_log_likelihood(name, seq[: t + 1], pool.params[k]) for k in range(pool.size)], dtype=torch.float64)
+            joint = torch.tensor(
+                [
+                    math.log(pool.weights[k]) + brute_log_likelihood(name, seq[: t + 1], pool.params[k])
+                    for k in range(pool.size)
+                ],
+                dtype=torch.float64,
+            )
             expected = joint - torch.logsumexp(joint, 0)
             torch.testing.assert_close(logpost[b, t], expected, rtol=0, atol=1e-10)
             # predictive by enumerating the next token: p(x_{t+1} = v | x_{:t+1}) = p(seq + [v]) / p(seq)
-            nxt = torch.tensor([
-                torch.logsumexp(torch.tensor([math.log(pool.weights[k]) + brute_log_likelihood(name, seq[: t + 1] + [v], pool.params[k]) for k in range(pool.size)], dtype=torch.float64), 0)
-                for v in range(V)], dtype=torch.float64)
+            nxt = torch.tensor(
+                [
+                    torch.logsumexp(
+                        torch.tensor(
+                            [
+                                math.log(pool.weights[k])
+                                + brute_log_likelihood(name, seq[: t + 1] + [v], pool.params[k])
+                                for k in range(pool.size)
+                            ],
+                            dtype=torch.float64,
+                        ),
+                        0,
+                    )
+                    for v in range(V)
+                ],
+                dtype=torch.float64,
+            )
             torch.testing.assert_close(pred[b, t], (nxt - torch.logsumexp(joint, 0)).exp(), rtol=0, atol=1e-10)
 
 
@@ -55,7 +75,11 @@ def test_ood_evidence_is_the_dirichlet_multinomial_closed_form(name, V):
 
     def log_dm(counts: torch.Tensor) -> float:  # Dirichlet-multinomial evidence of an ordered sequence
         n = counts.sum()
-        return (math.lgamma(V * alpha) - math.lgamma(V * alpha + n) + sum(math.lgamma(alpha + c) - math.lgamma(alpha) for c in counts.tolist()))
+        return (
+            math.lgamma(V * alpha)
+            - math.lgamma(V * alpha + n)
+            + sum(math.lgamma(alpha + c) - math.lgamma(alpha) for c in counts.tolist())
+        )
 
     for b in range(6):
         seq = batch.tokens[b]
@@ -72,7 +96,11 @@ def test_every_predictive_sums_to_one(name, V):
     fam = family(name, vocab_size=V)
     pool = fam.sample_pool(3, 16, 0.1, seed=0)
     batch = fam.sample(pool, 32, 20, seed=0)
-    for probs in (fam.predict_id(batch.tokens, pool), fam.predict_ood(batch.tokens), fam.predict_task(batch.tokens, batch.params)):
+    for probs in (
+        fam.predict_id(batch.tokens, pool),
+        fam.predict_ood(batch.tokens),
+        fam.predict_task(batch.tokens, batch.params),
+    ):
         assert probs.shape == (32, 20, V)
         assert (probs >= 0).all()
         torch.testing.assert_close(probs.sum(-1), torch.ones(32, 20, dtype=torch.float64))
@@ -168,7 +196,9 @@ def test_bayes_posterior_brute_force_over_all_short_sequences(name, V, T):
             joint = [weights[k] * likelihood(seq[: t + 1], k) for k in range(pool.size)]
             expected = [j / sum(joint) for j in joint]
             assert post[i, t].tolist() == pytest.approx(expected, rel=1e-12, abs=1e-15), (seq, t)
-        first = sum(weights[k] * likelihood(seq[:1], k) for k in range(pool.size))  # no predictive before the first token
+        first = sum(
+            weights[k] * likelihood(seq[:1], k) for k in range(pool.size)
+        )  # no predictive before the first token
         chain = first * math.prod(pred[i, t, seq[t + 1]].item() for t in range(T - 1))
         mixture = sum(weights[k] * likelihood(seq, k) for k in range(pool.size))
         assert chain == pytest.approx(mixture, rel=1e-12), seq
@@ -179,8 +209,8 @@ def test_bayes_posterior_brute_force_over_all_short_sequences(name, V, T):
 # ---- E1 at the study's settings (docs/protocol.md#the-studys-settings-the-paper-profile): V = 16, Dirichlet(1) majors from a fixed seed -----
 def test_e1_majors_are_the_same_in_every_run_and_the_minors_are_drawn_per_run(tmp_path):
     """The recipe's majors do not depend on the run seed or the diversity; its minors depend on the seed."""
-    from taskgeom.settings.recipes import load_recipe
     from taskgeom.runs.folders import Run
+    from taskgeom.settings.recipes import load_recipe
 
     def pool(seed: int, k: int) -> tasks.TaskPool:
         return Run(tmp_path, load_recipe("e1", "quick", [f"train.seed={seed}", f"task.diversity={k}"])).pool
@@ -204,7 +234,11 @@ def test_e1_bayes_at_v16_with_dirichlet_majors_matches_a_plain_loop():
     fam = tasks.make("dice", vocab_size=16, alpha=1.0, majors="dirichlet", major_seed=42)
     pool = fam.sample_pool(3, 8, 0.1, seed=3)
     batch = fam.sample(pool, 6, 40, seed=1)
-    logpost, pred_id, pred_ood = fam.log_posterior(batch.tokens, pool), fam.predict_id(batch.tokens, pool), fam.predict_ood(batch.tokens)
+    logpost, pred_id, pred_ood = (
+        fam.log_posterior(batch.tokens, pool),
+        fam.predict_id(batch.tokens, pool),
+        fam.predict_ood(batch.tokens),
+    )
     weights, params = pool.weights.tolist(), pool.params.tolist()
     for b, seq in enumerate(batch.tokens.tolist()):
         joint = list(map(math.log, weights))
@@ -214,8 +248,14 @@ def test_e1_bayes_at_v16_with_dirichlet_majors_matches_a_plain_loop():
             top = max(joint)
             post = [math.exp(j - top) for j in joint]
             post = [p / sum(post) for p in post]
-            torch.testing.assert_close(logpost[b, t].exp(), torch.tensor(post, dtype=torch.float64), rtol=1e-10, atol=1e-13)
+            torch.testing.assert_close(
+                logpost[b, t].exp(), torch.tensor(post, dtype=torch.float64), rtol=1e-10, atol=1e-13
+            )
             mixture = [sum(post[k] * params[k][v] for k in range(pool.size)) for v in range(16)]
-            torch.testing.assert_close(pred_id[b, t], torch.tensor(mixture, dtype=torch.float64), rtol=1e-10, atol=1e-13)
+            torch.testing.assert_close(
+                pred_id[b, t], torch.tensor(mixture, dtype=torch.float64), rtol=1e-10, atol=1e-13
+            )
             counts[x] += 1
-            torch.testing.assert_close(pred_ood[b, t], torch.tensor([c / sum(counts) for c in counts], dtype=torch.float64))
+            torch.testing.assert_close(
+                pred_ood[b, t], torch.tensor([c / sum(counts) for c in counts], dtype=torch.float64)
+            )

@@ -55,7 +55,10 @@ def test_reproduce_writes_the_profile_of_each_experiment(tmp_path):
     reproduce(tmp_path, "quick", {"first": first, "second": second})
     timings = json.loads((tmp_path / "timings.json").read_text())
     assert list(timings["experiments"]) == ["first", "second"]
-    assert [(s["experiment"], s["stage"]) for s in timings["stages"]] == [("first", "work"), ("second", "a worker's run")]
+    assert [(s["experiment"], s["stage"]) for s in timings["stages"]] == [
+        ("first", "work"),
+        ("second", "a worker's run"),
+    ]
     assert timings["experiments"]["second"]["cpu_s"] >= 0.5
     assert "Timings" in (tmp_path / "report.html").read_text()
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import yaml
+from conftest import tiny_config
 from typer.testing import CliRunner
 
-from conftest import tiny_config
 from taskgeom.cli import app
 from taskgeom.errors import TaskgeomError
 from taskgeom.experiments.executors import Executor
@@ -62,8 +62,12 @@ def test_unknown_and_missing_trackers_are_refused(tmp_path, monkeypatch):
 
 def test_sweep_runs_log_to_the_tracker(tmp_path):
     recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(yaml.safe_dump({"base": tiny_config("dice", steps=20).model_dump(mode="json"), "profiles": {"quick": {}}}))
-    jobs = [Job(str(recipe), k, 0, "quick", str(tmp_path / "runs"), device="cpu", tracker="tensorboard") for k in (-1, 1)]
+    recipe.write_text(
+        yaml.safe_dump({"base": tiny_config("dice", steps=20).model_dump(mode="json"), "profiles": {"quick": {}}})
+    )
+    jobs = [
+        Job(str(recipe), k, 0, "quick", str(tmp_path / "runs"), device="cpu", tracker="tensorboard") for k in (-1, 1)
+    ]
     table = run_sweep(jobs, Executor(workers=1))
     assert set(table["status"]) == {"ok"}, table.get("error")
     runs = sorted((tmp_path / "runs").glob("tiny-dice-*"))

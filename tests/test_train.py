@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import tiny_config
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from conftest import tiny_config
 from taskgeom.cli import app
 from taskgeom.errors import CheckpointError, RunDirError, TrainingDiverged
 from taskgeom.runs.folders import Run
@@ -47,18 +47,24 @@ def test_learning_rate_rises_from_its_floor_and_decays_to_it_linearly_or_on_a_co
     cosine = [0.1 + (1 - math.cos(math.pi * share)) / 2 for share in (1.0, 0.8, 0.6, 0.4, 0.2)]
     assert cosine[1:] == pytest.approx([1.0045085, 0.7545085, 0.4454915, 0.1954915])
     assert [learning_rate(s, 10, 1.1, 0.5, 0.1, "cosine") for s in range(10)] == pytest.approx(rise + cosine)
-    assert [learning_rate(s, 10, 1.0, 0.5, 0.0) for s in range(10)] == [learning_rate(s, 10, 1.0, 0.5) for s in range(10)]
+    assert [learning_rate(s, 10, 1.0, 0.5, 0.0) for s in range(10)] == [
+        learning_rate(s, 10, 1.0, 0.5) for s in range(10)
+    ]
     with pytest.raises(ValueError, match="unknown schedule 'step'"):
         learning_rate(0, 10, 1.0, 0.5, 0.0, "step")
 
 
-@pytest.mark.parametrize("recipe,start,end", [("e1", 1e-5, 1e-5), ("e3", 1e-5, 1e-5), ("e4", 2e-5, 2e-5), ("e2", 0.0, 0.0)])
+@pytest.mark.parametrize(
+    "recipe,start,end", [("e1", 1e-5, 1e-5), ("e3", 1e-5, 1e-5), ("e4", 2e-5, 2e-5), ("e2", 0.0, 0.0)]
+)
 def test_the_paper_schedules_are_the_study_s(recipe, start, end):
     """docs/protocol.md#the-studys-settings-the-paper-profile: from the floor to the peak at 15k of 30k steps and back to the floor."""
     from taskgeom.settings.recipes import load_recipe
 
     cfg = load_recipe(recipe, "paper").train
-    rate = [learning_rate(s, cfg.steps, cfg.lr, cfg.warmup_frac, cfg.lr_floor, cfg.schedule) for s in (-1, 14999, 30000)]
+    rate = [
+        learning_rate(s, cfg.steps, cfg.lr, cfg.warmup_frac, cfg.lr_floor, cfg.schedule) for s in (-1, 14999, 30000)
+    ]
     assert cfg.steps == 30000 and rate == pytest.approx([start, cfg.lr, end], abs=1e-12)
 
 
@@ -88,8 +94,12 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
     recipe = write_recipe(tmp_path / "recipe.yaml", config)
     killed = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    proc = subprocess.Popen([sys.executable, "-m", "taskgeom", "train", str(recipe), "--run-dir", str(killed)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "taskgeom", "train", str(recipe), "--run-dir", str(killed)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while not (killed / "checkpoint.safetensors").exists() and time.time() < deadline:
         time.sleep(0.01)
@@ -120,7 +130,10 @@ def _snapshot(path: Path) -> dict[str, bytes]:
 
 
 def test_cli_rejects_unknown_key_and_bad_size():
-    for setting, message in [("train.stepz=3", "unknown config field 'train.stepz'"), ("model.d_model=0", "'model.d_model'")]:
+    for setting, message in [
+        ("train.stepz=3", "unknown config field 'train.stepz'"),
+        ("model.d_model=0", "'model.d_model'"),
+    ]:
         result = runner.invoke(app, ["train", "e1", "--set", setting])
         assert result.exit_code == 2 and message in result.output
 
@@ -186,25 +199,36 @@ def _hand_made_checkpoint(run: Run, **meta: str) -> None:
     """checkpoint.safetensors with the weights of a fresh model and the metadata ``meta`` (besides
     format and config digest): what a damaged or foreign writer could leave."""
     tensors = {f"model.{k}": v.contiguous() for k, v in run.new_model().state_dict().items()}
-    save_file(tensors, str(run.checkpoint_path), metadata={"format": CHECKPOINT_FORMAT, "config_digest": run.config.digest(), **meta})
+    save_file(
+        tensors,
+        str(run.checkpoint_path),
+        metadata={"format": CHECKPOINT_FORMAT, "config_digest": run.config.digest(), **meta},
+    )
 
 
-@pytest.mark.parametrize("meta, shown", [
-    ({"loss_sum": "0.0", "loss_count": "0"}, "'step' is missing"),
-    ({"step": "ten", "loss_sum": "0.0", "loss_count": "0"}, "'step' is 'ten'"),
-    ({"step": "2.5", "loss_sum": "0.0", "loss_count": "0"}, "'step' is '2.5'"),
-    ({"step": "-1", "loss_sum": "0.0", "loss_count": "0"}, "'step' is '-1'"),
-    ({"step": "41", "loss_sum": "0.0", "loss_count": "0"}, "'step' is '41', expected an integer in 0..40"),
-    ({"step": "10", "loss_sum": "nan", "loss_count": "0"}, "'loss_sum' is 'nan'"),
-    ({"step": "10", "loss_sum": "0.0"}, "'loss_count' is missing"),
-])
+@pytest.mark.parametrize(
+    "meta, shown",
+    [
+        ({"loss_sum": "0.0", "loss_count": "0"}, "'step' is missing"),
+        ({"step": "ten", "loss_sum": "0.0", "loss_count": "0"}, "'step' is 'ten'"),
+        ({"step": "2.5", "loss_sum": "0.0", "loss_count": "0"}, "'step' is '2.5'"),
+        ({"step": "-1", "loss_sum": "0.0", "loss_count": "0"}, "'step' is '-1'"),
+        ({"step": "41", "loss_sum": "0.0", "loss_count": "0"}, "'step' is '41', expected an integer in 0..40"),
+        ({"step": "10", "loss_sum": "nan", "loss_count": "0"}, "'loss_sum' is 'nan'"),
+        ({"step": "10", "loss_sum": "0.0"}, "'loss_count' is missing"),
+    ],
+)
 def test_checkpoint_metadata_is_checked_and_the_message_says_how_to_restart(tmp_path, meta, shown):
     run = Run.create(tiny_config("dice"), path=tmp_path / "r")
     _hand_made_checkpoint(run, **meta)
     with pytest.raises(CheckpointError) as caught:
         train(run)
     message = str(caught.value)
-    assert shown in message and f"delete {run.checkpoint_path} to train the run from scratch" in message and "\n" not in message
+    assert (
+        shown in message
+        and f"delete {run.checkpoint_path} to train the run from scratch" in message
+        and "\n" not in message
+    )
     assert not run.model_path.exists() and not run.metrics_path.exists()
     run.checkpoint_path.unlink()  # the advice works
     assert train(run)["step"] == 40
@@ -222,12 +246,17 @@ def test_cli_corrupt_checkpoint_message_says_how_to_restart(tmp_path):
     run = Run.create(config, path=tmp_path / "r")
     _hand_made_checkpoint(run, step="many")
     result = runner.invoke(app, ["train", str(write_recipe(tmp_path / "c.yaml", config)), "--run-dir", str(run.path)])
-    assert result.exit_code == 2 and "'step' is 'many'" in result.output and "to train the run from scratch" in result.output
+    assert (
+        result.exit_code == 2
+        and "'step' is 'many'" in result.output
+        and "to train the run from scratch" in result.output
+    )
 
 
 # ---- divergence -------------------------------------------------------------------------------
 def _strict_json(line: str) -> dict:
     """json.loads that refuses NaN and Infinity (not standard JSON)."""
+
     def refuse(name):
         raise ValueError(f"non-standard JSON constant {name}")
 
@@ -253,7 +282,11 @@ def _poison_training_loss(monkeypatch, at_call: int, value: float) -> None:
 
 def _assert_diverged(run: Run, step: int, metric: str, value: str, caught: pytest.ExceptionInfo) -> None:
     message = str(caught.value)
-    assert "\n" not in message and f"diverged at step {step} of 40: {metric} is {value}" in message and str(run.path) in message
+    assert (
+        "\n" not in message
+        and f"diverged at step {step} of 40: {metric} is {value}" in message
+        and str(run.path) in message
+    )
     assert _strict_json(run.path.joinpath("run.json").read_text())["status"] == "diverged"
     assert Run.open(run.path).diverged == {"step": step, "metric": metric, "value": value}
     assert Run.open(run.path).status == "diverged"
@@ -341,7 +374,11 @@ def test_a_model_with_non_finite_weights_is_refused(finished):
     tensors = load(str(finished.model_path))
     name = sorted(tensors)[0]
     tensors[name][0] = math.nan
-    save_file(tensors, str(finished.model_path), metadata={"format": CHECKPOINT_FORMAT, "config_digest": finished.config.digest(), "step": "10"})
+    save_file(
+        tensors,
+        str(finished.model_path),
+        metadata={"format": CHECKPOINT_FORMAT, "config_digest": finished.config.digest(), "step": "10"},
+    )
     with pytest.raises(RunDirError, match="non-finite weights"):
         finished.load_model()
 
@@ -382,12 +419,13 @@ def test_a_runs_thread_count_does_not_leak_into_the_next_run(tmp_path):
     it found it, so the next run this process trains (whose result depends on its thread count)
     gets the same threads as if it had been trained alone."""
     import torch
-
     from conftest import tiny_config
 
     outside = torch.get_num_threads()
     torch.set_num_threads(2)  # the process's setting, different from the run's
-    config = tiny_config("dice", steps=4).model_copy(update={"train": tiny_config("dice", steps=4).train.model_copy(update={"threads": 1})})
+    config = tiny_config("dice", steps=4).model_copy(
+        update={"train": tiny_config("dice", steps=4).train.model_copy(update={"threads": 1})}
+    )
     seen = []
     original = torch.optim.AdamW.step
 
@@ -446,8 +484,11 @@ def test_grad_clip_null_trains_unclipped():
         model = run.new_model()
         opt = train_module.make_optimizer(model, 1e-3, cfg.weight_decay)
         opt.param_groups[0]["lr"] = opt.param_groups[1]["lr"] = 1e-3
-        (step(model, opt, run.family, batch, torch.device("cpu"), "fp32", clip) if step is train_module.train_step
-         else step(model, opt, run.family, batch, clip))
+        (
+            step(model, opt, run.family, batch, torch.device("cpu"), "fp32", clip)
+            if step is train_module.train_step
+            else step(model, opt, run.family, batch, clip)
+        )
         models.append(model.state_dict())
     assert all(torch.equal(models[0][name], models[1][name]) for name in models[0])
     assert not all(torch.equal(models[0][name], models[2][name]) for name in models[0])
@@ -468,8 +509,14 @@ def test_the_step_trains_the_textbook_model_bit_for_bit(monkeypatch):
         train_module.train_step(fast, fast_opt, run.family, batch, torch.device("cpu"), "fp32", cfg.grad_clip)
     monkeypatch.setattr(Attention, "forward", textbook_attention)
     slow = run.new_model()
-    slow_opt = torch.optim.AdamW([{"params": [p for p in slow.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-                                  {"params": [p for p in slow.parameters() if p.dim() < 2], "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    slow_opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in slow.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in slow.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
     for batch in batches:
         textbook_step(slow, slow_opt, run.family, batch, cfg.grad_clip)
     fast_state, slow_state = fast.state_dict(), slow.state_dict()

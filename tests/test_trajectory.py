@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import two_block_run
+from test_p2_additive import project_to_simplex, sum_to_one_fit
 
 from taskgeom.analysis.study import StudyRun
 from taskgeom.hooks import Place, capture
-from conftest import two_block_run
-from test_p2_additive import project_to_simplex, sum_to_one_fit
 
 PER_TASK = 40
 
@@ -71,5 +71,14 @@ def test_the_claim_reads_the_trajectory_and_the_variant_the_late_window(dice):
     trajectory = dice.trajectories([result.p3_place])[result.p3_place]
     protocol, earlier = claim_values(result.rows), claim_values(result.rows, "p3-late-window")
     assert protocol["P3"].value == trajectory.value
-    assert (protocol["P3"].parts["first"], protocol["P3"].parts["last"], protocol["P3"].parts["estimation_first"]) == (0, 59, 40)
-    assert earlier["P3"].value == protocol["P3"].parts["late_window_all_tasks"] == result.summary["p3.tv_mean_beta"] != trajectory.value
+    assert (protocol["P3"].parts["first"], protocol["P3"].parts["last"], protocol["P3"].parts["estimation_first"]) == (
+        0,
+        59,
+        40,
+    )
+    assert (
+        earlier["P3"].value
+        == protocol["P3"].parts["late_window_all_tasks"]
+        == result.summary["p3.tv_mean_beta"]
+        != trajectory.value
+    )

@@ -41,7 +41,11 @@ def test_the_readme_and_home_open_with_the_grid_drawn_from_the_published_manifes
     for page, prefix in ((ROOT / "README.md", "docs/"), (ROOT / "docs" / "index.md", "")):
         first = re.search(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text(encoding="utf-8")).group(1)
         assert first == f"{prefix}ladder/verdicts.png", page.name
-    assert published_command() == ["quick=docs/results/quick", "deep=docs/results/deep", "standard=docs/results/standard"]
+    assert published_command() == [
+        "quick=docs/results/quick",
+        "deep=docs/results/deep",
+        "standard=docs/results/standard",
+    ]
     assert "--out docs/ladder" in " ".join((ROOT / "docs" / "scale-ladder.md").read_text(encoding="utf-8").split())
 
 
@@ -54,15 +58,24 @@ def test_the_grids_table_is_what_each_manifest_says():
     for profile, folder in named.items():
         for claim in _claims(folder):
             cell = cells.loc[(claim["id"], profile)]
-            assert cell["status"] == claim["status"] and cell["caveat"] == (claim["caveat"] or ""), (profile, claim["id"])
-            assert cell["median"] == claim["median"] or (pd.isna(cell["median"]) and claim["median"] is None), (profile, claim["id"])
-            assert (cell["judged"], cell["seeds"]) == (sum(s["status"] != "n/a" for s in claim["seeds"]), len(claim["seeds"]))
+            assert cell["status"] == claim["status"] and cell["caveat"] == (claim["caveat"] or ""), (
+                profile,
+                claim["id"],
+            )
+            assert cell["median"] == claim["median"] or (pd.isna(cell["median"]) and claim["median"] is None), (
+                profile,
+                claim["id"],
+            )
+            assert (cell["judged"], cell["seeds"]) == (
+                sum(s["status"] != "n/a" for s in claim["seeds"]),
+                len(claim["seeds"]),
+            )
     names = list(dict.fromkeys(spec.name for spec in CLAIMS))
     for recipe, part in table.groupby("recipe", sort=False):  # a block per recipe, in the catalog's order
         order = [names.index(claim.split(".", 1)[1]) for claim in dict.fromkeys(part["claim"])]
         assert order == sorted(order), recipe
     assert list(dict.fromkeys(table["recipe"])) == ["e1", "e2", "e3", "e4"]
-    assert list(table["profile"][:len(named)]) == list(named)
+    assert list(table["profile"][: len(named)]) == list(named)
     shown = {(row["claim"], row["profile"]): cell_text(row) for _, row in table.iterrows()}
     assert shown[("e2.P0", "quick")] == "0.797\u2020" and shown[("e3.ablate_V_ood", "deep")] == "6.67*"
     assert shown[("e3.ablate_S_ood", "quick")] == "n/a" and shown[("e1.P3", "quick")] == "4.76e-05"
@@ -73,7 +86,8 @@ def test_the_committed_grid_is_the_manifests_now():
     """A manifest changed without `taskgeom ladder` run again (the command the README names) fails here."""
     committed = (GRID / "verdicts.csv").read_text(encoding="utf-8")
     assert committed == verdict_table(published()).to_csv(index=False), (
-        "redraw it: taskgeom ladder " + " ".join(published_command()) + " --out docs/ladder")
+        "redraw it: taskgeom ladder " + " ".join(published_command()) + " --out docs/ladder"
+    )
 
 
 def test_a_planted_change_in_a_manifest_is_caught(tmp_path):
@@ -95,7 +109,9 @@ def test_a_claim_missing_at_a_profile_is_a_blank_cell_and_the_grid_is_drawn(tmp_
     named = published()
     fewer = tmp_path / "deep"
     shutil.copytree(named["deep"], fewer, ignore=shutil.ignore_patterns("tables"))
-    (fewer / "claims.json").write_text(json.dumps([c for c in _claims(fewer) if not c["id"].startswith("e4.")]), encoding="utf-8")
+    (fewer / "claims.json").write_text(
+        json.dumps([c for c in _claims(fewer) if not c["id"].startswith("e4.")]), encoding="utf-8"
+    )
     table = verdict_table({"quick": named["quick"], "deep": fewer})
     assert set(table[table["recipe"] == "e4"]["profile"]) == {"quick"}
     assert any(note.startswith("- not measured") for note in footnotes(table, ["quick", "deep"]))

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import tiny_config
+
 from taskgeom.errors import RunDirError, RunLockedError
 from taskgeom.runs.folders import LOCK_NAME, Run
 from taskgeom.runs.storage import atomic_write_text, exclusive_lock, load_tensors, save_tensors
@@ -44,7 +44,9 @@ with exclusive_lock(sys.argv[1], "test"):
 def holder(tmp_path):
     """Start a child process holding the lock of a new run directory; yields (run, child)."""
     run = Run.create(tiny_config("dice", steps=20), path=tmp_path / "r")
-    child = subprocess.Popen([sys.executable, "-c", HOLD, str(run.path / LOCK_NAME)], env=ENV, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run.path / LOCK_NAME)], env=ENV, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "locked"
         yield run, child
@@ -58,7 +60,11 @@ def test_a_lock_held_by_another_process_refuses_training(holder):
     with pytest.raises(RunLockedError) as caught:
         train(run)
     message = str(caught.value)
-    assert f"pid {child.pid} on host {socket.gethostname()}" in message and str(run.path / LOCK_NAME) in message and "\n" not in message
+    assert (
+        f"pid {child.pid} on host {socket.gethostname()}" in message
+        and str(run.path / LOCK_NAME) in message
+        and "\n" not in message
+    )
     assert not run.metrics_path.exists() and not run.checkpoint_path.exists() and not run.model_path.exists()
 
 
@@ -66,7 +72,9 @@ def test_a_lock_left_by_a_killed_process_does_not_block(holder):
     run, child = holder
     child.send_signal(signal.SIGKILL)
     child.wait()
-    assert (run.path / LOCK_NAME).read_text().split()[0] == str(child.pid)  # the file stays; the lock went with the process
+    assert (run.path / LOCK_NAME).read_text().split()[0] == str(
+        child.pid
+    )  # the file stays; the lock went with the process
     assert train(run)["step"] == 20
     assert (run.path / LOCK_NAME).read_text().split() == [str(os.getpid()), socket.gethostname()]
 
@@ -86,14 +94,18 @@ def test_two_concurrent_trainings_of_one_run(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({"base": config.model_dump(mode="json"), "profiles": {"quick": {}}}))
     command = [sys.executable, "-m", "taskgeom", "train", str(recipe), "--run-dir", str(tmp_path / "r")]
-    procs = [subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     results = [(proc.pid, proc.wait(timeout=300), proc.stderr.read()) for proc in procs]
     for proc in procs:
         proc.stdout.close(), proc.stderr.close()
     codes = sorted(code for _, code, _ in results)
-    assert codes == [0, 2], f"expected one run to train and one to be refused (did the first finish before the second started?): {results}"
-    (winner, _, _), = [r for r in results if r[1] == 0]
-    (_, _, refused), = [r for r in results if r[1] == 2]
+    assert codes == [0, 2], (
+        f"expected one run to train and one to be refused (did the first finish before the second started?): {results}"
+    )
+    ((winner, _, _),) = [r for r in results if r[1] == 0]
+    ((_, _, refused),) = [r for r in results if r[1] == 2]
     lines = [line for line in refused.splitlines() if line.strip()]
     assert len(lines) == 1 and f"pid {winner} on host" in lines[0] and LOCK_NAME in lines[0], refused
     run = Run.open(tmp_path / "r")
@@ -136,7 +148,9 @@ def test_checkpoints_are_written_through_unique_temporary_files(tmp_path):
     assert errors == []
     loaded, meta = load_tensors(target)
     assert torch.equal(loaded["w"], tensors["w"] + int(meta["writer"]))  # one whole write, never a mix
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, f".{target.name}.tmp"])  # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [target.name, f".{target.name}.tmp"]
+    )  # no temporary file left
 
 
 # ---- file modes -------------------------------------------------------------------------------
@@ -158,7 +172,14 @@ def test_written_files_follow_the_umask(tmp_path, umask, mask):
     train(run)
     files = [tmp_path / "a.txt", tmp_path / "t.safetensors"] + [p for p in run.path.rglob("*") if p.is_file()]
     names = {p.name for p in files}
-    assert {"run.json", "config.yaml", "metrics.jsonl", "checkpoint.safetensors", "model.safetensors", LOCK_NAME} <= names
+    assert {
+        "run.json",
+        "config.yaml",
+        "metrics.jsonl",
+        "checkpoint.safetensors",
+        "model.safetensors",
+        LOCK_NAME,
+    } <= names
     assert any(p.parent.name == "snapshots" for p in files)
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
     assert set(modes.values()) == {oct(0o666 & ~mask)}, modes
@@ -199,17 +220,27 @@ def test_a_second_reproduction_into_one_results_folder_is_refused_with_nothing_w
     out = tmp_path / "results"
     out.mkdir()
     (out / "claims.json").write_text("[]")  # what the first writer has written so far
-    child = subprocess.Popen([sys.executable, "-c", HOLD, str(out / RESULTS_LOCK)], env=ENV, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out / RESULTS_LOCK)], env=ENV, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "locked"
         before = sorted(p.relative_to(out) for p in out.rglob("*"))
-        second = subprocess.run([sys.executable, "-c", REPRODUCE, str(out)], env=ENV, capture_output=True, text=True, timeout=300)
+        second = subprocess.run(
+            [sys.executable, "-c", REPRODUCE, str(out)], env=ENV, capture_output=True, text=True, timeout=300
+        )
         assert second.returncode == 3, second.stdout + second.stderr
-        assert f"results folder {out} is being written by another process (pid {child.pid}" in " ".join(second.stderr.split())
-        assert sorted(p.relative_to(out) for p in out.rglob("*")) == before and (out / "claims.json").read_text() == "[]"
+        assert f"results folder {out} is being written by another process (pid {child.pid}" in " ".join(
+            second.stderr.split()
+        )
+        assert (
+            sorted(p.relative_to(out) for p in out.rglob("*")) == before and (out / "claims.json").read_text() == "[]"
+        )
     finally:
         child.kill()
         child.wait()
-    third = subprocess.run([sys.executable, "-c", REPRODUCE, str(out)], env=ENV, capture_output=True, text=True, timeout=300)
+    third = subprocess.run(
+        [sys.executable, "-c", REPRODUCE, str(out)], env=ENV, capture_output=True, text=True, timeout=300
+    )
     assert third.returncode in (0, 1), third.stdout + third.stderr
     assert json.loads((out / "claims.json").read_text()) and (out / "reproduction.json").is_file()

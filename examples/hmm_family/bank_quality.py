@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from hmm_family.family import HMM, forward
+
 from taskgeom.report.manifest import cpu_model
 from taskgeom.settings.recipes import load_config
 
@@ -39,15 +39,24 @@ def main() -> None:
     tokens = small.sample_ood(args.sequences, task.seq_len, seed=args.seed, stream="bank-quality").tokens
     sizes = effective_sizes(tokens, small.bank, small.n_hidden).median(0).values
     p_small, p_large = small.predict_ood(tokens), large.predict_ood(tokens)
-    loss = {name: -p[:, :-1].gather(-1, tokens[:, 1:, None]).log().mean().item() for name, p in (("small", p_small), ("large", p_large))}
+    loss = {
+        name: -p[:, :-1].gather(-1, tokens[:, 1:, None]).log().mean().item()
+        for name, p in (("small", p_small), ("large", p_large))
+    }
     shift = (p_small - p_large).abs().sum(-1).div(2).mean(0)  # mean total variation per position
-    print(f"machine: {cpu_model()}, torch {torch.__version__}, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}; {args.sequences} prior sequences of {task.seq_len} tokens, seed {args.seed}")
-    print("median effective bank size (M = %d) at t = 0, 15, 31, %d: %s" % (task.ood_bank, task.seq_len - 1,
-          ", ".join(f"{sizes[t]:.0f}" for t in (0, 15, 31, task.seq_len - 1))))
-    print(f"M = {task.ood_bank} -> {4 * task.ood_bank}: mean total variation of the predictive at t = 8: {shift[8]:.4f}, "
-          f"at t = {task.seq_len - 1}: {shift[-1]:.4f}; log-loss {loss['small']:.4f} -> {loss['large']:.4f} nats "
-          f"(uniform {torch.tensor(float(task.vocab_size)).log():.4f})")
+    print(
+        f"machine: {cpu_model()}, torch {torch.__version__}, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}; {args.sequences} prior sequences of {task.seq_len} tokens, seed {args.seed}"
+    )
+    print(
+        "median effective bank size (M = %d) at t = 0, 15, 31, %d: %s"
+        % (task.ood_bank, task.seq_len - 1, ", ".join(f"{sizes[t]:.0f}" for t in (0, 15, 31, task.seq_len - 1)))
+    )
+    print(
+        f"M = {task.ood_bank} -> {4 * task.ood_bank}: mean total variation of the predictive at t = 8: {shift[8]:.4f}, "
+        f"at t = {task.seq_len - 1}: {shift[-1]:.4f}; log-loss {loss['small']:.4f} -> {loss['large']:.4f} nats "
+        f"(uniform {torch.tensor(float(task.vocab_size)).log():.4f})"
+    )
 
 
 if __name__ == "__main__":

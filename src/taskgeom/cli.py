@@ -26,7 +26,15 @@ from taskgeom.settings.recipes import DEFAULT_PROFILE
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_BUG = 1, 2, 3, 4
 
 # OSError numbers that mean a path given was wrong (exit 2); every other OSError is the environment refusing (exit 3).
-_PATH_ERRNOS = {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENOENT, errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTEMPTY}
+_PATH_ERRNOS = {
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EEXIST,
+    errno.ENOENT,
+    errno.ENAMETOOLONG,
+    errno.ELOOP,
+    errno.ENOTEMPTY,
+}
 _DEBUG_ENV = "TASKGEOM_DEBUG"
 
 
@@ -38,15 +46,24 @@ def classify(err: BaseException) -> tuple[int, str]:
         return EXIT_REFUSED, str(err)
     if isinstance(err, TaskgeomError):
         return EXIT_BAD_INPUT, str(err)
-    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError" or (
-            isinstance(err, RuntimeError) and ("can't allocate memory" in str(err) or "out of memory" in str(err).lower())):
+    if (
+        isinstance(err, MemoryError)
+        or type(err).__name__ == "OutOfMemoryError"
+        or (
+            isinstance(err, RuntimeError)
+            and ("can't allocate memory" in str(err) or "out of memory" in str(err).lower())
+        )
+    ):
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return EXIT_REFUSED, f"out of memory{f' ({first})' if first else ''}"
     if isinstance(err, OSError):
         names = " -> ".join(str(name) for name in (err.filename, err.filename2) if name is not None)
         text = f"{names}: {err.strerror or err}" if names else (err.strerror or str(err) or type(err).__name__)
         return (EXIT_BAD_INPUT if err.errno in _PATH_ERRNOS else EXIT_REFUSED), text
-    return EXIT_BUG, f"internal error ({type(err).__name__}: {err}); this is a bug in taskgeom: rerun with --debug and report the traceback"
+    return (
+        EXIT_BUG,
+        f"internal error ({type(err).__name__}: {err}); this is a bug in taskgeom: rerun with --debug and report the traceback",
+    )
 
 
 def one_line(text: str) -> str:
@@ -54,7 +71,12 @@ def one_line(text: str) -> str:
 
 
 def _debug(ctx: typer.Context) -> bool:
-    return bool(ctx.meta.get("taskgeom.debug")) or os.environ.get(_DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return bool(ctx.meta.get("taskgeom.debug")) or os.environ.get(_DEBUG_ENV, "").strip().lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+    )
 
 
 class ContractGroup(TyperGroup):
@@ -110,14 +132,23 @@ def _print_version(asked: bool) -> None:
 @app.callback()
 def main(
     ctx: typer.Context,
-    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, expose_value=False,
-                                 help="Print taskgeom's version and exit."),
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_print_version,
+        is_eager=True,
+        expose_value=False,
+        help="Print taskgeom's version and exit.",
+    ),
     debug: bool = typer.Option(False, "--debug", help=f"Print the traceback of an error too (or set {_DEBUG_ENV}=1)."),
     native_kernels: bool = typer.Option(
-        False, "--native-kernels", help="Let torch pick its CPU kernels by this CPU. By default ATen, MKL and oneDNN are pinned "
+        False,
+        "--native-kernels",
+        help="Let torch pick its CPU kernels by this CPU. By default ATen, MKL and oneDNN are pinned "
         "to AVX2 (unless you set ATEN_CPU_CAPABILITY, MKL_CBWR or ONEDNN_MAX_CPU_ISA yourself), so AMD EPYC CPUs with AVX2 "
         "or AVX-512 train the same bits and an Intel Xeon with AVX-512 others (docs/results/quick is an AMD EPYC's, "
-        "docs/results/quick-c65b65f an Intel Xeon's); reproduction.json records the machine and the choice."),
+        "docs/results/quick-c65b65f an Intel Xeon's); reproduction.json records the machine and the choice.",
+    ),
 ) -> None:
     from taskgeom.settings.kernels import use_portable_kernels
 
@@ -126,8 +157,11 @@ def main(
 
 
 DEVICE_OPTION = typer.Option("auto", help="Where to train: auto (CUDA if available, else CPU), cpu, cuda or cuda:N.")
-TRACKER_OPTION = typer.Option("none", help="Also log metrics to: none, tensorboard ({run}/tensorboard) or wandb (offline "
-                              "unless WANDB_MODE=online). metrics.jsonl is always written.")
+TRACKER_OPTION = typer.Option(
+    "none",
+    help="Also log metrics to: none, tensorboard ({run}/tensorboard) or wandb (offline "
+    "unless WANDB_MODE=online). metrics.jsonl is always written.",
+)
 
 
 def _folder(path: Path, option: str) -> Path:
@@ -150,8 +184,11 @@ def _note_undeclared(family_name: str, experiments: tuple[str, ...] | None = Non
     missing = undeclared(family_class(family_name), DECLARATIONS if experiments is None else experiments)
     if missing:
         readers = ", ".join(dict.fromkeys(missing.values()))
-        typer.echo(f"note: the {family_name!r} family declares no {', '.join(missing)}, which {readers} read (TaskFamily, "
-                   "docs/adding-a-family.md): this trains, but those analyses will refuse its runs until the family declares them", err=True)
+        typer.echo(
+            f"note: the {family_name!r} family declares no {', '.join(missing)}, which {readers} read (TaskFamily, "
+            "docs/adding-a-family.md): this trains, but those analyses will refuse its runs until the family declares them",
+            err=True,
+        )
 
 
 def _check_training(device: str, tracker: str, local: bool = True) -> None:
@@ -170,10 +207,17 @@ def _check_training(device: str, tracker: str, local: bool = True) -> None:
 @app.command()
 def train(
     config: str = typer.Argument(..., help="A recipe name (e1, e3, ...) or a path to a YAML recipe."),
-    profile: str = typer.Option(DEFAULT_PROFILE, help="Profile in the recipe: quick (CPU, minutes), deep (quick at 6 blocks), standard, wide, long, or paper (the study's sizes)."),
-    set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override, repeatable: --set train.steps=500 --set task.diversity=4"),
+    profile: str = typer.Option(
+        DEFAULT_PROFILE,
+        help="Profile in the recipe: quick (CPU, minutes), deep (quick at 6 blocks), standard, wide, long, or paper (the study's sizes).",
+    ),
+    set_: Optional[List[str]] = typer.Option(
+        None, "--set", help="Dotted override, repeatable: --set train.steps=500 --set task.diversity=4"
+    ),
     out: Path = typer.Option(Path("runs"), help="Folder under which the run directory {name}-{digest} is made."),
-    run_dir: Optional[Path] = typer.Option(None, help="Use this run directory instead (must be new or hold the same config)."),
+    run_dir: Optional[Path] = typer.Option(
+        None, help="Use this run directory instead (must be new or hold the same config)."
+    ),
     device: str = DEVICE_OPTION,
     tracker: str = TRACKER_OPTION,
 ) -> None:
@@ -205,14 +249,18 @@ def eval_(run_dir: Path = typer.Argument(..., help="A finished run directory."))
     run = Run.open(run_dir)
     table = pd.DataFrame(evaluate_run(run))
     (run.path / "figures").mkdir(exist_ok=True)
-    plot_loss_by_position(table, run.path / "figures" / "loss_by_position.png", run.family.plot_labels, title=run.path.name)
+    plot_loss_by_position(
+        table, run.path / "figures" / "loss_by_position.png", run.family.plot_labels, title=run.path.name
+    )
     typer.echo(table.groupby(["set", "metric"])["value"].mean().unstack().round(4).to_string())
 
 
 @app.command()
 def runs(
     root: Path = typer.Argument(Path("runs"), help="The folder holding run directories."),
-    where: Optional[List[str]] = typer.Option(None, help="Filter field=value, repeatable: --where family=dice --where k=4"),
+    where: Optional[List[str]] = typer.Option(
+        None, help="Filter field=value, repeatable: --where family=dice --where k=4"
+    ),
     csv: bool = typer.Option(False, "--csv", help="Print CSV instead of a table."),
 ) -> None:
     """List the runs under ROOT with their settings and last held-out major-task loss, read from
@@ -225,7 +273,9 @@ def runs(
     for problem in problems:
         typer.echo(f"skipped {problem}", err=True)
     table = table.drop(columns=["updated"])
-    typer.echo(table.to_csv(index=False) if csv else (table.round(4).to_string(index=False) if len(table) else "no runs match"))
+    typer.echo(
+        table.to_csv(index=False) if csv else (table.round(4).to_string(index=False) if len(table) else "no runs match")
+    )
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -247,32 +297,54 @@ def _executor(kind: str, workers: int | None, address: str | None, cpus_per_run:
     from taskgeom.experiments.executors import Executor
     from taskgeom.settings.devices import default_workers
 
-    return Executor(kind, default_workers(cpus_per_run) if workers is None else workers, address, cpus_per_run, gpus_per_run)
+    return Executor(
+        kind, default_workers(cpus_per_run) if workers is None else workers, address, cpus_per_run, gpus_per_run
+    )
 
 
 # The executor options, shared by `sweep` and `reproduce` (whose sweeps they run).
-_EXECUTOR = typer.Option("local", "--executor", help="Where runs execute: local (a process pool on this machine) or ray "
-                         "(one Ray task per run; needs `pip install taskgeom\\[ray]`).")
-_WORKERS = typer.Option(None, show_default="usable cores / cpus-per-run", help="local: parallel worker processes (1: run in this "
-                        "process); by default every core this process may use (its CPU affinity and any cgroup quota) divided by the "
-                        "threads per run, and no more at once than memory allows for the runs' estimates. ray without --address: runs "
-                        "at once on the local Ray instance, which gets workers x cpus-per-run CPUs.")
-_ADDRESS = typer.Option(None, help="ray: join the running Ray cluster at HOST:PORT instead of starting a local instance. "
-                        "Its nodes write the run directories into the output folder by absolute path, so that folder "
-                        "(and a recipe given as a file) must be on a filesystem every node mounts at the same path.")
-_CPUS_PER_RUN = typer.Option(None, show_default="this machine's cores / workers",
-                             help="CPUs per run: its torch threads, and the CPUs each Ray task declares.")
-_GPUS_PER_RUN = typer.Option(0.0, help="ray: GPUs each task declares, a fraction (0.5: two runs share a GPU) or a whole number.")
+_EXECUTOR = typer.Option(
+    "local",
+    "--executor",
+    help="Where runs execute: local (a process pool on this machine) or ray "
+    "(one Ray task per run; needs `pip install taskgeom\\[ray]`).",
+)
+_WORKERS = typer.Option(
+    None,
+    show_default="usable cores / cpus-per-run",
+    help="local: parallel worker processes (1: run in this "
+    "process); by default every core this process may use (its CPU affinity and any cgroup quota) divided by the "
+    "threads per run, and no more at once than memory allows for the runs' estimates. ray without --address: runs "
+    "at once on the local Ray instance, which gets workers x cpus-per-run CPUs.",
+)
+_ADDRESS = typer.Option(
+    None,
+    help="ray: join the running Ray cluster at HOST:PORT instead of starting a local instance. "
+    "Its nodes write the run directories into the output folder by absolute path, so that folder "
+    "(and a recipe given as a file) must be on a filesystem every node mounts at the same path.",
+)
+_CPUS_PER_RUN = typer.Option(
+    None,
+    show_default="this machine's cores / workers",
+    help="CPUs per run: its torch threads, and the CPUs each Ray task declares.",
+)
+_GPUS_PER_RUN = typer.Option(
+    0.0, help="ray: GPUs each task declares, a fraction (0.5: two runs share a GPU) or a whole number."
+)
 
 
 @app.command()
 def sweep(
     config: str = typer.Argument(..., help="A recipe name (e1, e3, ...) or a path to a YAML recipe."),
-    diversity: str = typer.Option("-1,0,2,4,6,8,10", help="Comma-separated diversity indices k (2^k minor tasks; -1: majors only)."),
+    diversity: str = typer.Option(
+        "-1,0,2,4,6,8,10", help="Comma-separated diversity indices k (2^k minor tasks; -1: majors only)."
+    ),
     seeds: str = typer.Option("0,1,2", help="Comma-separated training seeds."),
     profile: str = typer.Option(DEFAULT_PROFILE, help="Profile in the recipe."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override applied to every run, repeatable."),
-    out: Path = typer.Option(Path("runs"), help="Folder for the run directories and the tables sweep.csv, by_step.csv."),
+    out: Path = typer.Option(
+        Path("runs"), help="Folder for the run directories and the tables sweep.csv, by_step.csv."
+    ),
     executor: str = _EXECUTOR,
     workers: Optional[int] = _WORKERS,
     address: Optional[str] = _ADDRESS,
@@ -298,7 +370,10 @@ def sweep(
     where.check()  # Ray importable and its address answering
     table = run_sweep(jobs, where, out)
     typer.echo(summary(table).round(4).to_string(index=False))
-    written = [out / "sweep.csv", *([out / "by_step.csv"] if "step" in table else [])]  # by_step.csv: only when some run finished
+    written = [
+        out / "sweep.csv",
+        *([out / "by_step.csv"] if "step" in table else []),
+    ]  # by_step.csv: only when some run finished
     typer.echo(f"tables: {', '.join(map(str, written))}")
     if (table["status"] != "ok").any():  # failed or locked runs
         raise typer.Exit(1)
@@ -306,14 +381,24 @@ def sweep(
 
 @app.command()
 def analyze(
-    run_dir: Path = typer.Argument(..., help="A finished run directory, or a Hugging Face model directory (save_pretrained) with --recipe."),
+    run_dir: Path = typer.Argument(
+        ..., help="A finished run directory, or a Hugging Face model directory (save_pretrained) with --recipe."
+    ),
     layer: Optional[List[int]] = typer.Option(None, "--layer", help="Layers to measure (repeatable); all by default."),
-    site: Optional[List[str]] = typer.Option(None, "--site", help="Sites to measure (repeatable); default resid_mid and resid_post (those there are)."),
+    site: Optional[List[str]] = typer.Option(
+        None, "--site", help="Sites to measure (repeatable); default resid_mid and resid_post (those there are)."
+    ),
     sequences: int = typer.Option(512, help="Held-out major-task sequences to analyse."),
-    recipe: Optional[str] = typer.Option(None, help="Hugging Face directory only: the recipe of the task the model learnt (model section ignored)."),
+    recipe: Optional[str] = typer.Option(
+        None, help="Hugging Face directory only: the recipe of the task the model learnt (model section ignored)."
+    ),
     profile: str = typer.Option(DEFAULT_PROFILE, help="Hugging Face directory only: the recipe's profile."),
-    set_: Optional[List[str]] = typer.Option(None, "--set", help="Hugging Face directory only: dotted override of the recipe, repeatable."),
-    out: Optional[Path] = typer.Option(None, help="Hugging Face directory only: where analysis/ and figures/ go (default RUN_DIR/taskgeom)."),
+    set_: Optional[List[str]] = typer.Option(
+        None, "--set", help="Hugging Face directory only: dotted override of the recipe, repeatable."
+    ),
+    out: Optional[Path] = typer.Option(
+        None, help="Hugging Face directory only: where analysis/ and figures/ go (default RUN_DIR/taskgeom)."
+    ),
 ) -> None:
     """M1 geometry of a trained model (docs/concepts.md and docs/protocol.md): P0-P3 per layer and site on a
     measurement batch; the claims read the study's block at the same relative depth (resid_post),
@@ -338,8 +423,13 @@ def _check_analysis_memory(settings, sequences: int) -> None:
     from taskgeom.training.memory import analysis_memory, check_memory
 
     cpu = torch.device("cpu")  # the analysis runs on the CPU
-    check_memory(analysis_memory(settings, max(sequences, 0)), available_memory(cpu), describe(cpu),
-                 f"analysing {sequences} sequences per batch of {settings.name}", "ask for fewer with --sequences")
+    check_memory(
+        analysis_memory(settings, max(sequences, 0)),
+        available_memory(cpu),
+        describe(cpu),
+        f"analysing {sequences} sequences per batch of {settings.name}",
+        "ask for fewer with --sequences",
+    )
 
 
 @app.command("export-hf")
@@ -358,34 +448,72 @@ def export_hf(
 
 @app.command()
 def reproduce(
-    profile: str = typer.Option(DEFAULT_PROFILE, help="A profile every recipe defines: quick (reduced sizes for a 2-core CPU), deep (quick at the "
-                                "study's depth, 6 blocks), standard (deep with E2 trained 9,000 steps and E4 2,000: the claims "
-                                "where the study reads them), paper (the study's sizes), or a rung of the scale ladder (wide, long; "
-                                "docs/scale-ladder.md)."),
-    seeds: str = typer.Option("0,1,2", help="Comma-separated training seeds: every setting is trained on each, and each claim is "
-                              "judged over them (pass: every seed passes; fail: every seed fails; unstable: they disagree)."),
-    out: Optional[Path] = typer.Option(None, help="Output folder: runs/, figures/, claims.json, report.html. Default: results, or "
-                                       "results-VARIANT with --variant."),
-    only: Optional[List[str]] = typer.Option(None, help="Run only these experiments (bayes_optimum, m1, dual_modes, or a recipe's "
-                                             "own: e2, e4), or only those of these recipes (repeatable)."),
-    recipes: Optional[str] = typer.Option(None, help="Comma-separated recipes to measure (e1,e2,e3,e4, and those of --recipe); "
-                                          "default all. E4's experiment also trains E1 and E3's k = -1 runs, its references."),
-    recipe: Optional[List[Path]] = typer.Option(None, "--recipe", help="A recipe file to measure besides the shipped ones "
-                                                "(repeatable), e.g. a plugin family's; its study section says what it takes part in."),
-    grid: Optional[str] = typer.Option(None, help="Comma-separated diversities k of the dual-mode sweep instead of the "
-                                       "profile's (the claims read the lowest and the highest), e.g. -1,8 for a rung of the ladder."),
-    set_: Optional[List[str]] = typer.Option(None, "--set", help="Dotted override applied to every run of every experiment, "
-                                             "repeatable (a smoke test: --set train.steps=50); the runs get other directories."),
-    variant_name: Optional[str] = typer.Option(None, "--variant", help="Train a variant of the data instead of the study's settings "
-                                               "(docs/protocol.md#variants): e1-v6 (E1 at 6 faces, near-disjoint majors) or separator (E2's "
-                                               "x, separator, y layout). Its recipes alone, with its settings, judged under the "
-                                               "protocol; set it beside the study's settings with `taskgeom ladder results "
-                                               "results-VARIANT`. The variants of the measurement are `taskgeom sensitivity`'s."),
-    plan: bool = typer.Option(False, "--plan", help="Print the runs this reproduction reads (steps, parameters, tokens, "
-                              "FLOPs), what is left of each (to train; dual and M1 analyses, E4's measurement not stored) and "
-                              "the wall time that is estimated to take here; --csv for a table; then exit: nothing is trained or written."),
-    csv: bool = typer.Option(False, "--csv", help="With --plan: the run list as CSV, with what is left and its estimated CPU seconds "
-                             "on the pool (cpu_pool_s) and in this process (cpu_main_s), on this machine."),
+    profile: str = typer.Option(
+        DEFAULT_PROFILE,
+        help="A profile every recipe defines: quick (reduced sizes for a 2-core CPU), deep (quick at the "
+        "study's depth, 6 blocks), standard (deep with E2 trained 9,000 steps and E4 2,000: the claims "
+        "where the study reads them), paper (the study's sizes), or a rung of the scale ladder (wide, long; "
+        "docs/scale-ladder.md).",
+    ),
+    seeds: str = typer.Option(
+        "0,1,2",
+        help="Comma-separated training seeds: every setting is trained on each, and each claim is "
+        "judged over them (pass: every seed passes; fail: every seed fails; unstable: they disagree).",
+    ),
+    out: Optional[Path] = typer.Option(
+        None,
+        help="Output folder: runs/, figures/, claims.json, report.html. Default: results, or "
+        "results-VARIANT with --variant.",
+    ),
+    only: Optional[List[str]] = typer.Option(
+        None,
+        help="Run only these experiments (bayes_optimum, m1, dual_modes, or a recipe's "
+        "own: e2, e4), or only those of these recipes (repeatable).",
+    ),
+    recipes: Optional[str] = typer.Option(
+        None,
+        help="Comma-separated recipes to measure (e1,e2,e3,e4, and those of --recipe); "
+        "default all. E4's experiment also trains E1 and E3's k = -1 runs, its references.",
+    ),
+    recipe: Optional[List[Path]] = typer.Option(
+        None,
+        "--recipe",
+        help="A recipe file to measure besides the shipped ones "
+        "(repeatable), e.g. a plugin family's; its study section says what it takes part in.",
+    ),
+    grid: Optional[str] = typer.Option(
+        None,
+        help="Comma-separated diversities k of the dual-mode sweep instead of the "
+        "profile's (the claims read the lowest and the highest), e.g. -1,8 for a rung of the ladder.",
+    ),
+    set_: Optional[List[str]] = typer.Option(
+        None,
+        "--set",
+        help="Dotted override applied to every run of every experiment, "
+        "repeatable (a smoke test: --set train.steps=50); the runs get other directories.",
+    ),
+    variant_name: Optional[str] = typer.Option(
+        None,
+        "--variant",
+        help="Train a variant of the data instead of the study's settings "
+        "(docs/protocol.md#variants): e1-v6 (E1 at 6 faces, near-disjoint majors) or separator (E2's "
+        "x, separator, y layout). Its recipes alone, with its settings, judged under the "
+        "protocol; set it beside the study's settings with `taskgeom ladder results "
+        "results-VARIANT`. The variants of the measurement are `taskgeom sensitivity`'s.",
+    ),
+    plan: bool = typer.Option(
+        False,
+        "--plan",
+        help="Print the runs this reproduction reads (steps, parameters, tokens, "
+        "FLOPs), what is left of each (to train; dual and M1 analyses, E4's measurement not stored) and "
+        "the wall time that is estimated to take here; --csv for a table; then exit: nothing is trained or written.",
+    ),
+    csv: bool = typer.Option(
+        False,
+        "--csv",
+        help="With --plan: the run list as CSV, with what is left and its estimated CPU seconds "
+        "on the pool (cpu_pool_s) and in this process (cpu_main_s), on this machine.",
+    ),
     executor: str = _EXECUTOR,
     workers: Optional[int] = _WORKERS,
     address: Optional[str] = _ADDRESS,
@@ -405,8 +533,17 @@ def reproduce(
 
     where = _executor(executor, workers, address, cpus_per_run, gpus_per_run)
     _check_training(device, tracker)  # its single runs train in this process
-    request = Request(profile, tuple(_int_list(seeds, "--seeds")), _folder(out or default_out(variant_name), "--out"), tuple(only or []),
-                      recipes, tuple(recipe or []), None if grid is None else tuple(_int_list(grid, "--grid")), tuple(set_ or []), variant_name)
+    request = Request(
+        profile,
+        tuple(_int_list(seeds, "--seeds")),
+        _folder(out or default_out(variant_name), "--out"),
+        tuple(only or []),
+        recipes,
+        tuple(recipe or []),
+        None if grid is None else tuple(_int_list(grid, "--grid")),
+        tuple(set_ or []),
+        variant_name,
+    )
     if plan:
         typer.echo(plan_text(request, where, device, tracker, csv), nl=False)
         return
@@ -425,8 +562,10 @@ def claim_line(claim) -> str:
     else:
         measured = f"{claim.value:.4g} {claim.comparison} {claim.threshold:.4g}"
         if claim.seeds and len(claim.seeds) > 1:
-            measured += "  seeds: " + ", ".join(f"{row['seed']}={'n/a' if row['status'] == 'n/a' else format(row['value'], '.3g')}"
-                                               for row in claim.seeds)
+            measured += "  seeds: " + ", ".join(
+                f"{row['seed']}={'n/a' if row['status'] == 'n/a' else format(row['value'], '.3g')}"
+                for row in claim.seeds
+            )
     return f"{claim.status.upper():<8}  {claim.id:<32} {measured}"
 
 
@@ -439,8 +578,12 @@ def _results(folder: Path) -> Path:
 @app.command()
 def report(
     results_dir: Path = typer.Argument(Path("results"), help="A results folder written by `taskgeom reproduce`."),
-    markdown: bool = typer.Option(False, "--markdown", help="Print the claims table as Markdown (per-seed values, the machine, "
-                                  "the seeds and the taskgeom version), for a README, instead of rebuilding the page."),
+    markdown: bool = typer.Option(
+        False,
+        "--markdown",
+        help="Print the claims table as Markdown (per-seed values, the machine, "
+        "the seeds and the taskgeom version), for a README, instead of rebuilding the page.",
+    ),
 ) -> None:
     """Rebuild report.html (and tables/analysis.parquet and .csv) from the files of a results
     folder alone: no training, no analysis; run directories are only read. Prints the page's path."""
@@ -473,10 +616,15 @@ def compare(
 
 @app.command()
 def ladder(
-    folders: List[str] = typer.Argument(..., help="Results folders written by `taskgeom reproduce`, one per rung, in the ladder's "
-                                        "order; NAME=PATH names a rung (default: its profile)."),
-    out: Path = typer.Option(Path("ladder"), help="Folder to write ladder.md, ladder.csv, rank_curves.csv, ladder_*.png, "
-                             "verdicts.png and verdicts.csv."),
+    folders: List[str] = typer.Argument(
+        ...,
+        help="Results folders written by `taskgeom reproduce`, one per rung, in the ladder's "
+        "order; NAME=PATH names a rung (default: its profile).",
+    ),
+    out: Path = typer.Option(
+        Path("ladder"),
+        help="Folder to write ladder.md, ladder.csv, rank_curves.csv, ladder_*.png, verdicts.png and verdicts.csv.",
+    ),
 ) -> None:
     """Tabulate claims across results folders: the scale ladder (one folder per rung) or a claims x
     profile table. Writes each claim's median \\[min, max] and verdict over the seeds at every rung,
@@ -491,20 +639,32 @@ def ladder(
 
 @app.command()
 def sensitivity(
-    run_dirs: List[Path] = typer.Argument(..., help="Finished run directories (for example a reproduction's runs at the highest k, "
-                                          "every seed)."),
-    variant: Optional[List[str]] = typer.Option(None, "--variant", help="A variant (docs: Protocol, Variants) to list beside the "
-                                                "protocol, repeatable. Default: every one sensitivity covers: selected-place, site-mid, "
-                                                "natural-cells, pooled-anova, p2-task-only, p3-late-window, per-sequence-r2 and steer-at-read-site, read from the runs' stored "
-                                                "m1.json and dual.json; centred-S, s-with-mean, probe-exact, v-avoids-tokens, v-searched-on-ood "
-                                                "and v-best-block, measured again on each run (minutes a run). The variants of the data (e1-v6, separator) train other runs: `taskgeom reproduce --variant`."),
+    run_dirs: List[Path] = typer.Argument(
+        ..., help="Finished run directories (for example a reproduction's runs at the highest k, every seed)."
+    ),
+    variant: Optional[List[str]] = typer.Option(
+        None,
+        "--variant",
+        help="A variant (docs: Protocol, Variants) to list beside the "
+        "protocol, repeatable. Default: every one sensitivity covers: selected-place, site-mid, "
+        "natural-cells, pooled-anova, p2-task-only, p3-late-window, per-sequence-r2 and steer-at-read-site, read from the runs' stored "
+        "m1.json and dual.json; centred-S, s-with-mean, probe-exact, v-avoids-tokens, v-searched-on-ood "
+        "and v-best-block, measured again on each run (minutes a run). The variants of the data (e1-v6, separator) train other runs: `taskgeom reproduce --variant`.",
+    ),
     csv: bool = typer.Option(False, "--csv", help="Print every run's row as CSV instead of the summary."),
-    places: bool = typer.Option(False, "--places", help="Instead: the place-dependent values at every layer and site, read from the "
-                                "runs' stored m1.json and dual.json: P0-P2 and projection R^2 at the place the claims read, and the "
-                                "lowest and highest over all places (median over the runs)."),
-    threads: int = typer.Option(1, help="torch threads for what is measured again (0: torch's default). The V search's result depends "
-                                "on it; 1, the thread count of a reproduction's sweep analyses (its --cpus-per-run, 1 with the default --workers), "
-                                "gives the protocol the values of its claims.json bit for bit."),
+    places: bool = typer.Option(
+        False,
+        "--places",
+        help="Instead: the place-dependent values at every layer and site, read from the "
+        "runs' stored m1.json and dual.json: P0-P2 and projection R^2 at the place the claims read, and the "
+        "lowest and highest over all places (median over the runs).",
+    ),
+    threads: int = typer.Option(
+        1,
+        help="torch threads for what is measured again (0: torch's default). The V search's result depends "
+        "on it; 1, the thread count of a reproduction's sweep analyses (its --cpus-per-run, 1 with the default --workers), "
+        "gives the protocol the values of its claims.json bit for bit.",
+    ),
 ) -> None:
     """For each claim it covers, its value and verdict under the study's protocol (docs/protocol.md) and under each applicable earlier convention (its variants, docs/protocol.md#variants), on the same runs: the
     M1 claims P0-P3 (runs at k = -1, from their m1.json), projection R^2 at each run's diversity

@@ -32,7 +32,9 @@ class Place(NamedTuple):
 
 
 @contextmanager
-def capture(model: nn.Module, places: Iterable[Place], positions: Sequence[int] | slice | None = None) -> Iterator[dict[Place, torch.Tensor]]:
+def capture(
+    model: nn.Module, places: Iterable[Place], positions: Sequence[int] | slice | None = None
+) -> Iterator[dict[Place, torch.Tensor]]:
     """Record the value at each place during forward passes inside the block.
 
     Yields a dict filled as the model runs: ``store[Place(layer, site)] -> [B, T', D]`` (the last pass).
@@ -58,7 +60,10 @@ def capture(model: nn.Module, places: Iterable[Place], positions: Sequence[int] 
 
 @contextmanager
 def intervene(
-    model: nn.Module, place: Place, edit: Callable[[torch.Tensor], torch.Tensor], positions: Sequence[int] | slice | None = None
+    model: nn.Module,
+    place: Place,
+    edit: Callable[[torch.Tensor], torch.Tensor],
+    positions: Sequence[int] | slice | None = None,
 ) -> Iterator[None]:
     """Replace the value at ``place`` by ``edit(value)`` on the chosen positions.
 
@@ -70,7 +75,9 @@ def intervene(
         chosen = output[:, index]
         edited = edit(chosen)
         if edited.shape != chosen.shape:
-            raise ValueError(f"intervention at {tuple(place)} returned shape {tuple(edited.shape)}, expected {tuple(chosen.shape)}")
+            raise ValueError(
+                f"intervention at {tuple(place)} returned shape {tuple(edited.shape)}, expected {tuple(chosen.shape)}"
+            )
         output = output.clone()
         output[:, index] = edited
         return output

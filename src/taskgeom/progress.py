@@ -14,8 +14,14 @@ console = Console(stderr=True)
 @contextmanager
 def step_bar(description: str, total: int) -> Iterator:
     """Yields ``update(done, total, loss)`` for the trainer's progress callback."""
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}"),
-               TimeElapsedColumn(), TimeRemainingColumn())
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=False, disable=not console.is_terminal) as bar:
         task = bar.add_task(description, total=total, loss=float("nan"))
 
@@ -28,7 +34,13 @@ def step_bar(description: str, total: int) -> Iterator:
 @contextmanager
 def job_bar(description: str, total: int) -> Iterator:
     """Yields ``advance(label)``, called once per finished job."""
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"), TimeElapsedColumn())
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[last]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
         task = bar.add_task(description, total=total, last="")
 

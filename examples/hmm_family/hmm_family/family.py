@@ -38,7 +38,12 @@ class HMM(TokenFamily):
 
     name = "hmm"
     Settings = HMMSettings
-    plot_labels = ("ID-Bayes (pool posterior)", "OOD (Bayes over a prior bank)", "loss (nats / token)", "context position t")
+    plot_labels = (
+        "ID-Bayes (pool posterior)",
+        "OOD (Bayes over a prior bank)",
+        "loss (nats / token)",
+        "context position t",
+    )
     # the ablations' probe: E3's construction (a token family whose tasks are inferred from transitions),
     # over the late half of the analysed positions
     task_probe = TaskProbe(window=(0.5, 1.0), logits=True, positions=True)
@@ -52,8 +57,13 @@ class HMM(TokenFamily):
 
     def sample_params(self, n: int, gen: torch.Generator) -> torch.Tensor:
         H, V = self.n_hidden, self.vocab_size
-        alpha = torch.cat([torch.full((n, H, H), self.alpha_transition, dtype=torch.float64),
-                           torch.full((n, H, V), self.alpha_emission, dtype=torch.float64)], dim=-1)
+        alpha = torch.cat(
+            [
+                torch.full((n, H, H), self.alpha_transition, dtype=torch.float64),
+                torch.full((n, H, V), self.alpha_emission, dtype=torch.float64),
+            ],
+            dim=-1,
+        )
         gamma = torch._standard_gamma(alpha, gen)
         return torch.cat([_rows(gamma[..., :H]), _rows(gamma[..., H:])], dim=-1)
 
@@ -61,7 +71,10 @@ class HMM(TokenFamily):
         """Inverse-CDF sampling of hidden states and tokens; the loop over positions is the chain's
         own recursion. u[:, t, 0] draws the hidden state at t, u[:, t, 1] its token."""
         B, H, V = params.shape[0], self.n_hidden, self.vocab_size
-        trans_cdf, emit_cdf = params[..., :H].double().cumsum(-1), params[..., H:].double().cumsum(-1)  # [B, H, H], [B, H, V]
+        trans_cdf, emit_cdf = (
+            params[..., :H].double().cumsum(-1),
+            params[..., H:].double().cumsum(-1),
+        )  # [B, H, H], [B, H, V]
         u = torch.rand(B, seq_len, 2, generator=gen, dtype=torch.float64)
         rows = torch.arange(B)
         state = (u[:, 0, 0] * H).long().clamp_max(H - 1)
@@ -76,9 +89,11 @@ class HMM(TokenFamily):
         return torch.stack([log_step for log_step, _ in forward(tokens, params, self.n_hidden)], dim=1)
 
     def mix_predictive(self, tokens: torch.Tensor, params: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        emission = params.double()[..., self.n_hidden:]  # [K, H, V]
+        emission = params.double()[..., self.n_hidden :]  # [K, H, V]
         steps = forward(tokens, params, self.n_hidden)
-        return torch.stack([_mix(next_state, weights[:, t].double(), emission) for t, (_, next_state) in enumerate(steps)], dim=1)
+        return torch.stack(
+            [_mix(next_state, weights[:, t].double(), emission) for t, (_, next_state) in enumerate(steps)], dim=1
+        )
 
     def predict_ood(self, tokens: torch.Tensor) -> torch.Tensor:
         """[B, T, V] Bayes predictive over the bank of M prior draws, each 1/M a priori [ours].
@@ -92,12 +107,17 @@ class HMM(TokenFamily):
         chunk's posterior mixture weighted by its share of the evidence.
         """
         B, T = tokens.shape
-        log_evidence = torch.full((B, T), -torch.inf, dtype=torch.float64)  # log sum_k p_k(x_<=t) over the chunks so far
+        log_evidence = torch.full(
+            (B, T), -torch.inf, dtype=torch.float64
+        )  # log sum_k p_k(x_<=t) over the chunks so far
         mixture = torch.zeros(B, T, self.vocab_size, dtype=torch.float64)  # their posterior mixture
         for chunk in self.bank.split(BANK_CHUNK):
             chunk_evidence, chunk_mixture = _posterior_mixture(tokens, chunk, self.n_hidden)
             total = torch.logaddexp(log_evidence, chunk_evidence)
-            mixture = mixture * (log_evidence - total).exp()[..., None] + chunk_mixture * (chunk_evidence - total).exp()[..., None]
+            mixture = (
+                mixture * (log_evidence - total).exp()[..., None]
+                + chunk_mixture * (chunk_evidence - total).exp()[..., None]
+            )
             log_evidence = total
         return mixture
 
@@ -120,8 +140,13 @@ def forward(tokens: torch.Tensor, params: torch.Tensor, n_hidden: int) -> Iterat
     p_k(z_{t+1} | x_<=t) [B, K, H]); the first hidden state is uniform.
     """
     params = params.double()
-    transition, by_token = params[..., :n_hidden], params[..., n_hidden:].permute(2, 0, 1).contiguous()  # [K, H, H], [V, K, H]
-    state = torch.full((tokens.shape[0], params.shape[0], n_hidden), 1.0 / n_hidden, dtype=torch.float64)  # p_k(z_t | x_<t)
+    transition, by_token = (
+        params[..., :n_hidden],
+        params[..., n_hidden:].permute(2, 0, 1).contiguous(),
+    )  # [K, H, H], [V, K, H]
+    state = torch.full(
+        (tokens.shape[0], params.shape[0], n_hidden), 1.0 / n_hidden, dtype=torch.float64
+    )  # p_k(z_t | x_<t)
     for t in range(tokens.shape[1]):
         joint = by_token[tokens[:, t]].mul_(state)  # [B, K, H]: p_k(z_t, x_t | x_<t)
         step = joint.sum(-1)  # [B, K]

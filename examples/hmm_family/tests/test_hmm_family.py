@@ -18,8 +18,8 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-
 from hmm_family import HMM
+
 from taskgeom.settings.config import ConfigError
 from taskgeom.settings.recipes import load_config
 from taskgeom.tasks import TaskPool
@@ -63,15 +63,20 @@ def brute_predictive(tokens: torch.Tensor, params: torch.Tensor) -> tuple[torch.
     """(p_k(x_<=t) [B, T, K], p_k(x_{t+1} = v | x_<=t) [B, T, K, V]) by brute force."""
     B, K = tokens.shape[0], params.shape[0]
     prefix = torch.stack([path_sum(tokens[:, : t + 1], params) for t in range(tokens.shape[1])], dim=1)
-    joint = torch.stack([path_sum(extended(tokens, t), params).view(B, V, K).transpose(1, 2) for t in range(tokens.shape[1])], dim=1)
+    joint = torch.stack(
+        [path_sum(extended(tokens, t), params).view(B, V, K).transpose(1, 2) for t in range(tokens.shape[1])], dim=1
+    )
     return prefix, joint / prefix[..., None]
 
 
 def dirichlet_log_moment(counts: torch.Tensor, alpha: float) -> torch.Tensor:
     """[...] log E[prod_i p_i ** counts_i] for p ~ Dirichlet(alpha, ..., alpha); counts: [..., n]."""
     n, counts = counts.shape[-1], counts.double()
-    return (math.lgamma(n * alpha) - torch.lgamma(n * alpha + counts.sum(-1))
-            + (torch.lgamma(alpha + counts) - math.lgamma(alpha)).sum(-1))
+    return (
+        math.lgamma(n * alpha)
+        - torch.lgamma(n * alpha + counts.sum(-1))
+        + (torch.lgamma(alpha + counts) - math.lgamma(alpha)).sum(-1)
+    )
 
 
 def prior_marginal(tokens: torch.Tensor) -> torch.Tensor:
@@ -79,8 +84,12 @@ def prior_marginal(tokens: torch.Tensor) -> torch.Tensor:
     factorises into one Dirichlet moment per transition row and per emission row."""
     paths = hidden_paths(tokens.shape[1])  # [P, L]
     trans_counts = F.one_hot(paths[:, :-1] * H + paths[:, 1:], H * H).sum(1).view(-1, H, H)  # [P, H, H]
-    emit_counts = F.one_hot(paths[None] * V + tokens[:, None], H * V).sum(2).view(tokens.shape[0], -1, H, V)  # [B, P, H, V]
-    log_path = dirichlet_log_moment(trans_counts, ALPHA).sum(-1) + dirichlet_log_moment(emit_counts, ALPHA).sum(-1)  # [B, P]
+    emit_counts = (
+        F.one_hot(paths[None] * V + tokens[:, None], H * V).sum(2).view(tokens.shape[0], -1, H, V)
+    )  # [B, P, H, V]
+    log_path = dirichlet_log_moment(trans_counts, ALPHA).sum(-1) + dirichlet_log_moment(emit_counts, ALPHA).sum(
+        -1
+    )  # [B, P]
     return log_path.exp().sum(-1) / H
 
 
@@ -161,7 +170,9 @@ def test_pool_posterior_predictive_matches_brute_force_mixture(family):
     posterior = prefix * pool.weights
     posterior = posterior / posterior.sum(-1, keepdim=True)
     torch.testing.assert_close(family.log_posterior(tokens, pool).exp(), posterior, rtol=0, atol=1e-10)
-    torch.testing.assert_close(family.predict_id(tokens, pool), (posterior[..., None] * next_token).sum(2), rtol=0, atol=1e-10)
+    torch.testing.assert_close(
+        family.predict_id(tokens, pool), (posterior[..., None] * next_token).sum(2), rtol=0, atol=1e-10
+    )
 
 
 # ---- 4. the OOD predictor ----------------------------------------------------------------------
@@ -177,8 +188,13 @@ def test_ood_predictor_is_exact_bayes_over_its_bank():
 
 def exact_prior_predictive(tokens: torch.Tensor) -> torch.Tensor:
     """[B, T, V] p(x_{t+1} = v | x_<=t) under the continuous prior, exactly."""
-    return torch.stack([prior_marginal(extended(tokens, t)).view(-1, V) / prior_marginal(tokens[:, : t + 1])[:, None]
-                        for t in range(tokens.shape[1])], dim=1)
+    return torch.stack(
+        [
+            prior_marginal(extended(tokens, t)).view(-1, V) / prior_marginal(tokens[:, : t + 1])[:, None]
+            for t in range(tokens.shape[1])
+        ],
+        dim=1,
+    )
 
 
 def test_ood_predictor_estimates_the_continuous_prior_predictive(family):
@@ -259,8 +275,23 @@ def test_cli_eval_and_analyze(trained):
 
 def test_cli_sweep_on_two_workers(tmp_path):
     """Two worker processes: each must find the plugin through its entry point."""
-    result = taskgeom("sweep", RECIPE, "--profile", "tiny", "--diversity", "-1,1", "--seeds", "0", "--workers", "2",
-                      "--device", "cpu", "--out", "sweep", cwd=tmp_path)
+    result = taskgeom(
+        "sweep",
+        RECIPE,
+        "--profile",
+        "tiny",
+        "--diversity",
+        "-1,1",
+        "--seeds",
+        "0",
+        "--workers",
+        "2",
+        "--device",
+        "cpu",
+        "--out",
+        "sweep",
+        cwd=tmp_path,
+    )
     check(result)
     table = pd.read_csv(tmp_path / "sweep" / "sweep.csv")
     assert sorted(zip(table["recipe"], table["diversity"], table["status"])) == [("hmm", -1, "ok"), ("hmm", 1, "ok")]
@@ -269,8 +300,27 @@ def test_cli_sweep_on_two_workers(tmp_path):
 def test_cli_sweep_on_ray(tmp_path):
     """Ray tasks run in Ray's own worker processes: each must find the plugin through its entry point."""
     pytest.importorskip("ray")
-    result = taskgeom("sweep", RECIPE, "--profile", "tiny", "--diversity", "-1", "--seeds", "0", "--executor", "ray", "--workers", "1",
-                      "--cpus-per-run", "1", "--device", "cpu", "--out", "sweep", cwd=tmp_path)
+    result = taskgeom(
+        "sweep",
+        RECIPE,
+        "--profile",
+        "tiny",
+        "--diversity",
+        "-1",
+        "--seeds",
+        "0",
+        "--executor",
+        "ray",
+        "--workers",
+        "1",
+        "--cpus-per-run",
+        "1",
+        "--device",
+        "cpu",
+        "--out",
+        "sweep",
+        cwd=tmp_path,
+    )
     check(result)
     table = pd.read_csv(tmp_path / "sweep" / "sweep.csv")
     assert list(zip(table["recipe"], table["diversity"], table["status"])) == [("hmm", -1, "ok")]
@@ -280,8 +330,22 @@ def test_cli_reproduce_only_this_recipe(tmp_path):
     """Exit 0 or 1: tiny models may fail claims (exit 1 is "the work ran and some claims failed"),
     so the runs themselves are checked: every sweep run ok. Every claim is the recipe's own, each
     experiment of its study section gave some, and the report has its section."""
-    result = taskgeom("reproduce", "--recipe", RECIPE, "--only", "hmm", "--profile", "tiny", "--seeds", "0",
-                      "--device", "cpu", "--out", "results", cwd=tmp_path)
+    result = taskgeom(
+        "reproduce",
+        "--recipe",
+        RECIPE,
+        "--only",
+        "hmm",
+        "--profile",
+        "tiny",
+        "--seeds",
+        "0",
+        "--device",
+        "cpu",
+        "--out",
+        "results",
+        cwd=tmp_path,
+    )
     check(result, (0, 1))
     results = tmp_path / "results"
     claims = json.loads((results / "claims.json").read_text())

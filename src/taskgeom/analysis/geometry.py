@@ -17,21 +17,60 @@ import torch
 
 from taskgeom.analysis.measures.anova import Layout, Shares
 from taskgeom.analysis.measures.orthogonal import avoid_basis, token_subspace
-from taskgeom.analysis.measures.properties import (Fit, Interpolation, MeanAlignment, Shrinkage, additive_r2, alignment, by_position,
-                                                   cell_additive_r2, cell_vectors, fit_beta, interpolation, mean_alignment, pooled,
-                                                   quantiles, random_rotation, random_token_additive_r2, shrinkage, token_additive_r2)
+from taskgeom.analysis.measures.properties import (
+    Fit,
+    Interpolation,
+    MeanAlignment,
+    Shrinkage,
+    additive_r2,
+    alignment,
+    by_position,
+    cell_additive_r2,
+    cell_vectors,
+    fit_beta,
+    interpolation,
+    mean_alignment,
+    pooled,
+    quantiles,
+    random_rotation,
+    random_token_additive_r2,
+    shrinkage,
+    token_additive_r2,
+)
 from taskgeom.analysis.measures.simplex import project_simplex
 from taskgeom.analysis.measures.subspace import direction_ablation, projection_r2, task_ablation
-from taskgeom.analysis.measures.task_probe import PROBE_CHUNK, PROBE_SEQUENCES, ProbeData, ProbeFit, fit_probe, probe_basis_with_mean
+from taskgeom.analysis.measures.task_probe import (
+    PROBE_CHUNK,
+    PROBE_SEQUENCES,
+    ProbeData,
+    ProbeFit,
+    fit_probe,
+    probe_basis_with_mean,
+)
 from taskgeom.analysis.measures.task_vectors import fraction_window
 from taskgeom.analysis.measures.variants import variant as named_variant
 from taskgeom.analysis.reading.cells import ForcedCells
 from taskgeom.analysis.reading.edits import Edit
 from taskgeom.analysis.reading.heldout import family_inputs
 from taskgeom.analysis.reading.sequences import Sequences, StudiedRun
-from taskgeom.analysis.reading.steering import (ESTIMATION_PER_TASK, STUDY_POSITIONS, WRITE_SITE, Steering, SteeringForm,
-                                                averaged_task_vectors, check_form, clip_positions, dirichlet_points, estimation_positions,
-                                                position_task_vectors, span_basis, steer, study_form, subspace_edit, task_edit)
+from taskgeom.analysis.reading.steering import (
+    ESTIMATION_PER_TASK,
+    STUDY_POSITIONS,
+    WRITE_SITE,
+    Steering,
+    SteeringForm,
+    averaged_task_vectors,
+    check_form,
+    clip_positions,
+    dirichlet_points,
+    estimation_positions,
+    position_task_vectors,
+    span_basis,
+    steer,
+    study_form,
+    subspace_edit,
+    task_edit,
+)
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.rng import generator
@@ -56,7 +95,9 @@ class Alignment:
         return f"Alignment(P3 {self.tv_mean_beta:.4g}: TV of the task-mean beta to the posterior, last quarter; {tuple(self.tv.shape)} states)"
 
     @classmethod
-    def of(cls, beta: torch.Tensor, raw: torch.Tensor, alpha: torch.Tensor, task: torch.Tensor, window: slice) -> "Alignment":
+    def of(
+        cls, beta: torch.Tensor, raw: torch.Tensor, alpha: torch.Tensor, task: torch.Tensor, window: slice
+    ) -> "Alignment":
         """P3 of fitted coefficients beta (projected) and raw (before the projection) and the
         posterior alpha: [N, P, K], for sequences of task: [N]."""
         tv, kl = alignment(beta, alpha)
@@ -103,7 +144,9 @@ def p2_norm(run: StudiedRun, place: Place) -> Callable[[torch.Tensor], torch.Ten
         return None
     norm = getattr(model.blocks[place.layer + 1], "ln_attn", None)
     if norm is None:
-        raise AnalysisError(f"{type(model).__name__} has no input LayerNorm on block {place.layer + 1} to read P2 after")
+        raise AnalysisError(
+            f"{type(model).__name__} has no input LayerNorm on block {place.layer + 1} to read P2 after"
+        )
     dtype = next(model.parameters()).dtype
 
     def normed(states: torch.Tensor) -> torch.Tensor:
@@ -121,17 +164,27 @@ def cell_p2(run: StudiedRun, cells: dict[int, ForcedCells], place: Place, n_rand
     after the next LayerNorm (``p2_norm``). cells: {position: ForcedCells} over both windows."""
     T, norm = run.config.task.seq_len, p2_norm(run, place)
     estimation, window = fraction_window(T, run.family.vector_window), fraction_window(T, run.family.p2_window)
-    states = {p: cells[p].states[place] for p in range(min(estimation.start, window.start), max(estimation.stop, window.stop))}
+    states = {
+        p: cells[p].states[place] for p in range(min(estimation.start, window.start), max(estimation.stop, window.stop))
+    }
     if norm is not None:
         states = {p: norm(h) for p, h in states.items()}
-    theta, nu = cell_vectors(torch.stack([states[p].double().mean(2) for p in range(estimation.start, estimation.stop)]))
+    theta, nu = cell_vectors(
+        torch.stack([states[p].double().mean(2) for p in range(estimation.start, estimation.stop)])
+    )
     by_position = torch.full((T,), torch.nan, dtype=torch.float64)
     for p in range(window.start, window.stop):
         by_position[p] = cell_additive_r2(states[p], theta, nu)
     gen = torch.Generator().manual_seed(run.seed)
     rotations = [theta @ random_rotation(theta.shape[1], gen) for _ in range(n_random)]
-    random = torch.tensor([sum(cell_additive_r2(states[p], r, nu) for p in range(window.start, window.stop)) / (window.stop - window.start)
-                           for r in rotations], dtype=torch.float64)
+    random = torch.tensor(
+        [
+            sum(cell_additive_r2(states[p], r, nu) for p in range(window.start, window.stop))
+            / (window.stop - window.start)
+            for r in rotations
+        ],
+        dtype=torch.float64,
+    )
     return AdditiveR2(by_position, float(by_position[window].mean()), random, window, norm is not None)
 
 
@@ -142,16 +195,29 @@ class Geometry:
     subspace S of its centred task effects; ``window`` is the late window (the last quarter)
     where the claims read P0-P3."""
 
-    def __init__(self, run: StudiedRun, place: Place, sequences: Sequences, states: torch.Tensor, window: slice, n_random: int):
-        self.run, self.place, self.sequences, self.states, self.window, self.n_random = run, place, sequences, states, window, n_random
+    def __init__(
+        self, run: StudiedRun, place: Place, sequences: Sequences, states: torch.Tensor, window: slice, n_random: int
+    ):
+        self.run, self.place, self.sequences, self.states, self.window, self.n_random = (
+            run,
+            place,
+            sequences,
+            states,
+            window,
+            n_random,
+        )
         inputs = sequences.inputs
         self.vectors = fraction_window(states.shape[1], run.family.vector_window)
-        self.fit: Fit = inputs.fit(states, sequences.batch.task, inputs.current, sequences.alpha.shape[-1], self.vectors)
+        self.fit: Fit = inputs.fit(
+            states, sequences.batch.task, inputs.current, sequences.alpha.shape[-1], self.vectors
+        )
 
     def __repr__(self) -> str:
         K, D = self.task_vectors.shape
-        return (f"Geometry(at {self.place}, {self.states.shape[0]} {self.sequences.kind} sequences of {self.states.shape[1]} "
-                f"positions, K={K} tasks, D={D}; P0-P3 in .p0, .p1, .p2, .p3)")
+        return (
+            f"Geometry(at {self.place}, {self.states.shape[0]} {self.sequences.kind} sequences of {self.states.shape[1]} "
+            f"positions, K={K} tasks, D={D}; P0-P3 in .p0, .p1, .p2, .p3)"
+        )
 
     @property
     def task_vectors(self) -> torch.Tensor:
@@ -177,7 +243,9 @@ class Geometry:
     def shares(self) -> Shares:
         """P0 and P1 at each position: [P] each (the layout fitted at each position separately)."""
         inputs = self.sequences.inputs
-        return by_position(self.states, self.sequences.batch.task, inputs.current, self.sequences.alpha.shape[-1], inputs.vocab)
+        return by_position(
+            self.states, self.sequences.batch.task, inputs.current, self.sequences.alpha.shape[-1], inputs.vocab
+        )
 
     @property
     def p0(self) -> float:
@@ -198,7 +266,14 @@ class Geometry:
     def pooled(self) -> Layout:
         """The ``pooled-anova`` variant: the layout pooled over the late window's states (no position term)."""
         inputs = self.sequences.inputs
-        return pooled(self.states, self.sequences.batch.task, inputs.current, self.sequences.alpha.shape[-1], inputs.vocab, self.window)
+        return pooled(
+            self.states,
+            self.sequences.batch.task,
+            inputs.current,
+            self.sequences.alpha.shape[-1],
+            inputs.vocab,
+            self.window,
+        )
 
     @cached_property
     def p2(self) -> Interpolation:
@@ -230,8 +305,17 @@ class Geometry:
             centred = h.double() - geometry.mu[: h.shape[1]]
             by_position = additive_r2(centred, fit_beta(centred, theta) @ theta, inputs.current, positions)[1]
             rotations = [theta @ random_rotation(theta.shape[1], gen) for _ in range(self.n_random)]
-            random = torch.tensor([float(additive_r2(centred, fit_beta(centred, r) @ r, inputs.current, positions)[1][positions].nanmean())
-                                   for r in rotations], dtype=torch.float64)
+            random = torch.tensor(
+                [
+                    float(
+                        additive_r2(centred, fit_beta(centred, r) @ r, inputs.current, positions)[1][
+                            positions
+                        ].nanmean()
+                    )
+                    for r in rotations
+                ],
+                dtype=torch.float64,
+            )
         return AdditiveR2(by_position, float(by_position[positions].nanmean()), random, positions, norm is not None)
 
     @property
@@ -244,9 +328,16 @@ class Geometry:
         """P3, alignment of beta_t with the exact posterior alpha_t (per state, and per task mean)."""
         return Alignment.of(self.beta, self.p2.raw, self.sequences.alpha, self.sequences.batch.task, self.window)
 
-    def steer(self, to: torch.Tensor | Sequence[float] | Literal["dirichlet"] = "dirichlet", *, points: int = 1,
-              positions: Sequence[int] | None = None, form: SteeringForm | None = None, sequences: Sequences | None = None,
-              variant: str | None = None) -> Steering:
+    def steer(
+        self,
+        to: torch.Tensor | Sequence[float] | Literal["dirichlet"] = "dirichlet",
+        *,
+        points: int = 1,
+        positions: Sequence[int] | None = None,
+        form: SteeringForm | None = None,
+        sequences: Sequences | None = None,
+        variant: str | None = None,
+    ) -> Steering:
         """Steer major sequences toward points of the simplex, one position per forward pass
         (docs/protocol.md; ``analysis.reading.steering``): ``to`` a point [K] for every sequence,
         [N, K] one per sequence, or ``"dirichlet"``: ``points`` Dirichlet(1) draws per sequence,
@@ -263,13 +354,17 @@ class Geometry:
         check_form(form)
         chosen = named_variant(variant)
         if chosen is not None and chosen.name != "steer-at-read-site":
-            raise AnalysisError(f"variant {chosen.name!r} does not change how steering edits; choose 'protocol' or 'steer-at-read-site' "
-                                "(a variant of the place chooses the geometry's place)")
+            raise AnalysisError(
+                f"variant {chosen.name!r} does not change how steering edits; choose 'protocol' or 'steer-at-read-site' "
+                "(a variant of the place chooses the geometry's place)"
+            )
         steered = self.sequences if sequences is None else sequences
         if steered.kind != "major":
             raise AnalysisError(f"steering edits major sequences, not {steered.kind} ones")
         if points < 1 or (points != 1 and not (isinstance(to, str) and to == "dirichlet")):
-            raise AnalysisError(f"points (target points per sequence) must be at least 1, and 1 for a chosen point; got {points}")
+            raise AnalysisError(
+                f"points (target points per sequence) must be at least 1, and 1 for a chosen point; got {points}"
+            )
         N, P, K = len(steered), self.states.shape[1], self.task_vectors.shape[0]
         gen = generator(self.run.seed, 0, "steering")
         if isinstance(to, str) and to == "dirichlet":
@@ -280,7 +375,11 @@ class Geometry:
         positions = clip_positions(STUDY_POSITIONS[form] if positions is None else positions, P)
         if chosen is None:
             estimation = self.run.heldout_tasks("major", ESTIMATION_PER_TASK, split="steering")
-            states, task, write = self.run.cache(estimation, [self.place])[self.place], estimation.batch.task, Place(self.place.layer, WRITE_SITE)
+            states, task, write = (
+                self.run.cache(estimation, [self.place])[self.place],
+                estimation.batch.task,
+                Place(self.place.layer, WRITE_SITE),
+            )
         else:
             states, task, write = self.states, self.sequences.batch.task, self.place
         if form == "task":
@@ -293,7 +392,19 @@ class Geometry:
         else:
             edits = {p: subspace_edit(self.task_vectors, self.basis, self.mu[p], a) for p in positions}
         inputs = steered.inputs
-        return steer(self.run.model, inputs.readout, steered.batch.tokens, write, sequence, a, edits, inputs.positions, gen, form, N)
+        return steer(
+            self.run.model,
+            inputs.readout,
+            steered.batch.tokens,
+            write,
+            sequence,
+            a,
+            edits,
+            inputs.positions,
+            gen,
+            form,
+            N,
+        )
 
     @cached_property
     def probe_data(self) -> ProbeData:
@@ -301,7 +412,9 @@ class Geometry:
         the states here of the run's probe sequences over the fit window, beside their regressors,
         which every place shares (``StudyRun.probe_inputs``, ``probe_inputs``)."""
         inputs = self.run.probe_inputs
-        states = torch.cat([self.run.cache(chunk, [self.place])[self.place][:, inputs.window] for chunk in inputs.chunks])
+        states = torch.cat(
+            [self.run.cache(chunk, [self.place])[self.place][:, inputs.window] for chunk in inputs.chunks]
+        )
         return ProbeData(states, inputs.pi, inputs.current, inputs.logits, self.sequences.inputs.vocab)
 
     @cached_property
@@ -313,7 +426,9 @@ class Geometry:
     @cached_property
     def task_probe_exact(self) -> ProbeFit:
         """The variant ``probe-exact``: the same probe by an exact double-precision least-squares fit."""
-        return fit_probe(self.probe_data, self.run.family.task_probe, generator(self.run.seed, 0, "probe-split"), exact=True)
+        return fit_probe(
+            self.probe_data, self.run.family.task_probe, generator(self.run.seed, 0, "probe-split"), exact=True
+        )
 
     @property
     def probe(self) -> torch.Tensor:
@@ -349,11 +464,15 @@ class Geometry:
         elif chosen.name == "centred-S":
             change = task_ablation(self.fit.subspace)
         else:
-            raise AnalysisError(f"variant {chosen.name!r} does not change the S ablation; choose 'protocol', 's-with-mean', "
-                                "'probe-exact' or 'centred-S'")
+            raise AnalysisError(
+                f"variant {chosen.name!r} does not change the S ablation; choose 'protocol', 's-with-mean', "
+                "'probe-exact' or 'centred-S'"
+            )
         return Edit(self.run, self.place, change, self.run.analysed_positions)
 
-    def projection_r2(self, sequences: Sequences, form: Form = "token", states: torch.Tensor | None = None) -> torch.Tensor:
+    def projection_r2(
+        self, sequences: Sequences, form: Form = "token", states: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[N' * W] projection R^2 on S of the late states of other ``sequences`` (OOD ones, as a
         rule) at this place (``states``: [N', P, D] if already captured): centred by mu_t and
         regressed on the task vectors (``plain``), or centred by mu_t + nu(x_t) and regressed on
@@ -367,7 +486,10 @@ class Geometry:
         centred = (h[:, window].double() - subspace.mu[window]).flatten(0, 1)  # [N' * W, D]
         if form == "plain":
             return projection_r2(centred, subspace.basis)
-        return projection_r2(centred - self.fit.layout.effect(late).double().flatten(0, 1), subspace.conditioned_basis(late).flatten(0, 1))
+        return projection_r2(
+            centred - self.fit.layout.effect(late).double().flatten(0, 1),
+            subspace.conditioned_basis(late).flatten(0, 1),
+        )
 
     @cached_property
     def token_directions(self) -> torch.Tensor:
@@ -418,8 +540,10 @@ def probe_inputs(run: StudiedRun) -> ProbeInputs:
     family = run.family
     spec = family.task_probe
     if spec is None:
-        raise AnalysisError(f"the {family.name!r} family declares no task_probe (TaskFamily.task_probe: the regressors of the "
-                            "probe whose row space is the ablations' task subspace S; see docs/adding-a-family.md)")
+        raise AnalysisError(
+            f"the {family.name!r} family declares no task_probe (TaskFamily.task_probe: the regressors of the "
+            "probe whose row space is the ablations' task subspace S; see docs/adding-a-family.md)"
+        )
     probe = run.heldout("major", PROBE_SEQUENCES, split="probe")
     pool = run.pool if spec.pool_posterior else run.pool.subset("major")
     chunks, pi, current, logits = [], [], [], []
@@ -427,7 +551,7 @@ def probe_inputs(run: StudiedRun) -> ProbeInputs:
         chunk = Sequences(run, "major", probe.split, probe.batch.rows(rows))
         inputs = family_inputs(family, chunk.batch, pool)
         window = fraction_window(inputs.current.shape[1], spec.window)
-        alpha = inputs.alpha[..., :run.pool.n_major]
+        alpha = inputs.alpha[..., : run.pool.n_major]
         if spec.sequence_posterior:
             alpha = alpha[:, -1:].expand_as(alpha)
         chunks.append(chunk)
@@ -443,7 +567,9 @@ def simplex_point(to, n: int, K: int) -> torch.Tensor:
     """[n, K] float64 from a point [K] (for every sequence) or points [n, K] of the simplex; AnalysisError otherwise."""
     a = torch.as_tensor(to, dtype=torch.float64)
     if a.shape not in ((K,), (n, K)):
-        raise AnalysisError(f"a steering target is a point of the simplex over the {K} major tasks, [{K}] or [{n}, {K}]; got shape {tuple(a.shape)}")
+        raise AnalysisError(
+            f"a steering target is a point of the simplex over the {K} major tasks, [{K}] or [{n}, {K}]; got shape {tuple(a.shape)}"
+        )
     if (a < 0).any() or ((a.sum(-1) - 1).abs() > 1e-6).any():
         raise AnalysisError("a steering target must be non-negative and sum to one (a point of the simplex)")
     return a.expand(n, K).clone()

@@ -42,8 +42,17 @@ from taskgeom.analysis.measures.shares import loss_window
 from taskgeom.analysis.measures.subspace import direction_ablation
 from taskgeom.analysis.measures.task_vectors import fraction_window, late_window
 from taskgeom.analysis.measures.variants import variant as named_variant
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.analysis.reading import projection, trajectory
-from taskgeom.analysis.reading.cells import P0_PER_CELL, P2_PER_CELL, P2_STREAM, STREAM, ForcedCells, forced_cells, seen_tokens
+from taskgeom.analysis.reading.cells import (
+    P0_PER_CELL,
+    P2_PER_CELL,
+    P2_STREAM,
+    STREAM,
+    ForcedCells,
+    forced_cells,
+    seen_tokens,
+)
 from taskgeom.analysis.reading.edits import Edit
 from taskgeom.analysis.reading.heldout import Kind, Split, sample, sample_tasks, unsupported
 from taskgeom.analysis.reading.projection import ProjectionR2
@@ -56,11 +65,15 @@ from taskgeom.runs.folders import Run
 from taskgeom.settings.config import RunConfig
 from taskgeom.settings.recipes import DEFAULT_PROFILE
 from taskgeom.tasks import Batch, TaskFamily, TaskPool
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 DEFAULT_SITES = PROTOCOL.sites
-SEARCH_STREAMS = {"minor": "dual-minor-search", "ood": "dual-ood-search"}  # the orthogonal search's fresh batch of each step
-SELECTION_SEQUENCES = PROTOCOL.selection_sequences  # the M1 analysis' selection batch: the selected-place variant chooses where it does
+SEARCH_STREAMS = {
+    "minor": "dual-minor-search",
+    "ood": "dual-ood-search",
+}  # the orthogonal search's fresh batch of each step
+SELECTION_SEQUENCES = (
+    PROTOCOL.selection_sequences
+)  # the M1 analysis' selection batch: the selected-place variant chooses where it does
 
 
 @dataclass(frozen=True)
@@ -141,16 +154,23 @@ class StudyRun:
         """``n`` held-out ``kind`` sequences ("major", "minor" or "ood") of the named ``split``
         (``heldout.Split``); the same arguments give the same sequences."""
         split = Split.of(split)
-        return Sequences(self, kind, split, sample(self.family, self.pool, kind, n, split, self.config.task.seq_len, self.seed))
+        return Sequences(
+            self, kind, split, sample(self.family, self.pool, kind, n, split, self.config.task.seq_len, self.seed)
+        )
 
-    def heldout_tasks(self, kind: Kind, per_task: int, *, n_tasks: int | None = None, split: Split | str = "projection") -> Sequences:
+    def heldout_tasks(
+        self, kind: Kind, per_task: int, *, n_tasks: int | None = None, split: Split | str = "projection"
+    ) -> Sequences:
         """Whole held-out tasks of ``split``, ``per_task`` sequences each (``analysis.reading.heldout.sample_tasks``):
         ``n_tasks`` fresh OOD tasks, or every major task; the same arguments give the same sequences."""
-        batch = sample_tasks(self.family, self.pool, kind, per_task, split, self.config.task.seq_len, self.seed, n_tasks)
+        batch = sample_tasks(
+            self.family, self.pool, kind, per_task, split, self.config.task.seq_len, self.seed, n_tasks
+        )
         return Sequences(self, kind, Split.of(split), batch)
 
-    def projection_r2(self, ood: Sequences, major: Sequences, place: tuple[int, str] | None = None, *,
-                      variant: str | None = None) -> ProjectionR2:
+    def projection_r2(
+        self, ood: Sequences, major: Sequences, place: tuple[int, str] | None = None, *, variant: str | None = None
+    ) -> ProjectionR2:
         """Projection R^2 of the OOD tasks of ``ood`` on the major tasks of ``major`` as the study's
         Fig. 4 measures it (``analysis.reading.projection``; whole tasks from ``heldout_tasks``) at ``place``
         (default: the protocol's, ``analysis.reading.projection.place``); or under a ``variant`` of docs/protocol.md#variants:
@@ -169,7 +189,9 @@ class StudyRun:
             values = self.geometry(major, at, n_random=0).projection_r2(ood, "token")
             return ProjectionR2(values, *projection.task_sizes(ood.batch), at, name)
         elif name != "protocol":
-            raise AnalysisError(f"the variant {name!r} does not change projection R^2; choose per-sequence-r2, site-mid or selected-place")
+            raise AnalysisError(
+                f"the variant {name!r} does not change projection R^2; choose per-sequence-r2, site-mid or selected-place"
+            )
         return dataclasses.replace(projection.measure(self, ood, major, [at])[at], variant=name)
 
     def projection_reference(self, ood: Sequences, major: Sequences) -> ProjectionR2:
@@ -184,8 +206,15 @@ class StudyRun:
         (``analysis.geometry.probe_inputs``)."""
         return probe_inputs(self)
 
-    def forced_cells(self, places: Sequence[tuple[int, str]], *, position: int | None = None, per_cell: int = P0_PER_CELL,
-                     stream: str = STREAM, tokens: torch.Tensor | None = None) -> ForcedCells:
+    def forced_cells(
+        self,
+        places: Sequence[tuple[int, str]],
+        *,
+        position: int | None = None,
+        per_cell: int = P0_PER_CELL,
+        stream: str = STREAM,
+        tokens: torch.Tensor | None = None,
+    ) -> ForcedCells:
         """The study's forced-token cells of the major tasks at ``position`` (default: the last its
         P0 and P1 read, T - 2), ``per_cell`` sequences each, their states at ``places``
         (``analysis.reading.cells``; a token family's); ``.layout(place)`` gives P0 and P1 there.
@@ -194,10 +223,21 @@ class StudyRun:
         position = T - 2 if position is None else position
         if not 0 <= position < T:
             raise AnalysisError(f"position {position} is not in the context (0..{T - 1})")
-        return forced_cells(self.model, self.family, self.pool.subset("major"), self.seed, position, per_cell,
-                            [Place(*p) for p in places], stream, tokens)
+        return forced_cells(
+            self.model,
+            self.family,
+            self.pool.subset("major"),
+            self.seed,
+            position,
+            per_cell,
+            [Place(*p) for p in places],
+            stream,
+            tokens,
+        )
 
-    def cell_p2(self, places: Sequence[tuple[int, str]], *, per_cell: int = P2_PER_CELL, n_random: int = 8) -> dict[Place, AdditiveR2]:
+    def cell_p2(
+        self, places: Sequence[tuple[int, str]], *, per_cell: int = P2_PER_CELL, n_random: int = 8
+    ) -> dict[Place, AdditiveR2]:
         """{place: P2 as the study's averaging R^2 measures it} on forced-token cells of ``per_cell``
         sequences (``analysis.geometry.cell_p2``), drawn at every position of the family's
         ``vector_window`` and ``p2_window``; the values forced at every position are those seen at
@@ -205,25 +245,39 @@ class StudyRun:
         T, family, majors = self.config.task.seq_len, self.family, self.pool.subset("major")
         windows = [fraction_window(T, family.vector_window), fraction_window(T, family.p2_window)]
         positions = sorted({p for w in windows for p in range(w.start, w.stop)})
-        tokens = torch.unique(torch.cat([seen_tokens(family, majors, self.seed, p, per_cell, P2_STREAM) for p in positions]))
-        cells = {p: self.forced_cells(places, position=p, per_cell=per_cell, stream=P2_STREAM, tokens=tokens) for p in positions}
+        tokens = torch.unique(
+            torch.cat([seen_tokens(family, majors, self.seed, p, per_cell, P2_STREAM) for p in positions])
+        )
+        cells = {
+            p: self.forced_cells(places, position=p, per_cell=per_cell, stream=P2_STREAM, tokens=tokens)
+            for p in positions
+        }
         return {Place(*place): cell_p2(self, cells, Place(*place), n_random) for place in places}
 
-    def trajectories(self, places: Sequence[tuple[int, str]], *, per_task: int = trajectory.PER_TASK) -> dict[Place, Trajectory]:
+    def trajectories(
+        self, places: Sequence[tuple[int, str]], *, per_task: int = trajectory.PER_TASK
+    ) -> dict[Place, Trajectory]:
         """{place: P3 as the study's trajectory figure computes it} (``analysis.reading.trajectory``)
         on ``per_task`` natural sequences of each major task (split ``trajectory``), one streamed pass."""
         sequences = self.heldout_tasks("major", per_task, split="trajectory")
-        return {Place(layer, site): trajectory.trajectory(sequences.inputs.select(h), sequences.batch.task, sequences.alpha)
-                for layer, states in stream_layers(self.model, sequences.batch.tokens, list(places)) for site, h in states.items()}
+        return {
+            Place(layer, site): trajectory.trajectory(sequences.inputs.select(h), sequences.batch.task, sequences.alpha)
+            for layer, states in stream_layers(self.model, sequences.batch.tokens, list(places))
+            for site, h in states.items()
+        }
 
     def cache(self, sequences: Sequences, places: Sequence[tuple[int, str]]) -> dict[Place, torch.Tensor]:
         """{place: [N, P, D] float32} the states at the analysed positions, from one streamed pass
         (with the edits in force)."""
-        return {Place(layer, site): sequences.inputs.select(h)
-                for layer, states in stream_layers(self.model, sequences.batch.tokens, list(places)) for site, h in states.items()}
+        return {
+            Place(layer, site): sequences.inputs.select(h)
+            for layer, states in stream_layers(self.model, sequences.batch.tokens, list(places))
+            for site, h in states.items()
+        }
 
-    def geometries(self, sequences: Sequences, places: Sequence[tuple[int, str]], *, window: float = 0.25,
-                   n_random: int = 8) -> Iterator[Geometry]:
+    def geometries(
+        self, sequences: Sequences, places: Sequence[tuple[int, str]], *, window: float = 0.25, n_random: int = 8
+    ) -> Iterator[Geometry]:
         """The geometry at each place, in layer order, from one streamed pass over the major
         ``sequences``; ``window``: the late fraction of positions where P0-P3 are read (the task
         vectors average the family's ``vector_window``); ``n_random``: P2's random subspaces."""
@@ -234,17 +288,28 @@ class StudyRun:
             for site, h in states.items():
                 yield Geometry(self, Place(layer, site), sequences, sequences.inputs.select(h), late, n_random)
 
-    def geometry(self, sequences: Sequences, place: tuple[int, str], *, window: float = 0.25, n_random: int = 8) -> Geometry:
+    def geometry(
+        self, sequences: Sequences, place: tuple[int, str], *, window: float = 0.25, n_random: int = 8
+    ) -> Geometry:
         """The geometry at one place (``geometries``)."""
         return next(self.geometries(sequences, [place], window=window, n_random=n_random))
 
-    def select_place(self, sequences: Sequences, places: Sequence[tuple[int, str]] | None = None, *, site: str | None = None,
-                     window: float = 0.25, n_random: int = 8) -> Selection:
+    def select_place(
+        self,
+        sequences: Sequences,
+        places: Sequence[tuple[int, str]] | None = None,
+        *,
+        site: str | None = None,
+        window: float = 0.25,
+        n_random: int = 8,
+    ) -> Selection:
         """The place of highest R^2_task on ``sequences`` among ``places`` (every layer and
         default site), restricted to the site name ``site`` when given (docs/protocol.md)."""
         measured = list(self.geometries(sequences, places or self.places(), window=window, n_random=n_random))
-        ranked = sorted((g for g in measured if (site is None or g.place.site == site) and math.isfinite(g.p2.r2_task)),
-                        key=lambda g: -g.p2.r2_task)
+        ranked = sorted(
+            (g for g in measured if (site is None or g.place.site == site) and math.isfinite(g.p2.r2_task)),
+            key=lambda g: -g.p2.r2_task,
+        )
         if not ranked:
             raise AnalysisError("no place has a finite R^2_task to select by")
         return Selection(ranked[0].place, ranked[1].place if len(ranked) > 1 else None, measured)
@@ -276,7 +341,9 @@ class StudyRun:
         """The sequences the orthogonal search ascends on (docs/protocol.md): minor (pool)
         sequences, OOD ones when the pool has no minors (k = -1) or under ``v-searched-on-ood``."""
         chosen = named_variant(variant)
-        return "ood" if not self.pool.n_minor or (chosen is not None and chosen.name == "v-searched-on-ood") else "minor"
+        return (
+            "ood" if not self.pool.n_minor or (chosen is not None and chosen.name == "v-searched-on-ood") else "minor"
+        )
 
     def _search_loss(self, kind: Kind):
         """loss_fn(step, site) of ``orthogonal_searches``: the training loss of batch ``step`` of
@@ -286,8 +353,11 @@ class StudyRun:
 
         @functools.lru_cache(maxsize=1)
         def search_batch(step: int) -> tuple[Batch, LayerStreams]:
-            batch = (family.sample_ood(BATCH_SIZE, T, seed, step, stream) if kind == "ood"
-                     else family.sample(self.pool, BATCH_SIZE, T, seed, step, stream, "minor"))
+            batch = (
+                family.sample_ood(BATCH_SIZE, T, seed, step, stream)
+                if kind == "ood"
+                else family.sample(self.pool, BATCH_SIZE, T, seed, step, stream, "minor")
+            )
             return batch, LayerStreams(self.model, batch.tokens)
 
         def search_loss(step: int, site) -> torch.Tensor:
@@ -296,17 +366,28 @@ class StudyRun:
 
         return search_loss
 
-    def orthogonal_search(self, searches: Sequence[tuple[Geometry, int]], *, steps: int = 200, variant: str | None = None,
-                          avoid: Callable[[Geometry], torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def orthogonal_search(
+        self,
+        searches: Sequence[tuple[Geometry, int]],
+        *,
+        steps: int = 200,
+        variant: str | None = None,
+        avoid: Callable[[Geometry], torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
         """V: [D, r] for each ``(geometry, rank r)``: directions outside ``geometry.avoid(variant)``
         (the protocol: the probe's S, and the token subspace for E3; or ``avoid(geometry)`` when
         given) whose ablation at the geometry's place raises the loss of fresh minor sequences most
         (OOD ones at k = -1 or under ``v-searched-on-ood``; docs/protocol.md); the searches run
         in lockstep, each giving what it would alone."""
         avoid = avoid or (lambda geometry: geometry.avoid(variant))
-        results = orthogonal_searches(self.model, self._search_loss(self.search_set(variant)),
-                                      [(g.place, avoid(g), rank) for g, rank in searches],
-                                      steps=steps, seed=self.seed, positions=self.analysed_positions)
+        results = orthogonal_searches(
+            self.model,
+            self._search_loss(self.search_set(variant)),
+            [(g.place, avoid(g), rank) for g, rank in searches],
+            steps=steps,
+            seed=self.seed,
+            positions=self.analysed_positions,
+        )
         return [result.directions for result in results]
 
     def snapshots(self) -> dict[int, "StudyRun"]:
@@ -314,8 +395,13 @@ class StudyRun:
         return {step: StudyRun(self.directory, model) for step, model in self.directory.snapshots().items()}
 
 
-def open_run(path: Path | str, recipe: str | None = None, profile: str = DEFAULT_PROFILE, overrides: Sequence[str] = (),
-             out: Path | str | None = None) -> StudyRun:
+def open_run(
+    path: Path | str,
+    recipe: str | None = None,
+    profile: str = DEFAULT_PROFILE,
+    overrides: Sequence[str] = (),
+    out: Path | str | None = None,
+) -> StudyRun:
     """A finished run directory for study; or a Hugging Face model directory (a ``config.json``
     without taskgeom's ``run.json``) read as a model of ``recipe``'s task (``models.pretrained.open_pretrained``:
     profile, dotted overrides, ``out`` for what the analyses write). A run directory has its own
@@ -323,7 +409,9 @@ def open_run(path: Path | str, recipe: str | None = None, profile: str = DEFAULT
     path = Path(path)
     if (path / "run.json").is_file() or (recipe is None and not (path / "config.json").is_file()):
         if recipe or overrides or out:
-            raise RunDirError(f"{path} is a taskgeom run directory, which has its own config: analyse it without --recipe, --set and --out")
+            raise RunDirError(
+                f"{path} is a taskgeom run directory, which has its own config: analyse it without --recipe, --set and --out"
+            )
         return StudyRun(Run.open(path))
     from taskgeom.models.pretrained import open_pretrained
 

@@ -42,7 +42,11 @@ def with_preconditions(measured: Iterable[tuple[int, Claim]]) -> list[tuple[int,
     precondition: the same recipe's ``bayes_optimal`` claim at that seed (its k = -1 run, the run the
     M1 geometry is measured on), where one was measured. The verdict rule does not read it."""
     measured = list(measured)
-    optimal = {(seed, claim.id.removesuffix(".bayes_optimal")): claim for seed, claim in measured if claim.id.endswith(".bayes_optimal")}
+    optimal = {
+        (seed, claim.id.removesuffix(".bayes_optimal")): claim
+        for seed, claim in measured
+        if claim.id.endswith(".bayes_optimal")
+    }
     annotated = []
     for seed, claim in measured:
         recipe, _, name = claim.id.partition(".")
@@ -55,10 +59,13 @@ def with_preconditions(measured: Iterable[tuple[int, Claim]]) -> list[tuple[int,
 
 def thresholds_table() -> str:
     """The Markdown table of docs/protocol.md#thresholds: one row per claim of the catalog."""
+
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 
     lines = ["| claim | experiment | measured on | quantity | passes when | figures |", "|---|---|---|---|---|---|"]
-    lines += [f"| `{c.name}` | {c.experiment} | {c.recipes} | {cell(c.quantity)} | {c.comparison} {c.threshold:g} | {', '.join(c.figures)} |"
-              for c in CLAIMS]
+    lines += [
+        f"| `{c.name}` | {c.experiment} | {c.recipes} | {cell(c.quantity)} | {c.comparison} {c.threshold:g} | {', '.join(c.figures)} |"
+        for c in CLAIMS
+    ]
     return "\n".join(lines)

@@ -26,22 +26,88 @@ from taskgeom.claims.rules import Claim, Spec, gain_parts
 _RECIPES = "E1, E3 (the highest k of the grid)"
 _SHARE = "% of the {target} in-context gain removed by ablating {what}, mean over blocks"
 SPECS: tuple[Spec, ...] = (
-    Spec("projection_r2_high_diversity", "dual_modes", _RECIPES, "projection R^2 of OOD task means onto the major task means (Fig. 4)",
-         "<", 0.2, ("projection",)),
-    Spec("projection_r2_drop", "dual_modes", _RECIPES, "projection R^2 at k = -1 minus at the highest k", ">=", 0.4, ("projection",)),
-    Spec("ablate_S_major", "dual_modes", _RECIPES, _SHARE.format(target="major", what="the task subspace S"), ">=", 50.0,
-         ("dissociation",)),
-    Spec("ablate_S_ood", "dual_modes", _RECIPES, _SHARE.format(target="OOD", what="the task subspace S"), "<", 20.0, ("dissociation",)),
-    Spec("ablate_V_ood", "dual_modes", _RECIPES, _SHARE.format(target="OOD", what="the orthogonal directions V"), ">=", 50.0,
-         ("dissociation", "rank")),
-    Spec("ablate_V_major", "dual_modes", _RECIPES, _SHARE.format(target="major", what="the orthogonal directions V"), "<", 20.0,
-         ("dissociation",)),
-    Spec("random_control", "dual_modes", _RECIPES, "largest over blocks of the 75th percentile of the % of OOD gain removed by "
-         "random same-rank directions (the study's random band)", "<", 10.0, ("dissociation",)),
-    Spec("transition_memorising", "dual_modes", "E1, E3 (k = -1)", "log(KL_mem / KL_gen) of the final model (negative: memorising)",
-         "<", 0.0, ("transition",)),
-    Spec("transition_generalising", "dual_modes", "E1, E3 (the highest k)", "log(KL_mem / KL_gen) of the final model "
-         "(positive: generalising)", ">", 0.0, ("transition",)),
+    Spec(
+        "projection_r2_high_diversity",
+        "dual_modes",
+        _RECIPES,
+        "projection R^2 of OOD task means onto the major task means (Fig. 4)",
+        "<",
+        0.2,
+        ("projection",),
+    ),
+    Spec(
+        "projection_r2_drop",
+        "dual_modes",
+        _RECIPES,
+        "projection R^2 at k = -1 minus at the highest k",
+        ">=",
+        0.4,
+        ("projection",),
+    ),
+    Spec(
+        "ablate_S_major",
+        "dual_modes",
+        _RECIPES,
+        _SHARE.format(target="major", what="the task subspace S"),
+        ">=",
+        50.0,
+        ("dissociation",),
+    ),
+    Spec(
+        "ablate_S_ood",
+        "dual_modes",
+        _RECIPES,
+        _SHARE.format(target="OOD", what="the task subspace S"),
+        "<",
+        20.0,
+        ("dissociation",),
+    ),
+    Spec(
+        "ablate_V_ood",
+        "dual_modes",
+        _RECIPES,
+        _SHARE.format(target="OOD", what="the orthogonal directions V"),
+        ">=",
+        50.0,
+        ("dissociation", "rank"),
+    ),
+    Spec(
+        "ablate_V_major",
+        "dual_modes",
+        _RECIPES,
+        _SHARE.format(target="major", what="the orthogonal directions V"),
+        "<",
+        20.0,
+        ("dissociation",),
+    ),
+    Spec(
+        "random_control",
+        "dual_modes",
+        _RECIPES,
+        "largest over blocks of the 75th percentile of the % of OOD gain removed by "
+        "random same-rank directions (the study's random band)",
+        "<",
+        10.0,
+        ("dissociation",),
+    ),
+    Spec(
+        "transition_memorising",
+        "dual_modes",
+        "E1, E3 (k = -1)",
+        "log(KL_mem / KL_gen) of the final model (negative: memorising)",
+        "<",
+        0.0,
+        ("transition",),
+    ),
+    Spec(
+        "transition_generalising",
+        "dual_modes",
+        "E1, E3 (the highest k)",
+        "log(KL_mem / KL_gen) of the final model (positive: generalising)",
+        ">",
+        0.0,
+        ("transition",),
+    ),
 )
 _SPEC = {spec.name: spec for spec in SPECS}
 # A run has an OOD mode when its OOD in-context gain is at least this share of the Bayes OOD-optimal
@@ -50,7 +116,9 @@ OOD_MODE_SHARE = 0.5
 OOD_CLAIMS = ("projection_r2_high_diversity", "projection_r2_drop", "ablate_S_ood", "ablate_V_ood", "random_control")
 
 
-def _pick(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None = None, summary: bool | None = None) -> pd.DataFrame:
+def _pick(
+    rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None = None, summary: bool | None = None
+) -> pd.DataFrame:
     """Final-model rows of ``metric`` at ``diversity`` among ``rows`` (one seed's), of ``set_name``
     when given; ``summary``: only the ablations' summary rows over blocks (``layer`` null, True) or
     only per-block rows (False)."""
@@ -62,7 +130,9 @@ def _pick(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None 
     return pick
 
 
-def _value(rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None = None, summary: bool | None = None) -> float:
+def _value(
+    rows: pd.DataFrame, metric: str, diversity: int, set_name: str | None = None, summary: bool | None = None
+) -> float:
     """A final-model metric of the run at ``diversity`` among ``rows`` (one seed's), NaN if absent."""
     pick = _pick(rows, metric, diversity, set_name, summary)
     return float(pick["value"].mean()) if len(pick) else float("nan")
@@ -98,8 +168,14 @@ def ood_mode(rows: pd.DataFrame, recipe: str, diversity: int) -> dict | None:
     if math.isnan(bayes) or bayes <= 0:
         return None
     ratio = gain / bayes
-    return {"claim": f"{recipe}.ood_mode", "value": ratio, "status": "pass" if ratio >= OOD_MODE_SHARE else "fail",
-            "ood_gain": gain, "bayes_ood_gain": bayes, "diversity": diversity}
+    return {
+        "claim": f"{recipe}.ood_mode",
+        "value": ratio,
+        "status": "pass" if ratio >= OOD_MODE_SHARE else "fail",
+        "ood_gain": gain,
+        "bayes_ood_gain": bayes,
+        "diversity": diversity,
+    }
 
 
 def with_ood_mode(claims: list[Claim], rows: pd.DataFrame, recipe: str, diversity: int) -> list[Claim]:
@@ -121,8 +197,11 @@ def projection_parts(rows: pd.DataFrame, diversity: int) -> dict:
     error over OOD tasks, the place it was read (block and site), the OOD task count and sequences
     per task, the interquartile range over OOD tasks, the study's 128-task draw, the linear-code
     reference (or why there is none) and the ``per-sequence-r2`` variant's value."""
+
     def final(metric: str) -> pd.DataFrame:
-        return rows[(rows["metric"] == metric) & (rows["diversity"] == diversity) & rows["step"].isna() & (rows["set"] == "ood")]
+        return rows[
+            (rows["metric"] == metric) & (rows["diversity"] == diversity) & rows["step"].isna() & (rows["set"] == "ood")
+        ]
 
     def band(row: pd.Series) -> tuple[float, float]:
         return tuple(row["band"]) if isinstance(row["band"], (list, tuple)) else (float("nan"),) * 2
@@ -132,11 +211,18 @@ def projection_parts(rows: pd.DataFrame, diversity: int) -> dict:
         return {}
     measured = pick.iloc[0]
     low, high = band(measured)
-    parts = {"value": measured["value"], "se": _value(rows, "projection_r2_se", diversity, "ood"), "block": int(measured["layer"]),
-             "site": measured["site"], "ood_tasks": int(_value(rows, "projection_r2_tasks", diversity, "ood")),
-             "sequences_per_task": int(_value(rows, "projection_r2_per_task", diversity, "ood")), "iqr_low": low, "iqr_high": high,
-             "study_draw": _value(rows, "projection_r2_study_draw", diversity, "ood"),
-             "per_sequence_r2": _value(rows, "projection_r2_per_sequence", diversity, "ood")}
+    parts = {
+        "value": measured["value"],
+        "se": _value(rows, "projection_r2_se", diversity, "ood"),
+        "block": int(measured["layer"]),
+        "site": measured["site"],
+        "ood_tasks": int(_value(rows, "projection_r2_tasks", diversity, "ood")),
+        "sequences_per_task": int(_value(rows, "projection_r2_per_task", diversity, "ood")),
+        "iqr_low": low,
+        "iqr_high": high,
+        "study_draw": _value(rows, "projection_r2_study_draw", diversity, "ood"),
+        "per_sequence_r2": _value(rows, "projection_r2_per_sequence", diversity, "ood"),
+    }
     reason = _reason(rows, "projection_r2_reference", diversity, "ood")
     if reason or final("projection_r2_reference").empty:
         return {**parts, "reference_unavailable": reason or "not measured"}
@@ -155,21 +241,48 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int) -> list[Claim]:
     r2_high, r2_low = _value(rows, "projection_r2", high, "ood"), _value(rows, "projection_r2", low, "ood")
     se_high, se_low = _value(rows, "projection_r2_se", high, "ood"), _value(rows, "projection_r2_se", low, "ood")
     what = "projection R^2 of OOD task means onto the major task means (the study's Fig. 4)"
-    claim("projection_r2_high_diversity", f"{what} at k = {high}", r2_high,
-          {**projection_parts(rows, high), "within_2se": _near(r2_high, _SPEC["projection_r2_high_diversity"].threshold, se_high)})
+    claim(
+        "projection_r2_high_diversity",
+        f"{what} at k = {high}",
+        r2_high,
+        {
+            **projection_parts(rows, high),
+            "within_2se": _near(r2_high, _SPEC["projection_r2_high_diversity"].threshold, se_high),
+        },
+    )
     se_drop = math.hypot(se_low, se_high)  # in quadrature: an upper bound, as both runs read the same OOD tasks
-    claim("projection_r2_drop", f"{what} at k = {low} minus at k = {high}", r2_low - r2_high,
-          {**{f"k={low}.{name}": v for name, v in projection_parts(rows, low).items()},
-           **{f"k={high}.{name}": v for name, v in projection_parts(rows, high).items()},
-           "se": se_drop, "within_2se": _near(r2_low - r2_high, _SPEC["projection_r2_drop"].threshold, se_drop)})
+    claim(
+        "projection_r2_drop",
+        f"{what} at k = {low} minus at k = {high}",
+        r2_low - r2_high,
+        {
+            **{f"k={low}.{name}": v for name, v in projection_parts(rows, low).items()},
+            **{f"k={high}.{name}": v for name, v in projection_parts(rows, high).items()},
+            "se": se_drop,
+            "within_2se": _near(r2_low - r2_high, _SPEC["projection_r2_drop"].threshold, se_drop),
+        },
+    )
     made += ablation_claims(rows, recipe, high)
     if len(rows) and rows["metric"].str.startswith("transition_").any():  # token families only
         final = by_step(rows).sort_values("step").groupby("diversity").last()
-        for name, k, word in (("transition_memorising", low, "negative: memorising"), ("transition_generalising", high, "positive: generalising")):
-            parts = ({"kl_to_memorising": final.loc[k, "kl_to_memorising"], "kl_to_generalising": final.loc[k, "kl_to_generalising"]}
-                     if k in final.index else None)
-            claim(name, f"log(KL_mem / KL_gen) of the final model at k = {k} ({word})",
-                  final["log_ratio"].get(k, float("nan")), parts)
+        for name, k, word in (
+            ("transition_memorising", low, "negative: memorising"),
+            ("transition_generalising", high, "positive: generalising"),
+        ):
+            parts = (
+                {
+                    "kl_to_memorising": final.loc[k, "kl_to_memorising"],
+                    "kl_to_generalising": final.loc[k, "kl_to_generalising"],
+                }
+                if k in final.index
+                else None
+            )
+            claim(
+                name,
+                f"log(KL_mem / KL_gen) of the final model at k = {k} ({word})",
+                final["log_ratio"].get(k, float("nan")),
+                parts,
+            )
     return with_ood_mode(made, rows, recipe, high)
 
 
@@ -184,16 +297,37 @@ def ablation_claims(rows: pd.DataFrame, recipe: str, high: int) -> list[Claim]:
         for set_name in (target, spared):
             metric = f"gain_removed_{ablation}"
             value = _value(rows, metric, high, set_name, summary=True)
-            parts = {**gain_parts(_value(rows, "loss", high, set_name), _value(rows, f"loss_{ablation}", high, set_name, summary=True),
-                                  _value(rows, "loss_first", high, set_name)),
-                     **_per_block(rows, metric, high, set_name), "block_mean": value}
-            description = f"% of {set_name} in-context gain removed by ablating the {what}, mean over blocks (k = {high})"
-            made.append(_SPEC[f"{ablation}_{set_name}"].judge(recipe, description, value, parts, _reason(rows, metric, high, set_name)))
+            parts = {
+                **gain_parts(
+                    _value(rows, "loss", high, set_name),
+                    _value(rows, f"loss_{ablation}", high, set_name, summary=True),
+                    _value(rows, "loss_first", high, set_name),
+                ),
+                **_per_block(rows, metric, high, set_name),
+                "block_mean": value,
+            }
+            description = (
+                f"% of {set_name} in-context gain removed by ablating the {what}, mean over blocks (k = {high})"
+            )
+            made.append(
+                _SPEC[f"{ablation}_{set_name}"].judge(
+                    recipe, description, value, parts, _reason(rows, metric, high, set_name)
+                )
+            )
     value = _value(rows, "gain_removed_random", high, "ood", summary=True)
-    parts = {"ood_block_max": value, **_per_block(rows, "gain_removed_random", high, "ood", "ood_"),
-             "major_block_max": _value(rows, "gain_removed_random", high, "major", summary=True)}
-    made.append(_SPEC["random_control"].judge(recipe,
-                       f"largest over blocks of the 75th percentile of the % of OOD in-context gain removed by "
-                       f"{N_RANDOM_CONTROLS} random same-rank directions (k = {high})",
-                       value, parts, _reason(rows, "gain_removed_random", high, "ood")))
+    parts = {
+        "ood_block_max": value,
+        **_per_block(rows, "gain_removed_random", high, "ood", "ood_"),
+        "major_block_max": _value(rows, "gain_removed_random", high, "major", summary=True),
+    }
+    made.append(
+        _SPEC["random_control"].judge(
+            recipe,
+            f"largest over blocks of the 75th percentile of the % of OOD in-context gain removed by "
+            f"{N_RANDOM_CONTROLS} random same-rank directions (k = {high})",
+            value,
+            parts,
+            _reason(rows, "gain_removed_random", high, "ood"),
+        )
+    )
     return made

@@ -16,12 +16,34 @@ from taskgeom.claims.rules import Claim, Spec
 
 _RECIPES = "E2 (k = -1)"
 SPECS: tuple[Spec, ...] = (
-    Spec("bayes_optimal", "e2", _RECIPES, "model MSE / dMMSE MSE - 1 on held-out major-task prompts, last half of the examples",
-         "<=", 0.10, ("mse_by_example",)),
-    Spec("ood_between", "e2", _RECIPES, "|g - 1/2|, g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts: the "
-         "model's error between dMMSE's and ridge's", "<=", 0.5, ("mse_by_example",)),
-    Spec("ood_near_dmmse", "e2", _RECIPES, "g (above): closer to dMMSE than to ridge at low diversity", "<=", 0.5,
-         ("mse_by_example",)),
+    Spec(
+        "bayes_optimal",
+        "e2",
+        _RECIPES,
+        "model MSE / dMMSE MSE - 1 on held-out major-task prompts, last half of the examples",
+        "<=",
+        0.10,
+        ("mse_by_example",),
+    ),
+    Spec(
+        "ood_between",
+        "e2",
+        _RECIPES,
+        "|g - 1/2|, g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts: the "
+        "model's error between dMMSE's and ridge's",
+        "<=",
+        0.5,
+        ("mse_by_example",),
+    ),
+    Spec(
+        "ood_near_dmmse",
+        "e2",
+        _RECIPES,
+        "g (above): closer to dMMSE than to ridge at low diversity",
+        "<=",
+        0.5,
+        ("mse_by_example",),
+    ),
 )
 NAMES = tuple(spec.name for spec in SPECS)
 
@@ -40,12 +62,23 @@ def claims(means: pd.DataFrame, e: str = "e2") -> list[Claim]:
     bayes_optimal, between, near = SPECS
     return [
         bayes_optimal.judge(
-            e, "model MSE / dMMSE MSE - 1 on held-out major-task prompts, last half of the examples, k = -1",
-            major["loss"] / major["bayes_id_loss"] - 1, {"mse_model": major["loss"], "mse_dmmse": major["bayes_id_loss"]}),
+            e,
+            "model MSE / dMMSE MSE - 1 on held-out major-task prompts, last half of the examples, k = -1",
+            major["loss"] / major["bayes_id_loss"] - 1,
+            {"mse_model": major["loss"], "mse_dmmse": major["bayes_id_loss"]},
+        ),
         between.judge(
-            e, "|g - 1/2| for g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
-               "(<= 1/2: the model's error lies between dMMSE's and ridge's)", abs(g - 0.5), parts),
+            e,
+            "|g - 1/2| for g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
+            "(<= 1/2: the model's error lies between dMMSE's and ridge's)",
+            abs(g - 0.5),
+            parts,
+        ),
         near.judge(
-            e, "g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
-               "(<= 1/2: closer to dMMSE than to ridge at low diversity)", g, parts),
+            e,
+            "g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
+            "(<= 1/2: closer to dMMSE than to ridge at low diversity)",
+            g,
+            parts,
+        ),
     ]

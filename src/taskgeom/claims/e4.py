@@ -14,16 +14,34 @@ from collections.abc import Sequence
 from taskgeom.claims.rules import Claim, Spec
 
 SPECS: tuple[Spec, ...] = (
-    Spec("P0_failure", "e4", "E4 (k = -1)", "E4's residual variance ratio at its M1 block (median over brackets) divided by the larger "
-         "of E1's and E3's 1 - P0", ">=", 3.0, ("p0_bracket_positions", "p0_across_families")),
-    Spec("prefix_probe", "e4", "E4 (the highest k of the grid)", "smallest over prefix lengths of the study's prefix probe's validation "
-         "accuracy minus the same probe's on shuffled labels", ">=", 0.10, ("prefix_probe_accuracy", "prefix_probes")),
+    Spec(
+        "P0_failure",
+        "e4",
+        "E4 (k = -1)",
+        "E4's residual variance ratio at its M1 block (median over brackets) divided by the larger "
+        "of E1's and E3's 1 - P0",
+        ">=",
+        3.0,
+        ("p0_bracket_positions", "p0_across_families"),
+    ),
+    Spec(
+        "prefix_probe",
+        "e4",
+        "E4 (the highest k of the grid)",
+        "smallest over prefix lengths of the study's prefix probe's validation "
+        "accuracy minus the same probe's on shuffled labels",
+        ">=",
+        0.10,
+        ("prefix_probe_accuracy", "prefix_probes"),
+    ),
 )
 CLAIM_SITE = "resid_post"  # the site of the M1 block the earlier linear probes and their figures read
 P0_SITE = "resid_mid"  # the site the study's variance.py reads (its hook on attn_block)
 
 
-def p0_failure(recipe: str, residual: Sequence[float], layer: int, references: dict[str, float], natural_cells: float) -> Claim:
+def p0_failure(
+    recipe: str, residual: Sequence[float], layer: int, references: dict[str, float], natural_cells: float
+) -> Claim:
     """E4's P0 failure on one seed: ``residual`` E4's residual variance ratio per bracket index at
     ``P0_SITE`` of its M1 block ``layer`` (``extras.dyck_variance``), its median over the brackets
     [ours] divided by the largest of ``references`` {recipe: 1 - P0 as its M1 claim reads it};
@@ -37,8 +55,16 @@ def p0_failure(recipe: str, residual: Sequence[float], layer: int, references: d
         f"position, the study's variance.py) at its M1 block ({P0_SITE}), median over the brackets, divided by the larger of "
         f"{of_references} 1 - P0 (the study's forced-token cells); k = -1",
         e4_share / reference_share,
-        {"e4_share": e4_share, "reference_share": reference_share, "layer": layer, "site": P0_SITE, "brackets": len(residual),
-         **{f"{ref}_share": share for ref, share in references.items()}, "natural_cells_ratio": natural_cells})
+        {
+            "e4_share": e4_share,
+            "reference_share": reference_share,
+            "layer": layer,
+            "site": P0_SITE,
+            "brackets": len(residual),
+            **{f"{ref}_share": share for ref, share in references.items()},
+            "natural_cells_ratio": natural_cells,
+        },
+    )
 
 
 def natural_cells_ratio(shares: dict[str, list[float]], layer: int, references: dict[str, int]) -> float:
@@ -50,8 +76,16 @@ def natural_cells_ratio(shares: dict[str, list[float]], layer: int, references: 
     return e4_share / max(shares[ref][at] for ref, at in references.items())
 
 
-def prefix_probe(recipe: str, accuracy: dict[int, float], control: dict[int, float], reached: int, layer: int, site: str, diversity: int,
-                 linear_gain: float) -> Claim:
+def prefix_probe(
+    recipe: str,
+    accuracy: dict[int, float],
+    control: dict[int, float],
+    reached: int,
+    layer: int,
+    site: str,
+    diversity: int,
+    linear_gain: float,
+) -> Claim:
     """The prefix probe's claim on one seed: the smallest over prefix lengths l of the study's probe's
     validation ``accuracy`` {l: accuracy} minus ``control``'s (the same probe on shuffled labels
     [ours]), at (``layer``, ``site``); ``reached``, the longest length its curriculum trained, and
@@ -65,8 +99,16 @@ def prefix_probe(recipe: str, accuracy: dict[int, float], control: dict[int, flo
         f"projection + MLP, the first l brackets of the task's string) minus the same probe's on shuffled labels, at block {layer} "
         f"({site}), in-distribution sequences, k = {diversity}",
         gains[weakest],
-        {"length": weakest, "accuracy": accuracy[weakest], "control": control[weakest], "curriculum_reached": reached, "layer": layer,
-         "site": site, "linear_probe_gain": linear_gain})
+        {
+            "length": weakest,
+            "accuracy": accuracy[weakest],
+            "control": control[weakest],
+            "curriculum_reached": reached,
+            "layer": layer,
+            "site": site,
+            "linear_probe_gain": linear_gain,
+        },
+    )
 
 
 def _nan_smallest(value: float) -> float:
@@ -86,4 +128,10 @@ def weakest_probe(rows: Sequence[dict], layer: int, site: str = CLAIM_SITE) -> d
     if not read:
         raise ValueError(f"no probe rows at layer {layer}, site {site!r}")
     row = min(read, key=_gain)
-    return {"target": row["target"], "layer": row["layer"], "score": row["score"], "control": row["control"], "gain": row["score"] - row["control"]}
+    return {
+        "target": row["target"],
+        "layer": row["layer"],
+        "score": row["score"],
+        "control": row["control"],
+        "gain": row["score"] - row["control"],
+    }

@@ -31,21 +31,75 @@ STEERING_FACTOR = {"kl": 3.0, "rmse": 2.0}
 
 _RECIPES = "E1, E2, E3 (k = -1)"
 SPECS: tuple[Spec, ...] = (
-    Spec("P0", "m1", _RECIPES, "P0, stability: cell-means R^2 of (task, current token) on the study's forced-token cells at the last "
-         "position it reads (E2: of its paired layout, median over the late window)", ">=", 0.9, ("layers",)),
-    Spec("P1", "m1", _RECIPES, "P1, decoupling: additive share of the variance P0's model explains, on P0's cells", ">=",
-         0.9, ("layers",)),
-    Spec("P2", "m1", _RECIPES, "P2, interpolation: r2_additive, the share of the variance of h_t about its per-position mean that the "
-         "token effect and the task simplex explain (E3 after the next LayerNorm; E2: a linear map of x_t), mean over the last ten of "
-         "the study's evaluation positions; E1, E3 on its forced-token cells", ">=", 0.8, ("layers", "positions")),
-    Spec("P2.vs_random", "m1", _RECIPES, "P2's r2_additive minus that of a random subspace of equal dimension", ">=", 0.3, ("layers",)),
-    Spec("P3", "m1", _RECIPES, "P3, alignment: TV between task 0's mean beta_t (task vectors from positions 40-59) and its mean "
-         "posterior alpha_t, last quarter of the study's plotted positions 0-59", "<=", 0.1, ("simplex",)),
-    Spec("P3.shrinks", "m1", _RECIPES, "P3's TV over the last quarter of the uncertain positions divided by that over their first "
-         "quarter (n/a with fewer than 5 uncertain positions)", "<", 1.0, ("simplex",)),
-    Spec("steering", "m1", _RECIPES, "steering: max(3 x steered / unsteered, steered / mode task) of the mean KL(model || q_a) over "
-         "target points (E2: RMSE to y_a, factor 2); <= 1: steered at most a third (E2: half) of unsteered and below the mode task's",
-         "<=", 1.0, ("steering",)),
+    Spec(
+        "P0",
+        "m1",
+        _RECIPES,
+        "P0, stability: cell-means R^2 of (task, current token) on the study's forced-token cells at the last "
+        "position it reads (E2: of its paired layout, median over the late window)",
+        ">=",
+        0.9,
+        ("layers",),
+    ),
+    Spec(
+        "P1",
+        "m1",
+        _RECIPES,
+        "P1, decoupling: additive share of the variance P0's model explains, on P0's cells",
+        ">=",
+        0.9,
+        ("layers",),
+    ),
+    Spec(
+        "P2",
+        "m1",
+        _RECIPES,
+        "P2, interpolation: r2_additive, the share of the variance of h_t about its per-position mean that the "
+        "token effect and the task simplex explain (E3 after the next LayerNorm; E2: a linear map of x_t), mean over the last ten of "
+        "the study's evaluation positions; E1, E3 on its forced-token cells",
+        ">=",
+        0.8,
+        ("layers", "positions"),
+    ),
+    Spec(
+        "P2.vs_random",
+        "m1",
+        _RECIPES,
+        "P2's r2_additive minus that of a random subspace of equal dimension",
+        ">=",
+        0.3,
+        ("layers",),
+    ),
+    Spec(
+        "P3",
+        "m1",
+        _RECIPES,
+        "P3, alignment: TV between task 0's mean beta_t (task vectors from positions 40-59) and its mean "
+        "posterior alpha_t, last quarter of the study's plotted positions 0-59",
+        "<=",
+        0.1,
+        ("simplex",),
+    ),
+    Spec(
+        "P3.shrinks",
+        "m1",
+        _RECIPES,
+        "P3's TV over the last quarter of the uncertain positions divided by that over their first "
+        "quarter (n/a with fewer than 5 uncertain positions)",
+        "<",
+        1.0,
+        ("simplex",),
+    ),
+    Spec(
+        "steering",
+        "m1",
+        _RECIPES,
+        "steering: max(3 x steered / unsteered, steered / mode task) of the mean KL(model || q_a) over "
+        "target points (E2: RMSE to y_a, factor 2); <= 1: steered at most a third (E2: half) of unsteered and below the mode task's",
+        "<=",
+        1.0,
+        ("steering",),
+    ),
 )
 _SPEC = {spec.name: spec for spec in SPECS}
 
@@ -70,19 +124,26 @@ def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Read
     (``e1-v6`` and ``separator`` are other runs: pass their rows). AnalysisError when the rows lack
     a value."""
     chosen = named_variant(variant)
-    name = chosen.name if chosen is not None and {spec.name.split(".")[0] for spec in SPECS} & set(chosen.claims) else None
+    name = (
+        chosen.name if chosen is not None and {spec.name.split(".")[0] for spec in SPECS} & set(chosen.claims) else None
+    )
     place, p3_place = _place(rows, "place.m1", "measure"), _place(rows, "place.p3", "measure")
     if name == "selected-place":
         place = p3_place = _place(rows, "place.selected", "select")
     elif name == "site-mid":
         place, p3_place = Place(place.layer, "resid_mid"), Place(p3_place.layer, "resid_mid")
-    table = {(r["metric"], r["layer"], r["site"]): r["value"] for r in rows
-             if r["batch"] in ("measure", "cells", "trajectory") and r["position"] is None and r["task"] is None}
+    table = {
+        (r["metric"], r["layer"], r["site"]): r["value"]
+        for r in rows
+        if r["batch"] in ("measure", "cells", "trajectory") and r["position"] is None and r["task"] is None
+    }
     cells = any(r["metric"] == "cells.position" for r in rows)  # a token family's forced-token cells (none: E2)
 
     def at(metric: str, where: Place = place) -> float:
         if (metric, *where) not in table:
-            raise AnalysisError(f"the m1.json rows hold no {metric} at layer {where.layer} ({where.site}); analyse the run again")
+            raise AnalysisError(
+                f"the m1.json rows hold no {metric} at layer {where.layer} ({where.site}); analyse the run again"
+            )
         value = table[(metric, *where)]
         return math.nan if value is None else value
 
@@ -90,11 +151,20 @@ def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Read
     r2_task, r2_random = at("p2.r2_task"), at("p2.r2_random")
     if name == "pooled-anova":  # natural states pooled over the late window
         p0, p1 = Reading(at("p0.cell_r2_pooled"), placed), Reading(at("p1.additive_share_pooled"), placed)
-    elif name == "natural-cells" or not cells:  # natural states grouped by their token (E2: its paired layout), late-window medians
+    elif (
+        name == "natural-cells" or not cells
+    ):  # natural states grouped by their token (E2: its paired layout), late-window medians
         p0 = Reading(at("p0.cell_r2"), {**placed, "cells": "natural"})
-        p1 = Reading(at("p1.additive_share"), {**placed, "cells": "natural", "last_position": at("p1.additive_share_last")})
+        p1 = Reading(
+            at("p1.additive_share"), {**placed, "cells": "natural", "last_position": at("p1.additive_share_last")}
+        )
     else:  # the study's forced-token cells at the last position it reads, the natural late-window median beside
-        beside = {**placed, "cells": "forced", "position": int(at("cells.position")), "per_cell": int(at("cells.per_cell"))}
+        beside = {
+            **placed,
+            "cells": "forced",
+            "position": int(at("cells.position")),
+            "per_cell": int(at("cells.per_cell")),
+        }
         p0 = Reading(at("p0.cell_r2_forced"), {**beside, "natural_late_median": at("p0.cell_r2")})
         p1 = Reading(at("p1.additive_share_forced"), {**beside, "natural_late_median": at("p1.additive_share")})
     if name == "p2-task-only":  # the earlier quantity: R^2_task, the token effect removed from the total
@@ -103,15 +173,31 @@ def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Read
     else:  # the study's r2_additive (on its forced-token cells; natural states for E2 and under natural-cells), R^2_task beside
         forced = "_forced" if cells and name != "natural-cells" else ""
         additive, additive_random = at(f"p2.r2_additive{forced}"), at(f"p2.r2_additive{forced}_random")
-        p2 = Reading(additive, {**placed, "cells": "forced" if forced else "natural", "r2_task": r2_task,
-                                "post_layernorm": bool(at("p2.post_layernorm"))})
-        vs_random = Reading(additive - additive_random, {"r2_additive": additive, "r2_additive_random": additive_random, **placed})
-    late_window = Reading(at("p3.tv_mean_beta", p3_place), {"tv_per_state_last_quarter": at("p3.tv_last_quarter", p3_place), **p3_placed})
+        p2 = Reading(
+            additive,
+            {
+                **placed,
+                "cells": "forced" if forced else "natural",
+                "r2_task": r2_task,
+                "post_layernorm": bool(at("p2.post_layernorm")),
+            },
+        )
+        vs_random = Reading(
+            additive - additive_random, {"r2_additive": additive, "r2_additive_random": additive_random, **placed}
+        )
+    late_window = Reading(
+        at("p3.tv_mean_beta", p3_place), {"tv_per_state_last_quarter": at("p3.tv_last_quarter", p3_place), **p3_placed}
+    )
     if name == "p3-late-window":
         p3 = late_window
     else:  # the study's trajectory figure: task 0, its vectors from positions 40-59, the last quarter of its plotted 0-59 [ours]
-        span = {key: int(at(f"p3.trajectory_{key}", p3_place)) for key in ("first", "last", "estimation_first", "estimation_last")}
-        p3 = Reading(at("p3.tv_trajectory", p3_place), {**span, "late_window_all_tasks": late_window.value, **p3_placed})
+        span = {
+            key: int(at(f"p3.trajectory_{key}", p3_place))
+            for key in ("first", "last", "estimation_first", "estimation_last")
+        }
+        p3 = Reading(
+            at("p3.tv_trajectory", p3_place), {**span, "late_window_all_tasks": late_window.value, **p3_placed}
+        )
     count = int(at("p3.uncertain_positions", p3_place))
     first, last = at("p3.tv_first_uncertain", p3_place), at("p3.tv_last_uncertain", p3_place)
     shrink_parts = {"tv_first": first, "tv_last": last, "uncertain_positions": count, **p3_placed}
@@ -136,41 +222,57 @@ def _place(rows: list[dict], label: str, batch: str) -> Place:
 
 def claims(result: Result) -> list[Claim]:
     """The M1 claims of one analysed run, read at the study's blocks on the measurement batch."""
-    return [*retrieval_claims(claim_values(result.rows), result.experiment, result.effect), steering_claim(result.steering, result.experiment)]
+    return [
+        *retrieval_claims(claim_values(result.rows), result.experiment, result.effect),
+        steering_claim(result.steering, result.experiment),
+    ]
 
 
 def retrieval_claims(values: dict[str, Reading], e: str, effect: str = "current token") -> list[Claim]:
     """The claims P0-P3 of recipe ``e`` from ``claim_values`` (the protocol's, or a variant's) of
     one run; ``effect``: the token-effect model in words."""
-    where = "at the study's block at the same relative depth, resid_post (docs/protocol.md); layer and site in the parts"
+    where = (
+        "at the study's block at the same relative depth, resid_post (docs/protocol.md); layer and site in the parts"
+    )
     if effect == "current token":
         p0 = "P0: cell-means R^2 of (task, current token)"
-        p2 = ("P2: r2_additive, the share of the variance of h_t about its per-position mean explained by nu(x_t) and the simplex fit of "
-              "h_t - mu_t - nu(x_t) on the task vectors (E3 after the next block's LayerNorm where one follows), mean over the last "
-              "ten of the study's evaluation positions, on its forced-token cells (256 sequences a cell; theta and nu from the cells "
-              "of the task vectors' window)")
+        p2 = (
+            "P2: r2_additive, the share of the variance of h_t about its per-position mean explained by nu(x_t) and the simplex fit of "
+            "h_t - mu_t - nu(x_t) on the task vectors (E3 after the next block's LayerNorm where one follows), mean over the last "
+            "ten of the study's evaluation positions, on its forced-token cells (256 sequences a cell; theta and nu from the cells "
+            "of the task vectors' window)"
+        )
     else:
         p0 = f"P0: R^2 of a per-task intercept and per-task {effect}"
-        p2 = ("P2: r2_additive, the share of the variance of h_t - mu_t explained by the task simplex plus a per-position linear map "
-              "of x_t, mean over the last ten of the study's evaluation examples")
+        p2 = (
+            "P2: r2_additive, the share of the variance of h_t - mu_t explained by the task simplex plus a per-position linear map "
+            "of x_t, mean over the last ten of the study's evaluation examples"
+        )
     if effect == "current token":
-        late = ("on the study's forced-token cells at the last position it reads, T - 2 (per task and token value seen there, fresh "
-                "prefixes of the task with that token written at the position; the natural late-window median in the parts)")
+        late = (
+            "on the study's forced-token cells at the last position it reads, T - 2 (per task and token value seen there, fresh "
+            "prefixes of the task with that token written at the position; the natural late-window median in the parts)"
+        )
     else:
         late = "at each position, median over the last quarter of positions"
-    shrink_description = ("P3: on the per-task mean curves, mean TV(mean beta_t, mean alpha_t) over the last quarter of the positions "
-                          "where the mean posterior is uncertain (median over tasks of its largest weight < 0.99) divided by that over their first quarter")
+    shrink_description = (
+        "P3: on the per-task mean curves, mean TV(mean beta_t, mean alpha_t) over the last quarter of the positions "
+        "where the mean posterior is uncertain (median over tasks of its largest weight < 0.99) divided by that over their first quarter"
+    )
     descriptions = {
         "P0": f"{p0}, {late} ({where})",
         "P1": f"P1: additive (task + {effect}, no interaction) share of the variance P0's model explains, {late} ({where})",
         "P2": f"{p2} ({where})",
         "P2.vs_random": f"P2: r2_additive minus that of the same fit on a random subspace of equal dimension ({where})",
         "P3": "P3: TV between the mean of beta_t over task 0's sequences (projected onto the simplex; beta the sum-to-one fit of "
-              "h_t - mu_t on the averaged task vectors of positions 40-59, the token effect kept) and their mean posterior alpha_t, "
-              f"the study's trajectory figure, mean over the last quarter of its plotted positions 0-59 ({where}; E2: block 9 of 16)",
-        "P3.shrinks": shrink_description}
-    return [_SPEC[name].judge(e, description, values[name].value, values[name].parts, values[name].reason)
-            for name, description in descriptions.items()]
+        "h_t - mu_t on the averaged task vectors of positions 40-59, the token effect kept) and their mean posterior alpha_t, "
+        f"the study's trajectory figure, mean over the last quarter of its plotted positions 0-59 ({where}; E2: block 9 of 16)",
+        "P3.shrinks": shrink_description,
+    }
+    return [
+        _SPEC[name].judge(e, description, values[name].value, values[name].parts, values[name].reason)
+        for name, description in descriptions.items()
+    ]
 
 
 def steering_value(means: dict[str, float], measure: str) -> float:
@@ -184,8 +286,11 @@ def stored_steering(rows: list[dict], prefix: str = "steering") -> tuple[float, 
     """(value, {kind: mean}) of the steering stored in m1.json ``rows`` under ``prefix`` ("steering",
     the protocol's; ``analysis.stored.m1.READ_SITE_PREFIX``, the variant's); None if absent."""
     for measure in STEERING_FACTOR:
-        means = {r["metric"].rsplit("_", 1)[1]: r["value"] for r in rows
-                 if r["metric"] in {f"{prefix}.{measure}_{kind}" for kind in KINDS} and r["position"] is None}
+        means = {
+            r["metric"].rsplit("_", 1)[1]: r["value"]
+            for r in rows
+            if r["metric"] in {f"{prefix}.{measure}_{kind}" for kind in KINDS} and r["position"] is None
+        }
         if len(means) == len(KINDS):
             return steering_value(means, measure), means
     return None
@@ -197,12 +302,23 @@ def steering_claim(steering: Steering, e: str) -> Claim:
     means = {kind: steering.mean(kind) for kind in KINDS}
     value = steering_value(means, steering.measure)
     return _SPEC["steering"].judge(
-        e, f"steering: max({factor:g} x steered / unsteered, steered / mode task) of the mean {steering.label} over the target points "
-           f"a ~ Dirichlet(1), one position per forward pass (<= 1: steered at most 1/{factor:g} of unsteered and below the mode task's); "
-           f"the study's place", value,
-        {**means, "layer": steering.place.layer, "site": steering.place.site, "position_first": steering.positions[0],
-         "position_last": steering.positions[-1], "n_positions": len(steering.positions), "n_sequences": steering.n_sequences,
-         "n_points": steering.n_points, "form": steering.form})
+        e,
+        f"steering: max({factor:g} x steered / unsteered, steered / mode task) of the mean {steering.label} over the target points "
+        f"a ~ Dirichlet(1), one position per forward pass (<= 1: steered at most 1/{factor:g} of unsteered and below the mode task's); "
+        f"the study's place",
+        value,
+        {
+            **means,
+            "layer": steering.place.layer,
+            "site": steering.place.site,
+            "position_first": steering.positions[0],
+            "position_last": steering.positions[-1],
+            "n_positions": len(steering.positions),
+            "n_sequences": steering.n_sequences,
+            "n_points": steering.n_points,
+            "form": steering.form,
+        },
+    )
 
 
 def _ratio(x: float, y: float) -> float:

@@ -106,8 +106,14 @@ class Spec:
     threshold: float
     figures: tuple[str, ...] = ()
 
-    def judge(self, recipe: str, description: str, value: float, parts: Optional[dict[str, Part]] = None,
-              reason: Optional[str] = None) -> Claim:
+    def judge(
+        self,
+        recipe: str,
+        description: str,
+        value: float,
+        parts: Optional[dict[str, Part]] = None,
+        reason: Optional[str] = None,
+    ) -> Claim:
         """The claim ``{recipe}.{name}`` of one seed: checked against the threshold, or ``n/a`` with ``reason``."""
         claim_id = f"{recipe}.{self.name}"
         if reason is not None:
@@ -115,23 +121,48 @@ class Spec:
         return check(claim_id, recipe, description, value, self.comparison, self.threshold, parts)
 
 
-def check(claim_id: str, experiment: str, description: str, value: float, comparison: Comparison, threshold: float,
-          parts: Optional[dict[str, Part]] = None) -> Claim:
+def check(
+    claim_id: str,
+    experiment: str,
+    description: str,
+    value: float,
+    comparison: Comparison,
+    threshold: float,
+    parts: Optional[dict[str, Part]] = None,
+) -> Claim:
     """A Claim with status ``pass`` when ``value <comparison> threshold``, else ``fail`` (NaN never
     passes). ``parts``: the numbers the value is made of, written beside it."""
     value = float(value)
     passed = not math.isnan(value) and bool(_OPS[comparison](value, threshold))
-    return Claim(claim_id, experiment, description, value, float(threshold), passed, None, comparison,
-                 "pass" if passed else "fail", parts)
+    return Claim(
+        claim_id,
+        experiment,
+        description,
+        value,
+        float(threshold),
+        passed,
+        None,
+        comparison,
+        "pass" if passed else "fail",
+        parts,
+    )
 
 
-def not_applicable(claim_id: str, experiment: str, description: str, comparison: Comparison, threshold: float,
-                   reason: str, parts: Optional[dict[str, Part]] = None) -> Claim:
+def not_applicable(
+    claim_id: str,
+    experiment: str,
+    description: str,
+    comparison: Comparison,
+    threshold: float,
+    reason: str,
+    parts: Optional[dict[str, Part]] = None,
+) -> Claim:
     """A Claim with status ``n/a`` (value NaN, not passed, not failed) and why it does not apply."""
     if comparison not in _OPS:
         raise ValueError(f"claim {claim_id}: comparison must be one of {list(_OPS)}, not {comparison!r}")
-    return Claim(claim_id, experiment, description, math.nan, float(threshold), False, None, comparison,
-                 "n/a", parts, reason)
+    return Claim(
+        claim_id, experiment, description, math.nan, float(threshold), False, None, comparison, "n/a", parts, reason
+    )
 
 
 def gain_parts(clean: float, ablated: float, first: float, min_gain: float = MIN_RELIABLE_GAIN) -> dict[str, Part]:
@@ -140,8 +171,13 @@ def gain_parts(clean: float, ablated: float, first: float, min_gain: float = MIN
     is below ``min_gain`` (or is NaN). The share itself is computed by the experiment."""
     clean, ablated, first = float(clean), float(ablated), float(first)
     gain = first - clean
-    return {"clean_loss": clean, "ablated_loss": ablated, "loss_first": first, "gain": gain,
-            "unreliable": unreliable_gain(gain, min_gain)}
+    return {
+        "clean_loss": clean,
+        "ablated_loss": ablated,
+        "loss_first": first,
+        "gain": gain,
+        "unreliable": unreliable_gain(gain, min_gain),
+    }
 
 
 def verdict(statuses: Iterable[str]) -> Status:
@@ -170,7 +206,11 @@ def over_seeds(measured: Iterable[tuple[int, Claim]]) -> list[Claim]:
         if len(set(seeds)) != len(seeds):
             raise ValueError(f"claim {claim_id}: measured twice on one seed ({sorted(seeds)})")
         for _, claim in rows:
-            if (claim.threshold, claim.comparison, claim.experiment) != (first.threshold, first.comparison, first.experiment):
+            if (claim.threshold, claim.comparison, claim.experiment) != (
+                first.threshold,
+                first.comparison,
+                first.experiment,
+            ):
                 raise ValueError(f"claim {claim_id}: its threshold, comparison or experiment differs between seeds")
         status = verdict(claim.status for _, claim in rows)
         values = [claim.value for _, claim in rows if claim.status != "n/a" and not math.isnan(claim.value)]
@@ -180,16 +220,45 @@ def over_seeds(measured: Iterable[tuple[int, Claim]]) -> list[Claim]:
             reason = "; ".join(dict.fromkeys(claim.reason for _, claim in rows if claim.reason))
         elif status == "unstable":
             by_status = {s: [seed for seed, c in rows if c.status == s] for s in ("pass", "fail")}
-            reason = "seeds disagree: " + "; ".join(f"{s} on seed {', '.join(map(str, by_status[s]))}" for s in by_status)
-        per_seed = tuple({"seed": seed, "value": claim.value, "status": claim.status, "parts": claim.parts, "reason": claim.reason,
-                          "precondition": claim.precondition} for seed, claim in rows)
+            reason = "seeds disagree: " + "; ".join(
+                f"{s} on seed {', '.join(map(str, by_status[s]))}" for s in by_status
+            )
+        per_seed = tuple(
+            {
+                "seed": seed,
+                "value": claim.value,
+                "status": claim.status,
+                "parts": claim.parts,
+                "reason": claim.reason,
+                "precondition": claim.precondition,
+            }
+            for seed, claim in rows
+        )
         unmet: dict[str, list[int]] = {}
         for seed, claim in rows:
             if claim.status != "n/a" and claim.precondition and claim.precondition["status"] != "pass":
                 unmet.setdefault(CAVEATS[precondition_name(claim.precondition)][0], []).append(seed)
         caveat = "; ".join(f"{text} (seed {', '.join(map(str, seeds))})" for text, seeds in unmet.items()) or None
-        judged.append(Claim(claim_id, first.experiment, first.description, median, first.threshold, status == "pass", first.profile,
-                            first.comparison, status, None, reason, per_seed, median, low, high, caveat=caveat))
+        judged.append(
+            Claim(
+                claim_id,
+                first.experiment,
+                first.description,
+                median,
+                first.threshold,
+                status == "pass",
+                first.profile,
+                first.comparison,
+                status,
+                None,
+                reason,
+                per_seed,
+                median,
+                low,
+                high,
+                caveat=caveat,
+            )
+        )
     return judged
 
 
@@ -215,8 +284,10 @@ def counts(claims: Iterable[Claim]) -> dict[str, int]:
 def summary(claims: Iterable[Claim]) -> str:
     """'X pass, Y fail, U unstable, Z n/a of N claims'."""
     tally = counts(claims)
-    return (f"{tally['pass']} pass, {tally['fail']} fail, {tally['unstable']} unstable, {tally['n/a']} n/a "
-            f"of {sum(tally.values())} claims")
+    return (
+        f"{tally['pass']} pass, {tally['fail']} fail, {tally['unstable']} unstable, {tally['n/a']} n/a "
+        f"of {sum(tally.values())} claims"
+    )
 
 
 def exit_code(claims: Iterable[Claim]) -> int:
@@ -239,5 +310,7 @@ def _clean_parts(claim_id: str, parts: dict) -> dict[str, Part]:
         elif isinstance(value, numbers.Real):
             clean[name] = float(value)
         else:
-            raise TypeError(f"claim {claim_id}: part {name!r} must be a float, int, bool or str, not {type(value).__name__}")
+            raise TypeError(
+                f"claim {claim_id}: part {name!r} must be a float, int, bool or str, not {type(value).__name__}"
+            )
     return clean

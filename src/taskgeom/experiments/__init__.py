@@ -12,6 +12,7 @@ from typing import Iterable
 from taskgeom.analysis.measures.task_vectors import check_major_tasks
 from taskgeom.claims.catalog import with_preconditions
 from taskgeom.claims.rules import over_seeds
+from taskgeom.errors import ResultsLockedError
 from taskgeom.experiments.base import Context, Experiment, Extra, shipped_studies
 from taskgeom.experiments.bayes_optimum import bayes_optimum
 from taskgeom.experiments.dual_modes import dual_modes
@@ -20,7 +21,6 @@ from taskgeom.experiments.m1 import m1
 from taskgeom.experiments.schedule import TrainTask, train_all
 from taskgeom.progress import console
 from taskgeom.report.manifest import MANIFEST, manifest
-from taskgeom.errors import ResultsLockedError
 from taskgeom.runs.storage import atomic_write_json, exclusive_lock
 from taskgeom.settings.config import ConfigError
 from taskgeom.settings.recipes import Study, experiment_function
@@ -35,7 +35,12 @@ DECLARATIONS = {"m1": ("steering_form",), "dual_modes": ("projection_window", "t
 
 def undeclared(family: type[TaskFamily], experiments: Iterable[str] = DECLARATIONS) -> dict[str, str]:
     """{declaration: the experiment that reads it} for what ``experiments`` read that ``family`` declares none of."""
-    return {name: experiment for experiment in experiments for name in DECLARATIONS.get(experiment, ()) if getattr(family, name) is None}
+    return {
+        name: experiment
+        for experiment in experiments
+        for name in DECLARATIONS.get(experiment, ())
+        if getattr(family, name) is None
+    }
 
 
 def check_declarations(tasks: Iterable[TrainTask], experiment: str) -> None:
@@ -47,10 +52,14 @@ def check_declarations(tasks: Iterable[TrainTask], experiment: str) -> None:
         for name in undeclared(family, (experiment,)):
             missing.setdefault(family.name, {})[name] = task.config.name
     if missing:
-        said = "; ".join(f"the {family!r} family (recipe {', '.join(sorted(set(recipes.values())))}) declares no {', '.join(recipes)}"
-                         for family, recipes in missing.items())
-        raise ConfigError(f"experiment {experiment} reads what {said} (TaskFamily, docs/adding-a-family.md): set it on the family class, "
-                          f"or leave {experiment} out with --only")
+        said = "; ".join(
+            f"the {family!r} family (recipe {', '.join(sorted(set(recipes.values())))}) declares no {', '.join(recipes)}"
+            for family, recipes in missing.items()
+        )
+        raise ConfigError(
+            f"experiment {experiment} reads what {said} (TaskFamily, docs/adding-a-family.md): set it on the family class, "
+            f"or leave {experiment} out with --only"
+        )
 
 
 def declared(studies: tuple[Study, ...], profile: str) -> dict[str, Experiment]:
@@ -61,16 +70,21 @@ def declared(studies: tuple[Study, ...], profile: str) -> dict[str, Experiment]:
     unknown = sorted(set(generic) - set(EXPERIMENTS))
     if unknown:
         owners = sorted(study.name for study in studies if set(study.experiments) & set(unknown))
-        raise ConfigError(f"recipes {owners}: unknown experiments {unknown}; generic ones: {list(EXPERIMENTS)} "
-                          "(an experiment of a recipe's own names its function with run: module:function)")
-    chosen: dict[str, Experiment] = {name: run for name, run in EXPERIMENTS.items()
-                                     if any(study.takes_part(name, profile) for study in studies)}
+        raise ConfigError(
+            f"recipes {owners}: unknown experiments {unknown}; generic ones: {list(EXPERIMENTS)} "
+            "(an experiment of a recipe's own names its function with run: module:function)"
+        )
+    chosen: dict[str, Experiment] = {
+        name: run for name, run in EXPERIMENTS.items() if any(study.takes_part(name, profile) for study in studies)
+    }
     for study in studies:
         for name, entry in study.experiments.items():
             if entry.run is None or not study.takes_part(name, profile):
                 continue
             if name in chosen:
-                raise ConfigError(f"recipe {study.name}: experiment {name!r} is declared by another recipe too; give it a name of its own")
+                raise ConfigError(
+                    f"recipe {study.name}: experiment {name!r} is declared by another recipe too; give it a name of its own"
+                )
             chosen[name] = Extra(experiment_function(entry.run), study, entry.options)
     return chosen
 
@@ -96,9 +110,18 @@ def planned_runs(ctx: Context, experiments: dict[str, Experiment] | None = None)
 RESULTS_LOCK = ".taskgeom.lock"  # in the results folder: held by the one reproduction writing it
 
 
-def reproduce(out: Path, profile: str, experiments: dict[str, Experiment] | None = None, executor: Executor = Executor(),
-              device: str = "auto", tracker: str = "none", overrides: tuple[str, ...] = (), seeds: tuple[int, ...] = (0,),
-              studies: tuple[Study, ...] | None = None, diversities: tuple[int, ...] | None = None) -> Context:
+def reproduce(
+    out: Path,
+    profile: str,
+    experiments: dict[str, Experiment] | None = None,
+    executor: Executor = Executor(),
+    device: str = "auto",
+    tracker: str = "none",
+    overrides: tuple[str, ...] = (),
+    seeds: tuple[int, ...] = (0,),
+    studies: tuple[Study, ...] | None = None,
+    diversities: tuple[int, ...] | None = None,
+) -> Context:
     """Train every run the experiments declare (``runs``) for every seed of ``seeds`` on
     ``executor``'s local pool first (``schedule``), then run each experiment (their sweeps on
     ``executor``; training on ``device``, also logged to ``tracker``; every recipe with
@@ -112,8 +135,17 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment] | None
 
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds must be distinct and at least one, got {list(seeds)}")
-    ctx = Context(Path(out), profile, tuple(seeds), executor, device, tracker, tuple(overrides),
-                  shipped_studies() if studies is None else tuple(studies), None if diversities is None else tuple(diversities))
+    ctx = Context(
+        Path(out),
+        profile,
+        tuple(seeds),
+        executor,
+        device,
+        tracker,
+        tuple(overrides),
+        shipped_studies() if studies is None else tuple(studies),
+        None if diversities is None else tuple(diversities),
+    )
     experiments = _declared(ctx) if experiments is None else experiments
     planned = runs_by_experiment(ctx, experiments)
     for name, runs in planned.items():  # before anything is written or trained
@@ -122,9 +154,13 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment] | None
     for task in tasks:  # every experiment measures in the task subspace: refuse before anything is written
         check_major_tasks(task.config.task.n_major, f"reproduce ({task.config.name}, k = {task.config.task.diversity})")
     ctx.out.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(ctx.out / RESULTS_LOCK, f"results folder {ctx.out}", refused=ResultsLockedError):  # one writer a folder
+    with exclusive_lock(
+        ctx.out / RESULTS_LOCK, f"results folder {ctx.out}", refused=ResultsLockedError
+    ):  # one writer a folder
         ctx.used |= {task.name: None for task in tasks}
-        if tasks and executor.kind == "local" and executor.workers > 1:  # one schedule: every run trained first, together
+        if (
+            tasks and executor.kind == "local" and executor.workers > 1
+        ):  # one schedule: every run trained first, together
             console.log("[bold]training[/bold] every run the experiments need")
             ctx.experiment = "schedule"
             with ctx.timings.experiment("schedule"):
@@ -139,12 +175,35 @@ def reproduce(out: Path, profile: str, experiments: dict[str, Experiment] | None
         ctx.claims = over_seeds(with_preconditions(ctx.measured))
         atomic_write_json(ctx.out / "claims.json", [c.as_dict() for c in ctx.claims])
         atomic_write_json(ctx.out / "timings.json", ctx.timings.as_dict())
-        figures = [{"path": f.path, "pdf": str(Path(f.path).with_suffix(".pdf")), "caption": f.caption, "experiment": f.experiment,
-                    "claims": list(f.claims)} for f in ctx.figures]
+        figures = [
+            {
+                "path": f.path,
+                "pdf": str(Path(f.path).with_suffix(".pdf")),
+                "caption": f.caption,
+                "experiment": f.experiment,
+                "claims": list(f.claims),
+            }
+            for f in ctx.figures
+        ]
         sections = {study.name: study.section for study in ctx.studies}
-        atomic_write_json(ctx.out / MANIFEST, manifest(profile, ctx.overrides, device, executor.kind, list(experiments), list(ctx.used),
-                                                         ctx.made_by, figures, ctx.seeds, ctx.runs_root, sections, ctx.diversities,
-                                                         _evidence_modules(experiments)))
+        atomic_write_json(
+            ctx.out / MANIFEST,
+            manifest(
+                profile,
+                ctx.overrides,
+                device,
+                executor.kind,
+                list(experiments),
+                list(ctx.used),
+                ctx.made_by,
+                figures,
+                ctx.seeds,
+                ctx.runs_root,
+                sections,
+                ctx.diversities,
+                _evidence_modules(experiments),
+            ),
+        )
         write_report(ctx.out)
     return ctx
 
@@ -156,4 +215,14 @@ def _evidence_modules(experiments: dict[str, Experiment]) -> list[str]:
     return [name for name in modules if hasattr(importlib.import_module(name), "evidence")]
 
 
-__all__ = ["Context", "DECLARATIONS", "EXPERIMENTS", "check_declarations", "declared", "planned_runs", "reproduce", "runs_by_experiment", "undeclared"]
+__all__ = [
+    "Context",
+    "DECLARATIONS",
+    "EXPERIMENTS",
+    "check_declarations",
+    "declared",
+    "planned_runs",
+    "reproduce",
+    "runs_by_experiment",
+    "undeclared",
+]

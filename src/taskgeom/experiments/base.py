@@ -47,7 +47,9 @@ class Context:
     device: str = "auto"
     tracker: str = "none"
     overrides: tuple[str, ...] = ()  # ``--set`` settings applied to every run's recipe, before each run's own
-    studies: tuple[Study, ...] = field(default_factory=lambda: shipped_studies())  # the recipes measured, with what each takes part in
+    studies: tuple[Study, ...] = field(
+        default_factory=lambda: shipped_studies()
+    )  # the recipes measured, with what each takes part in
     diversities: tuple[int, ...] | None = None  # the sweep's diversity grid (``--grid``); None: the profile's
     measured: list[tuple[int, Claim]] = field(default_factory=list)
     claims: list[Claim] = field(default_factory=list)
@@ -92,8 +94,16 @@ class Context:
         training schedule, with the torch threads each trains with: its config's ``train.threads``,
         else ``threads``, else this process's (as ``trained`` would use)."""
         configs = [self.config(recipe, overrides, seed) for seed in self.seeds]
-        return [TrainTask(config, str(self.runs_root), self.device, self.tracker, config.train.threads or threads or torch.get_num_threads())
-                for config in configs]
+        return [
+            TrainTask(
+                config,
+                str(self.runs_root),
+                self.device,
+                self.tracker,
+                config.train.threads or threads or torch.get_num_threads(),
+            )
+            for config in configs
+        ]
 
     def trained(self, recipe: str, overrides: tuple[str, ...] = (), seed: int = 0) -> Run:
         """The run of ``recipe`` under this profile on training seed ``seed``, trained now unless
@@ -104,7 +114,10 @@ class Context:
         run = Run.create(config, self.runs_root)
         self.used[run.path.name] = None
         if not run.finished:
-            with self.stage(f"train {run.path.name}"), step_bar(f"train {run.path.name}", run.config.train.steps) as update:
+            with (
+                self.stage(f"train {run.path.name}"),
+                step_bar(f"train {run.path.name}", run.config.train.steps) as update,
+            ):
                 train(run, update, self.device, self.tracker)
         return run
 
@@ -114,7 +127,9 @@ def shipped_studies() -> tuple[Study, ...]:
     return tuple(load_study(name) for name in recipe_names())
 
 
-Experiment = Callable[[Context], None]  # may carry ``runs(ctx) -> list[TrainTask]``: the runs it needs, for the schedule
+Experiment = Callable[
+    [Context], None
+]  # may carry ``runs(ctx) -> list[TrainTask]``: the runs it needs, for the schedule
 
 
 @dataclass(frozen=True)

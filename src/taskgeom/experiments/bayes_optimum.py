@@ -20,11 +20,21 @@ def bayes_optimum(ctx: Context) -> None:
             excess = table.query("set == 'major' and metric == 'excess'")["value"].mean()
             ctx.claim(seed, bayes_optimal(experiment, excess))
             if seed == ctx.seeds[0]:  # one seed's curves illustrate; the claim reads every seed
-                plot_loss_by_position(table, ctx.figure(f"{experiment}_loss_by_position.png",
-                                      f"{experiment.upper()}: per-position loss of the model against the ID-Bayes and OOD-optimal "
-                                      f"predictors (seed {seed})", (f"{experiment}.bayes_optimal",)),
-                                      run.family.plot_labels, title=f"{experiment.upper()} (k = -1, seed {seed})")
+                plot_loss_by_position(
+                    table,
+                    ctx.figure(
+                        f"{experiment}_loss_by_position.png",
+                        f"{experiment.upper()}: per-position loss of the model against the ID-Bayes and OOD-optimal "
+                        f"predictors (seed {seed})",
+                        (f"{experiment}.bayes_optimal",),
+                    ),
+                    run.family.plot_labels,
+                    title=f"{experiment.upper()} (k = -1, seed {seed})",
+                )
 
 
-bayes_optimum.runs = lambda ctx: [task for study in ctx.taking_part("bayes_optimum")  # for the schedule
-                                  for task in ctx.plans(study.name, ("task.diversity=-1",))]
+bayes_optimum.runs = lambda ctx: [
+    task
+    for study in ctx.taking_part("bayes_optimum")  # for the schedule
+    for task in ctx.plans(study.name, ("task.diversity=-1",))
+]

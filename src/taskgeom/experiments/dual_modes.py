@@ -12,8 +12,15 @@ from taskgeom.claims.dual_modes import claims
 from taskgeom.experiments.base import Context
 from taskgeom.experiments.schedule import TrainTask
 from taskgeom.experiments.sweep import Job, job_seconds, run_sweep
-from taskgeom.report.dual import (plot_dissociation, plot_projection_r2, plot_projection_r2_steps, plot_rank_curve, plot_theorem2,
-                                  plot_transition, rank_curve)
+from taskgeom.report.dual import (
+    plot_dissociation,
+    plot_projection_r2,
+    plot_projection_r2_steps,
+    plot_rank_curve,
+    plot_theorem2,
+    plot_transition,
+    rank_curve,
+)
 from taskgeom.runs.storage import atomic_write_text
 from taskgeom.settings.config import ConfigError
 from taskgeom.settings.recipes import load_measure
@@ -28,8 +35,11 @@ def grid(ctx: Context) -> tuple[list[int], tuple[str, ...]]:
         return list(ctx.diversities), recipes
     grids = {study.name: load_measure(study.path, ctx.profile).grid for study in studies}
     if len({tuple(g) for g in grids.values()}) > 1:
-        raise ConfigError(f"the recipes' profiles {ctx.profile!r} name different diversity grids ({grids}); give one with --grid")
+        raise ConfigError(
+            f"the recipes' profiles {ctx.profile!r} name different diversity grids ({grids}); give one with --grid"
+        )
     return (next(iter(grids.values())) if grids else []), recipes
+
 
 DUAL_EVIDENCE = evidence("dual_modes")
 
@@ -42,16 +52,30 @@ def _each_recipe(ctx: Context, *claims: str) -> tuple[str, ...]:
 def _jobs(ctx: Context) -> list[Job]:
     diversities, recipes = grid(ctx)
     paths = {study.name: str(study.path) for study in ctx.studies}
-    return [Job(paths[recipe], k, seed, ctx.profile, str(ctx.runs_root), ctx.overrides, ctx.device, ctx.tracker)
-            for recipe in recipes for k in diversities for seed in ctx.seeds]
+    return [
+        Job(paths[recipe], k, seed, ctx.profile, str(ctx.runs_root), ctx.overrides, ctx.device, ctx.tracker)
+        for recipe in recipes
+        for k in diversities
+        for seed in ctx.seeds
+    ]
 
 
 def runs(ctx: Context) -> list[TrainTask]:
     """The sweep's runs, for the schedule, each with the thread count the sweep gives it, and their
     dual-mode analysis (done there, the sweep then reads it)."""
-    return [TrainTask(config, job.root, job.device, job.tracker, config.train.threads or ctx.executor.threads, analyse=True,
-                      projection_sizes=job.measure().projection_sizes)
-            for job in _jobs(ctx) for config in [job.config()]]
+    return [
+        TrainTask(
+            config,
+            job.root,
+            job.device,
+            job.tracker,
+            config.train.threads or ctx.executor.threads,
+            analyse=True,
+            projection_sizes=job.measure().projection_sizes,
+        )
+        for job in _jobs(ctx)
+        for config in [job.config()]
+    ]
 
 
 def dual_modes(ctx: Context) -> None:
@@ -65,36 +89,67 @@ def dual_modes(ctx: Context) -> None:
         ctx.timings.add(ctx.experiment, f"train {name}", job.train_wall_s, job.train_cpu_s)
         ctx.timings.add(ctx.experiment, f"analyse {name}", job.analysis_wall_s, job.analysis_cpu_s)
     ok = table[table["status"] == "ok"]
-    ok = ok.reindex(columns=list(dict.fromkeys([*ok.columns, *FIELDS])))  # none finished: no row columns, the claims are n/a
+    ok = ok.reindex(
+        columns=list(dict.fromkeys([*ok.columns, *FIELDS]))
+    )  # none finished: no row columns, the claims are n/a
     low, high = min(diversities), max(diversities)
     for recipe in recipes:
         rows = ok[ok["recipe"] == recipe]
         for seed in ctx.seeds:
             ctx.claim(seed, *claims(rows[rows["seed"] == seed], recipe, low, high))
         if len(rows):
-            plot_dissociation(rows[rows["diversity"] == high], ctx.figure(f"{recipe}_double_dissociation.png",
-                              f"{recipe.upper()}, k = {high}: share of in-context gain removed by ablating S, V or a random direction "
-                              "at each block and their mean",
-                              tuple(f"{recipe}.{name}" for name in DUAL_EVIDENCE["dissociation"])),
-                              f"{recipe.upper()} double dissociation (k = {high})")
+            plot_dissociation(
+                rows[rows["diversity"] == high],
+                ctx.figure(
+                    f"{recipe}_double_dissociation.png",
+                    f"{recipe.upper()}, k = {high}: share of in-context gain removed by ablating S, V or a random direction "
+                    "at each block and their mean",
+                    tuple(f"{recipe}.{name}" for name in DUAL_EVIDENCE["dissociation"]),
+                ),
+                f"{recipe.upper()} double dissociation (k = {high})",
+            )
     if len(ok):
-        plot_projection_r2(ok, ctx.figure("projection_r2.png", "Projection R^2 of OOD task means onto the major task means (the study's "
-                                          "Fig. 4 statistic) across diversity: the claims' value (solid, IQR band over OOD tasks), the "
-                                          "linear-code reference (dashed) and the per-sequence-r2 variant (dotted)",
-                                          _each_recipe(ctx, *DUAL_EVIDENCE["projection"])))
+        plot_projection_r2(
+            ok,
+            ctx.figure(
+                "projection_r2.png",
+                "Projection R^2 of OOD task means onto the major task means (the study's "
+                "Fig. 4 statistic) across diversity: the claims' value (solid, IQR band over OOD tasks), the "
+                "linear-code reference (dashed) and the per-sequence-r2 variant (dotted)",
+                _each_recipe(ctx, *DUAL_EVIDENCE["projection"]),
+            ),
+        )
         curve = rank_curve(ok)
         atomic_write_text(ctx.out / "tables" / "rank_curve.csv", curve.to_csv(index=False))
-        plot_rank_curve(curve, ctx.figure("rank_curve.png", "Share of OOD in-context gain removed by ablating orthogonal directions V of "
-                                          "rank r = 1..ceil(d0), mean over blocks (tables/rank_curve.csv: every block)",
-                                          _each_recipe(ctx, *DUAL_EVIDENCE["rank"])))
-        plot_transition(by_step(ok), ctx.figure("predictor_transition.png",
-                        "Predictor transition: log(KL to memorising / KL to generalising Bayes) over diversity and training step",
-                        _each_recipe(ctx, *DUAL_EVIDENCE["transition"])))
-        plot_projection_r2_steps(ok, ctx.figure("projection_r2_steps.png",
-                                 "The study's Fig. 4: projection R^2 of OOD task means across training, one line per diversity k "
-                                 "(IQR band over OOD tasks), the linear-code reference dashed",
-                                 _each_recipe(ctx, *DUAL_EVIDENCE["projection"])))
-        plot_theorem2(ok, ctx.figure("theorem2.png", "Theorem 2: distance of OOD states from S beside (c - delta)/L (last layer)"))
+        plot_rank_curve(
+            curve,
+            ctx.figure(
+                "rank_curve.png",
+                "Share of OOD in-context gain removed by ablating orthogonal directions V of "
+                "rank r = 1..ceil(d0), mean over blocks (tables/rank_curve.csv: every block)",
+                _each_recipe(ctx, *DUAL_EVIDENCE["rank"]),
+            ),
+        )
+        plot_transition(
+            by_step(ok),
+            ctx.figure(
+                "predictor_transition.png",
+                "Predictor transition: log(KL to memorising / KL to generalising Bayes) over diversity and training step",
+                _each_recipe(ctx, *DUAL_EVIDENCE["transition"]),
+            ),
+        )
+        plot_projection_r2_steps(
+            ok,
+            ctx.figure(
+                "projection_r2_steps.png",
+                "The study's Fig. 4: projection R^2 of OOD task means across training, one line per diversity k "
+                "(IQR band over OOD tasks), the linear-code reference dashed",
+                _each_recipe(ctx, *DUAL_EVIDENCE["projection"]),
+            ),
+        )
+        plot_theorem2(
+            ok, ctx.figure("theorem2.png", "Theorem 2: distance of OOD states from S beside (c - delta)/L (last layer)")
+        )
 
 
 dual_modes.runs = runs

@@ -50,7 +50,9 @@ class Executor:
         if self.cpus_per_run is not None and self.cpus_per_run < 1:
             raise TaskgeomError(f"--cpus-per-run must be at least 1, got {self.cpus_per_run}")
         if self.gpus_per_run < 0 or (self.gpus_per_run > 1 and not float(self.gpus_per_run).is_integer()):
-            raise TaskgeomError(f"--gpus-per-run must be a fraction in [0, 1] or a whole number of GPUs, got {self.gpus_per_run}")
+            raise TaskgeomError(
+                f"--gpus-per-run must be a fraction in [0, 1] or a whole number of GPUs, got {self.gpus_per_run}"
+            )
         if self.kind != "ray" and (self.address or self.gpus_per_run):
             raise TaskgeomError("--address and --gpus-per-run need --executor ray")
         if self.address:
@@ -85,6 +87,7 @@ def execute(fn: Task, items: list, executor: Executor) -> Finished:
 def _exit_with_parent(parent: int) -> None:
     """Pool worker initializer: end this worker when the process that started it is gone (killed,
     or stopped by a signal that runs no cleanup), instead of training on, holding its run's lock."""
+
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
@@ -94,8 +97,12 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _on_pool(fn: Task, items: list, executor: Executor) -> Finished:
-    with ProcessPoolExecutor(executor.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_exit_with_parent,
-                             initargs=(os.getpid(),)) as pool:
+    with ProcessPoolExecutor(
+        executor.workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_exit_with_parent,
+        initargs=(os.getpid(),),
+    ) as pool:
         futures = {pool.submit(fn, item, executor.threads): item for item in items}
         for future in as_completed(futures):
             try:
@@ -119,12 +126,18 @@ def _on_ray(fn: Task, items: list, executor: Executor) -> Finished:
             else:
                 ray.init(num_cpus=executor.workers * executor.threads, include_dashboard=False)
         except (ConnectionError, RuntimeError, ValueError) as err:
-            raise EnvironmentRefused(f"Ray did not start{f' at {executor.address}' if executor.address else ''}: {err}") from None
+            raise EnvironmentRefused(
+                f"Ray did not start{f' at {executor.address}' if executor.address else ''}: {err}"
+            ) from None
     try:
         _check_resources([node["Resources"] for node in ray.nodes() if node.get("Alive")], executor)
         pins = kernels.environment()  # a node's worker starts with the kernels this process chose
-        task = ray.remote(num_cpus=executor.threads, num_gpus=executor.gpus_per_run, max_retries=0,
-                          **({"runtime_env": {"env_vars": pins}} if pins else {}))(fn)
+        task = ray.remote(
+            num_cpus=executor.threads,
+            num_gpus=executor.gpus_per_run,
+            max_retries=0,
+            **({"runtime_env": {"env_vars": pins}} if pins else {}),
+        )(fn)
         pending = {task.remote(item, executor.threads): item for item in items}
         while pending:
             (ref,), _ = ray.wait(list(pending), num_returns=1)
@@ -154,8 +167,10 @@ def _check_resources(nodes: list[dict[str, float]], executor: Executor) -> None:
     for name, wanted in (("CPU", executor.threads), ("GPU", executor.gpus_per_run)):
         largest = max((node.get(name, 0) for node in nodes), default=0)
         if wanted > largest:
-            raise EnvironmentRefused(f"each run asks for {wanted:g} {name} (--{name.lower()}s-per-run) but no node of the Ray cluster "
-                                f"has more than {largest:g}")
+            raise EnvironmentRefused(
+                f"each run asks for {wanted:g} {name} (--{name.lower()}s-per-run) but no node of the Ray cluster "
+                f"has more than {largest:g}"
+            )
 
 
 def _split_address(address: str) -> tuple[str, int] | None:

@@ -25,14 +25,14 @@ M1_EVIDENCE = evidence("m1")
 
 _CAPTIONS = {
     "simplex": "{E}: fitted task coefficients beta_t (solid) and the exact posterior alpha_t (dashed) in the simplex for two "
-               "sequences per major task; right: TV between the per-task mean beta_t and mean alpha_t (what P3 reads), and the "
-               "per-position median per-state TV and KL(alpha || beta) with interquartile bands",
+    "sequences per major task; right: TV between the per-task mean beta_t and mean alpha_t (what P3 reads), and the "
+    "per-position median per-state TV and KL(alpha || beta) with interquartile bands",
     "layers": "{E}: P0 (cell-means R^2), P1 (additive share), medians over the late window of the fits at each position, and P2 "
-              "(r2_additive, beside a random subspace of equal dimension) per layer and site; with several seeds, the median over seeds and their range",
+    "(r2_additive, beside a random subspace of equal dimension) per layer and site; with several seeds, the median over seeds and their range",
     "positions": "{E}: r2_additive of P2 at each position, every layer and site (the claims' place bold; shaded: the positions the claim averages)",
     "steering": "{E}: the readout over the target points a ~ Dirichlet(1) of the simplex (KL(model || q_a) of next-token laws; E2: "
-                "RMSE of the prediction of y to y_a), unsteered and steered one position per forward pass, with the means of both, "
-                "the mode task's and a random direction's of the same norm",
+    "RMSE of the prediction of y to y_a), unsteered and steered one position per forward pass, with the means of both, "
+    "the mode task's and a random direction's of the same norm",
 }
 
 
@@ -44,11 +44,22 @@ def m1(ctx: Context) -> None:
             results[seed] = stored_or_analyzed(run, ctx.stage)
             ctx.claim(seed, *claims(results[seed]))
         first = ctx.seeds[0]  # its figures illustrate; the per-layer one spans every seed, and the tables hold them all
-        captions = {name: _CAPTIONS[name].format(E=experiment.upper()) + ("" if name == "layers" else f" (seed {first})") for name in FIGURES}
-        plot_retrieval(results[first], {name: ctx.figure(f"{experiment}_m1_{name}.png", captions[name],
-                                                         tuple(f"{experiment}.{claim}" for claim in M1_EVIDENCE[name]))
-                                        for name in FIGURES},
-                       seeds=pd.concat([pd.DataFrame(r.rows).assign(seed=seed) for seed, r in results.items()], ignore_index=True))
+        captions = {
+            name: _CAPTIONS[name].format(E=experiment.upper()) + ("" if name == "layers" else f" (seed {first})")
+            for name in FIGURES
+        }
+        plot_retrieval(
+            results[first],
+            {
+                name: ctx.figure(
+                    f"{experiment}_m1_{name}.png",
+                    captions[name],
+                    tuple(f"{experiment}.{claim}" for claim in M1_EVIDENCE[name]),
+                )
+                for name in FIGURES
+            },
+            seeds=pd.concat([pd.DataFrame(r.rows).assign(seed=seed) for seed, r in results.items()], ignore_index=True),
+        )
 
 
 def stored_or_analyzed(run: StudyRun, stage: Callable[[str], ContextManager] = lambda name: nullcontext()) -> Result:
@@ -63,10 +74,14 @@ def stored_or_analyzed(run: StudyRun, stage: Callable[[str], ContextManager] = l
     return result
 
 
-m1.runs = lambda ctx: [task for study in ctx.taking_part("m1") for task in ctx.plans(study.name, ("task.diversity=-1",))]  # for the schedule
+m1.runs = lambda ctx: [
+    task for study in ctx.taking_part("m1") for task in ctx.plans(study.name, ("task.diversity=-1",))
+]  # for the schedule
 
 
-def analyze_one(run: StudyRun, layers: tuple[int, ...] | None = None, sites: tuple[str, ...] | None = None, n_sequences: int = 512) -> str:
+def analyze_one(
+    run: StudyRun, layers: tuple[int, ...] | None = None, sites: tuple[str, ...] | None = None, n_sequences: int = 512
+) -> str:
     """``taskgeom analyze``: the M1 analysis of one run (``analysis/m1.json`` and ``figures/m1_*.png``
     written in its folder), and what it prints: P0-P2 per layer and site on the measurement batch,
     the places the claims read, their values and the steering readouts."""
@@ -75,15 +90,21 @@ def analyze_one(run: StudyRun, layers: tuple[int, ...] | None = None, sites: tup
     (run.path / "figures").mkdir(parents=True, exist_ok=True)
     plot_retrieval(result, {name: run.path / "figures" / f"m1_{name}.png" for name in FIGURES})
     table = pd.DataFrame(result.rows)
-    per_layer = table[table["position"].isna() & (table["batch"] == "measure") & table["metric"].str.startswith(("p0", "p1", "p2"))]
+    per_layer = table[
+        table["position"].isna() & (table["batch"] == "measure") & table["metric"].str.startswith(("p0", "p1", "p2"))
+    ]
     steering = result.steering
-    lines = ["measurement batch:",
-             per_layer.pivot_table(index=["layer", "site"], columns="metric", values="value", sort=False).round(4).to_string(),
-             f"the claims read layer {result.place[0]} ({result.place[1]}), P3 layer {result.p3_place[0]} ({result.p3_place[1]}); "
-             f"the selected-place variant: layer {result.selected[0]} ({result.selected[1]})",
-             *(f"  {claim:<24} {reading.value:.4g}" for claim, reading in claim_values(result.rows).items()),
-             f"steering at layer {steering.place.layer} ({steering.place.site}), positions {steering.positions[0]}-{steering.positions[-1]}, "
-             f"mean {steering.label} over {steering.n_points} target points:",
-             *(f"  {kind:<24} {steering.mean(kind):.4g}" for kind in KINDS),
-             str(run.path / "analysis" / "m1.json")]
+    lines = [
+        "measurement batch:",
+        per_layer.pivot_table(index=["layer", "site"], columns="metric", values="value", sort=False)
+        .round(4)
+        .to_string(),
+        f"the claims read layer {result.place[0]} ({result.place[1]}), P3 layer {result.p3_place[0]} ({result.p3_place[1]}); "
+        f"the selected-place variant: layer {result.selected[0]} ({result.selected[1]})",
+        *(f"  {claim:<24} {reading.value:.4g}" for claim, reading in claim_values(result.rows).items()),
+        f"steering at layer {steering.place.layer} ({steering.place.site}), positions {steering.positions[0]}-{steering.positions[-1]}, "
+        f"mean {steering.label} over {steering.n_points} target points:",
+        *(f"  {kind:<24} {steering.mean(kind):.4g}" for kind in KINDS),
+        str(run.path / "analysis" / "m1.json"),
+    ]
     return "\n".join(lines)

@@ -50,12 +50,16 @@ def resolve(request: Request) -> Resolved:
     and settings; TaskgeomError naming the option at fault."""
     recipes, settings = request.recipes, tuple(request.settings)
     if any(setting.split("=", 1)[0].strip() == "train.seed" for setting in settings):
-        raise TaskgeomError("--set train.seed: reproduce trains every setting on each seed of --seeds; say --seeds instead")
+        raise TaskgeomError(
+            "--set train.seed: reproduce trains every setting on each seed of --seeds; say --seeds instead"
+        )
     if request.variant is not None:
         recipes, settings = data_variant(request.variant, recipes, settings)
     out = request.out or default_out(request.variant)
     studies, named = choose_studies(request.recipe_files, recipes, request.only, request.profile)
-    chosen = {name: run for name, run in experiments.declared(studies, request.profile).items() if not named or name in named}
+    chosen = {
+        name: run for name, run in experiments.declared(studies, request.profile).items() if not named or name in named
+    }
     return Resolved(out, studies, chosen, settings)
 
 
@@ -69,17 +73,25 @@ def data_variant(name: str, recipes: str | None, settings: tuple[str, ...]) -> t
     recipes (``--recipes`` may only name those) and its overrides before the user's; TaskgeomError for a
     variant of the measurement or an unknown name."""
     if name not in DATA_VARIANTS:
-        kind = "measures the same runs another way: list it with `taskgeom sensitivity`" if name in BY_NAME else "is no variant"
+        kind = (
+            "measures the same runs another way: list it with `taskgeom sensitivity`"
+            if name in BY_NAME
+            else "is no variant"
+        )
         raise TaskgeomError(f"--variant: {name!r} {kind}; the variants of the data are {', '.join(DATA_VARIANTS)}")
     chosen = BY_NAME[name]
     asked = [r.strip() for r in recipes.split(",")] if recipes else list(chosen.claims)
     if set(asked) - set(chosen.claims):
-        raise TaskgeomError(f"--recipes: {name} changes the recipes {', '.join(chosen.claims)} alone, not "
-                            f"{', '.join(sorted(set(asked) - set(chosen.claims)))}")
+        raise TaskgeomError(
+            f"--recipes: {name} changes the recipes {', '.join(chosen.claims)} alone, not "
+            f"{', '.join(sorted(set(asked) - set(chosen.claims)))}"
+        )
     return ",".join(asked), (*chosen.overrides, *settings)
 
 
-def choose_studies(files: tuple[Path, ...], recipes: str | None, only: tuple[str, ...], profile: str) -> tuple[tuple[Study, ...], list[str]]:
+def choose_studies(
+    files: tuple[Path, ...], recipes: str | None, only: tuple[str, ...], profile: str
+) -> tuple[tuple[Study, ...], list[str]]:
     """(the studies ``reproduce`` measures, the experiments named by ``--only``): the shipped recipes
     and ``--recipe`` files, those of ``--recipes`` or of the recipe names among ``--only`` (a name
     that is an experiment's is the experiment) alone when given; TaskgeomError for an unknown name,
@@ -91,21 +103,27 @@ def choose_studies(files: tuple[Path, ...], recipes: str | None, only: tuple[str
     names = [study.name for study in everything]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
-        raise TaskgeomError(f"--recipe: recipes named {twice} twice (a recipe's name is its file's stem); rename the file")
+        raise TaskgeomError(
+            f"--recipe: recipes named {twice} twice (a recipe's name is its file's stem); rename the file"
+        )
     wanted = None if recipes is None else [r.strip() for r in recipes.split(",") if r.strip()]
     if wanted is not None and (not wanted or set(wanted) - set(names)):
         raise TaskgeomError(f"--recipes: unknown recipes {sorted(set(wanted) - set(names))}; available: {names}")
     known = set(experiments.EXPERIMENTS) | {name for study in everything for name in study.experiments}
     unknown = sorted(set(only) - set(names) - known)
     if unknown:
-        raise TaskgeomError(f"--only: unknown experiments or recipes {unknown}; experiments: {sorted(known)}, recipes: {names}")
+        raise TaskgeomError(
+            f"--only: unknown experiments or recipes {unknown}; experiments: {sorted(known)}, recipes: {names}"
+        )
     by_recipe = [name for name in only if name not in known]
     if by_recipe:
         wanted = [name for name in (wanted or names) if name in by_recipe]
     studies = tuple(study for study in everything if wanted is None or study.name in wanted)
     for study in studies:
         if profile not in study.profiles:
-            raise TaskgeomError(f"unknown profile {profile!r} for recipe {study.name}; it defines {list(study.profiles)}")
+            raise TaskgeomError(
+                f"unknown profile {profile!r} for recipe {study.name}; it defines {list(study.profiles)}"
+            )
     return studies, [name for name in only if name in known]
 
 
@@ -118,8 +136,17 @@ def plan_text(request: Request, executor: Executor, device: str, tracker: str, c
     from taskgeom.training.timing import estimate_wall, matmul_rate
 
     resolved = resolve(request)
-    ctx = Context(resolved.out, request.profile, tuple(request.seeds), executor, device, tracker, resolved.settings, resolved.studies,
-                  request.grid and tuple(request.grid))
+    ctx = Context(
+        resolved.out,
+        request.profile,
+        tuple(request.seeds),
+        executor,
+        device,
+        tracker,
+        resolved.settings,
+        resolved.studies,
+        request.grid and tuple(request.grid),
+    )
     rate, workers = matmul_rate(), min(executor.workers, usable_cores())
     table = work_left(ctx, resolved.experiments, rate)
     if csv:
@@ -127,17 +154,19 @@ def plan_text(request: Request, executor: Executor, device: str, tracker: str, c
     pool, main = table["cpu_pool_s"], table["cpu_main_s"].sum()
     wall = estimate_wall(list(pool[pool > 0]), main, workers)
     shown = table.drop(columns=["cpu_pool_s", "cpu_main_s"])
-    return (f"{shown.to_string(index=False)}\n"
-            f"{len(table)} runs, {table['steps'].sum():,} steps, {table['tokens'].sum():.3g} tokens, "
-            f"{table['flops'].sum():.3g} training FLOPs (6 x parameters x tokens)\n"
-            f"left (a reproduction reads back what is stored): {table['train'].sum()} runs to train, "
-            f"{table['dual'].sum()} dual analyses, {table['m1'].sum()} M1 analyses"
-            f"{''.join(f', {name.upper()} on {table[name].sum()} seeds' for name in table.attrs['own'])}\n"
-            f"estimated wall time here: {wall / 60:.0f} min on {workers} worker(s) (training and dual analyses "
-            f"{(wall - main) / 60:.0f} min, then the M1 analyses and E4 in this process {main / 60:.0f} min; {cpu_model()}, "
-            f"{usable_cores()} usable cores, matrix-multiply probe {rate / 1e9:.0f} GFLOP/s a thread); each kind's cost per "
-            f"training FLOP fitted on one quick reproduction (a 2-core AVX2 EPYC), deeper models scaled by their blocks: "
-            f"it errs long there, and on another CPU it may be off by a half\n")
+    return (
+        f"{shown.to_string(index=False)}\n"
+        f"{len(table)} runs, {table['steps'].sum():,} steps, {table['tokens'].sum():.3g} tokens, "
+        f"{table['flops'].sum():.3g} training FLOPs (6 x parameters x tokens)\n"
+        f"left (a reproduction reads back what is stored): {table['train'].sum()} runs to train, "
+        f"{table['dual'].sum()} dual analyses, {table['m1'].sum()} M1 analyses"
+        f"{''.join(f', {name.upper()} on {table[name].sum()} seeds' for name in table.attrs['own'])}\n"
+        f"estimated wall time here: {wall / 60:.0f} min on {workers} worker(s) (training and dual analyses "
+        f"{(wall - main) / 60:.0f} min, then the M1 analyses and E4 in this process {main / 60:.0f} min; {cpu_model()}, "
+        f"{usable_cores()} usable cores, matrix-multiply probe {rate / 1e9:.0f} GFLOP/s a thread); each kind's cost per "
+        f"training FLOP fitted on one quick reproduction (a 2-core AVX2 EPYC), deeper models scaled by their blocks: "
+        f"it errs long there, and on another CPU it may be off by a half\n"
+    )
 
 
 def work_left(ctx: Context, chosen: dict[str, Experiment], rate: float) -> pd.DataFrame:
@@ -152,11 +181,14 @@ def work_left(ctx: Context, chosen: dict[str, Experiment], rate: float) -> pd.Da
     from taskgeom.analysis.study import StudyRun
     from taskgeom.experiments.schedule import analysed, plan_table
     from taskgeom.runs.folders import Run
-    from taskgeom.training.timing import COST_PER_FLOP_SECOND as cost, depth_factor
+    from taskgeom.training.timing import COST_PER_FLOP_SECOND as cost
+    from taskgeom.training.timing import depth_factor
 
     by_experiment = experiments.runs_by_experiment(ctx, chosen)
     table = plan_table([task for tasks in by_experiment.values() for task in tasks])
-    trained = {task.name: (task.path / "model.safetensors").exists() for tasks in by_experiment.values() for task in tasks}
+    trained = {
+        task.name: (task.path / "model.safetensors").exists() for tasks in by_experiment.values() for task in tasks
+    }
 
     def m1_left(task) -> bool:
         try:
@@ -166,11 +198,17 @@ def work_left(ctx: Context, chosen: dict[str, Experiment], rate: float) -> pd.Da
 
     dual = {task.name for task in by_experiment.get("dual_modes", []) if task.analyse and not analysed(task.path)}
     m1 = {task.name for task in by_experiment.get("m1", []) if m1_left(task)}
-    own = {name: left for name, experiment in chosen.items() if isinstance(experiment, Extra) and (left := experiment.left(ctx)) is not None}
+    own = {
+        name: left
+        for name, experiment in chosen.items()
+        if isinstance(experiment, Extra) and (left := experiment.left(ctx)) is not None
+    }
     table["train"] = ~table["run"].map(trained)
     table["dual"], table["m1"] = table["run"].isin(dual), table["run"].isin(m1)
     flop_s = table["flops"] / rate
-    depth = table["run"].map({task.name: depth_factor(task.config.model.n_layers) for tasks in by_experiment.values() for task in tasks})
+    depth = table["run"].map(
+        {task.name: depth_factor(task.config.model.n_layers) for tasks in by_experiment.values() for task in tasks}
+    )
     table["cpu_pool_s"] = flop_s * (cost["train"] * table["train"] + cost["dual"] * depth * table["dual"])
     table["cpu_main_s"] = flop_s * cost["m1"] * depth * table["m1"]
     for name, runs in own.items():  # a study's own measurement, one unit per listed run (E4: each seed's k = -1 run)
@@ -185,5 +223,15 @@ def run(request: Request, executor: Executor, device: str, tracker: str) -> Cont
     """Reproduce what the request asks (``experiments.reproduce``), the executor checked first."""
     resolved = resolve(request)
     executor.check()  # Ray importable and its address answering, before any training
-    return experiments.reproduce(resolved.out, request.profile, resolved.experiments, executor, device, tracker, resolved.settings,
-                     tuple(request.seeds), resolved.studies, request.grid)
+    return experiments.reproduce(
+        resolved.out,
+        request.profile,
+        resolved.experiments,
+        executor,
+        device,
+        tracker,
+        resolved.settings,
+        tuple(request.seeds),
+        resolved.studies,
+        request.grid,
+    )

@@ -29,8 +29,8 @@ from taskgeom.experiments.executors import Executor, execute
 from taskgeom.progress import console, job_bar
 from taskgeom.runs.folders import Run
 from taskgeom.settings.config import RunConfig
-from taskgeom.settings.recipes import MeasureSettings
 from taskgeom.settings.devices import available_memory, resolve_device, torch_threads, usable_cores
+from taskgeom.settings.recipes import MeasureSettings
 from taskgeom.training.memory import check_training_fits, parameter_count, training_memory
 from taskgeom.training.timing import Clock, Timings
 
@@ -99,11 +99,18 @@ def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float
 
     task, seconds = unit.task, {}
     if unit.train_threads:
-        seconds["train"] = _with_threads(unit.train_threads, lambda: train(Run.create(task.config, task.root), device=task.device,
-                                                                               tracker=task.tracker))
+        seconds["train"] = _with_threads(
+            unit.train_threads,
+            lambda: train(Run.create(task.config, task.root), device=task.device, tracker=task.tracker),
+        )
     if unit.analysis_threads:
-        seconds["analyse"] = _with_threads(unit.analysis_threads, lambda: load_dual(run := Run.open(task.path), task.projection_sizes)
-                                        or analyze_dual(StudyRun(run), projection_sizes=task.projection_sizes))
+        seconds["analyse"] = _with_threads(
+            unit.analysis_threads,
+            lambda: (
+                load_dual(run := Run.open(task.path), task.projection_sizes)
+                or analyze_dual(StudyRun(run), projection_sizes=task.projection_sizes)
+            ),
+        )
     return seconds
 
 
@@ -175,9 +182,18 @@ def plan_table(tasks: list[TrainTask]) -> pd.DataFrame:
         if name in rows:  # a run two experiments need
             continue
         tokens, parameters = c.train.steps * c.train.batch_size * c.task.seq_len, parameter_count(c)
-        rows[name] = {"run": name, "recipe": c.name, "diversity": c.task.diversity, "seed": c.train.seed,
-                      "steps": c.train.steps, "batch_size": c.train.batch_size, "seq_len": c.task.seq_len,
-                      "parameters": parameters, "tokens": tokens, "flops": 6 * parameters * tokens}
+        rows[name] = {
+            "run": name,
+            "recipe": c.name,
+            "diversity": c.task.diversity,
+            "seed": c.train.seed,
+            "steps": c.train.steps,
+            "batch_size": c.train.batch_size,
+            "seq_len": c.task.seq_len,
+            "parameters": parameters,
+            "tokens": tokens,
+            "flops": 6 * parameters * tokens,
+        }
     return pd.DataFrame(list(rows.values()))
 
 
@@ -185,8 +201,11 @@ def memory_workers(group: list[Unit], available: int | None = None) -> int:
     """How many of ``group``'s units fit in this machine's free memory at once: its free bytes
     (``available``, else MemAvailable) over the largest training estimate among the units that train
     on the CPU (``config.training_memory``, a lower bound); ``len(group)`` when nothing bounds it."""
-    needs = [sum(training_memory(unit.task.config).values()) for unit in group
-             if unit.train_threads and resolve_device(unit.task.device).type == "cpu"]
+    needs = [
+        sum(training_memory(unit.task.config).values())
+        for unit in group
+        if unit.train_threads and resolve_device(unit.task.device).type == "cpu"
+    ]
     available = available_memory(torch.device("cpu")) if available is None else available
     if not needs or not available:
         return len(group)
@@ -206,13 +225,17 @@ def train_all(tasks: list[TrainTask], executor: Executor, timings: Timings) -> N
     cores, failed = usable_cores(), set()
     with job_bar("train", len(units)) as advance:
         for threads, group in phases(units):
-            group = [unit for unit in group if unit.task.name not in failed]  # no analysis of a run whose training failed
+            group = [
+                unit for unit in group if unit.task.name not in failed
+            ]  # no analysis of a run whose training failed
             workers = max(1, min(executor.workers, cores // threads, len(group), memory_workers(group)))
             for unit, result in _run_phase(group, workers):
                 name = unit.task.name
                 if isinstance(result, BaseException):
                     failed.add(name)
-                    console.print(f"[red]{name} failed in the schedule[/red] ({type(result).__name__}: {result}); its experiment retries it")
+                    console.print(
+                        f"[red]{name} failed in the schedule[/red] ({type(result).__name__}: {result}); its experiment retries it"
+                    )
                 else:
                     where = "worker" if workers > 1 else "main"
                     for what, seconds in result.items():

@@ -64,7 +64,16 @@ from taskgeom.runs.folders import Run
 from taskgeom.settings.devices import torch_threads
 
 ABLATION_VARIANTS = ("centred-S", "s-with-mean", "probe-exact", "v-avoids-tokens", "v-searched-on-ood", "v-best-block")
-STORED_VARIANTS = ("selected-place", "site-mid", "natural-cells", "pooled-anova", "p2-task-only", "p3-late-window", "per-sequence-r2", "steer-at-read-site")  # read from the stored analyses
+STORED_VARIANTS = (
+    "selected-place",
+    "site-mid",
+    "natural-cells",
+    "pooled-anova",
+    "p2-task-only",
+    "p3-late-window",
+    "per-sequence-r2",
+    "steer-at-read-site",
+)  # read from the stored analyses
 SETS = ("major", "ood")  # the sets the dissociation's claims read
 
 
@@ -78,12 +87,16 @@ def _centred_s_rows(run: StudyRun, n_seq: int, sets: dict, clean: dict) -> tuple
             ablated = run.loss(sequences, per_position=True)
         share = share_of_gain(ablated, clean[name], window)
         where = {"place": (None, place.site), "batch": "loss", "set": name}
-        rows += [row("loss_ablate_S", ablated[window].mean(), **where), row("gain_removed_ablate_S", share.value, share=share, **where)]
+        rows += [
+            row("loss_ablate_S", ablated[window].mean(), **where),
+            row("gain_removed_ablate_S", share.value, share=share, **where),
+        ]
     return rows, f"layer {place.layer} {place.site} (selected)"
 
 
-def ablation_variants(run: StudyRun, variants: tuple[str, ...] = ABLATION_VARIANTS, *, n_seq: int = 256,
-                      search_steps: int = 200) -> list[dict]:
+def ablation_variants(
+    run: StudyRun, variants: tuple[str, ...] = ABLATION_VARIANTS, *, n_seq: int = 256, search_steps: int = 200
+) -> list[dict]:
     """The dissociation's claims under the protocol and each of ``variants`` on ``run`` (module docstring)."""
     unknown = [v for v in variants if v not in ABLATION_VARIANTS]
     if unknown:
@@ -99,15 +112,21 @@ def ablation_variants(run: StudyRun, variants: tuple[str, ...] = ABLATION_VARIAN
             measured[name] = _centred_s_rows(run, n_seq, sets, clean)
         elif name == "v-best-block":
             best = v_block(run, blocks, n_seq)
-            measured[name] = (ablation_rows(run, blocks, sets, clean, v_block=best), f"block {blocks[best].place.layer}")
+            measured[name] = (
+                ablation_rows(run, blocks, sets, clean, v_block=best),
+                f"block {blocks[best].place.layer}",
+            )
         else:
             blocks_of_variant = find_blocks(run, geometries, steps=search_steps, variant=name)
             measured[name] = (ablation_rows(run, blocks_of_variant, sets, clean, variant=name), mean)
 
     k, recipe, rows, window = run.config.task.diversity, run.config.name, [], loss_window(run.family)
     for name, (variant_rows, where) in measured.items():
-        clean_rows = [row(metric, value, batch="loss", set=s) for s in SETS for metric, value in (("loss", clean[s][window].mean()),
-                                                                                                  ("loss_first", clean[s][0]))]
+        clean_rows = [
+            row(metric, value, batch="loss", set=s)
+            for s in SETS
+            for metric, value in (("loss", clean[s][window].mean()), ("loss_first", clean[s][0]))
+        ]
         table = pd.DataFrame([*variant_rows, *clean_rows]).assign(diversity=k, step=float("nan"))
         prefixes = None if name == "protocol" else BY_NAME[name].claims
         for claim in ablation_claims(table, recipe, k):
@@ -123,11 +142,23 @@ def stored_variants(run: Run) -> list[dict]:
     recipe, rows = run.config.name, []
     m1 = stored_rows(run, "m1")
     if m1 is not None:
-        for name in ("protocol", "selected-place", "site-mid", "natural-cells", "pooled-anova", "p2-task-only", "p3-late-window"):
+        for name in (
+            "protocol",
+            "selected-place",
+            "site-mid",
+            "natural-cells",
+            "pooled-anova",
+            "p2-task-only",
+            "p3-late-window",
+        ):
             values = claim_values(m1, None if name == "protocol" else name)
             claims = retrieval_claims(values, recipe)
-            moved = {"natural-cells": ("P0", "P1", "P2", "P2.vs_random"), "pooled-anova": ("P0", "P1"), "p2-task-only": ("P2", "P2.vs_random"),
-                     "p3-late-window": ("P3",)}.get(name)
+            moved = {
+                "natural-cells": ("P0", "P1", "P2", "P2.vs_random"),
+                "pooled-anova": ("P0", "P1"),
+                "p2-task-only": ("P2", "P2.vs_random"),
+                "p3-late-window": ("P3",),
+            }.get(name)
             if moved:
                 claims = [c for c in claims if c.id.split(".", 1)[1] in moved]
             for claim in claims:
@@ -142,7 +173,11 @@ def stored_variants(run: Run) -> list[dict]:
                 rows.append(_variant_row(claim, name, f"layer {written['layer']} {written['site']}"))
     dual = stored_rows(run, "dual")
     if dual is not None:
-        final = {r["metric"]: r for r in dual if r["step"] is None and r["metric"] in ("projection_r2", "projection_r2_per_sequence")}
+        final = {
+            r["metric"]: r
+            for r in dual
+            if r["step"] is None and r["metric"] in ("projection_r2", "projection_r2_per_sequence")
+        }
         for name, metric in (("protocol", "projection_r2"), ("per-sequence-r2", "projection_r2_per_sequence")):
             if metric in final:
                 r = final[metric]
@@ -152,8 +187,16 @@ def stored_variants(run: Run) -> list[dict]:
 
 
 def _variant_row(claim, variant: str, place: str) -> dict:
-    return {"claim": claim.id, "variant": variant, "value": claim.value, "status": claim.status, "comparison": claim.comparison,
-            "threshold": claim.threshold, "reason": claim.reason, "place": place}
+    return {
+        "claim": claim.id,
+        "variant": variant,
+        "value": claim.value,
+        "status": claim.status,
+        "comparison": claim.comparison,
+        "threshold": claim.threshold,
+        "reason": claim.reason,
+        "place": place,
+    }
 
 
 def summarise(rows: pd.DataFrame) -> pd.DataFrame:
@@ -164,13 +207,30 @@ def summarise(rows: pd.DataFrame) -> pd.DataFrame:
     lines = []
     for (claim, k, name), group in rows.groupby(["claim", "diversity", "variant"], sort=False):
         values = group.loc[group["status"] != "n/a", "value"].dropna()
-        spread = [round(float(f(values)), 3) if len(values) else None for f in (pd.Series.median, pd.Series.min, pd.Series.max)]
-        lines.append({"claim": claim, "k": k, "variant": name, "median": spread[0], "min": spread[1], "max": spread[2],
-                      "verdict": verdict(group["status"]), "runs": len(group), "place": group["place"].iloc[0]})
+        spread = [
+            round(float(f(values)), 3) if len(values) else None
+            for f in (pd.Series.median, pd.Series.min, pd.Series.max)
+        ]
+        lines.append(
+            {
+                "claim": claim,
+                "k": k,
+                "variant": name,
+                "median": spread[0],
+                "min": spread[1],
+                "max": spread[2],
+                "verdict": verdict(group["status"]),
+                "runs": len(group),
+                "place": group["place"].iloc[0],
+            }
+        )
     return pd.DataFrame(lines)
 
 
-PLACE_METRICS = {"m1": ("p0.cell_r2", "p1.additive_share", "p2.r2_additive"), "dual": ("projection_r2", "projection_r2_per_sequence")}
+PLACE_METRICS = {
+    "m1": ("p0.cell_r2", "p1.additive_share", "p2.r2_additive"),
+    "dual": ("projection_r2", "projection_r2_per_sequence"),
+}
 
 
 def place_choices(run: Run) -> list[dict]:
@@ -187,13 +247,29 @@ def place_choices(run: Run) -> list[dict]:
         if analysis == "m1":
             chosen = next(r for r in stored if r["metric"] == "place.m1")  # where the M1 claims read
             claimed, _ = claimed_by_layer(pd.DataFrame(stored))
-            values = [{**r, "layer": int(r["layer"])} for r in claimed[claimed["metric"].isin(metrics)].to_dict("records")]
+            values = [
+                {**r, "layer": int(r["layer"])} for r in claimed[claimed["metric"].isin(metrics)].to_dict("records")
+            ]
         else:
-            chosen = next(r for r in stored if r["metric"] == "projection_r2" and r["step"] is None)  # the protocol's place
-            values = [{**r, "metric": r["metric"].removeprefix("table.")} for r in stored
-                      if r["metric"].removeprefix("table.") in metrics and r["metric"].startswith("table.")]
-        rows += [{"analysis": analysis, "metric": r["metric"], "layer": r["layer"], "site": r["site"], "value": r["value"],
-                  "pinned": (r["layer"], r["site"]) == (chosen["layer"], chosen["site"])} for r in values]
+            chosen = next(
+                r for r in stored if r["metric"] == "projection_r2" and r["step"] is None
+            )  # the protocol's place
+            values = [
+                {**r, "metric": r["metric"].removeprefix("table.")}
+                for r in stored
+                if r["metric"].removeprefix("table.") in metrics and r["metric"].startswith("table.")
+            ]
+        rows += [
+            {
+                "analysis": analysis,
+                "metric": r["metric"],
+                "layer": r["layer"],
+                "site": r["site"],
+                "value": r["value"],
+                "pinned": (r["layer"], r["site"]) == (chosen["layer"], chosen["site"]),
+            }
+            for r in values
+        ]
     return rows
 
 
@@ -203,13 +279,17 @@ def chosen_variants(asked: tuple[str, ...] = ()) -> tuple[str, ...]:
     chosen = tuple(asked or (*STORED_VARIANTS, *ABLATION_VARIANTS))
     data = [v for v in chosen if v in DATA_VARIANTS]
     if data:
-        raise TaskgeomError(f"--variant: {', '.join(data)} changes the data, so its runs are other runs: train them with `taskgeom "
-                            f"reproduce --variant {data[0]}` and set its claims beside the protocol's with `taskgeom ladder results "
-                            f"results-{data[0]}`")
+        raise TaskgeomError(
+            f"--variant: {', '.join(data)} changes the data, so its runs are other runs: train them with `taskgeom "
+            f"reproduce --variant {data[0]}` and set its claims beside the protocol's with `taskgeom ladder results "
+            f"results-{data[0]}`"
+        )
     unknown = [v for v in chosen if v not in (*STORED_VARIANTS, *ABLATION_VARIANTS)]
     if unknown:
-        raise TaskgeomError(f"--variant: sensitivity lists the variants {', '.join((*STORED_VARIANTS, *ABLATION_VARIANTS))}; not "
-                            f"{', '.join(unknown)}")
+        raise TaskgeomError(
+            f"--variant: sensitivity lists the variants {', '.join((*STORED_VARIANTS, *ABLATION_VARIANTS))}; not "
+            f"{', '.join(unknown)}"
+        )
     return chosen
 
 
@@ -229,8 +309,16 @@ def sensitivity(run_dirs: list, variants: tuple[str, ...], places: bool = False,
             if ablations:
                 with torch_threads(threads):
                     measured += ablation_variants(StudyRun(run), ablations)
-        rows += [{"run": run.path.name, "recipe": run.config.name, "diversity": run.config.task.diversity, "seed": run.config.train.seed,
-                  **row} for row in measured]
+        rows += [
+            {
+                "run": run.path.name,
+                "recipe": run.config.name,
+                "diversity": run.config.task.diversity,
+                "seed": run.config.train.seed,
+                **row,
+            }
+            for row in measured
+        ]
     return pd.DataFrame(rows)
 
 
@@ -239,8 +327,20 @@ def place_summary(table: pd.DataFrame) -> pd.DataFrame:
     the value at the place the claims read, the lowest and the highest over all places, each the
     median over the runs; TaskgeomError when no run had stored analyses."""
     if table.empty:
-        raise TaskgeomError("none of the runs has analysis/m1.json or analysis/dual.json; run `taskgeom analyze` or a sweep first")
+        raise TaskgeomError(
+            "none of the runs has analysis/m1.json or analysis/dual.json; run `taskgeom analyze` or a sweep first"
+        )
     keys = ["recipe", "diversity", "analysis", "metric"]
     per_run = table.groupby([*keys, "run"], sort=False)["value"]
-    return pd.DataFrame({"pinned": table[table["pinned"]].groupby([*keys, "run"], sort=False)["value"].first(),
-                         "lowest": per_run.min(), "highest": per_run.max()}).groupby(keys, sort=False).median().reset_index()
+    return (
+        pd.DataFrame(
+            {
+                "pinned": table[table["pinned"]].groupby([*keys, "run"], sort=False)["value"].first(),
+                "lowest": per_run.min(),
+                "highest": per_run.max(),
+            }
+        )
+        .groupby(keys, sort=False)
+        .median()
+        .reset_index()
+    )

@@ -49,7 +49,9 @@ class Job:
         return path.stem if path.suffix in (".yaml", ".yml") else self.recipe
 
     def config(self) -> RunConfig:
-        return load_recipe(self.recipe, self.profile, [*self.overrides, f"task.diversity={self.diversity}", f"train.seed={self.seed}"])
+        return load_recipe(
+            self.recipe, self.profile, [*self.overrides, f"task.diversity={self.diversity}", f"train.seed={self.seed}"]
+        )
 
     def measure(self) -> MeasureSettings:
         """What the profile of the job's recipe measures (the sizes of projection R^2)."""
@@ -63,13 +65,21 @@ class Job:
         recipe = Path(self.recipe)
         device = self.device
         if device.startswith("cuda") and not gpus_per_run:
-            raise TaskgeomError(f"--device {device} on Ray needs --gpus-per-run above 0, so that Ray gives each run a GPU")
+            raise TaskgeomError(
+                f"--device {device} on Ray needs --gpus-per-run above 0, so that Ray gives each run a GPU"
+            )
         if device.startswith("cuda:"):
-            raise TaskgeomError(f"--device {device}: on Ray each run uses the GPU Ray assigns it; say --device cuda or auto")
+            raise TaskgeomError(
+                f"--device {device}: on Ray each run uses the GPU Ray assigns it; say --device cuda or auto"
+            )
         if device == "auto" and not gpus_per_run:
             device = "cpu"
-        return replace(self, root=str(Path(self.root).resolve()), recipe=str(recipe.resolve()) if recipe.is_file() else self.recipe,
-                       device=device)
+        return replace(
+            self,
+            root=str(Path(self.root).resolve()),
+            recipe=str(recipe.resolve()) if recipe.is_file() else self.recipe,
+            device=device,
+        )
 
 
 def run_job(job: Job, threads: int = 0) -> list[dict]:
@@ -92,7 +102,12 @@ def run_job(job: Job, threads: int = 0) -> list[dict]:
         sizes = job.measure().projection_sizes
         rows = load_dual(run, sizes) or analyze_dual(StudyRun(run), projection_sizes=sizes)
         analysed = clock.lap()
-        seconds = {"train_wall_s": trained[0], "train_cpu_s": trained[1], "analysis_wall_s": analysed[0], "analysis_cpu_s": analysed[1]}
+        seconds = {
+            "train_wall_s": trained[0],
+            "train_cpu_s": trained[1],
+            "analysis_wall_s": analysed[0],
+            "analysis_cpu_s": analysed[1],
+        }
         return [{"run": str(run.path), "status": "ok", **row, **seconds} for row in rows]
     except RunLockedError as err:  # another process is training this run: said as such, not retried here
         return [{"status": "locked", "error": str(err)}]
@@ -151,7 +166,9 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
     gain they divide by (``gain@set``), whether it is below ``MIN_RELIABLE_GAIN``
     (``unreliable@set``) and why a share is empty (``reason@set``)."""
     keys = ["recipe", "diversity", "seed", "status"]
-    ok = table[(table["status"] == "ok") & table["step"].isna()] if {"step", "metric"} <= set(table) else table.iloc[0:0]
+    ok = (
+        table[(table["status"] == "ok") & table["step"].isna()] if {"step", "metric"} <= set(table) else table.iloc[0:0]
+    )
     if not ok.empty:
         ok = ok[~ok["metric"].str.startswith("table.")]  # per-place tables stay in dual.json
     if ok.empty:  # no run finished: one row per run with its error
@@ -160,8 +177,13 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
     wide = ok.assign(name=name).groupby([*keys, "name"])["value"].mean().unstack("name")
     if "gain" in ok:
         shares = ok[ok["gain"].notna()].groupby([*keys, "set"])
-        gains = pd.DataFrame({"gain": shares["gain"].first(), "unreliable": shares["unreliable"].first(),
-                              "reason": shares["reason"].first()}).unstack("set")
+        gains = pd.DataFrame(
+            {
+                "gain": shares["gain"].first(),
+                "unreliable": shares["unreliable"].first(),
+                "reason": shares["reason"].first(),
+            }
+        ).unstack("set")
         gains.columns = [f"{field}@{set_name}" for field, set_name in gains.columns]
         wide = wide.join(gains)
     wide = wide.reset_index()

@@ -43,6 +43,7 @@ import torch
 from taskgeom.analysis.measures.anova import two_way
 from taskgeom.analysis.measures.linear_probes import Kind, linear_probe
 from taskgeom.analysis.measures.task_vectors import late_window
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.analysis.reading.states import collect
 from taskgeom.analysis.stored.keys import key as stored_key
 from taskgeom.analysis.study import StudyRun
@@ -63,11 +64,12 @@ from taskgeom.runs.storage import atomic_write_json
 from taskgeom.settings.recipes import Study, load_measure
 from taskgeom.tasks import Batch
 from taskgeom.tasks.dyck import Dyck
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 MAX_BACK = PROTOCOL.dyck_max_back  # probes for the planted bracket j back, j = 1..MAX_BACK
 N_SEQUENCES = PROTOCOL.dyck_probe_sequences  # sequences per probe analysis
-P0_SEQUENCES = 1024  # sequences of the P0 layouts [ours]: E4's bracket phase keeps a fraction of them at each late position
+P0_SEQUENCES = (
+    1024  # sequences of the P0 layouts [ours]: E4's bracket phase keeps a fraction of them at each late position
+)
 # The recipes whose P0 E4 is set beside (the recipe's ``options: {references: [...]}``): token
 # families; E2 would need its token factor binned, since x_t is continuous there.
 REFERENCES = ("e1", "e3")
@@ -100,7 +102,9 @@ def within_share(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, n_a: int, n_
     return float(torch.tensor(shares, dtype=torch.float64).median()) if shares else math.nan
 
 
-def within_shares(states: Sequence[torch.Tensor], a: torch.Tensor, b: torch.Tensor, n_a: int, n_b: int, mask: torch.Tensor) -> list[float]:
+def within_shares(
+    states: Sequence[torch.Tensor], a: torch.Tensor, b: torch.Tensor, n_a: int, n_b: int, mask: torch.Tensor
+) -> list[float]:
     """``within_share`` of each state tensor (one per layer)."""
     return [within_share(h, a, b, n_a, n_b, mask) for h in states]
 
@@ -130,7 +134,10 @@ def reference_p0(run: Run) -> dict[str, list[float]]:
     tokens = batch.tokens
     task = batch.task[:, None].expand_as(tokens)
     K, V, late = run.pool.n_major, run.family.vocab_size, _late(tokens)
-    return {name: within_shares(states, task, tokens, K, V, late) for name, states in _layer_states(run, tokens, run.load_model()).items()}
+    return {
+        name: within_shares(states, task, tokens, K, V, late)
+        for name, states in _layer_states(run, tokens, run.load_model()).items()
+    }
 
 
 def reference_within(run: Run) -> float:
@@ -179,7 +186,9 @@ def probe_targets(family: Dyck, tokens: torch.Tensor) -> tuple[torch.Tensor, dic
     ``back_j`` the planted bracket j back (0 = "(", 1 = ")") and ``depth``."""
     count = family.bracket_count(tokens)
     mask = (count >= MAX_BACK) & (count < family.length)
-    targets: dict[str, tuple[Kind, torch.Tensor]] = {f"back_{j}": ("classification", family.planted(tokens, j)) for j in range(1, MAX_BACK + 1)}
+    targets: dict[str, tuple[Kind, torch.Tensor]] = {
+        f"back_{j}": ("classification", family.planted(tokens, j)) for j in range(1, MAX_BACK + 1)
+    }
     targets["depth"] = ("regression", family.depth(tokens).double())
     return mask, targets
 
@@ -200,13 +209,23 @@ def probe_rows(
         x = h[mask]
         for target, (kind, labels) in targets.items():
             result = linear_probe(x, labels[mask], kind, groups, seed=seed)
-            rows.append({"set": which, "site": site, "layer": layer, "target": target,
-                         "metric": result.metric, "score": result.score, "control": result.control})
+            rows.append(
+                {
+                    "set": which,
+                    "site": site,
+                    "layer": layer,
+                    "target": target,
+                    "metric": result.metric,
+                    "score": result.score,
+                    "control": result.control,
+                }
+            )
     return rows
 
 
-def prefix_probes(run: Run, model: torch.nn.Module, which: ProbeSet, n_sequences: int = N_SEQUENCES,
-                  stream: str = MEASURE_STREAM) -> list[dict]:
+def prefix_probes(
+    run: Run, model: torch.nn.Module, which: ProbeSet, n_sequences: int = N_SEQUENCES, stream: str = MEASURE_STREAM
+) -> list[dict]:
     """Probes for the planted bracket j back (accuracy) and the depth (R^2) on ``which`` sequences
     (``probe_batch``), from the embedding (layer 0's ``resid_pre``) and from PROBE_SITES of every
     layer, at the positions of ``probe_targets``."""
@@ -225,8 +244,11 @@ def probe_diversity(ctx: Context, study: Study) -> int:
 def runs(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> list:
     """The runs ``e4`` trains or reads, for the schedule: the study's at k = -1 and at the probes' k
     (``probe_diversity``), and the references at k = -1, each on every seed."""
-    return [*ctx.plans(study.name, ("task.diversity=-1",)), *ctx.plans(study.name, (f"task.diversity={probe_diversity(ctx, study)}",)),
-            *(task for name in references for task in ctx.plans(name, ("task.diversity=-1",)))]
+    return [
+        *ctx.plans(study.name, ("task.diversity=-1",)),
+        *ctx.plans(study.name, (f"task.diversity={probe_diversity(ctx, study)}",)),
+        *(task for name in references for task in ctx.plans(name, ("task.diversity=-1",))),
+    ]
 
 
 def e4(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> None:
@@ -241,7 +263,6 @@ def e4(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> No
         if seed == ctx.seeds[0]:  # one seed's figures illustrate; the claims read every seed (the JSON holds them all)
             plot(ctx, study.name, tuple(references), measured, seed, diversity)
     atomic_write_json(ctx.out / "analysis" / f"{study.name}.json", tables)
-
 
 
 def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int, diversity: int) -> dict[str, list[dict]]:
@@ -263,9 +284,20 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int, div
     residual = [row["value"] for row in rows["p0_brackets"] if row["layer"] == layer]
     within = {row["series"]: row["value"] for row in rows["p0_references"]}
     accuracy, _, reached = study_probe_readings(rows["prefix_probe"])
-    ctx.claim(seed, p0_failure(name, residual, layer, within, natural_cells_ratio(claim_site_shares(rows["p0"]), layer, at)),
-              prefix_probe(name, accuracy["probe"], accuracy["control"], reached, probe_layer(diverse), PROBE_SITE, diversity,
-                           weakest_probe(rows["probes"], claim_layer(diverse))["gain"]))
+    ctx.claim(
+        seed,
+        p0_failure(name, residual, layer, within, natural_cells_ratio(claim_site_shares(rows["p0"]), layer, at)),
+        prefix_probe(
+            name,
+            accuracy["probe"],
+            accuracy["control"],
+            reached,
+            probe_layer(diverse),
+            PROBE_SITE,
+            diversity,
+            weakest_probe(rows["probes"], claim_layer(diverse))["gain"],
+        ),
+    )
     return rows
 
 
@@ -292,8 +324,15 @@ def study_probe_readings(rows: list[dict]) -> tuple[dict[str, dict[int, float]],
 def seed_file(ctx: Context, name: str, references: Sequence[str], seed: int, diversity: int) -> tuple[Path, dict]:
     """(where ``measure`` keeps one seed's tables, the key they are stored under: the versions, the
     diversity and the run directories they read)."""
-    overrides = [(name, "task.diversity=-1"), (name, f"task.diversity={diversity}"), *((ref, "task.diversity=-1") for ref in references)]
-    runs = [f"{config.name}-{config.digest()}" for config in (ctx.config(recipe, (setting,), seed) for recipe, setting in overrides)]
+    overrides = [
+        (name, "task.diversity=-1"),
+        (name, f"task.diversity={diversity}"),
+        *((ref, "task.diversity=-1") for ref in references),
+    ]
+    runs = [
+        f"{config.name}-{config.digest()}"
+        for config in (ctx.config(recipe, (setting,), seed) for recipe, setting in overrides)
+    ]
     key = {**stored_key("e4"), "m1_version": stored_key("m1")["version"], "diversity": diversity, "runs": runs}
     return ctx.out / "analysis" / name / f"seed-{seed}.json", key
 
@@ -319,74 +358,143 @@ def stored_seed(path: Path, key: dict) -> dict[str, list[dict]] | None:
     return tables
 
 
-def measure_rows(ctx: Context, name: str, majors: Run, diverse: Run, reference_runs: dict[str, Run], seed: int) -> dict[str, list[dict]]:
+def measure_rows(
+    ctx: Context, name: str, majors: Run, diverse: Run, reference_runs: dict[str, Run], seed: int
+) -> dict[str, list[dict]]:
     """Measure one seed's E4 tables (``measure``): the P0 shares of ``majors`` and the references, the
     prefix probes of ``diverse``."""
     references = tuple(reference_runs)
     with ctx.stage(f"P0 as the study's variance.py ({name.upper()}; seed {seed})"):
         residual = study_p0(majors)  # [L, J]
         within = {ref: reference_within(run) for ref, run in reference_runs.items()}
-    with ctx.stage(f"P0 within-cell shares on natural states ({', '.join(r.upper() for r in (*references, name))}; seed {seed})"):
+    with ctx.stage(
+        f"P0 within-cell shares on natural states ({', '.join(r.upper() for r in (*references, name))}; seed {seed})"
+    ):
         reference_shares = {ref: reference_p0(run) for ref, run in reference_runs.items()}
         dyck = dyck_p0(majors)
     with ctx.stage(f"the study's prefix probe and its shuffled-label control (seed {seed})"):
         study_probe = study_prefix_probe(diverse)
     with ctx.stage(f"linear prefix probes (trained and untrained, pool and OOD; seed {seed})"):
-        model, untrained_model = diverse.load_model(), diverse.new_model()  # untrained: random features of the same network
+        model, untrained_model = (
+            diverse.load_model(),
+            diverse.new_model(),
+        )  # untrained: random features of the same network
         probes = {which: prefix_probes(diverse, model, which) for which in PROBE_SETS}
         untrained = [row for which in PROBE_SETS for row in prefix_probes(diverse, untrained_model, which)]
-    p0 = {site: {**{ref: reference_shares[ref][site] for ref in references}, **{f"e4_{k}": v for k, v in dyck[site].items()}}
-          for site in P0_SITES}
-    p0_rows = [{"site": site, "series": name, "layer": layer, "metric": "p0.within_share", "value": share}
-               for site, series in p0.items() for name, shares in series.items() for layer, share in enumerate(shares)]
-    bracket_rows = [{"site": P0_SITE, "layer": layer, "bracket": j, "metric": "p0.residual_ratio", "value": float(value)}
-                    for layer, ratios in enumerate(residual) for j, value in enumerate(ratios)]
+    p0 = {
+        site: {
+            **{ref: reference_shares[ref][site] for ref in references},
+            **{f"e4_{k}": v for k, v in dyck[site].items()},
+        }
+        for site in P0_SITES
+    }
+    p0_rows = [
+        {"site": site, "series": name, "layer": layer, "metric": "p0.within_share", "value": share}
+        for site, series in p0.items()
+        for name, shares in series.items()
+        for layer, share in enumerate(shares)
+    ]
+    bracket_rows = [
+        {"site": P0_SITE, "layer": layer, "bracket": j, "metric": "p0.residual_ratio", "value": float(value)}
+        for layer, ratios in enumerate(residual)
+        for j, value in enumerate(ratios)
+    ]
     reference_rows = [{"series": ref, "metric": "p0.one_minus_P0", "value": share} for ref, share in within.items()]
     at_probe = probe_layer(diverse)
-    study_probe_rows = [{"probe": name, "site": PROBE_SITE, "layer": at_probe, "length": length, "metric": f"prefix_probe.{metric}",
-                         "value": values[length], "best_epoch": result.best_epoch, "epochs": result.epochs, "reached": result.reached}
-                        for name, result in study_probe.items() for metric, values in (("accuracy", result.accuracy), ("loss", result.loss))
-                        for length in values]
-    return {"p0": p0_rows, "p0_brackets": bracket_rows, "p0_references": reference_rows, "prefix_probe": study_probe_rows, "probes": probes["pool"],
-            "probes_ood": probes["ood"], "probes_untrained": untrained}
+    study_probe_rows = [
+        {
+            "probe": name,
+            "site": PROBE_SITE,
+            "layer": at_probe,
+            "length": length,
+            "metric": f"prefix_probe.{metric}",
+            "value": values[length],
+            "best_epoch": result.best_epoch,
+            "epochs": result.epochs,
+            "reached": result.reached,
+        }
+        for name, result in study_probe.items()
+        for metric, values in (("accuracy", result.accuracy), ("loss", result.loss))
+        for length in values
+    ]
+    return {
+        "p0": p0_rows,
+        "p0_brackets": bracket_rows,
+        "p0_references": reference_rows,
+        "prefix_probe": study_probe_rows,
+        "probes": probes["pool"],
+        "probes_ood": probes["ood"],
+        "probes_untrained": untrained,
+    }
 
 
-def plot(ctx: Context, name: str, references: tuple[str, ...], measured: dict[str, list[dict]], seed: int, diversity: int) -> None:
+def plot(
+    ctx: Context, name: str, references: tuple[str, ...], measured: dict[str, list[dict]], seed: int, diversity: int
+) -> None:
     """The P0 comparison and the prefix-probe figures of one seed's rows (``measure``; the probes' at
     k = ``diversity``)."""
     ratios: dict[int, list[float]] = {}
     for row in measured["p0_brackets"]:
         ratios.setdefault(row["layer"], []).append(row["value"])
     references_within = {row["series"].upper(): row["value"] for row in measured["p0_references"]}
-    plot_p0_positions(ratios, references_within, ctx.figure(
-        "p0_bracket_positions.png",
-        f"E4's P0 as the study's variance.py measures it: the residual variance ratio (1 - R^2 of cells of the tasks sharing the "
-        f"last three planted brackets) at each block's {P0_SITE}, at bracket j's own position, against j, k = -1; dotted: "
-        f"{' and '.join(references_within)}'s 1 - P0 (the study's forced-token cells, their M1 block) (seed {seed})",
-        (f"{name}.P0_failure",)), site=P0_SITE)
+    plot_p0_positions(
+        ratios,
+        references_within,
+        ctx.figure(
+            "p0_bracket_positions.png",
+            f"E4's P0 as the study's variance.py measures it: the residual variance ratio (1 - R^2 of cells of the tasks sharing the "
+            f"last three planted brackets) at each block's {P0_SITE}, at bracket j's own position, against j, k = -1; dotted: "
+            f"{' and '.join(references_within)}'s 1 - P0 (the study's forced-token cells, their M1 block) (seed {seed})",
+            (f"{name}.P0_failure",),
+        ),
+        site=P0_SITE,
+    )
     shares = claim_site_shares(measured["p0"])
     series = {f"{ref.upper()} (task, token)": shares[ref] for ref in references}
-    series |= {"E4 (task, token), bracket phase": shares["e4_token_due"], "E4 (task, last 3 brackets), bracket phase": shares["e4_last3_due"]}
-    plot_p0_comparison(series, ctx.figure("p0_across_families.png",
-                       f"P0 across families, the earlier construction on natural states (natural_cells_ratio in the claim's parts): within-cell "
-                       f"share of state variance per layer at {CLAIM_SITE}; {' and '.join(r.upper() for r in references)} by "
-                       f"(task, current token), E4 by (task, current token) and by (task, last three planted brackets), k = -1 (seed {seed})",
-                       (f"{name}.P0_failure",)), site=CLAIM_SITE)
+    series |= {
+        "E4 (task, token), bracket phase": shares["e4_token_due"],
+        "E4 (task, last 3 brackets), bracket phase": shares["e4_last3_due"],
+    }
+    plot_p0_comparison(
+        series,
+        ctx.figure(
+            "p0_across_families.png",
+            f"P0 across families, the earlier construction on natural states (natural_cells_ratio in the claim's parts): within-cell "
+            f"share of state variance per layer at {CLAIM_SITE}; {' and '.join(r.upper() for r in references)} by "
+            f"(task, current token), E4 by (task, current token) and by (task, last three planted brackets), k = -1 (seed {seed})",
+            (f"{name}.P0_failure",),
+        ),
+        site=CLAIM_SITE,
+    )
     accuracy, at, reached = study_probe_readings(measured["prefix_probe"])
-    plot_study_probe(accuracy["probe"], accuracy["control"], reached, ctx.figure(
-        "prefix_probe_accuracy.png",
-        f"E4: the study's prefix probe (its run_prefix_probe: a 2-D projection and an MLP per length, block {at} {PROBE_SITE}): validation "
-        f"accuracy of the first l brackets of the task's string against l; dotted: the same probe on shuffled labels; shaded: the "
-        f"lengths past the curriculum's reach (l = {reached}), whose heads were never trained; k = {diversity} (seed {seed})",
-        (f"{name}.prefix_probe",)), site=PROBE_SITE)
+    plot_study_probe(
+        accuracy["probe"],
+        accuracy["control"],
+        reached,
+        ctx.figure(
+            "prefix_probe_accuracy.png",
+            f"E4: the study's prefix probe (its run_prefix_probe: a 2-D projection and an MLP per length, block {at} {PROBE_SITE}): validation "
+            f"accuracy of the first l brackets of the task's string against l; dotted: the same probe on shuffled labels; shaded: the "
+            f"lengths past the curriculum's reach (l = {reached}), whose heads were never trained; k = {diversity} (seed {seed})",
+            (f"{name}.prefix_probe",),
+        ),
+        site=PROBE_SITE,
+    )
     last = max(row["layer"] for row in measured["probes_untrained"])
     untrained = [r for r in measured["probes_untrained"] if r["site"] == CLAIM_SITE and r["layer"] == last]
-    plot_prefix_probes([*measured["probes"], *measured["probes_ood"]], untrained,
-                       ctx.figure(f"{name}_prefix_probes.png",
-                                  f"E4: held-out linear probes at {CLAIM_SITE} for the planted bracket j back and for the depth, "
-                                  f"k = {diversity}; solid: in-distribution (pool) sequences, dashed: OOD sequences, "
-                                  f"dotted: shuffled labels; grey: layer {last} of the untrained network (seed {seed})", (f"{name}.prefix_probe",)),
-                       f"E4: linear probes for the planted bracket prefix at {CLAIM_SITE}, k = {diversity}", site=CLAIM_SITE)
+    plot_prefix_probes(
+        [*measured["probes"], *measured["probes_ood"]],
+        untrained,
+        ctx.figure(
+            f"{name}_prefix_probes.png",
+            f"E4: held-out linear probes at {CLAIM_SITE} for the planted bracket j back and for the depth, "
+            f"k = {diversity}; solid: in-distribution (pool) sequences, dashed: OOD sequences, "
+            f"dotted: shuffled labels; grey: layer {last} of the untrained network (seed {seed})",
+            (f"{name}.prefix_probe",),
+        ),
+        f"E4: linear probes for the planted bracket prefix at {CLAIM_SITE}, k = {diversity}",
+        site=CLAIM_SITE,
+    )
 
 
 e4.runs = runs
@@ -405,23 +513,80 @@ def _evidence(table: pd.DataFrame, e4: str) -> list[Evidence]:
     brackets = table[table["analysis"] == f"{e4}.p0_brackets"]
     study_probe = table[(table["analysis"] == f"{e4}.prefix_probe") & (table["metric"] == "prefix_probe.accuracy")]
     probes = pd.concat([table[table["analysis"] == f"{e4}.{name}"] for name in ("probes", "probes_ood")])
-    shown = probes[probes["site"] == CLAIM_SITE].drop(columns="value", errors="ignore").rename(columns={"score": "value"})
+    shown = (
+        probes[probes["site"] == CLAIM_SITE].drop(columns="value", errors="ignore").rename(columns={"score": "value"})
+    )
     return [
-        Evidence(f"{e4}-p0-brackets", f"Residual variance ratio per bracket index and layer ({P0_SITE}; the study's variance.py)", e4,
-                 (f"{e4}.P0_failure",), figure=lines(brackets, "bracket", lambda k: f"layer {k[0]}", ["layer"],
-                                                     "Residual variance ratio per bracket", "bracket index j", "1 - R^2")),
-        Evidence(f"{e4}-p0", f"Within-cell share of state variance per layer (P0 fails for {e4.upper()})", e4, (f"{e4}.P0_failure",),
-                 figure=lines(p0, "layer", lambda k: f"{k[0]} {k[1]}", ["site", "series"], "Within-cell share per layer", "layer",
-                               "within-cell share", dash=lambda k: "dot" if k[0] == "resid_post" else "solid")),
-        Evidence(f"{e4}-prefix-probe", "The study's prefix probe: validation accuracy per prefix length (dotted: shuffled labels)", e4,
-                 (f"{e4}.prefix_probe",), figure=lines(study_probe, "length", lambda k: k[0], ["probe"],
-                                                       "Prefix probe accuracy per length", "prefix length l", "validation accuracy",
-                                                       dash=lambda k: "dot" if k[0] == "control" else "solid")),
-        Evidence(f"{e4}-probes", f"Held-out linear prefix probes at {CLAIM_SITE} (pool and OOD sequences; the earlier construction)", e4,
-                 (f"{e4}.prefix_probe",),
-                 figure=lines(shown, "layer", lambda k: f"{k[1]} ({k[0]})", ["set", "target"], f"Probe score per layer ({CLAIM_SITE})",
-                               "layer", "score", dash=lambda k: "solid" if k[0] == "pool" else "dash")),
-        Evidence(f"{e4}-probe-table", "Prefix probes: score and shuffled-label control per target, layer, site and set", e4,
-                 (f"{e4}.prefix_probe",), table=probes[["seed", "set", "target", "site", "layer", "metric", "score", "control"]]
-                 .assign(gain=probes["score"] - probes["control"])),
+        Evidence(
+            f"{e4}-p0-brackets",
+            f"Residual variance ratio per bracket index and layer ({P0_SITE}; the study's variance.py)",
+            e4,
+            (f"{e4}.P0_failure",),
+            figure=lines(
+                brackets,
+                "bracket",
+                lambda k: f"layer {k[0]}",
+                ["layer"],
+                "Residual variance ratio per bracket",
+                "bracket index j",
+                "1 - R^2",
+            ),
+        ),
+        Evidence(
+            f"{e4}-p0",
+            f"Within-cell share of state variance per layer (P0 fails for {e4.upper()})",
+            e4,
+            (f"{e4}.P0_failure",),
+            figure=lines(
+                p0,
+                "layer",
+                lambda k: f"{k[0]} {k[1]}",
+                ["site", "series"],
+                "Within-cell share per layer",
+                "layer",
+                "within-cell share",
+                dash=lambda k: "dot" if k[0] == "resid_post" else "solid",
+            ),
+        ),
+        Evidence(
+            f"{e4}-prefix-probe",
+            "The study's prefix probe: validation accuracy per prefix length (dotted: shuffled labels)",
+            e4,
+            (f"{e4}.prefix_probe",),
+            figure=lines(
+                study_probe,
+                "length",
+                lambda k: k[0],
+                ["probe"],
+                "Prefix probe accuracy per length",
+                "prefix length l",
+                "validation accuracy",
+                dash=lambda k: "dot" if k[0] == "control" else "solid",
+            ),
+        ),
+        Evidence(
+            f"{e4}-probes",
+            f"Held-out linear prefix probes at {CLAIM_SITE} (pool and OOD sequences; the earlier construction)",
+            e4,
+            (f"{e4}.prefix_probe",),
+            figure=lines(
+                shown,
+                "layer",
+                lambda k: f"{k[1]} ({k[0]})",
+                ["set", "target"],
+                f"Probe score per layer ({CLAIM_SITE})",
+                "layer",
+                "score",
+                dash=lambda k: "solid" if k[0] == "pool" else "dash",
+            ),
+        ),
+        Evidence(
+            f"{e4}-probe-table",
+            "Prefix probes: score and shuffled-label control per target, layer, site and set",
+            e4,
+            (f"{e4}.prefix_probe",),
+            table=probes[["seed", "set", "target", "site", "layer", "metric", "score", "control"]].assign(
+                gain=probes["score"] - probes["control"]
+            ),
+        ),
     ]

@@ -27,14 +27,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.protocol import PrefixProbeSettings as ProbeSettings
 from taskgeom.analysis.reading.states import collect
 from taskgeom.extras.dyck_variance import bracket_masks
 from taskgeom.hooks import Place
 from taskgeom.rng import generator
 from taskgeom.runs.folders import Run
 from taskgeom.tasks.dyck import Dyck
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
-from taskgeom.analysis.protocol import PrefixProbeSettings as ProbeSettings
 
 N_MASKS = PROTOCOL.dyck_probe_masks  # fig_dyck_combined.py: --probe-masks
 PER_MASK = PROTOCOL.dyck_probe_per_mask  # --probe-batch: sequences per (task, mask)
@@ -60,8 +60,16 @@ def prefix_classes(words: torch.Tensor, max_prefix: int = MAX_PREFIX) -> dict[in
     return classes
 
 
-def collect_pool(family: Dyck, model: nn.Module, words: torch.Tensor, masks: torch.Tensor, per_mask: int, layer: int,
-                 gen: torch.Generator, max_prefix: int = MAX_PREFIX) -> Data:
+def collect_pool(
+    family: Dyck,
+    model: nn.Module,
+    words: torch.Tensor,
+    masks: torch.Tensor,
+    per_mask: int,
+    layer: int,
+    gen: torch.Generator,
+    max_prefix: int = MAX_PREFIX,
+) -> Data:
     """The pool: {l: (states [N, D] at (layer, SITE), labels [N])} over every (mask, task) and its
     ``per_mask`` sequences, at the positions where l brackets are placed (the last position left out),
     for the lengths with at least two classes that some mask reaches."""
@@ -75,10 +83,14 @@ def collect_pool(family: Dyck, model: nn.Module, words: torch.Tensor, masks: tor
         count[-1] = -1  # the last position is never read
         positions = {length: (count == length).nonzero().squeeze(1) for length in lengths}
         noise = torch.randint(0, family.n_noise, (K, per_mask, T), generator=gen)
-        read = 1 + max((int(p.max()) for p in positions.values() if p.numel()), default=0)  # the model is causal: the prefix suffices
+        read = 1 + max(
+            (int(p.max()) for p in positions.values() if p.numel()), default=0
+        )  # the model is causal: the prefix suffices
         for tasks in torch.arange(K).split(TASK_CHUNK):
             n = len(tasks) * per_mask
-            tokens = family.plant(words[tasks].repeat_interleave(per_mask, 0), mask.expand(n, -1), noise[tasks].reshape(n, T))
+            tokens = family.plant(
+                words[tasks].repeat_interleave(per_mask, 0), mask.expand(n, -1), noise[tasks].reshape(n, T)
+            )
             h = collect(model, tokens[:, :read], [(layer, SITE)], batch_size=1024)[(layer, SITE)]  # [n, read, D]
             for length in lengths:
                 at = h[:, positions[length]]  # [n, P, D]: task-major, then sequence, then position
@@ -95,8 +107,12 @@ class PrefixProbe(nn.Module):
     def __init__(self, d_model: int, proj_dim: int, n_classes: dict[int, int], hidden: int):
         super().__init__()
         self.proj = nn.Linear(d_model, proj_dim)
-        self.heads = nn.ModuleDict({str(length): nn.Sequential(nn.Linear(proj_dim, hidden), nn.SiLU(), nn.Linear(hidden, n))
-                                    for length, n in n_classes.items()})
+        self.heads = nn.ModuleDict(
+            {
+                str(length): nn.Sequential(nn.Linear(proj_dim, hidden), nn.SiLU(), nn.Linear(hidden, n))
+                for length, n in n_classes.items()
+            }
+        )
 
     def forward(self, h: torch.Tensor, length: int) -> torch.Tensor:
         """[N, classes of length] logits for states h: [N, D]."""
@@ -170,7 +186,9 @@ class ProbeResult:
     reached: int
 
 
-def train_probe(pool: Data, n_classes: dict[int, int], d_model: int, gen: torch.Generator, settings: ProbeSettings = STUDY) -> ProbeResult:
+def train_probe(
+    pool: Data, n_classes: dict[int, int], d_model: int, gen: torch.Generator, settings: ProbeSettings = STUDY
+) -> ProbeResult:
     """The study's ``train_prefix_probe`` on pool (``collect_pool``), after its validation split; the
     probe's initial weights and every draw from ``gen``."""
     s = settings
@@ -181,8 +199,13 @@ def train_probe(pool: Data, n_classes: dict[int, int], d_model: int, gen: torch.
     with torch.random.fork_rng():
         torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
         probe = PrefixProbe(d_model, s.proj_dim, {length: n_classes[length] for length in lengths}, s.mlp_hidden)
-    optimizer = torch.optim.AdamW([{"params": probe.proj.parameters(), "lr": s.lr * s.proj_lr_scale},
-                                   {"params": probe.heads.parameters(), "lr": s.lr}], weight_decay=s.weight_decay)
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": probe.proj.parameters(), "lr": s.lr * s.proj_lr_scale},
+            {"params": probe.heads.parameters(), "lr": s.lr},
+        ],
+        weight_decay=s.weight_decay,
+    )
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=s.epochs, eta_min=s.lr * 0.01)
     active = min(2, len(lengths))
     best_loss, best_epoch, best_state = float("inf"), 0, None
@@ -197,7 +220,7 @@ def train_probe(pool: Data, n_classes: dict[int, int], d_model: int, gen: torch.
             h, y = train[length]
             order = torch.randperm(h.shape[0], generator=gen)
             for start in range(0, h.shape[0], s.mini_batch):
-                index = order[start: start + s.mini_batch]
+                index = order[start : start + s.mini_batch]
                 nn.functional.cross_entropy(probe(h[index], length), y[index]).backward()
         nn.utils.clip_grad_norm_(probe.parameters(), s.max_grad_norm)
         optimizer.step()
@@ -229,17 +252,30 @@ def probe_layer(run: Run) -> int:
     return Place.at_depth(*PROBE_BLOCK, run.config.model.n_layers).layer
 
 
-def study_prefix_probe(run: Run, n_masks: int = N_MASKS, per_mask: int = PER_MASK,
-                       settings: ProbeSettings = STUDY) -> dict[str, ProbeResult]:
+def study_prefix_probe(
+    run: Run, n_masks: int = N_MASKS, per_mask: int = PER_MASK, settings: ProbeSettings = STUDY
+) -> dict[str, ProbeResult]:
     """{"probe": the study's prefix probe on ``run`` (its whole pool), "control": the same on shuffled
     labels}; masks, sequences, splits, draws and initial weights from the run's seed (two streams)."""
     cfg = run.config
     gen = generator(cfg.train.seed, 0, "prefix-probe")
     words = run.pool.params
-    pool = collect_pool(run.family, run.load_model(), words, bracket_masks(run.family, n_masks, cfg.task.seq_len, gen), per_mask,
-                        probe_layer(run), gen)
+    pool = collect_pool(
+        run.family,
+        run.load_model(),
+        words,
+        bracket_masks(run.family, n_masks, cfg.task.seq_len, gen),
+        per_mask,
+        probe_layer(run),
+        gen,
+    )
     n_classes = {length: len(classes) for length, classes in prefix_classes(words).items()}
     results = {}
-    for name, data in (("probe", pool), ("control", shuffled(pool, generator(cfg.train.seed, 0, "prefix-probe-control")))):
-        results[name] = train_probe(data, n_classes, cfg.model.d_model, generator(cfg.train.seed, 0, f"prefix-probe-{name}-train"), settings)
+    for name, data in (
+        ("probe", pool),
+        ("control", shuffled(pool, generator(cfg.train.seed, 0, "prefix-probe-control"))),
+    ):
+        results[name] = train_probe(
+            data, n_classes, cfg.model.d_model, generator(cfg.train.seed, 0, f"prefix-probe-{name}-train"), settings
+        )
     return results

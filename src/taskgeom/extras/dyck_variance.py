@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.analysis.reading.states import collect
 from taskgeom.rng import generator
 from taskgeom.runs.folders import Run
 from taskgeom.tasks.dyck import Dyck
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 N_MASKS = PROTOCOL.dyck_p0_masks  # fig_dyck_combined.py: --n-masks
 PER_MASK = PROTOCOL.dyck_p0_per_mask  # fig_dyck_combined.py: --batch-size, sequences per (task, mask)
@@ -68,8 +68,9 @@ class BracketMoments:
         return (self.squares / self.count - self.means.pow(2).sum(-1)).clamp_min(0.0)
 
 
-def bracket_moments(family: Dyck, model: torch.nn.Module, words: torch.Tensor, masks: torch.Tensor, per_mask: int,
-                    gen: torch.Generator) -> BracketMoments:
+def bracket_moments(
+    family: Dyck, model: torch.nn.Module, words: torch.Tensor, masks: torch.Tensor, per_mask: int, gen: torch.Generator
+) -> BracketMoments:
     """The states' moments over ``per_mask`` sequences per (task, mask) for words: [K, 2n] and
     masks: [M, T] (``bracket_masks``), at every layer's ``SITE``."""
     positions = bracket_positions(masks)
@@ -93,7 +94,7 @@ def prefix_cells(words: torch.Tensor, j: int, prefix_k: int) -> list[list[int]]:
     first appearance."""
     cells: dict[tuple[int, ...], list[int]] = {}
     for k, word in enumerate(words.tolist()):
-        cells.setdefault(tuple(word[max(0, j + 1 - prefix_k): j + 1]), []).append(k)
+        cells.setdefault(tuple(word[max(0, j + 1 - prefix_k) : j + 1]), []).append(k)
     return list(cells.values())
 
 

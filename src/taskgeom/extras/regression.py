@@ -21,10 +21,18 @@ def e2(ctx: Context, study: Study) -> None:
             table = pd.DataFrame(evaluate_run(run))
         ctx.claim(seed, *claims(late_means(table, run.config.task.n_examples), name))
         if seed == ctx.seeds[0]:  # one seed's curves illustrate; the claims read every seed
-            plot_loss_by_position(table, ctx.figure(f"{name}_mse_by_example.png",
-                                  f"{shown}: per-example squared error of the model against dMMSE (pool posterior) and ridge (OOD-optimal), "
-                                  f"k = -1 (seed {seed})", tuple(f"{name}.{claim}" for claim in NAMES)),
-                                  run.family.plot_labels, title=f"{shown} (k = -1, seed {seed})", log_scale=True)
+            plot_loss_by_position(
+                table,
+                ctx.figure(
+                    f"{name}_mse_by_example.png",
+                    f"{shown}: per-example squared error of the model against dMMSE (pool posterior) and ridge (OOD-optimal), "
+                    f"k = -1 (seed {seed})",
+                    tuple(f"{name}.{claim}" for claim in NAMES),
+                ),
+                run.family.plot_labels,
+                title=f"{shown} (k = -1, seed {seed})",
+                log_scale=True,
+            )
 
 
 e2.runs = lambda ctx, study: ctx.plans(study.name, ("task.diversity=-1",))  # for the schedule

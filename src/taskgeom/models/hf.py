@@ -48,8 +48,12 @@ class Layout:
 
 
 LAYOUTS = {
-    "gpt2": Layout("h", "ln_f", "attn", "mlp", "ln_1", lambda c: c.n_inner or 4 * c.hidden_size, learned_positions="wpe"),
-    "llama": Layout("layers", "norm", "self_attn", "mlp", "input_layernorm", lambda c: c.intermediate_size, rotary="rotary_emb"),
+    "gpt2": Layout(
+        "h", "ln_f", "attn", "mlp", "ln_1", lambda c: c.n_inner or 4 * c.hidden_size, learned_positions="wpe"
+    ),
+    "llama": Layout(
+        "layers", "norm", "self_attn", "mlp", "input_layernorm", lambda c: c.intermediate_size, rotary="rotary_emb"
+    ),
 }
 SUPPORTED = tuple(LAYOUTS)
 
@@ -57,7 +61,9 @@ SUPPORTED = tuple(LAYOUTS)
 def layout(model_type: str | None) -> Layout:
     """The layout of a supported ``config.model_type``; TaskgeomError naming the supported ones."""
     if model_type not in LAYOUTS:
-        raise TaskgeomError(f"model type {model_type!r} is not supported; taskgeom analyses the Hugging Face architectures {list(SUPPORTED)}")
+        raise TaskgeomError(
+            f"model type {model_type!r} is not supported; taskgeom analyses the Hugging Face architectures {list(SUPPORTED)}"
+        )
     return LAYOUTS[model_type]
 
 
@@ -109,7 +115,9 @@ class DecoderBlock(nn.Module):
             setattr(self, site, HookPoint())
         object.__setattr__(self, "layer", layer)
         object.__setattr__(self, "rotary", rotary)
-        object.__setattr__(self, "ln_attn", getattr(layer, parts.input_norm))  # the norm reading the block's input, as the transformer's
+        object.__setattr__(
+            self, "ln_attn", getattr(layer, parts.input_norm)
+        )  # the norm reading the block's input, as the transformer's
         self.stream: torch.Tensor | None = None  # resid_pre [B, T, D] while the layer runs under forward
         getattr(layer, parts.attention).register_forward_hook(self._attention)
         getattr(layer, parts.mlp).register_forward_hook(_through(self.mlp_out))
@@ -157,13 +165,21 @@ class HFCausalLM(ResidualModel):
         self.parts = layout(getattr(config, "model_type", None))
         attention = getattr(config, "_attn_implementation", None) or "eager"
         if attention not in ATTENTION_IMPLEMENTATIONS:
-            raise TaskgeomError(f"attention implementation {attention!r} is not supported; load the model with "
-                                f"attn_implementation one of {list(ATTENTION_IMPLEMENTATIONS)}")
+            raise TaskgeomError(
+                f"attention implementation {attention!r} is not supported; load the model with "
+                f"attn_implementation one of {list(ATTENTION_IMPLEMENTATIONS)}"
+            )
         self.hf, self.n_out = model, n_out
-        self.model_type, self.vocab_size, self.max_len = config.model_type, config.vocab_size, config.max_position_embeddings
+        self.model_type, self.vocab_size, self.max_len = (
+            config.model_type,
+            config.vocab_size,
+            config.max_position_embeddings,
+        )
         base = model.base_model
         rotary = getattr(base, self.parts.rotary) if self.parts.rotary else None
-        self.blocks = nn.ModuleList(DecoderBlock(layer, self.parts, rotary) for layer in getattr(base, self.parts.layers))
+        self.blocks = nn.ModuleList(
+            DecoderBlock(layer, self.parts, rotary) for layer in getattr(base, self.parts.layers)
+        )
 
     def embed_inputs(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [B, T] long -> resid_pre of layer 0: [B, T, D] (token, plus learned position, embeddings)."""
@@ -187,12 +203,29 @@ def hf_config(cfg: ModelConfig, vocab_size: int):
     transformers = require_transformers()
     common = {"vocab_size": vocab_size, "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None}
     if cfg.arch == "gpt2":
-        return transformers.GPT2Config(n_positions=cfg.max_len, n_embd=cfg.d_model, n_layer=cfg.n_layers, n_head=cfg.n_heads,
-                                       n_inner=cfg.d_mlp, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        return transformers.GPT2Config(
+            n_positions=cfg.max_len,
+            n_embd=cfg.d_model,
+            n_layer=cfg.n_layers,
+            n_head=cfg.n_heads,
+            n_inner=cfg.d_mlp,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **common,
+        )
     if cfg.arch == "llama":
-        return transformers.LlamaConfig(hidden_size=cfg.d_model, intermediate_size=cfg.d_mlp, num_hidden_layers=cfg.n_layers,
-                                        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
-                                        max_position_embeddings=cfg.max_len, attention_dropout=0.0, pad_token_id=None, **common)
+        return transformers.LlamaConfig(
+            hidden_size=cfg.d_model,
+            intermediate_size=cfg.d_mlp,
+            num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.n_heads,
+            max_position_embeddings=cfg.max_len,
+            attention_dropout=0.0,
+            pad_token_id=None,
+            **common,
+        )
     raise ConfigError(f"model.arch {cfg.arch!r} is not a Hugging Face architecture; choose one of {list(SUPPORTED)}")
 
 
@@ -204,6 +237,12 @@ def build(cfg: ModelConfig, vocab_size: int) -> HFCausalLM:
 def model_config(config) -> ModelConfig:
     """The ModelConfig describing a supported HF config (sizes, positions, arch)."""
     parts = layout(getattr(config, "model_type", None))
-    return ModelConfig(n_layers=config.num_hidden_layers, d_model=config.hidden_size, n_heads=config.num_attention_heads,
-                       d_mlp=parts.d_mlp(config), positions="rotary" if parts.rotary else "learned",
-                       max_len=config.max_position_embeddings, arch=config.model_type)
+    return ModelConfig(
+        n_layers=config.num_hidden_layers,
+        d_model=config.hidden_size,
+        n_heads=config.num_attention_heads,
+        d_mlp=parts.d_mlp(config),
+        positions="rotary" if parts.rotary else "learned",
+        max_len=config.max_position_embeddings,
+        arch=config.model_type,
+    )

@@ -24,11 +24,15 @@ def save_pretrained(source: Run | HFCausalLM, out: Path | str) -> Path:
     ``out`` must be new or empty, so nothing already written (a run directory, say) is replaced."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise TaskgeomError(f"{out} already exists and is not an empty folder; choose a new folder for the Hugging Face model")
+        raise TaskgeomError(
+            f"{out} already exists and is not an empty folder; choose a new folder for the Hugging Face model"
+        )
     model = source.load_model() if isinstance(source, Run) else source
     if not isinstance(model, HFCausalLM):
-        raise TaskgeomError(f"only models of model.arch {list(SUPPORTED)} are Hugging Face models; this one is taskgeom's own "
-                            "(train with --set model.arch=gpt2 to get one)")
+        raise TaskgeomError(
+            f"only models of model.arch {list(SUPPORTED)} are Hugging Face models; this one is taskgeom's own "
+            "(train with --set model.arch=gpt2 to get one)"
+        )
     model.hf.save_pretrained(str(out))
     return out
 
@@ -55,8 +59,13 @@ class PretrainedRun(Run):
         return HFCausalLM(model, n_out=self.family.vocab_size).eval()
 
 
-def open_pretrained(source: Path | str, recipe: str | None, profile: str = DEFAULT_PROFILE, overrides: list[str] = (),
-                    out: Path | str | None = None) -> PretrainedRun:
+def open_pretrained(
+    source: Path | str,
+    recipe: str | None,
+    profile: str = DEFAULT_PROFILE,
+    overrides: list[str] = (),
+    out: Path | str | None = None,
+) -> PretrainedRun:
     """The HF model directory ``source`` with the task of ``recipe`` (profile, dotted overrides; its
     model section is replaced by the directory's); analysis output goes to ``out`` (default
     ``source/taskgeom``). TaskgeomError when the directory, its architecture or its sizes do not fit."""
@@ -64,9 +73,13 @@ def open_pretrained(source: Path | str, recipe: str | None, profile: str = DEFAU
     if (source / "run.json").is_file():
         raise RunDirError(f"{source} is a taskgeom run directory: analyse it without --recipe")
     if not (source / "config.json").is_file():
-        raise RunDirError(f"{source} is neither a taskgeom run directory nor a Hugging Face model directory (no config.json)")
+        raise RunDirError(
+            f"{source} is neither a taskgeom run directory nor a Hugging Face model directory (no config.json)"
+        )
     if recipe is None:
-        raise TaskgeomError(f"{source} is a Hugging Face model directory: name the recipe of the task it was trained on with --recipe")
+        raise TaskgeomError(
+            f"{source} is a Hugging Face model directory: name the recipe of the task it was trained on with --recipe"
+        )
     transformers = require_transformers()
     try:
         hf = transformers.AutoConfig.from_pretrained(str(source))
@@ -75,10 +88,18 @@ def open_pretrained(source: Path | str, recipe: str | None, profile: str = DEFAU
     model = model_config(hf)
     config = load_recipe(recipe, profile, list(overrides))
     if not family_class(config.task.family).reads_tokens:
-        raise ConfigError(f"a Hugging Face causal LM reads tokens, but the recipe's family {config.task.family!r} feeds vectors")
+        raise ConfigError(
+            f"a Hugging Face causal LM reads tokens, but the recipe's family {config.task.family!r} feeds vectors"
+        )
     if config.task.seq_len > model.max_len:
-        raise ConfigError(f"the task's sequences have {config.task.seq_len} positions; the model at {source} has {model.max_len}")
-    run = PretrainedRun(source, config.model_copy(update={"model": model}), Path(out) if out is not None else source / "taskgeom")
+        raise ConfigError(
+            f"the task's sequences have {config.task.seq_len} positions; the model at {source} has {model.max_len}"
+        )
+    run = PretrainedRun(
+        source, config.model_copy(update={"model": model}), Path(out) if out is not None else source / "taskgeom"
+    )
     if run.family.vocab_size > hf.vocab_size:
-        raise ConfigError(f"the task has {run.family.vocab_size} tokens; the model at {source} has a vocabulary of {hf.vocab_size}")
+        raise ConfigError(
+            f"the task has {run.family.vocab_size} tokens; the model at {source} has a vocabulary of {hf.vocab_size}"
+        )
     return run

@@ -60,8 +60,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D], causal."""
         B, T, D = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)  # [3, B, H, T, head_dim]
-        qk, v = qkv.split([2, 1])  # split and unbind, not indexing: their gradients are joined without zero-filled copies
+        qkv = (
+            self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        )  # [3, B, H, T, head_dim]
+        qk, v = qkv.split(
+            [2, 1]
+        )  # split and unbind, not indexing: their gradients are joined without zero-filled copies
         if self.rotary is not None:
             qk = self.rotary(qk)  # queries and keys in one pass
         q, k = qk.unbind()
@@ -75,7 +79,9 @@ class Block(nn.Module):
         self.ln_attn = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.ln_mlp = nn.LayerNorm(cfg.d_model)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_mlp), ACTIVATIONS[cfg.activation](), nn.Linear(cfg.d_mlp, cfg.d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, cfg.d_mlp), ACTIVATIONS[cfg.activation](), nn.Linear(cfg.d_mlp, cfg.d_model)
+        )
         for site in SITES:
             setattr(self, site, HookPoint())
 
@@ -99,7 +105,9 @@ class ResidualModel(nn.Module):
     ``readout(h [..., D]) -> logits``; subclasses provide those three."""
 
     sites: tuple[str, ...] = SITES
-    mid_sites: tuple[str, ...] = ()  # the sites at or after resid_mid, where the blocks have ``from_mid`` (none by default)
+    mid_sites: tuple[
+        str, ...
+    ] = ()  # the sites at or after resid_mid, where the blocks have ``from_mid`` (none by default)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.forward_from(0, self.embed_inputs(tokens))
@@ -132,7 +140,9 @@ class Transformer(ResidualModel):
 
     mid_sites = ("resid_mid", "mlp_out", "resid_post")
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int | None = None, n_out: int | None = None, d_in: int | None = None):
+    def __init__(
+        self, cfg: ModelConfig, vocab_size: int | None = None, n_out: int | None = None, d_in: int | None = None
+    ):
         super().__init__()
         if (vocab_size is None) == (d_in is None):
             raise ValueError("give exactly one of vocab_size (token inputs) and d_in (vector inputs)")
@@ -170,4 +180,3 @@ class Transformer(ResidualModel):
     def readout(self, h: torch.Tensor) -> torch.Tensor:
         """Final residual state [..., D] -> logits [..., n_out] (final norm, when the model has one, + unembedding)."""
         return self.unembed(self.ln_final(h))
-

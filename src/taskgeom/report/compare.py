@@ -9,7 +9,17 @@ from pathlib import Path
 from taskgeom.report.manifest import read_json, read_manifest
 from taskgeom.report.markdown import number
 
-MACHINE_KEYS = ("cpu", "cpu_capability", "torch", "mkl", "onednn", "cores", "torch_threads", "kernels", "kernel_environment")
+MACHINE_KEYS = (
+    "cpu",
+    "cpu_capability",
+    "torch",
+    "mkl",
+    "onednn",
+    "cores",
+    "torch_threads",
+    "kernels",
+    "kernel_environment",
+)
 
 
 def _claims(out: Path) -> dict[str, dict]:
@@ -36,13 +46,23 @@ def claim_differences(a: dict[str, dict], b: dict[str, dict]) -> list[dict]:
             why = "measured in one only"
         else:
             continue
-        rows.append({"id": claim_id, "status_a": x["status"], "status_b": y["status"], "median_a": ma, "median_b": mb,
-                     "spread": spread, "why": why})
+        rows.append(
+            {
+                "id": claim_id,
+                "status_a": x["status"],
+                "status_b": y["status"],
+                "median_a": ma,
+                "median_b": mb,
+                "spread": spread,
+                "why": why,
+            }
+        )
     return rows
 
 
 def identical_claims(a: dict[str, dict], b: dict[str, dict]) -> list[str]:
     """The claims of both whose verdict and every seed's value are exactly equal (the same bits)."""
+
     def values(claim: dict) -> list:
         return [(row.get("seed"), row.get("value")) for row in claim.get("seeds") or []]
 
@@ -60,21 +80,34 @@ def model_differences(a: dict, b: dict) -> tuple[list[str], list[str]]:
 def compare_results(a: Path, b: Path) -> tuple[str, bool]:
     """The comparison as text, and whether some claim's verdict differs."""
     manifest_a, manifest_b = read_manifest(a), read_manifest(b)
-    lines = [f"A: {a}  (profile {manifest_a['profile']}, seeds {manifest_a['seeds']})",
-             f"B: {b}  (profile {manifest_b['profile']}, seeds {manifest_b['seeds']})", "", "machine:"]
+    lines = [
+        f"A: {a}  (profile {manifest_a['profile']}, seeds {manifest_a['seeds']})",
+        f"B: {b}  (profile {manifest_b['profile']}, seeds {manifest_b['seeds']})",
+        "",
+        "machine:",
+    ]
     for key in MACHINE_KEYS:
         va, vb = manifest_a["machine"].get(key), manifest_b["machine"].get(key)
         lines.append(f"  {key:<20} {va!s:<40} {'=' if va == vb else '!='} {vb!s}")
     equal, differ = model_differences(manifest_a, manifest_b)
     only = len(set(manifest_a.get("models") or {}) ^ set(manifest_b.get("models") or {}))
-    lines += ["", f"runs in both: {len(equal) + len(differ)} ({len(equal)} bitwise equal, {len(differ)} differ); in one only: {only}"]
+    lines += [
+        "",
+        f"runs in both: {len(equal) + len(differ)} ({len(equal)} bitwise equal, {len(differ)} differ); in one only: {only}",
+    ]
     lines += [f"  differs: {name}" for name in differ]
     claims_a, claims_b = _claims(a), _claims(b)
     rows = claim_differences(claims_a, claims_b)
     shared = len([i for i in claims_a if i in claims_b])
-    lines += ["", f"claims in both: {shared} ({len(identical_claims(claims_a, claims_b))} with the same verdict and every seed's value "
-              f"exactly equal)", f"claims that differ: {len(rows)}"]
+    lines += [
+        "",
+        f"claims in both: {shared} ({len(identical_claims(claims_a, claims_b))} with the same verdict and every seed's value "
+        f"exactly equal)",
+        f"claims that differ: {len(rows)}",
+    ]
     for r in rows:
-        lines.append(f"  {r['id']:<34} {r['status_a']:>8} -> {r['status_b']:<8} median {number(r['median_a'])} -> "
-                     f"{number(r['median_b'])} (spread {number(r['spread'])}; {r['why']})")
+        lines.append(
+            f"  {r['id']:<34} {r['status_a']:>8} -> {r['status_b']:<8} median {number(r['median_a'])} -> "
+            f"{number(r['median_b'])} (spread {number(r['spread'])}; {r['why']})"
+        )
     return "\n".join(lines) + "\n", any(r["why"] == "verdict" for r in rows)

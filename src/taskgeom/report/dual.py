@@ -47,15 +47,24 @@ def plot_projection_r2(rows: pd.DataFrame, path: Path) -> None:
     averaged over seeds), the linear-code reference (dashed) and the ``per-sequence-r2`` variant (dotted)."""
     fig, ax = plt.subplots(figsize=(5.6, 3.8))
     for i, (recipe, group) in enumerate(rows.groupby("recipe")):
-        for metric, style, what in (("projection_r2", "o-", "Fig. 4 (claims)"), ("projection_r2_reference", "s--", "linear-code reference"),
-                                    ("projection_r2_per_sequence", ":", "per-sequence-r2 variant")):
+        for metric, style, what in (
+            ("projection_r2", "o-", "Fig. 4 (claims)"),
+            ("projection_r2_reference", "s--", "linear-code reference"),
+            ("projection_r2_per_sequence", ":", "per-sequence-r2 variant"),
+        ):
             table = _per_k(group, metric)
             ax.plot(table["diversity"], table["value"], style, color=f"C{i}", label=f"{recipe.upper()} {what}")
             if metric == "projection_r2":
                 ax.fill_between(table["diversity"], table["low"], table["high"], color=f"C{i}", alpha=0.2)
     ax.set_ylim(0, 1)
-    _finish(fig, ax, path, "task diversity k (2^k minor tasks; -1: majors only)", "projection R$^2$ of OOD task means",
-            "OOD states leave the task subspace as diversity grows")
+    _finish(
+        fig,
+        ax,
+        path,
+        "task diversity k (2^k minor tasks; -1: majors only)",
+        "projection R$^2$ of OOD task means",
+        "OOD states leave the task subspace as diversity grows",
+    )
 
 
 SHARE_FIELDS = ["gain", "unreliable", "reason"]  # what a share of in-context gain carries (``shares.Share``)
@@ -68,8 +77,11 @@ def rank_curve(rows: pd.DataFrame) -> pd.DataFrame:
     pick = rows[rows["metric"].str.startswith("gain_removed_ablate_V_rank") & rows["step"].isna()]
     rank = pick["metric"].str.removeprefix("gain_removed_ablate_V_rank").astype(int)
     pick = pick.assign(rank=rank, **{field: pick[field] if field in pick else None for field in SHARE_FIELDS})
-    return pick[["recipe", "diversity", "seed", "layer", "site", "rank", "value", *SHARE_FIELDS]].sort_values(
-        ["recipe", "diversity", "seed", "rank"]).reset_index(drop=True)
+    return (
+        pick[["recipe", "diversity", "seed", "layer", "site", "rank", "value", *SHARE_FIELDS]]
+        .sort_values(["recipe", "diversity", "seed", "rank"])
+        .reset_index(drop=True)
+    )
 
 
 def plot_rank_curve(curve: pd.DataFrame, path: Path) -> None:
@@ -83,14 +95,29 @@ def plot_rank_curve(curve: pd.DataFrame, path: Path) -> None:
         mean, unreliable = by_rank["value"].mean(), by_rank["unreliable"].agg(_any_unreliable)
         ax.plot(mean.index, mean.values, "-", color=f"C{i}", label=f"{recipe.upper()} k = {k}")
         for flag, face in ((False, f"C{i}"), (True, "white")):
-            ax.plot(mean.index[unreliable == flag], mean.values[unreliable == flag], "o", color=f"C{i}", markerfacecolor=face)
+            ax.plot(
+                mean.index[unreliable == flag],
+                mean.values[unreliable == flag],
+                "o",
+                color=f"C{i}",
+                markerfacecolor=face,
+            )
     ax.axhline(50, color="0.5", ls=":", lw=1)
-    _finish(fig, ax, path, "rank r of the ablated orthogonal subspace V", "% of OOD in-context gain removed,\nmean over blocks (open: gain unreliable)",
-            "How many directions the OOD mode needs")
+    _finish(
+        fig,
+        ax,
+        path,
+        "rank r of the ablated orthogonal subspace V",
+        "% of OOD in-context gain removed,\nmean over blocks (open: gain unreliable)",
+        "How many directions the OOD mode needs",
+    )
 
 
-DISSOCIATION = (("gain_removed_ablate_S", "ablate task subspace S"), ("gain_removed_ablate_V", "ablate orthogonal V"),
-                ("gain_removed_random", "random control (75th percentile of 5 draws)"))
+DISSOCIATION = (
+    ("gain_removed_ablate_S", "ablate task subspace S"),
+    ("gain_removed_ablate_V", "ablate orthogonal V"),
+    ("gain_removed_random", "random control (75th percentile of 5 draws)"),
+)
 
 
 def plot_dissociation(rows: pd.DataFrame, path: Path, title: str) -> None:
@@ -100,18 +127,33 @@ def plot_dissociation(rows: pd.DataFrame, path: Path, title: str) -> None:
     hatched where the gain is unreliable (below ``MIN_RELIABLE_GAIN``), marked "gain ≤ 0" where
     there is no gain to remove."""
     rows = rows[rows["step"].isna()] if "step" in rows else rows
-    sets = [s for s in ("major", "minor", "ood") if ((rows["set"] == s) & (rows["metric"] == "gain_removed_ablate_S")).any()]
-    blocks = sorted(int(layer) for layer in rows.loc[rows["metric"] == "gain_removed_ablate_S", "layer"].dropna().unique())
+    sets = [
+        s for s in ("major", "minor", "ood") if ((rows["set"] == s) & (rows["metric"] == "gain_removed_ablate_S")).any()
+    ]
+    blocks = sorted(
+        int(layer) for layer in rows.loc[rows["metric"] == "gain_removed_ablate_S", "layer"].dropna().unique()
+    )
     groups = [*blocks, None]  # None: the summary over blocks (the mean; the control's largest)
     labels = [f"block {b}" for b in blocks]
-    gain = {s: rows[(rows["metric"] == "loss_first") & (rows["set"] == s)]["value"].mean()
-            - rows[(rows["metric"] == "loss") & (rows["set"] == s)]["value"].mean() for s in sets}
-    fig, axes = plt.subplots(1, len(DISSOCIATION), figsize=(3.2 * len(DISSOCIATION) + 0.4 * len(groups), 3.6), sharey=True)
+    gain = {
+        s: rows[(rows["metric"] == "loss_first") & (rows["set"] == s)]["value"].mean()
+        - rows[(rows["metric"] == "loss") & (rows["set"] == s)]["value"].mean()
+        for s in sets
+    }
+    fig, axes = plt.subplots(
+        1, len(DISSOCIATION), figsize=(3.2 * len(DISSOCIATION) + 0.4 * len(groups), 3.6), sharey=True
+    )
     width = 0.8 / max(len(sets), 1)
     for ax, (metric, label) in zip(axes, DISSOCIATION):
         for j, s in enumerate(sets):
-            picked = [rows[(rows["metric"] == metric) & (rows["set"] == s)
-                           & (rows["layer"].isna() if g is None else rows["layer"] == g)] for g in groups]
+            picked = [
+                rows[
+                    (rows["metric"] == metric)
+                    & (rows["set"] == s)
+                    & (rows["layer"].isna() if g is None else rows["layer"] == g)
+                ]
+                for g in groups
+            ]
             values = np.array([pick["value"].astype(float).mean() for pick in picked])
             shaky = [_any_unreliable(pick["unreliable"]) if "unreliable" in pick else False for pick in picked]
             x = np.arange(len(groups)) + (j - (len(sets) - 1) / 2) * width
@@ -124,7 +166,9 @@ def plot_dissociation(rows: pd.DataFrame, path: Path, title: str) -> None:
                 if np.isnan(value):
                     ax.text(xi, 0, "gain ≤ 0", rotation=90, ha="center", va="bottom", fontsize=7)
         ax.axhline(0, color="k", lw=0.8)
-        ax.set_xticks(np.arange(len(groups)), [*labels, "max" if metric == "gain_removed_random" else "mean"], fontsize=8)
+        ax.set_xticks(
+            np.arange(len(groups)), [*labels, "max" if metric == "gain_removed_random" else "mean"], fontsize=8
+        )
         ax.set_title(label, fontsize=9)
         ax.grid(alpha=0.3, axis="y")
     axes[0].set_ylabel("in-context gain removed (%)\n(clipped to [-20, 150])")
@@ -144,7 +188,9 @@ def plot_transition(transition: pd.DataFrame, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(recipes), figsize=(4.8 * len(recipes), 3.6), squeeze=False)
     for ax, recipe in zip(axes[0], recipes):
-        grid = transition[transition["recipe"] == recipe].pivot_table(index="diversity", columns="step", values="log_ratio")
+        grid = transition[transition["recipe"] == recipe].pivot_table(
+            index="diversity", columns="step", values="log_ratio"
+        )
         limit = max(1e-3, float(np.nanmax(np.abs(grid.values))))
         image = ax.imshow(grid.values, aspect="auto", cmap="RdBu_r", vmin=-limit, vmax=limit, origin="lower")
         ax.set_xticks(range(len(grid.columns)), [str(int(s)) for s in grid.columns], rotation=45, fontsize=7)
@@ -171,7 +217,11 @@ def plot_projection_r2_steps(rows: pd.DataFrame, path: Path) -> None:
         mine = rows[rows["recipe"] == recipe]
         for i, (k, group) in enumerate(steps[steps["recipe"] == recipe].groupby("diversity")):
             band = group["band"].map(lambda b: b if isinstance(b, (list, tuple)) else [np.nan, np.nan])
-            by_step = group.assign(low=band.map(lambda b: b[0]), high=band.map(lambda b: b[1])).groupby("step")[["value", "low", "high"]].mean()
+            by_step = (
+                group.assign(low=band.map(lambda b: b[0]), high=band.map(lambda b: b[1]))
+                .groupby("step")[["value", "low", "high"]]
+                .mean()
+            )
             ax.fill_between(by_step.index, by_step["low"], by_step["high"], color=f"C{i}", alpha=0.2, linewidth=0)
             ax.plot(by_step.index, by_step["value"], "o-", ms=3, color=f"C{i}", label=f"k = {k}")
             reference = _per_k(mine[mine["diversity"] == k], "projection_r2_reference")["value"]
@@ -192,9 +242,19 @@ def plot_theorem2(rows: pd.DataFrame, path: Path) -> None:
     """Distance of OOD states from mu_t + S beside the Lipschitz bound (c - delta) / L, against k."""
     fig, ax = plt.subplots(figsize=(5.2, 3.6))
     for i, (recipe, group) in enumerate(rows.groupby("recipe")):
-        for metric, style, label in (("theorem2_distance", "o-", "distance from S"), ("theorem2_bound", "s--", "(c - delta) / L")):
+        for metric, style, label in (
+            ("theorem2_distance", "o-", "distance from S"),
+            ("theorem2_bound", "s--", "(c - delta) / L"),
+        ):
             table = _per_k(group, metric)
             ax.plot(table["diversity"], table["value"], style, color=f"C{i}", label=f"{recipe.upper()}: {label}")
             ax.fill_between(table["diversity"], table["low"], table["high"], color=f"C{i}", alpha=0.15)
-    _finish(fig, ax, path, "task diversity k", "last-layer distance (median, IQR)", "Theorem 2: measured distance and its lower bound",
-            legend_size=7)
+    _finish(
+        fig,
+        ax,
+        path,
+        "task diversity k",
+        "last-layer distance (median, IQR)",
+        "Theorem 2: measured distance and its lower bound",
+        legend_size=7,
+    )

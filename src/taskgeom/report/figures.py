@@ -18,14 +18,20 @@ def save(fig: plt.Figure, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_loss_by_position(table: pd.DataFrame, path: Path, labels: tuple[str, str, str, str], title: str = "", log_scale: bool = False) -> None:
+def plot_loss_by_position(
+    table: pd.DataFrame, path: Path, labels: tuple[str, str, str, str], title: str = "", log_scale: bool = False
+) -> None:
     """One panel per evaluation set: per-position loss of the model and the two Bayes predictors.
 
     table: tidy rows {set, position, metric, value} from ``evaluate_run``; labels: the family's
     ``plot_labels`` (ID-Bayes name, OOD-optimal name, loss unit, position axis).
     """
     id_name, ood_name, unit, axis = labels
-    lines = {"loss": ("model", "C0", "-"), "bayes_id_loss": (id_name, "C1", "--"), "bayes_ood_loss": (ood_name, "C2", ":")}
+    lines = {
+        "loss": ("model", "C0", "-"),
+        "bayes_id_loss": (id_name, "C1", "--"),
+        "bayes_ood_loss": (ood_name, "C2", ":"),
+    }
     sets = list(dict.fromkeys(table["set"]))
     fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.4), sharey=not log_scale, squeeze=False)
     for ax, name in zip(axes[0], sets):

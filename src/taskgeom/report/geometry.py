@@ -20,8 +20,15 @@ from taskgeom.report.figures import save  # noqa: E402
 _CORNERS = np.array([[0.0, 0.0], [1.0, 0.0], [0.5, math.sqrt(3) / 2]])  # the 2-simplex drawn flat
 
 
-def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: torch.Tensor, table: pd.DataFrame, path: Path,
-                              title: str = "", per_task: int = 2) -> None:
+def plot_simplex_trajectories(
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    task: torch.Tensor,
+    table: pd.DataFrame,
+    path: Path,
+    title: str = "",
+    per_task: int = 2,
+) -> None:
     """Left (K = 3 only): alpha_t (dashed) and beta_t (solid) over t for the ``per_task`` sequences of
     each task whose posterior is least certain (mean entropy over the first quarter), drawn in the
     2-simplex. Right: what P3 reads, the TV between the per-task mean beta_t and mean alpha_t
@@ -34,7 +41,14 @@ def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: tor
     if K == 3:
         ax.fill(*_CORNERS.T, color="0.95", edgecolor="0.4")
         for k in range(K):
-            ax.annotate(f"task {k}", _CORNERS[k], textcoords="offset points", xytext=(0, -12 if k < 2 else 5), ha="center", fontsize=9)
+            ax.annotate(
+                f"task {k}",
+                _CORNERS[k],
+                textcoords="offset points",
+                xytext=(0, -12 if k < 2 else 5),
+                ha="center",
+                fontsize=9,
+            )
             for n in _most_uncertain(alpha, task == k, per_task):
                 a, b = alpha[n].double().numpy() @ _CORNERS, beta[n].double().numpy() @ _CORNERS
                 ax.plot(*a.T, "--", color=f"C{k}", lw=1, alpha=0.8)
@@ -52,16 +66,31 @@ def plot_simplex_trajectories(alpha: torch.Tensor, beta: torch.Tensor, task: tor
     ax = axes[1]
     floor = 1e-4
     for metric, color, label in (("p3.tv", "C0", "total variation"), ("p3.kl", "C3", "KL(alpha || beta)")):
-        rows = table[(table["metric"] == metric) & table["position"].notna() & table["task"].isna()].sort_values("position")
+        rows = table[(table["metric"] == metric) & table["position"].notna() & table["task"].isna()].sort_values(
+            "position"
+        )
         low, high = (np.maximum(np.array(b), floor) for b in zip(*rows["band"]))
         ax.plot(rows["position"], np.maximum(rows["value"], floor), color=color, label=f"{label} (median)")
         ax.fill_between(rows["position"], low, high, color=color, alpha=0.2, lw=0)
-    mean = table[(table["metric"] == "p3.tv_mean_beta") & table["position"].notna() & table["task"].isna()].sort_values("position")
-    ax.plot(mean["position"], np.maximum(mean["value"], floor), color="0.4", lw=1.2, label="TV of the task-mean curves (p3-late-window)")
+    mean = table[(table["metric"] == "p3.tv_mean_beta") & table["position"].notna() & table["task"].isna()].sort_values(
+        "position"
+    )
+    ax.plot(
+        mean["position"],
+        np.maximum(mean["value"], floor),
+        color="0.4",
+        lw=1.2,
+        label="TV of the task-mean curves (p3-late-window)",
+    )
     trajectory = table[(table["metric"] == "p3.tv_trajectory") & table["position"].notna()].sort_values("position")
     if len(trajectory):
-        ax.plot(trajectory["position"], np.maximum(trajectory["value"], floor), color="k", lw=1.8,
-                label="TV of task 0's mean curve, the study's trajectory (P3)")
+        ax.plot(
+            trajectory["position"],
+            np.maximum(trajectory["value"], floor),
+            color="k",
+            lw=1.8,
+            label="TV of task 0's mean curve, the study's trajectory (P3)",
+        )
     ax.set_yscale("log")
     ax.set_xlabel("context position t")
     ax.set_ylabel(f"distance between beta_t and alpha_t (floor {floor:g})")
@@ -83,10 +112,18 @@ def _most_uncertain(alpha: torch.Tensor, chosen: torch.Tensor, count: int) -> li
     return order.tolist()
 
 
-_LAYER_METRICS = (("p0.cell_r2", "P0 cell-means R^2", "C0"), ("p1.additive_share", "P1 additive share", "C1"),
-                  ("p2.r2_additive", "P2 r2_additive", "C2"), ("p2.r2_additive_random", "P2 r2_additive, random subspace", "0.5"))
-_FORCED = {"p0.cell_r2": "p0.cell_r2_forced", "p1.additive_share": "p1.additive_share_forced",
-           "p2.r2_additive": "p2.r2_additive_forced", "p2.r2_additive_random": "p2.r2_additive_forced_random"}
+_LAYER_METRICS = (
+    ("p0.cell_r2", "P0 cell-means R^2", "C0"),
+    ("p1.additive_share", "P1 additive share", "C1"),
+    ("p2.r2_additive", "P2 r2_additive", "C2"),
+    ("p2.r2_additive_random", "P2 r2_additive, random subspace", "0.5"),
+)
+_FORCED = {
+    "p0.cell_r2": "p0.cell_r2_forced",
+    "p1.additive_share": "p1.additive_share_forced",
+    "p2.r2_additive": "p2.r2_additive_forced",
+    "p2.r2_additive_random": "p2.r2_additive_forced_random",
+}
 
 
 def claimed_by_layer(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
@@ -95,7 +132,9 @@ def claimed_by_layer(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     rows = table[table["position"].isna()]
     forced = rows[(rows["batch"] == "cells") & rows["metric"].isin(_FORCED.values())]
     if len(forced):
-        return forced.assign(metric=forced["metric"].map({v: k for k, v in _FORCED.items()})), "the study's forced-token cells"
+        return forced.assign(
+            metric=forced["metric"].map({v: k for k, v in _FORCED.items()})
+        ), "the study's forced-token cells"
     return rows[(rows["batch"] == "measure") & rows["metric"].isin(_FORCED)], "natural states"
 
 
@@ -142,9 +181,13 @@ def plot_steering(steering: Steering, path: Path, title: str = "") -> None:
     (unsteered, steered, mode task, random direction: ``Steering.mean``, what the claim reads)
     written below. For K != 3, bars of the four means."""
     means = {kind: steering.mean(kind) for kind in KINDS}
-    written = (f"mean {steering.label} over {steering.n_points} target points, positions {steering.positions[0]}-{steering.positions[-1]}: "
-               + ", ".join(f"{kind} {value:.3g}" for kind, value in zip(("unsteered", "steered", "mode task", "random direction"),
-                                                                     means.values())))
+    written = (
+        f"mean {steering.label} over {steering.n_points} target points, positions {steering.positions[0]}-{steering.positions[-1]}: "
+        + ", ".join(
+            f"{kind} {value:.3g}"
+            for kind, value in zip(("unsteered", "steered", "mode task", "random direction"), means.values())
+        )
+    )
     K = steering.a.shape[1]
     if K == 3:
         xy = steering.a.double().numpy() @ _CORNERS
@@ -152,19 +195,41 @@ def plot_steering(steering: Steering, path: Path, title: str = "") -> None:
         top = float(np.quantile(np.concatenate([v.double().numpy() for _, v in panels]), 0.95)) or 1.0
         fig, axes = plt.subplots(1, 2, figsize=(10, 5.2))
         for ax, (name, values) in zip(axes, panels):
-            cells = ax.hexbin(xy[:, 0], xy[:, 1], C=values.double().numpy(), reduce_C_function=np.mean, gridsize=14,
-                              extent=(0, 1, 0, math.sqrt(3) / 2), cmap="magma_r", vmin=0, vmax=top, linewidths=0.2)
+            cells = ax.hexbin(
+                xy[:, 0],
+                xy[:, 1],
+                C=values.double().numpy(),
+                reduce_C_function=np.mean,
+                gridsize=14,
+                extent=(0, 1, 0, math.sqrt(3) / 2),
+                cmap="magma_r",
+                vmin=0,
+                vmax=top,
+                linewidths=0.2,
+            )
             triangle = plt.Polygon(_CORNERS, closed=True, fill=False, edgecolor="k", lw=1)
             ax.add_patch(triangle)
             cells.set_clip_path(triangle)  # hexagons at the edges cut to the simplex
             for k in range(K):
-                ax.annotate(f"task {k}", _CORNERS[k], textcoords="offset points", xytext=(0, -12 if k < 2 else 5), ha="center", fontsize=9)
+                ax.annotate(
+                    f"task {k}",
+                    _CORNERS[k],
+                    textcoords="offset points",
+                    xytext=(0, -12 if k < 2 else 5),
+                    ha="center",
+                    fontsize=9,
+                )
             ax.set_title(f"{name}: mean {means[name]:.3g}")
             ax.set_aspect("equal")
             ax.axis("off")
         fig.subplots_adjust(bottom=0.26, top=0.86)
         bar = fig.add_axes((0.3, 0.14, 0.4, 0.03))
-        fig.colorbar(cells, cax=bar, orientation="horizontal", label=f"{steering.label} at the target point (clipped at the 95th percentile)")
+        fig.colorbar(
+            cells,
+            cax=bar,
+            orientation="horizontal",
+            label=f"{steering.label} at the target point (clipped at the 95th percentile)",
+        )
         fig.text(0.5, 0.02, written, ha="center", fontsize=8)
     else:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -178,7 +243,9 @@ def plot_steering(steering: Steering, path: Path, title: str = "") -> None:
     save(fig, path)
 
 
-def plot_r2_by_position(table: pd.DataFrame, place: tuple[int, str], window: slice, path: Path, title: str = "") -> None:
+def plot_r2_by_position(
+    table: pd.DataFrame, place: tuple[int, str], window: slice, path: Path, title: str = ""
+) -> None:
     """P2's r2_additive of the states at each position, one line per site and layer (the claims'
     place bold); the shaded span is the positions the claim averages (``window``)."""
     rows = table[(table["metric"] == "p2.r2_additive") & table["position"].notna() & (table["batch"] == "measure")]
@@ -186,8 +253,14 @@ def plot_r2_by_position(table: pd.DataFrame, place: tuple[int, str], window: sli
     for (layer, site), group in rows.groupby(["layer", "site"], sort=True):
         group = group.sort_values("position")
         chosen = (int(layer), site) == tuple(place)
-        ax.plot(group["position"], group["value"], "-" if site == "resid_mid" else "--", lw=2.2 if chosen else 1, alpha=1 if chosen else 0.6,
-                label=f"layer {int(layer)} {site}{' (the claims)' if chosen else ''}")
+        ax.plot(
+            group["position"],
+            group["value"],
+            "-" if site == "resid_mid" else "--",
+            lw=2.2 if chosen else 1,
+            alpha=1 if chosen else 0.6,
+            label=f"layer {int(layer)} {site}{' (the claims)' if chosen else ''}",
+        )
     if len(rows):
         ax.axvspan(window.start - 0.5, window.stop - 0.5, color="0.9", zorder=0, label="the claim's positions")
     ax.set_ylim(-0.05, 1.05)
@@ -210,11 +283,23 @@ def plot_retrieval(result, paths: dict[str, Path], seeds: pd.DataFrame | None = 
     layer, site = result.place
     p3_layer, p3_site = result.p3_place
     name = result.experiment.upper()
-    plot_simplex_trajectories(result.alpha, result.beta, result.task, table[(table["layer"] == p3_layer) & (table["site"] == p3_site)],
-                              paths["simplex"], f"{name}: fitted task coefficients vs the exact posterior (layer {p3_layer}, {p3_site})")
+    plot_simplex_trajectories(
+        result.alpha,
+        result.beta,
+        result.task,
+        table[(table["layer"] == p3_layer) & (table["site"] == p3_site)],
+        paths["simplex"],
+        f"{name}: fitted task coefficients vs the exact posterior (layer {p3_layer}, {p3_site})",
+    )
     several = seeds is not None and seeds["seed"].nunique() > 1
-    plot_properties_by_layer(seeds if several else table, paths["layers"], f"{name}: P0-P2 per layer"
-                             + (f" (median and range over seeds {', '.join(map(str, sorted(seeds['seed'].unique())))})" if several else ""))
-    plot_r2_by_position(table, result.place, result.p2_window, paths["positions"], f"{name}: P2 r2_additive per position")
+    plot_properties_by_layer(
+        seeds if several else table,
+        paths["layers"],
+        f"{name}: P0-P2 per layer"
+        + (f" (median and range over seeds {', '.join(map(str, sorted(seeds['seed'].unique())))})" if several else ""),
+    )
+    plot_r2_by_position(
+        table, result.place, result.p2_window, paths["positions"], f"{name}: P2 r2_additive per position"
+    )
     place = result.steering.place
     plot_steering(result.steering, paths["steering"], f"{name}: steering at layer {place.layer}, {place.site}")

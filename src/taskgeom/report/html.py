@@ -77,8 +77,11 @@ def _seed_parts(claim: dict) -> str:
     rows = claim.get("seeds")
     if not rows:
         return _parts(claim.get("parts"))
-    return "".join(f"<span class=seed>seed {row['seed']}: <span class={_STATUS_CLASS[row['status']]}>{_number(row['value'])}</span>"
-                   f"{' ' + _parts(row['parts']) if row['parts'] else ''}{_precondition(row.get('precondition'))}</span>" for row in rows)
+    return "".join(
+        f"<span class=seed>seed {row['seed']}: <span class={_STATUS_CLASS[row['status']]}>{_number(row['value'])}</span>"
+        f"{' ' + _parts(row['parts']) if row['parts'] else ''}{_precondition(row.get('precondition'))}</span>"
+        for row in rows
+    )
 
 
 def _precondition(precondition: dict | None) -> str:
@@ -91,7 +94,11 @@ def _precondition(precondition: dict | None) -> str:
 def strip(claim: dict, width: int = 150, height: int = 22) -> str:
     """An inline SVG of the claim's per-seed values as dots (coloured by their status) against its
     threshold (a vertical line), on a linear axis spanning both; empty when no seed has a value."""
-    values = [(row["value"], row["status"]) for row in claim.get("seeds") or [] if row["status"] != "n/a" and row["value"] is not None]
+    values = [
+        (row["value"], row["status"])
+        for row in claim.get("seeds") or []
+        if row["status"] != "n/a" and row["value"] is not None
+    ]
     if not values:
         return ""
     threshold = claim["threshold"]
@@ -99,11 +106,15 @@ def strip(claim: dict, width: int = 150, height: int = 22) -> str:
     pad = (high - low) * 0.08 or abs(threshold) * 0.1 or 1.0
     low, high = low - pad, high + pad
     x = lambda v: 6 + (width - 12) * (v - low) / (high - low)  # noqa: E731
-    dots = "".join(f"<circle cx='{x(v):.1f}' cy='{height / 2}' r='4' fill='{_DOT[status]}' fill-opacity='0.75'><title>{v:.4g}</title></circle>"
-                   for v, status in values)
-    return (f"<svg class=strip width={width} height={height} role=img aria-label='per-seed values against the threshold'>"
-            f"<line x1=4 x2={width - 4} y1={height / 2} y2={height / 2} stroke='#ddd'/>"
-            f"<line x1='{x(threshold):.1f}' x2='{x(threshold):.1f}' y1=2 y2={height - 2} stroke='#444' stroke-dasharray='3,2'/>{dots}</svg>")
+    dots = "".join(
+        f"<circle cx='{x(v):.1f}' cy='{height / 2}' r='4' fill='{_DOT[status]}' fill-opacity='0.75'><title>{v:.4g}</title></circle>"
+        for v, status in values
+    )
+    return (
+        f"<svg class=strip width={width} height={height} role=img aria-label='per-seed values against the threshold'>"
+        f"<line x1=4 x2={width - 4} y1={height / 2} y2={height / 2} stroke='#ddd'/>"
+        f"<line x1='{x(threshold):.1f}' x2='{x(threshold):.1f}' y1=2 y2={height - 2} stroke='#444' stroke-dasharray='3,2'/>{dots}</svg>"
+    )
 
 
 def _claim_row(claim: dict, links: list[tuple[str, str]]) -> str:
@@ -117,9 +128,11 @@ def _claim_row(claim: dict, links: list[tuple[str, str]]) -> str:
     if claim.get("caveat"):
         result += f"<div class='reason warn'>{html.escape(claim['caveat'])}</div>"
     evidence = "".join(f"<a href='#{html.escape(anchor)}'>{html.escape(title)}</a>" for anchor, title in links)
-    return (f"<tr id='claim-{html.escape(claim['id'])}'><td>{html.escape(claim['id'])}</td><td>{html.escape(claim['description'])}</td>"
-            f"<td>{value}</td><td>{strip(claim)}</td><td>{html.escape(claim['comparison'])}&nbsp;{claim['threshold']:.4g}</td>"
-            f"<td class=parts>{_seed_parts(claim)}</td>{result}</td><td class=evidence>{evidence}</td></tr>")
+    return (
+        f"<tr id='claim-{html.escape(claim['id'])}'><td>{html.escape(claim['id'])}</td><td>{html.escape(claim['description'])}</td>"
+        f"<td>{value}</td><td>{strip(claim)}</td><td>{html.escape(claim['comparison'])}&nbsp;{claim['threshold']:.4g}</td>"
+        f"<td class=parts>{_seed_parts(claim)}</td>{result}</td><td class=evidence>{evidence}</td></tr>"
+    )
 
 
 def _figure_anchor(path: str) -> str:
@@ -129,8 +142,10 @@ def _figure_anchor(path: str) -> str:
 def _table(frame: pd.DataFrame) -> str:
     """A sortable HTML table of ``frame`` (a missing value shown as a dash)."""
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
-    body = "".join("<tr>" + "".join(f"<td>{_number(None if pd.isna(v) else v)}</td>" for v in row) + "</tr>"
-                   for row in frame.itertuples(index=False))
+    body = "".join(
+        "<tr>" + "".join(f"<td>{_number(None if pd.isna(v) else v)}</td>" for v in row) + "</tr>"
+        for row in frame.itertuples(index=False)
+    )
     return f"<div class=scroll><table class=sortable><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
@@ -138,35 +153,48 @@ def _piece(piece: Evidence) -> str:
     title = f"<h4>{html.escape(piece.title)}</h4>"
     if piece.figure is not None:
         spec = piece.figure.replace("</", "<\\/")
-        return (f"{title}<div class=plot id='{piece.anchor}'></div>"
-                f"<script type='application/json' id='{piece.anchor}-spec'>{spec}</script>")
+        return (
+            f"{title}<div class=plot id='{piece.anchor}'></div>"
+            f"<script type='application/json' id='{piece.anchor}-spec'>{spec}</script>"
+        )
     return f"<div id='{piece.anchor}'>{title}{_table(piece.table)}</div>"
 
 
 def _png(figure: dict) -> str:
     anchor = _figure_anchor(figure["path"])
-    return (f"<figure id='{anchor}'><img src='{html.escape(figure['path'])}' alt='{html.escape(figure['caption'])}'>"
-            f"<figcaption>{html.escape(figure['caption'])} (<a href='{html.escape(figure['pdf'])}'>PDF</a>)</figcaption></figure>")
+    return (
+        f"<figure id='{anchor}'><img src='{html.escape(figure['path'])}' alt='{html.escape(figure['caption'])}'>"
+        f"<figcaption>{html.escape(figure['caption'])} (<a href='{html.escape(figure['pdf'])}'>PDF</a>)</figcaption></figure>"
+    )
 
 
-def _summary(claims: list[dict], sections: dict[str, str], titles: dict[str, str], timings: dict, order: list[str], seeds: str) -> str:
+def _summary(
+    claims: list[dict], sections: dict[str, str], titles: dict[str, str], timings: dict, order: list[str], seeds: str
+) -> str:
     counts = {name: Counter(c["status"] for c in claims if sections[c["id"]] == name) for name in titles}
-    rows = "".join(f"<tr><td><a href='#sec-{name}'>{html.escape(titles[name])}</a></td><td class=pass>{n['pass']}</td>"
-                   f"<td class=fail>{n['fail']}</td><td class=unstable>{n['unstable']}</td><td class=na>{n['n/a']}</td></tr>"
-                   for name, n in counts.items() if sum(n.values()))
+    rows = "".join(
+        f"<tr><td><a href='#sec-{name}'>{html.escape(titles[name])}</a></td><td class=pass>{n['pass']}</td>"
+        f"<td class=fail>{n['fail']}</td><td class=unstable>{n['unstable']}</td><td class=na>{n['n/a']}</td></tr>"
+        for name, n in counts.items()
+        if sum(n.values())
+    )
     total = Counter(c["status"] for c in claims)
     steps = timings.get("experiments", {})
     ranked = sorted(steps, key=lambda name: order.index(name) if name in order else len(order))  # in the order they ran
-    times = "".join(f"<tr><td>{html.escape(name)}</td><td>{steps[name]['wall_s']:.0f}</td><td>{steps[name]['cpu_s']:.0f}</td></tr>"
-                    for name in ranked)
+    times = "".join(
+        f"<tr><td>{html.escape(name)}</td><td>{steps[name]['wall_s']:.0f}</td><td>{steps[name]['cpu_s']:.0f}</td></tr>"
+        for name in ranked
+    )
     wall = timings.get("total", {}).get("wall_s")
-    return (f"<h2 id=summary>Summary</h2><p id=totals><b>{total['pass']} pass, {total['fail']} fail, {total['unstable']} unstable, "
-            f"{total['n/a']} n/a of {len(claims)} claims</b> over seeds {seeds} (pass: every seed passes; fail: every seed fails; "
-            "unstable: the seeds disagree; n/a: the claim does not apply to what was measured, counted neither way)"
-            f"{f'; {wall:.0f} s wall in all' if wall is not None else ''}.</p>"
-            f"<div style='display:flex;gap:2em;align-items:flex-start'><table id=summary-table><tr><th>section</th><th>pass</th>"
-            f"<th>fail</th><th>unstable</th><th>n/a</th></tr>{rows}</table>"
-            f"<table id=time-table><tr><th>step of the reproduction</th><th>wall s</th><th>CPU s</th></tr>{times}</table></div>")
+    return (
+        f"<h2 id=summary>Summary</h2><p id=totals><b>{total['pass']} pass, {total['fail']} fail, {total['unstable']} unstable, "
+        f"{total['n/a']} n/a of {len(claims)} claims</b> over seeds {seeds} (pass: every seed passes; fail: every seed fails; "
+        "unstable: the seeds disagree; n/a: the claim does not apply to what was measured, counted neither way)"
+        f"{f'; {wall:.0f} s wall in all' if wall is not None else ''}.</p>"
+        f"<div style='display:flex;gap:2em;align-items:flex-start'><table id=summary-table><tr><th>section</th><th>pass</th>"
+        f"<th>fail</th><th>unstable</th><th>n/a</th></tr>{rows}</table>"
+        f"<table id=time-table><tr><th>step of the reproduction</th><th>wall s</th><th>CPU s</th></tr>{times}</table></div>"
+    )
 
 
 def _settings(out: Path, manifest: dict) -> str:
@@ -174,31 +202,40 @@ def _settings(out: Path, manifest: dict) -> str:
     for name in manifest["runs"]:
         config = run_config(out / "runs" / name)
         task, model, train = config["task"], config["model"], config["train"]
-        runs.append(f"<tr><td>{html.escape(name)}</td><td>{task['family']}</td><td>{task['diversity']}</td>"
-                    f"<td>{train['seed']}</td><td>{model['n_layers']}</td><td>{model['d_model']}</td><td>{model['n_heads']}</td>"
-                    f"<td>{model['max_len']}</td><td>{train['steps']}</td><td>{train['batch_size']}</td><td>{train['lr']:g}</td>"
-                    f"<td><code>{(manifest['models'].get(name) or '-')[:16]}</code></td></tr>")
+        runs.append(
+            f"<tr><td>{html.escape(name)}</td><td>{task['family']}</td><td>{task['diversity']}</td>"
+            f"<td>{train['seed']}</td><td>{model['n_layers']}</td><td>{model['d_model']}</td><td>{model['n_heads']}</td>"
+            f"<td>{model['max_len']}</td><td>{train['steps']}</td><td>{train['batch_size']}</td><td>{train['lr']:g}</td>"
+            f"<td><code>{(manifest['models'].get(name) or '-')[:16]}</code></td></tr>"
+        )
     machine = ", ".join(f"{k} {html.escape(str(v))}" for k, v in manifest["machine"].items())
     overrides = " ".join(manifest["overrides"]) or "none"
-    return (f"<h2 id=settings>Run settings</h2><p>profile <b>{html.escape(manifest['profile'])}</b>; overrides: "
-            f"{html.escape(overrides)}; taskgeom {html.escape(manifest['taskgeom'])}; device {html.escape(manifest['device'])}; "
-            f"executor {html.escape(manifest['executor'])}.<br>machine: {machine}.</p>"
-            "<table class=sortable><thead><tr><th>run</th><th>family</th><th>diversity k</th><th>seed</th><th>layers</th>"
-            f"<th>width</th><th>heads</th><th>context</th><th>steps</th><th>batch</th><th>lr</th><th>model sha256</th></tr></thead><tbody>{''.join(runs)}"
-            "</tbody></table>")
+    return (
+        f"<h2 id=settings>Run settings</h2><p>profile <b>{html.escape(manifest['profile'])}</b>; overrides: "
+        f"{html.escape(overrides)}; taskgeom {html.escape(manifest['taskgeom'])}; device {html.escape(manifest['device'])}; "
+        f"executor {html.escape(manifest['executor'])}.<br>machine: {machine}.</p>"
+        "<table class=sortable><thead><tr><th>run</th><th>family</th><th>diversity k</th><th>seed</th><th>layers</th>"
+        f"<th>width</th><th>heads</th><th>context</th><th>steps</th><th>batch</th><th>lr</th><th>model sha256</th></tr></thead><tbody>{''.join(runs)}"
+        "</tbody></table>"
+    )
 
 
 def _timings(timings: dict) -> str:
     """Where the time went: wall and CPU seconds per stage."""
     if not timings:
         return ""
-    stages = "".join(f"<tr><td>{html.escape(s['experiment'])}</td><td>{html.escape(s['stage'])} ({s['where']})</td>"
-                     f"<td>{s['wall_s']:.1f}</td><td>{s['cpu_s']:.1f}</td></tr>" for s in timings.get("stages", []))
+    stages = "".join(
+        f"<tr><td>{html.escape(s['experiment'])}</td><td>{html.escape(s['stage'])} ({s['where']})</td>"
+        f"<td>{s['wall_s']:.1f}</td><td>{s['cpu_s']:.1f}</td></tr>"
+        for s in timings.get("stages", [])
+    )
     total = timings.get("total", {"wall_s": float("nan"), "cpu_s": float("nan")})
-    return (f"<h2 id=timings>Timings</h2><p>total {total['wall_s']:.0f} s wall, {total['cpu_s']:.0f} CPU-seconds (timings.json); "
-            "stages run in a worker process are timed there.</p>"
-            f"<table class=sortable><thead><tr><th>experiment</th><th>stage</th><th>wall s</th><th>CPU s</th></tr></thead>"
-            f"<tbody>{stages}</tbody></table>")
+    return (
+        f"<h2 id=timings>Timings</h2><p>total {total['wall_s']:.0f} s wall, {total['cpu_s']:.0f} CPU-seconds (timings.json); "
+        "stages run in a worker process are timed there.</p>"
+        f"<table class=sortable><thead><tr><th>experiment</th><th>stage</th><th>wall s</th><th>CPU s</th></tr></thead>"
+        f"<tbody>{stages}</tbody></table>"
+    )
 
 
 def _write_plotly(out: Path) -> None:
@@ -234,15 +271,23 @@ def write_report(out: Path) -> None:
         shown = [p for p in pieces if p.section == name]
         present.append(name)
         rows = "".join(_claim_row(c, links[c["id"]]) for c in mine)
-        body.append(f"<section id='sec-{name}'><h2>{html.escape(title)}</h2>"
-                    "<table><tr><th>claim</th><th>what is measured</th><th>value</th><th>seeds</th><th>threshold</th><th>made of</th><th>result</th>"
-                    f"<th>evidence</th></tr>{rows}</table><h3>Interactive figures and tables</h3>{''.join(_piece(p) for p in shown)}"
-                    f"<h3>Figures</h3>{''.join(_png(f) for f in pngs)}</section>")
-    nav = "<a href='#summary'>Summary</a>" + "".join(f"<a href='#sec-{name}'>{_NAV.get(name, name.upper())}</a>" for name in present) + \
-        "<a href='#settings'>Settings</a>" + ("<a href='#timings'>Timings</a>" if timings else "")
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>taskgeom report</title><style>{_STYLE}</style>"
-            f"<script src='{PLOTLY_JS}'></script></head><body><nav>{nav}</nav><h1>taskgeom: reproduction report</h1>"
-            f"{_summary(claims, sections, titles, timings, ['schedule', *manifest['experiments']], ', '.join(map(str, manifest['seeds'])))}{''.join(body)}{_settings(out, manifest)}{_timings(timings)}"
-            f"<script>{_SCRIPT}</script></body></html>")
+        body.append(
+            f"<section id='sec-{name}'><h2>{html.escape(title)}</h2>"
+            "<table><tr><th>claim</th><th>what is measured</th><th>value</th><th>seeds</th><th>threshold</th><th>made of</th><th>result</th>"
+            f"<th>evidence</th></tr>{rows}</table><h3>Interactive figures and tables</h3>{''.join(_piece(p) for p in shown)}"
+            f"<h3>Figures</h3>{''.join(_png(f) for f in pngs)}</section>"
+        )
+    nav = (
+        "<a href='#summary'>Summary</a>"
+        + "".join(f"<a href='#sec-{name}'>{_NAV.get(name, name.upper())}</a>" for name in present)
+        + "<a href='#settings'>Settings</a>"
+        + ("<a href='#timings'>Timings</a>" if timings else "")
+    )
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>taskgeom report</title><style>{_STYLE}</style>"
+        f"<script src='{PLOTLY_JS}'></script></head><body><nav>{nav}</nav><h1>taskgeom: reproduction report</h1>"
+        f"{_summary(claims, sections, titles, timings, ['schedule', *manifest['experiments']], ', '.join(map(str, manifest['seeds'])))}{''.join(body)}{_settings(out, manifest)}{_timings(timings)}"
+        f"<script>{_SCRIPT}</script></body></html>"
+    )
     _write_plotly(out)
     atomic_write_text(out / "report.html", page)

@@ -45,10 +45,20 @@ def ladder_rows(named: dict[str, Path]) -> pd.DataFrame:
     for rung, folder in named.items():
         read_manifest(folder)  # a results folder of this version, or a clear error
         for claim in read_json(folder / "claims.json", f"rerun `taskgeom reproduce --out {folder}`"):
-            common = {"rung": rung, "claim": claim["id"], "verdict": claim["status"], "median": claim.get("median"),
-                      "min": claim.get("min"), "max": claim.get("max"), "comparison": claim["comparison"],
-                      "threshold": claim["threshold"]}
-            rows += [{**common, "seed": row["seed"], "value": row["value"], "status": row["status"]} for row in claim.get("seeds") or []]
+            common = {
+                "rung": rung,
+                "claim": claim["id"],
+                "verdict": claim["status"],
+                "median": claim.get("median"),
+                "min": claim.get("min"),
+                "max": claim.get("max"),
+                "comparison": claim["comparison"],
+                "threshold": claim["threshold"],
+            }
+            rows += [
+                {**common, "seed": row["seed"], "value": row["value"], "status": row["status"]}
+                for row in claim.get("seeds") or []
+            ]
     return pd.DataFrame(rows)
 
 
@@ -62,12 +72,18 @@ def rank_curves(named: dict[str, Path]) -> pd.DataFrame:
         path = folder / "tables" / "rank_curve.csv"
         if path.is_file():
             curve = pd.read_csv(path)
-            curve = curve[curve["layer"].isna() & curve["value"].notna()]  # the mean over blocks, where the gain is positive
+            curve = curve[
+                curve["layer"].isna() & curve["value"].notna()
+            ]  # the mean over blocks, where the gain is positive
             if "unreliable" in curve:
                 curve = curve[~curve["unreliable"].eq(True)]
             high = curve[curve["diversity"] == curve.groupby("recipe")["diversity"].transform("max")]
-            frames.append(high.groupby(["recipe", "diversity", "rank"])["value"].agg(["median", "min", "max"]).reset_index()
-                          .assign(rung=rung))
+            frames.append(
+                high.groupby(["recipe", "diversity", "rank"])["value"]
+                .agg(["median", "min", "max"])
+                .reset_index()
+                .assign(rung=rung)
+            )
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
@@ -86,10 +102,14 @@ def ladder_markdown(named: dict[str, Path], rows: pd.DataFrame, curves: pd.DataF
     lines = []
     for rung, folder in named.items():
         m = read_manifest(folder)
-        scope = [f"recipes {', '.join(m['recipes'])}" if m.get("recipes") else "every recipe",
-                 f"grid {m['grid']}" if m.get("grid") else "the profile's grid"]
-        lines.append(f"- **{rung}**: profile `{m['profile']}`, seeds {', '.join(map(str, m['seeds']))}, {', '.join(scope)}, "
-                     f"taskgeom {m['taskgeom']} ({m.get('commit') or 'unknown commit'}); {machine_line(m)}")
+        scope = [
+            f"recipes {', '.join(m['recipes'])}" if m.get("recipes") else "every recipe",
+            f"grid {m['grid']}" if m.get("grid") else "the profile's grid",
+        ]
+        lines.append(
+            f"- **{rung}**: profile `{m['profile']}`, seeds {', '.join(map(str, m['seeds']))}, {', '.join(scope)}, "
+            f"taskgeom {m['taskgeom']} ({m.get('commit') or 'unknown commit'}); {machine_line(m)}"
+        )
     order = list(dict.fromkeys(rows["claim"])) if len(rows) else []
     lines += ["", "| claim | threshold | " + " | ".join(named) + " |", "|---|---|" + "---|" * len(named)]
     for claim in order:
@@ -98,15 +118,26 @@ def ladder_markdown(named: dict[str, Path], rows: pd.DataFrame, curves: pd.DataF
         cells = [_cell(mine[mine["rung"] == rung]) for rung in named]
         lines.append(f"| `{claim}` | {first['comparison']} {number(first['threshold'])} | " + " | ".join(cells) + " |")
     if len(curves):
-        lines += ["", "% of OOD in-context gain removed by ablating V of rank r (highest diversity; median [min, max] over the seeds "
-                  "whose gain is reliable, as the claims count them; a recipe and rung with none is left out):", "",
-                  "| recipe | rung | " + " | ".join(f"r = {r}" for r in sorted(curves["rank"].unique())) + " |",
-                  "|---|---|" + "---|" * curves["rank"].nunique()]
+        lines += [
+            "",
+            "% of OOD in-context gain removed by ablating V of rank r (highest diversity; median [min, max] over the seeds "
+            "whose gain is reliable, as the claims count them; a recipe and rung with none is left out):",
+            "",
+            "| recipe | rung | " + " | ".join(f"r = {r}" for r in sorted(curves["rank"].unique())) + " |",
+            "|---|---|" + "---|" * curves["rank"].nunique(),
+        ]
         for (recipe, rung), part in curves.groupby(["recipe", "rung"], sort=False):
             by_rank = part.set_index("rank")
-            lines.append(f"| {recipe} | {rung} | " + " | ".join(
-                f"{number(by_rank.loc[r, 'median'])} [{number(by_rank.loc[r, 'min'])}, {number(by_rank.loc[r, 'max'])}]"
-                if r in by_rank.index else "-" for r in sorted(curves["rank"].unique())) + " |")
+            lines.append(
+                f"| {recipe} | {rung} | "
+                + " | ".join(
+                    f"{number(by_rank.loc[r, 'median'])} [{number(by_rank.loc[r, 'min'])}, {number(by_rank.loc[r, 'max'])}]"
+                    if r in by_rank.index
+                    else "-"
+                    for r in sorted(curves["rank"].unique())
+                )
+                + " |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -118,20 +149,31 @@ def plot_ladder(rows: pd.DataFrame, rung_order: list[str], out: Path) -> list[Pa
     for recipe, mine in rows.groupby(rows["claim"].str.split(".").str[0], sort=False):
         claims = list(dict.fromkeys(mine["claim"]))
         cols = min(4, len(claims))
-        fig, axes = plt.subplots((len(claims) + cols - 1) // cols, cols, figsize=(3.2 * cols, 2.6 * ((len(claims) + cols - 1) // cols)),
-                                 squeeze=False)
+        fig, axes = plt.subplots(
+            (len(claims) + cols - 1) // cols,
+            cols,
+            figsize=(3.2 * cols, 2.6 * ((len(claims) + cols - 1) // cols)),
+            squeeze=False,
+        )
         for ax, claim in zip(axes.flat, claims):
             part = mine[mine["claim"] == claim]
             x = part["rung"].map({r: i for i, r in enumerate(rung_order)})
             ax.scatter(x, part["value"], c=part["status"].map(_COLOURS), s=18, zorder=3)
             medians = part.groupby("rung")["value"].median().reindex(rung_order)
             present = medians.notna().to_numpy()  # rungs that measured the claim, joined in order
-            ax.plot([i for i, p in enumerate(present) if p], medians.dropna().values, color="black", lw=1, marker="_", zorder=2)
+            ax.plot(
+                [i for i, p in enumerate(present) if p],
+                medians.dropna().values,
+                color="black",
+                lw=1,
+                marker="_",
+                zorder=2,
+            )
             ax.axhline(part["threshold"].iloc[0], color="gray", ls="--", lw=1)
             ax.set_title(f"{claim} ({part['comparison'].iloc[0]} {number(part['threshold'].iloc[0])})", fontsize=8)
             ax.set_xticks(range(len(rung_order)), rung_order, fontsize=7)
             ax.tick_params(axis="y", labelsize=7)
-        for ax in list(axes.flat)[len(claims):]:
+        for ax in list(axes.flat)[len(claims) :]:
             ax.axis("off")
         fig.tight_layout()
         path = out / f"ladder_{recipe}.png"

@@ -58,14 +58,22 @@ def machine() -> dict:
     """The machine a reproduction ran on: host, OS, CPU model, torch's CPU capability, cores, Python,
     torch, MKL and oneDNN versions, thread counts and the kernel-pinning environment variables set."""
     config = torch.__config__.show()
-    return {"host": platform.node(), "os": platform.platform(), "cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "mkl": _library_version(r"Math Kernel Library Version ([^ ]+)", config),
-            "onednn": _library_version(r"MKL-DNN v([^ ]+)", config),
-            "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
-            "kernel_environment": {name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ},
-            "kernels": kernels.current()["mode"],
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    return {
+        "host": platform.node(),
+        "os": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "mkl": _library_version(r"Math Kernel Library Version ([^ ]+)", config),
+        "onednn": _library_version(r"MKL-DNN v([^ ]+)", config),
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "kernel_environment": {name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ},
+        "kernels": kernels.current()["mode"],
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
 
 
 def source_commit() -> str | None:
@@ -73,11 +81,17 @@ def source_commit() -> str | None:
     changes), None when it is not installed from a git checkout."""
     where = Path(__file__).resolve().parent
     try:
-        head = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         if head.returncode:
             return None
-        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return f"commit {head.stdout.strip()}" + (" + changes" if dirty else "")
@@ -94,15 +108,43 @@ def file_sha256(path: Path) -> str | None:
     return digest.hexdigest()
 
 
-def manifest(profile: str, overrides: tuple[str, ...], device: str, executor: str, experiments: list[str], runs: list[str],
-             claims: dict[str, str], figures: list[dict], seeds: tuple[int, ...], runs_root: Path,
-             sections: dict[str, str], grid: tuple[int, ...] | None = None, evidence: list[str] = ()) -> dict:
+def manifest(
+    profile: str,
+    overrides: tuple[str, ...],
+    device: str,
+    executor: str,
+    experiments: list[str],
+    runs: list[str],
+    claims: dict[str, str],
+    figures: list[dict],
+    seeds: tuple[int, ...],
+    runs_root: Path,
+    sections: dict[str, str],
+    grid: tuple[int, ...] | None = None,
+    evidence: list[str] = (),
+) -> dict:
     """The manifest of one reproduction (see the module docstring for the fields)."""
     models = {name: file_sha256(Path(runs_root) / name / "model.safetensors") for name in runs}
-    return {"format": FORMAT, "taskgeom": __version__, "commit": source_commit(), "profile": profile, "seeds": list(seeds),
-            "overrides": list(overrides), "recipes": list(sections), "sections": sections, "grid": None if grid is None else list(grid),
-            "device": device, "executor": executor, "machine": machine(), "experiments": experiments, "evidence": list(evidence),
-            "runs": runs, "models": models, "claims": claims, "figures": figures}
+    return {
+        "format": FORMAT,
+        "taskgeom": __version__,
+        "commit": source_commit(),
+        "profile": profile,
+        "seeds": list(seeds),
+        "overrides": list(overrides),
+        "recipes": list(sections),
+        "sections": sections,
+        "grid": None if grid is None else list(grid),
+        "device": device,
+        "executor": executor,
+        "machine": machine(),
+        "experiments": experiments,
+        "evidence": list(evidence),
+        "runs": runs,
+        "models": models,
+        "claims": claims,
+        "figures": figures,
+    }
 
 
 def read_json(path: Path, remedy: str):
@@ -120,21 +162,28 @@ def read_manifest(out: Path) -> dict:
     unreadable or of another format."""
     path, again = Path(out) / MANIFEST, f"run `taskgeom reproduce --out {out}` (finished runs and analyses are reused)"
     if not path.is_file():
-        raise TaskgeomError(f"{path} not found: {out} is not a results folder written by `taskgeom reproduce` "
-                            f"(taskgeom {__version__} writes {MANIFEST} beside claims.json); {again}")
+        raise TaskgeomError(
+            f"{path} not found: {out} is not a results folder written by `taskgeom reproduce` "
+            f"(taskgeom {__version__} writes {MANIFEST} beside claims.json); {again}"
+        )
     data = read_json(path, again)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise TaskgeomError(f"{path} has format {found!r}, this taskgeom ({__version__}) reads format {FORMAT}; "
-                            f"rerun `taskgeom reproduce --out {out}` (finished runs are reused)")
+        raise TaskgeomError(
+            f"{path} has format {found!r}, this taskgeom ({__version__}) reads format {FORMAT}; "
+            f"rerun `taskgeom reproduce --out {out}` (finished runs are reused)"
+        )
     return data
 
 
 def sections(manifest: dict) -> dict[str, str]:
     """{section: title} of a manifest, in the report's order: each recipe's, the dual modes', the rest."""
     dual = [recipe.upper() for recipe, experiment in _claim_recipes(manifest) if experiment == DUAL_EXPERIMENT]
-    return {**manifest["sections"], DUAL_SECTION: f"Dual modes across task diversity ({', '.join(dict.fromkeys(dual))})",
-            OTHER_SECTION: "Other claims"}
+    return {
+        **manifest["sections"],
+        DUAL_SECTION: f"Dual modes across task diversity ({', '.join(dict.fromkeys(dual))})",
+        OTHER_SECTION: "Other claims",
+    }
 
 
 def _claim_recipes(manifest: dict) -> list[tuple[str, str]]:
@@ -144,7 +193,9 @@ def _claim_recipes(manifest: dict) -> list[tuple[str, str]]:
 
 def figure_section(figure: dict, recipes: dict[str, str]) -> str:
     """The report section of a manifest figure: that of the first claim it supports, else of its name."""
-    return section(figure["claims"][0] if figure["claims"] else Path(figure["path"]).stem, figure["experiment"], recipes)
+    return section(
+        figure["claims"][0] if figure["claims"] else Path(figure["path"]).stem, figure["experiment"], recipes
+    )
 
 
 def section(claim_id: str, experiment: str, recipes: dict[str, str]) -> str:

@@ -44,8 +44,10 @@ def parts_text(parts: dict | None) -> str:
 def machine_line(manifest: dict) -> str:
     m = manifest["machine"]
     pins = ", ".join(f"{k}={v}" for k, v in (m.get("kernel_environment") or {}).items()) or "none"
-    return (f"{m.get('cpu')}, torch CPU capability {m.get('cpu_capability')}, torch {m.get('torch')} (MKL {m.get('mkl')}, "
-            f"oneDNN {m.get('onednn')}), {m.get('cores')} cores, {m.get('torch_threads')} torch threads, kernel pins: {pins}")
+    return (
+        f"{m.get('cpu')}, torch CPU capability {m.get('cpu_capability')}, torch {m.get('torch')} (MKL {m.get('mkl')}, "
+        f"oneDNN {m.get('onednn')}), {m.get('cores')} cores, {m.get('torch_threads')} torch threads, kernel pins: {pins}"
+    )
 
 
 def claims_markdown(out: Path) -> str:
@@ -54,20 +56,32 @@ def claims_markdown(out: Path) -> str:
     claims = read_json(Path(out) / "claims.json", f"rerun `taskgeom reproduce --out {out}`")
     tally = Counter(c["status"] for c in claims)
     commit = manifest.get("commit") or "unknown commit"
-    lines = [f"Profile `{manifest['profile']}`, seeds {', '.join(map(str, manifest['seeds']))}, taskgeom {manifest['taskgeom']} "
-             f"({commit}); machine: {machine_line(manifest)}.", "",
-             f"**{tally['pass']} pass, {tally['fail']} fail, {tally['unstable']} unstable, {tally['n/a']} n/a of {len(claims)} claims**",
-             "", "| claim | median | min | max | per seed | threshold | verdict |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Profile `{manifest['profile']}`, seeds {', '.join(map(str, manifest['seeds']))}, taskgeom {manifest['taskgeom']} "
+        f"({commit}); machine: {machine_line(manifest)}.",
+        "",
+        f"**{tally['pass']} pass, {tally['fail']} fail, {tally['unstable']} unstable, {tally['n/a']} n/a of {len(claims)} claims**",
+        "",
+        "| claim | median | min | max | per seed | threshold | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for c in claims:
-        lines.append(f"| `{c['id']}` | {number(c.get('median'))} | {number(c.get('min'))} | {number(c.get('max'))} | {seed_values(c)} | "
-                     f"{c['comparison']} {number(c['threshold'])} | {verdict_text(c)} |")
+        lines.append(
+            f"| `{c['id']}` | {number(c.get('median'))} | {number(c.get('min'))} | {number(c.get('max'))} | {seed_values(c)} | "
+            f"{c['comparison']} {number(c['threshold'])} | {verdict_text(c)} |"
+        )
     unstable = [c for c in claims if c["status"] == "unstable"]
     if unstable:
         lines += ["", "Unstable claims, each seed's parts:", ""]
         for c in unstable:
-            lines.append(f"- `{c['id']}`: " + "; ".join(f"seed {r['seed']} {r['status']} {number(r['value'])}"
-                                                          f"{' (' + parts_text(r['parts']) + ')' if r['parts'] else ''}"
-                                                          for r in c["seeds"]))
+            lines.append(
+                f"- `{c['id']}`: "
+                + "; ".join(
+                    f"seed {r['seed']} {r['status']} {number(r['value'])}"
+                    f"{' (' + parts_text(r['parts']) + ')' if r['parts'] else ''}"
+                    for r in c["seeds"]
+                )
+            )
     return "\n".join([*lines, "", *by_recipe(claims)]) + "\n"
 
 
@@ -77,7 +91,10 @@ def by_recipe(claims: list[dict]) -> list[str]:
     recipes = sorted({c["id"].split(".")[0] for c in claims})
     names = list(dict.fromkeys(c["id"].split(".", 1)[1] for c in claims))
     by_id = {c["id"]: c for c in claims}
-    lines = ["| claim | threshold | " + " | ".join(r.upper() for r in recipes) + " |", "|---|---|" + "---|" * len(recipes)]
+    lines = [
+        "| claim | threshold | " + " | ".join(r.upper() for r in recipes) + " |",
+        "|---|---|" + "---|" * len(recipes),
+    ]
     for name in names:
         present = {r: by_id[f"{r}.{name}"] for r in recipes if f"{r}.{name}" in by_id}
         thresholds = {r: f"{c['comparison']} {number(c['threshold'])}" for r, c in present.items()}
@@ -86,8 +103,11 @@ def by_recipe(claims: list[dict]) -> list[str]:
         cells = [_cell(present[r]) if r in present else "-" for r in recipes]
         lines.append(f"| `{name}` | {common}{f' ({exceptions})' if exceptions else ''} | " + " | ".join(cells) + " |")
     if any(_rests_on_fewer_seeds(c) for c in claims):
-        lines += ["", "(n of N seeds): the verdict and median rest on those n seeds; on the others the claim does not apply "
-                      "(a null or unreliable share of a gain, say: the Results page gives each seed's reason)."]
+        lines += [
+            "",
+            "(n of N seeds): the verdict and median rest on those n seeds; on the others the claim does not apply "
+            "(a null or unreliable share of a gain, say: the Results page gives each seed's reason).",
+        ]
     for text, mark, meaning in CAVEATS.values():
         if any(text in (c.get("caveat") or "") for c in claims):
             lines += ["", f"{mark} {text} on at least one seed ({_code(meaning)}); the verdict rule does not read it."]

@@ -45,7 +45,12 @@ def run_config(run_dir: Path) -> dict:
 
 def _run_columns(run_dir: Path) -> dict:
     config = run_config(run_dir)
-    return {"run": run_dir.name, "recipe": config["name"], "diversity": config["task"]["diversity"], "seed": config["train"]["seed"]}
+    return {
+        "run": run_dir.name,
+        "recipe": config["name"],
+        "diversity": config["task"]["diversity"],
+        "seed": config["train"]["seed"],
+    }
 
 
 def _frame(rows: list[dict], columns: dict, analysis: str) -> pd.DataFrame:
@@ -59,8 +64,15 @@ def analysis_table(out: Path, runs: list[str]) -> pd.DataFrame:
     """Every analysis row of the run directories ``runs`` (names under ``out/runs``) and of the
     folder itself (see the module docstring for the columns)."""
     out = Path(out)
-    sources = [({"run": "", "recipe": "", "diversity": None, "seed": None}, path) for path in sorted(out.glob("analysis/*.json"))]
-    sources += [(_run_columns(out / "runs" / name), path) for name in sorted(runs) for path in sorted((out / "runs" / name).glob("analysis/*.json"))]
+    sources = [
+        ({"run": "", "recipe": "", "diversity": None, "seed": None}, path)
+        for path in sorted(out.glob("analysis/*.json"))
+    ]
+    sources += [
+        (_run_columns(out / "runs" / name), path)
+        for name in sorted(runs)
+        for path in sorted((out / "runs" / name).glob("analysis/*.json"))
+    ]
     frames = [_frame(rows, columns, name) for columns, path in sources for name, rows in _rows(path) if rows]
     if not frames:
         return pd.DataFrame(columns=LEADING)

@@ -26,7 +26,12 @@ from taskgeom.runs.storage import atomic_write_text  # noqa: E402
 
 COLUMNS = ["claim", "recipe", "profile", "status", "median", "judged", "seeds", "caveat"]
 COLOURS = {"pass": "#8fd18c", "fail": "#f2877a", "unstable": "#f6c453", "n/a": "#d0d0d0"}
-MEANING = {"pass": "pass: every seed", "fail": "fail: every seed", "unstable": "unstable: seeds disagree", "n/a": "n/a: does not apply"}
+MEANING = {
+    "pass": "pass: every seed",
+    "fail": "fail: every seed",
+    "unstable": "unstable: seeds disagree",
+    "n/a": "n/a: does not apply",
+}
 FEWER = "*"
 FONT = 11.0  # points, every label and cell: at the README's width (about 830 px) it prints at 12 px or more
 ROW, PAD, GAP = 0.30, 0.08, 0.35  # inches: a row's height, the space inside a cell, between the two columns of blocks
@@ -42,16 +47,32 @@ def verdict_table(named: dict[str, Path]) -> pd.DataFrame:
     for profile, folder in named.items():
         recipes.update(dict.fromkeys(read_manifest(folder).get("recipes") or []))
         for claim in read_json(folder / "claims.json", f"rerun `taskgeom reproduce --out {folder}`"):
-            rows.append({"claim": claim["id"], "recipe": claim["id"].split(".")[0], "profile": profile, "status": claim["status"],
-                         "median": claim.get("median"), "judged": sum(row["status"] != "n/a" for row in claim.get("seeds") or []),
-                         "seeds": len(claim.get("seeds") or []), "caveat": claim.get("caveat") or ""})
+            rows.append(
+                {
+                    "claim": claim["id"],
+                    "recipe": claim["id"].split(".")[0],
+                    "profile": profile,
+                    "status": claim["status"],
+                    "median": claim.get("median"),
+                    "judged": sum(row["status"] != "n/a" for row in claim.get("seeds") or []),
+                    "seeds": len(claim.get("seeds") or []),
+                    "caveat": claim.get("caveat") or "",
+                }
+            )
     table = pd.DataFrame(rows, columns=COLUMNS)
     recipes.update(dict.fromkeys(table["recipe"]))
     names = {**dict.fromkeys(spec.name for spec in CLAIMS), **dict.fromkeys(table["claim"].str.split(".", n=1).str[1])}
-    rank = {"recipe": list(recipes).index, "claim": lambda claim: list(names).index(claim.split(".", 1)[1]),
-            "profile": list(named).index}
-    return table.sort_values(["recipe", "claim", "profile"], key=lambda column: column.map(rank[column.name]),
-                             kind="stable", ignore_index=True)
+    rank = {
+        "recipe": list(recipes).index,
+        "claim": lambda claim: list(names).index(claim.split(".", 1)[1]),
+        "profile": list(named).index,
+    }
+    return table.sort_values(
+        ["recipe", "claim", "profile"],
+        key=lambda column: column.map(rank[column.name]),
+        kind="stable",
+        ignore_index=True,
+    )
 
 
 def cell_text(row) -> str:
@@ -68,8 +89,9 @@ def _fewer(row) -> bool:
 
 def _width(text: str, bold: bool = False) -> float:
     """The width of ``text`` at FONT in inches, as matplotlib sets it."""
-    width, _, _ = TextToPath().get_text_width_height_descent(text, FontProperties(size=FONT, weight="bold" if bold else "normal"),
-                                                             ismath=False)
+    width, _, _ = TextToPath().get_text_width_height_descent(
+        text, FontProperties(size=FONT, weight="bold" if bold else "normal"), ismath=False
+    )
     return width / 72
 
 
@@ -93,14 +115,18 @@ def footnotes(table: pd.DataFrame, profiles: list[str]) -> list[str]:
     return notes
 
 
-def plot_verdicts(table: pd.DataFrame, profiles: list[str], sections: dict[str, str], path: Path, note: str = "") -> None:
+def plot_verdicts(
+    table: pd.DataFrame, profiles: list[str], sections: dict[str, str], path: Path, note: str = ""
+) -> None:
     """Draw the grid of ``verdict_table``'s rows: a block per recipe (its section title, the profiles
     over the cells, a row per claim), the blocks in two columns, a legend below; ``note`` (the seeds
     and machine) under the title. A claim a profile did not measure is a blank cell with a dash."""
     blocks = [(recipe, list(dict.fromkeys(part["claim"]))) for recipe, part in table.groupby("recipe", sort=False)]
     cells = {(row["claim"], row["profile"]): row for _, row in table.iterrows()}
     label_w = max([_width(claim.split(".", 1)[1]) for _, claims in blocks for claim in claims] + [0.5]) + PAD
-    cell_w = max([_width(cell_text(row)) for row in cells.values()] + [_width(p, bold=True) for p in profiles]) + 2 * PAD
+    cell_w = (
+        max([_width(cell_text(row)) for row in cells.values()] + [_width(p, bold=True) for p in profiles]) + 2 * PAD
+    )
     title_w = max([_width(sections.get(recipe, recipe.upper()), bold=True) for recipe, _ in blocks] + [0])
     block_w = max(label_w + cell_w * len(profiles), title_w + PAD)
     heights = [(len(claims) + 2.5) * ROW for _, claims in blocks]  # the title, the profiles, the claims, a space
@@ -117,8 +143,14 @@ def plot_verdicts(table: pd.DataFrame, profiles: list[str], sections: dict[str, 
     ax.set_xlim(0, width)
     ax.set_ylim(height, 0)  # inches from the top left
     ax.axis("off")
-    ax.text(PAD, 0.3, "Every claim's verdict over the seeds at each profile, its median in the cell", fontsize=FONT + 2,
-            weight="bold", va="center")
+    ax.text(
+        PAD,
+        0.3,
+        "Every claim's verdict over the seeds at each profile, its median in the cell",
+        fontsize=FONT + 2,
+        weight="bold",
+        va="center",
+    )
     if note:
         ax.text(PAD, 0.58, note, fontsize=FONT, va="center", color="#444444")
     for c, column in enumerate(columns):
@@ -126,17 +158,39 @@ def plot_verdicts(table: pd.DataFrame, profiles: list[str], sections: dict[str, 
         for recipe, claims in column:
             ax.text(x0, y + ROW / 2, sections.get(recipe, recipe.upper()), fontsize=FONT, weight="bold", va="center")
             for i, profile in enumerate(profiles):
-                ax.text(x0 + label_w + (i + 0.5) * cell_w, y + 1.5 * ROW, profile, fontsize=FONT, weight="bold", ha="center", va="center")
+                ax.text(
+                    x0 + label_w + (i + 0.5) * cell_w,
+                    y + 1.5 * ROW,
+                    profile,
+                    fontsize=FONT,
+                    weight="bold",
+                    ha="center",
+                    va="center",
+                )
             y += 2 * ROW
             for claim in claims:
                 ax.text(x0, y + ROW / 2, claim.split(".", 1)[1], fontsize=FONT, va="center")
                 for i, profile in enumerate(profiles):
                     row, x = cells.get((claim, profile)), x0 + label_w + i * cell_w
-                    ax.add_patch(Rectangle((x + 0.02, y + 0.02), cell_w - 0.04, ROW - 0.04, lw=0.6,
-                                           facecolor="white" if row is None else COLOURS[row["status"]],
-                                           edgecolor="#c8c8c8" if row is None else "none"))
-                    ax.text(x + cell_w / 2, y + ROW / 2, "-" if row is None else cell_text(row), fontsize=FONT,
-                            ha="center", va="center", color="#888888" if row is None else "black")
+                    ax.add_patch(
+                        Rectangle(
+                            (x + 0.02, y + 0.02),
+                            cell_w - 0.04,
+                            ROW - 0.04,
+                            lw=0.6,
+                            facecolor="white" if row is None else COLOURS[row["status"]],
+                            edgecolor="#c8c8c8" if row is None else "none",
+                        )
+                    )
+                    ax.text(
+                        x + cell_w / 2,
+                        y + ROW / 2,
+                        "-" if row is None else cell_text(row),
+                        fontsize=FONT,
+                        ha="center",
+                        va="center",
+                        color="#888888" if row is None else "black",
+                    )
                 y += ROW
             y += ROW / 2
     y, x = top + body, PAD
@@ -157,7 +211,9 @@ def machine_note(named: dict[str, Path]) -> str:
     seeds = {tuple(m["seeds"]) for m in manifests}
     if len(seeds) == 1:
         parts.append("seeds " + ", ".join(map(str, next(iter(seeds)))))
-    machines = {(m["machine"].get("cpu"), m["machine"].get("cores"), m["machine"].get("cpu_capability")) for m in manifests}
+    machines = {
+        (m["machine"].get("cpu"), m["machine"].get("cores"), m["machine"].get("cpu_capability")) for m in manifests
+    }
     if len(machines) == 1:
         cpu, cores, capability = next(iter(machines))
         parts.append(f"{cpu}, {cores} cores, torch CPU capability {capability}")

@@ -24,7 +24,14 @@ import yaml
 from taskgeom import tasks
 from taskgeom.errors import CheckpointError, RunDirError
 from taskgeom.models import build_model, model_class
-from taskgeom.runs.storage import atomic_write_json, atomic_write_text, exclusive_lock, load_module_state, load_tensors, meta_int
+from taskgeom.runs.storage import (
+    atomic_write_json,
+    atomic_write_text,
+    exclusive_lock,
+    load_module_state,
+    load_tensors,
+    meta_int,
+)
 from taskgeom.settings.config import ConfigError, RunConfig
 from taskgeom.settings.recipes import build_config
 from taskgeom.version import __version__
@@ -50,21 +57,31 @@ class Run:
         if path.exists() and not path.is_dir():
             raise RunDirError(f"{path} is a file, not a run directory; choose another path")
         if not (path / "run.json").exists():  # run.json is written last: without it the directory is still being made
-            if path.exists() and any(not _ours(entry.name) and entry.name not in ("config.yaml", "run.json") for entry in path.iterdir()):
+            if path.exists() and any(
+                not _ours(entry.name) and entry.name not in ("config.yaml", "run.json") for entry in path.iterdir()
+            ):
                 raise RunDirError(f"{path} exists and is not a taskgeom run directory; choose another path")
             path.mkdir(parents=True, exist_ok=True)
             with exclusive_lock(path / LOCK_NAME, f"run directory {path}"):
                 if not (path / "run.json").exists():  # else another process made it while we looked
                     text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
-                    if (path / "config.yaml").exists() and (path / "config.yaml").read_text(encoding="utf-8", errors="replace") != text:
-                        raise RunDirError(f"{path} holds the config.yaml of another config and no run.json (its making was cut "
-                                          "short?); choose another path or delete the directory")
+                    if (path / "config.yaml").exists() and (path / "config.yaml").read_text(
+                        encoding="utf-8", errors="replace"
+                    ) != text:
+                        raise RunDirError(
+                            f"{path} holds the config.yaml of another config and no run.json (its making was cut "
+                            "short?); choose another path or delete the directory"
+                        )
                     atomic_write_text(path / "config.yaml", text)
-                    atomic_write_json(path / "run.json", {"format": RUN_FORMAT, "taskgeom": __version__, "digest": config.digest()})
+                    atomic_write_json(
+                        path / "run.json", {"format": RUN_FORMAT, "taskgeom": __version__, "digest": config.digest()}
+                    )
                     return cls(path, config)
         existing = cls.open(path)
         if existing.config.digest() != config.digest():
-            raise RunDirError(f"run directory {path} was made by a different config ({existing.config.digest()}, this one is {config.digest()})")
+            raise RunDirError(
+                f"run directory {path} was made by a different config ({existing.config.digest()}, this one is {config.digest()})"
+            )
         return existing
 
     @classmethod
@@ -79,7 +96,9 @@ class Run:
         except (yaml.YAMLError, UnicodeDecodeError) as err:
             raise RunDirError(f"{path}/config.yaml is unreadable ({err})") from None
         if meta.get("format") != RUN_FORMAT:
-            raise RunDirError(f"{path} was written by taskgeom {meta.get('taskgeom')} (run format {meta.get('format')}); this version reads format {RUN_FORMAT}")
+            raise RunDirError(
+                f"{path} was written by taskgeom {meta.get('taskgeom')} (run format {meta.get('format')}); this version reads format {RUN_FORMAT}"
+            )
         try:
             config = build_config(raw)
         except ConfigError as err:
@@ -96,7 +115,9 @@ class Run:
     @cached_property
     def pool(self) -> tasks.TaskPool:
         task = self.config.task
-        return self.family.sample_pool(task.n_major, tasks.n_minor_for_diversity(task.diversity), task.p_minor, seed=self.config.train.seed)
+        return self.family.sample_pool(
+            task.n_major, tasks.n_minor_for_diversity(task.diversity), task.p_minor, seed=self.config.train.seed
+        )
 
     def new_model(self) -> torch.nn.Module:
         """A freshly initialised model of the run's config (``models.build_model``); its weights
@@ -113,8 +134,10 @@ class Run:
         weights are not finite (a run trained before divergence was checked)."""
         diverged = self.diverged
         if diverged is not None:
-            raise RunDirError(f"run {self.path} diverged at step {diverged['step']} ({diverged['metric']} was {diverged['value']}) and has no "
-                              "model to evaluate or analyse; train it again with a lower train.lr (a new run directory)")
+            raise RunDirError(
+                f"run {self.path} diverged at step {diverged['step']} ({diverged['metric']} was {diverged['value']}) and has no "
+                "model to evaluate or analyse; train it again with a lower train.lr (a new run directory)"
+            )
         if not self.finished:
             raise RunDirError(f"{self.path} has no finished model (model.safetensors); train it first")
         remedy = f"delete it and run `taskgeom train` on this run again to rewrite it from {self.checkpoint_path.name}"
@@ -122,10 +145,14 @@ class Run:
             tensors, _ = load_tensors(self.model_path, self.config.digest())
         except CheckpointError as err:
             raise CheckpointError(f"{err}; {remedy}") from None
-        bad = sorted(name for name, value in tensors.items() if value.is_floating_point() and not torch.isfinite(value).all())
+        bad = sorted(
+            name for name, value in tensors.items() if value.is_floating_point() and not torch.isfinite(value).all()
+        )
         if bad:
-            raise RunDirError(f"run {self.path} diverged: model.safetensors holds non-finite weights ({', '.join(bad[:3])}); "
-                              "train it again with a lower train.lr (a new run directory)")
+            raise RunDirError(
+                f"run {self.path} diverged: model.safetensors holds non-finite weights ({', '.join(bad[:3])}); "
+                "train it again with a lower train.lr (a new run directory)"
+            )
         model = self.new_model()
         load_module_state(model, tensors, self.model_path)
         return model.eval()
@@ -147,7 +174,9 @@ class Run:
         models = {}
         for path in sorted((self.path / "snapshots").glob("step_*.safetensors")):
             tensors, meta = load_tensors(path, self.config.digest())
-            step = meta_int(meta, "step", path, 0, self.config.train.steps, "delete this snapshot (the others are kept)")
+            step = meta_int(
+                meta, "step", path, 0, self.config.train.steps, "delete this snapshot (the others are kept)"
+            )
             model = self.new_model()
             load_module_state(model, tensors, path)
             models[step] = model.eval()
@@ -171,7 +200,11 @@ class Run:
         if meta.get("status") != "diverged":
             return None
         info = meta.get("diverged") if isinstance(meta.get("diverged"), dict) else {}
-        return {"step": info.get("step", "unknown"), "metric": info.get("metric", "loss"), "value": info.get("value", "non-finite")}
+        return {
+            "step": info.get("step", "unknown"),
+            "metric": info.get("metric", "loss"),
+            "value": info.get("value", "non-finite"),
+        }
 
     @property
     def status(self) -> str:
@@ -205,7 +238,9 @@ class Run:
             if record is None:
                 continue
             if not isinstance(record, dict):
-                raise RunDirError(f"{self.metrics_path} line {number} is not a JSON record (cut short?); delete that line")
+                raise RunDirError(
+                    f"{self.metrics_path} line {number} is not a JSON record (cut short?); delete that line"
+                )
             records.append(record)
         return records
 

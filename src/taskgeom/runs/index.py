@@ -29,8 +29,23 @@ from taskgeom.errors import EnvironmentRefused, TaskgeomError
 from taskgeom.runs.folders import Run
 
 INDEX_NAME = "index.sqlite"
-COLUMNS = ("path", "name", "family", "diversity", "seed", "steps", "arch", "precision", "digest", "status", "step", "device",
-           "loss_major", "excess_major", "updated")
+COLUMNS = (
+    "path",
+    "name",
+    "family",
+    "diversity",
+    "seed",
+    "steps",
+    "arch",
+    "precision",
+    "digest",
+    "status",
+    "step",
+    "device",
+    "loss_major",
+    "excess_major",
+    "updated",
+)
 ALIASES = {"k": "diversity"}
 _TABLE = f"CREATE TABLE IF NOT EXISTS runs ({', '.join(c + (' PRIMARY KEY' if c == 'path' else '') for c in COLUMNS)})"
 _INSERT = f"INSERT OR REPLACE INTO runs VALUES ({', '.join('?' * len(COLUMNS))})"
@@ -94,10 +109,23 @@ def _summary(run: Run) -> tuple[dict, list[str]]:
     major = evaluated[-1]["eval"].get("major", {}) if evaluated else {}
     major = major if isinstance(major, dict) else {}
     cfg = run.config
-    row = {"path": str(run.path.resolve()), "name": cfg.name, "family": cfg.task.family, "diversity": cfg.task.diversity,
-           "seed": cfg.train.seed, "steps": cfg.train.steps, "arch": cfg.model.arch, "precision": cfg.train.precision,
-           "digest": cfg.digest(), "status": run.status, "step": _scalar(last.get("step", 0)), "device": _scalar(last.get("device")),
-           "loss_major": _scalar(major.get("loss")), "excess_major": _scalar(major.get("excess")), "updated": time.time()}
+    row = {
+        "path": str(run.path.resolve()),
+        "name": cfg.name,
+        "family": cfg.task.family,
+        "diversity": cfg.task.diversity,
+        "seed": cfg.train.seed,
+        "steps": cfg.train.steps,
+        "arch": cfg.model.arch,
+        "precision": cfg.train.precision,
+        "digest": cfg.digest(),
+        "status": run.status,
+        "step": _scalar(last.get("step", 0)),
+        "device": _scalar(last.get("device")),
+        "loss_major": _scalar(major.get("loss")),
+        "excess_major": _scalar(major.get("excess")),
+        "updated": time.time(),
+    }
     return row, problems
 
 
@@ -174,7 +202,9 @@ def record(run: Run) -> None:
         finally:
             db.close()
     except (sqlite3.Error, OSError) as err:
-        warnings.warn(f"run index {run.path.parent / INDEX_NAME} not updated ({err}); `taskgeom runs` rebuilds it", stacklevel=2)
+        warnings.warn(
+            f"run index {run.path.parent / INDEX_NAME} not updated ({err}); `taskgeom runs` rebuilds it", stacklevel=2
+        )
 
 
 # ---- listing ---------------------------------------------------------------------------------

@@ -96,7 +96,10 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, s
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
     try:
-        data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata={"format": CHECKPOINT_FORMAT, **meta})
+        data = save(
+            {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+            metadata={"format": CHECKPOINT_FORMAT, **meta},
+        )
         with open(tmp, "wb") as handle:
             handle.write(_ordered_header(data))
         os.replace(tmp, path)
@@ -132,22 +135,30 @@ def load_tensors(path: Path, digest: str | None = None) -> tuple[dict[str, torch
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({err})") from None
     if meta.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"checkpoint {path} is not a taskgeom checkpoint (format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r})")
+        raise CheckpointError(
+            f"checkpoint {path} is not a taskgeom checkpoint (format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r})"
+        )
     if digest is not None and meta.get("config_digest") != digest:
-        raise CheckpointError(f"checkpoint {path} was written for config {meta.get('config_digest')}, not this run's config {digest}")
+        raise CheckpointError(
+            f"checkpoint {path} was written for config {meta.get('config_digest')}, not this run's config {digest}"
+        )
     return tensors, meta
 
 
 def load_module_state(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path: Path, prefix: str = "") -> None:
     """Load ``tensors`` (keys under ``prefix``) into ``module``, naming any key or shape mismatch."""
-    state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
     expected = module.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint {path} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     for key, value in state.items():
         if value.shape != expected[key].shape:
-            raise CheckpointError(f"checkpoint {path}: {key} has shape {tuple(value.shape)}, the model expects {tuple(expected[key].shape)}")
+            raise CheckpointError(
+                f"checkpoint {path}: {key} has shape {tuple(value.shape)}, the model expects {tuple(expected[key].shape)}"
+            )
     module.load_state_dict(state)
 
 
@@ -161,7 +172,9 @@ def meta_int(meta: dict[str, str], key: str, path: Path, low: int, high: int, re
         value = None
     if value is None or not low <= value <= high:
         found = "is missing" if raw is None else f"is {raw!r}"
-        raise CheckpointError(f"checkpoint {path}: metadata {key!r} {found}, expected an integer in {low}..{high}; {remedy}")
+        raise CheckpointError(
+            f"checkpoint {path}: metadata {key!r} {found}, expected an integer in {low}..{high}; {remedy}"
+        )
     return value
 
 
@@ -196,8 +209,10 @@ def exclusive_lock(path: Path, what: str, refused: type[TaskgeomError] = RunLock
         except OSError as err:
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise EnvironmentRefused(f"cannot lock {path}: {err.strerror}") from None
-            raise refused(f"{what} is being written by another process ({_holder(fd)}, holding the lock {path}); "
-                                 "wait for it to finish, or stop it") from None
+            raise refused(
+                f"{what} is being written by another process ({_holder(fd)}, holding the lock {path}); "
+                "wait for it to finish, or stop it"
+            ) from None
         mine = f"{os.getpid()} {socket.gethostname()}\n".encode()
         if os.pread(fd, 256, 0) != mine:  # left as it is when it names this process already
             os.ftruncate(fd, 0)

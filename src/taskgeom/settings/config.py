@@ -56,11 +56,19 @@ class ModelConfig(StrictModel):
     d_model: PositiveInt = 64
     n_heads: PositiveInt = 2
     d_mlp: PositiveInt = 256
-    positions: Literal["rotary", "learned"] = Field("rotary", description="fixed by arch for gpt2 (learned) and llama (rotary)")
+    positions: Literal["rotary", "learned"] = Field(
+        "rotary", description="fixed by arch for gpt2 (learned) and llama (rotary)"
+    )
     max_len: PositiveInt = 256
-    arch: Literal["taskgeom", "gpt2", "llama"] = Field("taskgeom", description="gpt2, llama: a Hugging Face model (taskgeom.models.hf)")
-    activation: Literal["gelu", "silu"] = Field("gelu", description="the MLP's nonlinearity (arch taskgeom; gpt2 and llama keep their own)")
-    final_norm: Annotated[bool, Strict()] = Field(True, description="a LayerNorm before the unembedding (false: none; arch taskgeom)")
+    arch: Literal["taskgeom", "gpt2", "llama"] = Field(
+        "taskgeom", description="gpt2, llama: a Hugging Face model (taskgeom.models.hf)"
+    )
+    activation: Literal["gelu", "silu"] = Field(
+        "gelu", description="the MLP's nonlinearity (arch taskgeom; gpt2 and llama keep their own)"
+    )
+    final_norm: Annotated[bool, Strict()] = Field(
+        True, description="a LayerNorm before the unembedding (false: none; arch taskgeom)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -73,8 +81,12 @@ class ModelConfig(StrictModel):
         if fixed is None:
             return data
         if data.get("positions", fixed) != fixed:
-            raise ValueError(f"model.arch {data['arch']} has {fixed} positions; leave model.positions out (got {data['positions']!r})")
-        return {key: value for key, value in data.items() if key not in ("activation", "final_norm")} | {"positions": fixed}
+            raise ValueError(
+                f"model.arch {data['arch']} has {fixed} positions; leave model.positions out (got {data['positions']!r})"
+            )
+        return {key: value for key, value in data.items() if key not in ("activation", "final_norm")} | {
+            "positions": fixed
+        }
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
@@ -91,7 +103,9 @@ class TrainConfig(StrictModel):
     lr: PositiveFloat = 4e-4
     weight_decay: Real = Field(4e-4, ge=0.0)
     warmup_frac: Real = Field(0.5, ge=0.0, le=1.0, description="share of steps in linear warm-up")
-    schedule: Literal["triangular", "cosine"] = Field("triangular", description="the decay after warm-up: linear or cosine, to lr_floor")
+    schedule: Literal["triangular", "cosine"] = Field(
+        "triangular", description="the decay after warm-up: linear or cosine, to lr_floor"
+    )
     lr_floor: Real = Field(0.0, ge=0.0, description="the learning rate the warm-up starts from and the decay ends at")
     grad_clip: PositiveFloat | None = Field(1.0, description="the gradient norm clipped to; null: no clipping")
     seed: Int = 0
@@ -106,7 +120,9 @@ class TrainConfig(StrictModel):
     @classmethod
     def _clip_positive_or_null(cls, value: Any) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
-            raise ValueError(f"train.grad_clip must be a positive gradient norm, or null for no clipping (got {value!r})")
+            raise ValueError(
+                f"train.grad_clip must be a positive gradient norm, or null for no clipping (got {value!r})"
+            )
         return value
 
     @model_validator(mode="after")
@@ -118,8 +134,15 @@ class TrainConfig(StrictModel):
 
 # (section, field) of settings added after the first release; see RunConfig.digest. A task field
 # counts for the families that have it (task.major_seed: dice and regression).
-LATER_SETTINGS: tuple[tuple[str, str], ...] = (("train", "precision"), ("model", "arch"), ("model", "activation"), ("model", "final_norm"),
-                                               ("train", "schedule"), ("train", "lr_floor"), ("task", "major_seed"))
+LATER_SETTINGS: tuple[tuple[str, str], ...] = (
+    ("train", "precision"),
+    ("model", "arch"),
+    ("model", "activation"),
+    ("model", "final_norm"),
+    ("train", "schedule"),
+    ("train", "lr_floor"),
+    ("task", "major_seed"),
+)
 
 
 class RunConfig(StrictModel):
@@ -137,7 +160,9 @@ class RunConfig(StrictModel):
     @model_validator(mode="after")
     def _hf_arch_reads_tokens(self) -> "RunConfig":
         if self.model.arch != "taskgeom" and not family_class(self.task.family).reads_tokens:
-            raise ValueError(f"model.arch {self.model.arch!r} reads tokens, but the {self.task.family} family feeds vectors; use model.arch taskgeom")
+            raise ValueError(
+                f"model.arch {self.model.arch!r} reads tokens, but the {self.task.family} family feeds vectors; use model.arch taskgeom"
+            )
         return self
 
     @property

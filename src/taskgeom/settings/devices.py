@@ -51,9 +51,13 @@ def resolve_device(name: str) -> torch.device:
     kind, _, index = name.partition(":")
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise DeviceError(f"device {name!r} asked for, but CUDA is not available (torch {torch.__version__}); use --device cpu or auto")
+            raise DeviceError(
+                f"device {name!r} asked for, but CUDA is not available (torch {torch.__version__}); use --device cpu or auto"
+            )
         if index and int(index) >= torch.cuda.device_count():
-            raise DeviceError(f"device {name!r} does not exist; this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise DeviceError(
+                f"device {name!r} does not exist; this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
     return torch.device(name)
 
 
@@ -108,7 +112,10 @@ def _cgroup_quota(root: str) -> float | None:
     except (OSError, ValueError):
         pass
     try:
-        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as q, open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as p:
+        with (
+            open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as q,
+            open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as p,
+        ):
             quota, period = int(q.read()), int(p.read())
         return None if quota <= 0 else quota / period
     except (OSError, ValueError):
@@ -127,4 +134,3 @@ def describe(device: torch.device) -> str:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
     return "this machine (cpu)"
-

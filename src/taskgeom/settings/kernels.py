@@ -48,25 +48,37 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
     return None
 
 
-def choose(native: bool = False, environ: dict[str, str] | None = None, machine: str | None = None,
-           flags: set[str] | None = None) -> Kernels:
+def choose(
+    native: bool = False,
+    environ: dict[str, str] | None = None,
+    machine: str | None = None,
+    flags: set[str] | None = None,
+) -> Kernels:
     """The kernel choice for this process (module docstring); ``environ``, ``machine`` and
     ``flags`` default to this machine's."""
     environ = os.environ if environ is None else environ
     machine = (machine or platform.machine()).lower()
     flags = cpu_flags() if flags is None else flags
     user = {name: environ[name] for name in PINS if name in environ}
-    if user == PINS and environ.get(CHOICE_VARIABLE) == "pinned":  # set by an earlier choice of this process or its parent
+    if (
+        user == PINS and environ.get(CHOICE_VARIABLE) == "pinned"
+    ):  # set by an earlier choice of this process or its parent
         user = {}
     if user:
-        return Kernels("user", f"kept the kernel variables the user set ({', '.join(f'{k}={v}' for k, v in user.items())})", user)
+        return Kernels(
+            "user", f"kept the kernel variables the user set ({', '.join(f'{k}={v}' for k, v in user.items())})", user
+        )
     if native:
         return Kernels("native", "--native-kernels: torch picks its kernels by this CPU", {})
     if machine not in ("x86_64", "amd64"):
         return Kernels("native", f"this CPU is {machine}, not x86-64: bits will differ from the published ones", {})
     if flags is not None and "avx2" not in flags:
         return Kernels("native", "this CPU has no AVX2: bits will differ from the published ones", {})
-    return Kernels("pinned", "ATen, MKL and oneDNN pinned to AVX2: AMD EPYC CPUs train the same bits as each other, an Intel Xeon others", dict(PINS))
+    return Kernels(
+        "pinned",
+        "ATen, MKL and oneDNN pinned to AVX2: AMD EPYC CPUs train the same bits as each other, an Intel Xeon others",
+        dict(PINS),
+    )
 
 
 def use_portable_kernels(native: bool = False) -> Kernels:
@@ -94,5 +106,7 @@ def environment() -> dict[str, str]:
 def current() -> dict:
     """The choice in force in this process (as ``reproduction.json`` records it): the mode set by
     ``use_portable_kernels`` (``unset`` when nothing chose) and the pin variables set."""
-    return {"mode": os.environ.get(CHOICE_VARIABLE, "unset"),
-            "variables": {name: os.environ[name] for name in PINS if name in os.environ}}
+    return {
+        "mode": os.environ.get(CHOICE_VARIABLE, "unset"),
+        "variables": {name: os.environ[name] for name in PINS if name in os.environ},
+    }

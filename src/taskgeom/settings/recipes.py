@@ -90,10 +90,17 @@ class MeasureSettings(StrictModel):
     through ``extends``): the diversity grid of the dual-mode sweep (the claims read its lowest and
     highest k) and the sizes of the study's Fig. 4 statistic (docs/protocol.md, "Projection R^2")."""
 
-    grid: list[Int] = Field(default_factory=lambda: [-1, 4, 10], min_length=2, description="diversities k of the dual-mode sweep")
-    projection_tasks: PositiveInt = Field(1024, description="OOD tasks of the claims' projection R^2 ([ours]: 8x the study's 128 draw, "
-                                                         "which is written beside it)")
-    projection_per_task: PositiveInt = Field(128, description="sequences per OOD task and per major task's mean (the study's 128)")
+    grid: list[Int] = Field(
+        default_factory=lambda: [-1, 4, 10], min_length=2, description="diversities k of the dual-mode sweep"
+    )
+    projection_tasks: PositiveInt = Field(
+        1024,
+        description="OOD tasks of the claims' projection R^2 ([ours]: 8x the study's 128 draw, "
+        "which is written beside it)",
+    )
+    projection_per_task: PositiveInt = Field(
+        128, description="sequences per OOD task and per major task's mean (the study's 128)"
+    )
 
     @property
     def projection_sizes(self) -> tuple[int, int]:
@@ -148,7 +155,9 @@ def _read_recipe(path: Path, content: bytes) -> Recipe:
     try:
         recipe = yaml.safe_load(content.decode("utf-8"))
     except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); save the recipe as UTF-8") from None
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); save the recipe as UTF-8"
+        ) from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({yaml_problem(err)})") from None
     if not isinstance(recipe, dict):
@@ -160,7 +169,9 @@ def _read_recipe(path: Path, content: bytes) -> Recipe:
     if not isinstance(base, dict):
         raise ConfigError(f"{path}: 'base' must be a mapping of settings, got {describe_value(base)}")
     if not isinstance(profiles, dict):
-        raise ConfigError(f"{path}: 'profiles' must be a mapping of profile names to settings, got {describe_value(profiles)}")
+        raise ConfigError(
+            f"{path}: 'profiles' must be a mapping of profile names to settings, got {describe_value(profiles)}"
+        )
     resolved = {str(name): _profile_settings(path, profiles, name) for name in profiles}
     measures = {}
     for name, settings in resolved.items():
@@ -214,7 +225,9 @@ def recipe_path(name_or_path: str | Path) -> Path:
     shipped = RECIPE_DIR / f"{name_or_path}.yaml"
     if shipped.is_file():
         return shipped
-    raise ConfigError(f"no config file {str(name_or_path)!r} and no shipped recipe of that name; recipes: {recipe_names()}")
+    raise ConfigError(
+        f"no config file {str(name_or_path)!r} and no shipped recipe of that name; recipes: {recipe_names()}"
+    )
 
 
 def load_recipe(name_or_path: str | Path, profile: str = DEFAULT_PROFILE, overrides: list[str] = ()) -> RunConfig:
@@ -223,7 +236,11 @@ def load_recipe(name_or_path: str | Path, profile: str = DEFAULT_PROFILE, overri
 
 
 class ExperimentEntry(StrictModel):
-    run: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="module:function of an experiment of the recipe's own")
+    run: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="module:function of an experiment of the recipe's own",
+    )
     profiles: list[str] | None = Field(None, description="only at these profiles; all when left out")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of an experiment of its own")
 
@@ -256,8 +273,10 @@ def load_study(name_or_path: str | Path) -> Study:
     recipe = read_recipe(path)
     section = recipe.study
     if section is None:
-        raise ConfigError(f"{path}: no study section; `taskgeom reproduce` measures a recipe that declares what it takes part in "
-                          "(see taskgeom.settings.recipes)")
+        raise ConfigError(
+            f"{path}: no study section; `taskgeom reproduce` measures a recipe that declares what it takes part in "
+            "(see taskgeom.settings.recipes)"
+        )
     try:
         study = StudySection.model_validate(section)
     except ValidationError as err:

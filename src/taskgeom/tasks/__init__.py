@@ -8,7 +8,15 @@ from taskgeom.tasks.base import Batch, TaskFamily, TaskPool, TaskProbe, TokenFam
 from taskgeom.tasks.dice import Dice
 from taskgeom.tasks.dyck import Dyck
 from taskgeom.tasks.markov import Markov
-from taskgeom.tasks.registry import FAMILIES, FamilyError, build_family, families, family_class, register, settings_model
+from taskgeom.tasks.registry import (
+    FAMILIES,
+    FamilyError,
+    build_family,
+    families,
+    family_class,
+    register,
+    settings_model,
+)
 from taskgeom.tasks.regression import Regression
 
 for _family in (Dice, Markov, Regression, Dyck):
@@ -21,5 +29,20 @@ def make(name: str, **settings) -> TaskFamily:
     return build_family(settings_model(name).model_validate(settings))
 
 
-__all__ = ["Batch", "FAMILIES", "FamilyError", "TaskFamily", "TaskPool", "TaskProbe", "TokenFamily", "build_family", "families", "family_class",
-           "make", "n_minor_for_diversity", "pool_weights", "register", "settings_model"]
+__all__ = [
+    "Batch",
+    "FAMILIES",
+    "FamilyError",
+    "TaskFamily",
+    "TaskPool",
+    "TaskProbe",
+    "TokenFamily",
+    "build_family",
+    "families",
+    "family_class",
+    "make",
+    "n_minor_for_diversity",
+    "pool_weights",
+    "register",
+    "settings_model",
+]

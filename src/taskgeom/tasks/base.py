@@ -68,11 +68,20 @@ class Batch:
 
     def rows(self, index: torch.Tensor) -> "Batch":
         """The sequences ``index``: [n] of this batch, as a batch."""
-        return replace(self, **{f.name: getattr(self, f.name)[index] for f in fields(self) if getattr(self, f.name) is not None})
+        return replace(
+            self, **{f.name: getattr(self, f.name)[index] for f in fields(self) if getattr(self, f.name) is not None}
+        )
 
     def to(self, device: torch.device) -> "Batch":
         """The same batch with every tensor on ``device`` (through pinned memory for CUDA)."""
-        return replace(self, **{f.name: to_device(getattr(self, f.name), device) for f in fields(self) if getattr(self, f.name) is not None})
+        return replace(
+            self,
+            **{
+                f.name: to_device(getattr(self, f.name), device)
+                for f in fields(self)
+                if getattr(self, f.name) is not None
+            },
+        )
 
 
 def pool_weights(n_major: int, n_minor: int, p_minor: float) -> torch.Tensor:
@@ -115,7 +124,6 @@ class TaskProbe:
     centred: bool = False
 
 
-
 class TaskFamily(ABC):
     """What every latent-task family shares: pools, seeded sampling, and the dispatch points the
     trainer and evaluator use (model sizes, training loss, evaluation losses).
@@ -130,7 +138,12 @@ class TaskFamily(ABC):
     # True: the orthogonal search also keeps V out of the token directions (docs/protocol.md: E3)
     v_avoids_tokens: ClassVar[bool] = False
     # how figures name the evaluation metrics: (ID-Bayes, OOD-optimal, loss unit, position axis)
-    plot_labels = ("ID-Bayes (pool posterior)", "OOD-optimal (continuous prior)", "loss (nats / token)", "context position t")
+    plot_labels = (
+        "ID-Bayes (pool posterior)",
+        "OOD-optimal (continuous prior)",
+        "loss (nats / token)",
+        "context position t",
+    )
     # docs/protocol.md, the M1 protocol: the late window of the task vectors as fractions [start, stop)
     # of the analysed positions (the study's own window for its families; else the last quarter), and the
     # study block (block, of blocks) where the M1 claims read the states, and P3
@@ -167,8 +180,10 @@ class TaskFamily(ABC):
         family when the family declares none."""
         value = getattr(cls, name)
         if value is None:
-            raise AnalysisError(f"the {cls.name!r} family declares no {name} (TaskFamily.{name}, docs/adding-a-family.md): "
-                             "set it on the family class")
+            raise AnalysisError(
+                f"the {cls.name!r} family declares no {name} (TaskFamily.{name}, docs/adding-a-family.md): "
+                "set it on the family class"
+            )
         return value
 
     def analysed_positions(self, seq_len: int) -> slice | torch.Tensor:
@@ -198,7 +213,9 @@ class TaskFamily(ABC):
         """Scalar loss the trainer minimises."""
 
     @abstractmethod
-    def position_losses(self, model: torch.nn.Module, batch: Batch, bayes_id: torch.Tensor, bayes_ood: torch.Tensor) -> dict[str, torch.Tensor]:
+    def position_losses(
+        self, model: torch.nn.Module, batch: Batch, bayes_id: torch.Tensor, bayes_ood: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """Per-sequence, per-prediction losses {metric: [B, P]}: ``loss`` (model), ``bayes_id_loss``,
         ``bayes_ood_loss``, ``excess`` (model minus ID-Bayes) and one family-specific gap."""
 
@@ -213,7 +230,9 @@ class TaskFamily(ABC):
         flattened; E2: the ridge weights): what the linear-code reference of projection R^2 reads
         (docs/protocol.md). A family without one raises NotImplementedError; the reference is
         then not available and says so."""
-        raise NotImplementedError(f"the {self.name!r} family does not define ood_estimate (the OOD-optimal learner's estimate of the task)")
+        raise NotImplementedError(
+            f"the {self.name!r} family does not define ood_estimate (the OOD-optimal learner's estimate of the task)"
+        )
 
     def major_params(self, n_major: int, gen: torch.Generator) -> torch.Tensor:
         """[n_major, ...] major tasks; by default draws from the prior."""
@@ -268,8 +287,15 @@ class TaskFamily(ABC):
             task = torch.randint(low, high, (batch_size,), generator=gen)
         return self.make_batch(pool.params[task], task, seq_len, gen)
 
-    def sample_ood(self, batch_size: int, seq_len: int, seed: int = 0, step: int = 0, stream: str = "ood",
-                   n_tasks: int | None = None) -> Batch:
+    def sample_ood(
+        self,
+        batch_size: int,
+        seq_len: int,
+        seed: int = 0,
+        step: int = 0,
+        stream: str = "ood",
+        n_tasks: int | None = None,
+    ) -> Batch:
         """Sequences of fresh tasks drawn from the prior (task = -1): one per sequence, or with
         ``n_tasks`` that many drawn once, each sequence's task uniform among them (the study's OOD
         evaluation sets, ``n_ood`` tasks)."""
@@ -283,8 +309,9 @@ class TaskFamily(ABC):
             params = self.sample_params(n_tasks, gen)[torch.randint(0, n_tasks, (batch_size,), generator=gen)]
         return self.make_batch(params, torch.full((batch_size,), -1, dtype=torch.long), seq_len, gen)
 
-
-    def sample_ood_tasks(self, n_tasks: int, per_task: int, seq_len: int, seed: int = 0, step: int = 0, stream: str = "ood-tasks") -> Batch:
+    def sample_ood_tasks(
+        self, n_tasks: int, per_task: int, seq_len: int, seed: int = 0, step: int = 0, stream: str = "ood-tasks"
+    ) -> Batch:
         """``n_tasks`` fresh tasks from the prior with ``per_task`` sequences each (task = -1): rows
         ``j * per_task .. (j + 1) * per_task - 1`` share task j's params."""
         _check_sizes(n_tasks * per_task, seq_len)
@@ -341,7 +368,9 @@ class TokenFamily(TaskFamily):
         logits = model(batch.tokens)
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch.tokens[:, 1:].reshape(-1))
 
-    def position_losses(self, model: torch.nn.Module, batch: Batch, bayes_id: torch.Tensor, bayes_ood: torch.Tensor) -> dict[str, torch.Tensor]:
+    def position_losses(
+        self, model: torch.nn.Module, batch: Batch, bayes_id: torch.Tensor, bayes_ood: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """Each [B, T-1] (nats): position t scores the prediction of tokens[:, t+1]; the gap is
         KL(ID-Bayes || model)."""
         tokens = batch.tokens
@@ -349,7 +378,12 @@ class TokenFamily(TaskFamily):
         loss = -logp_model[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
         bayes = bayes_id[:, :-1]
         kl = (bayes * (bayes.clamp_min(1e-300).log() - logp_model[:, :-1])).sum(-1)
-        rows = {"loss": loss, "bayes_id_loss": _nll(bayes_id, tokens), "bayes_ood_loss": _nll(bayes_ood, tokens), "kl_bayes_model": kl}
+        rows = {
+            "loss": loss,
+            "bayes_id_loss": _nll(bayes_id, tokens),
+            "bayes_ood_loss": _nll(bayes_ood, tokens),
+            "kl_bayes_model": kl,
+        }
         rows["excess"] = rows["loss"] - rows["bayes_id_loss"]
         return rows
 

@@ -20,14 +20,18 @@ class DiceSettings(TokenTaskSettings):
     vocab_size: Int = Field(6, ge=2)
     alpha: PositiveFloat = 1.0
     majors: Majors = "disjoint"
-    floor: Real = Field(0.02, ge=0.0, description="majors disjoint: the weight of a major's other faces before normalising")
+    floor: Real = Field(
+        0.02, ge=0.0, description="majors disjoint: the weight of a major's other faces before normalising"
+    )
     major_seed: Int = Field(42, description="majors dirichlet: the seed of the majors, the same in every run")
 
     @model_validator(mode="after")
     def _disjoint_majors_have_faces(self) -> "DiceSettings":
         if self.majors == "disjoint" and self.n_major > self.vocab_size:
-            raise ValueError(f"task.majors disjoint gives each major task faces of its own: task.n_major ({self.n_major}) "
-                             f"must not exceed task.vocab_size ({self.vocab_size}); raise task.vocab_size or set task.majors=prior")
+            raise ValueError(
+                f"task.majors disjoint gives each major task faces of its own: task.n_major ({self.n_major}) "
+                f"must not exceed task.vocab_size ({self.vocab_size}); raise task.vocab_size or set task.majors=prior"
+            )
         return self
 
 
@@ -56,7 +60,13 @@ class Dice(TokenFamily):
     projection_window = (0.0, 2)  # positions 0 to T - 3: the T - 1 predicting positions less the last
 
     def __init__(self, vocab_size: int, alpha: float, majors: Majors, floor: float, major_seed: int = 42):
-        self.vocab_size, self.alpha, self.majors, self.floor, self.major_seed = vocab_size, alpha, majors, floor, major_seed
+        self.vocab_size, self.alpha, self.majors, self.floor, self.major_seed = (
+            vocab_size,
+            alpha,
+            majors,
+            floor,
+            major_seed,
+        )
 
     def sample_params(self, n: int, gen: torch.Generator) -> torch.Tensor:
         gamma = torch._standard_gamma(torch.full((n, self.vocab_size), self.alpha, dtype=torch.float64), gen)

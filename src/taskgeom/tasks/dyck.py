@@ -51,7 +51,6 @@ def open_probability(remaining: torch.Tensor, depth: torch.Tensor) -> torch.Tens
     return torch.where(exists, ratio, 0.5)
 
 
-
 class DyckSettings(TokenTaskSettings):
     n_noise: Int = Field(7, ge=1)
     n_pairs: PositiveInt = 10

@@ -67,12 +67,17 @@ class Markov(TokenFamily):
         of the transitions so far, each row normalised."""
         V = self.vocab_size
         pairs = F.one_hot(tokens[:, :-1] * V + tokens[:, 1:], V * V).double()  # [B, T-1, V*V]
-        counts = torch.cat([torch.zeros_like(pairs[:, :1]), pairs], dim=1).cumsum(dim=1).view(*tokens.shape, V, V) + self.alpha
+        counts = (
+            torch.cat([torch.zeros_like(pairs[:, :1]), pairs], dim=1).cumsum(dim=1).view(*tokens.shape, V, V)
+            + self.alpha
+        )
         return counts / counts.sum(-1, keepdim=True)
 
     def predict_ood(self, tokens: torch.Tensor) -> torch.Tensor:
         V = self.vocab_size
-        return self.posterior_transitions(tokens).gather(2, tokens[..., None, None].expand(*tokens.shape, 1, V)).squeeze(2)
+        return (
+            self.posterior_transitions(tokens).gather(2, tokens[..., None, None].expand(*tokens.shape, 1, V)).squeeze(2)
+        )
 
     def ood_estimate(self, batch) -> torch.Tensor:
         """[B, T, V * V] the posterior-mean transition matrix (``posterior_transitions``), flattened row by row."""

@@ -35,12 +35,18 @@ def register(family: type[TaskFamily], source: str = "taskgeom") -> type[TaskFam
     if not (isinstance(family, type) and issubclass(family, TaskFamily)):
         raise FamilyError(f"{source}: {family!r} is not a taskgeom.tasks.TaskFamily subclass")
     if not isinstance(name, str) or not name.isidentifier():
-        raise FamilyError(f"{source}: family {family.__name__} needs a class attribute name, an identifier (got {name!r})")
+        raise FamilyError(
+            f"{source}: family {family.__name__} needs a class attribute name, an identifier (got {name!r})"
+        )
     settings = getattr(family, "Settings", None)
     if not (isinstance(settings, type) and issubclass(settings, TaskSettings)):
-        raise FamilyError(f"{source}: family {name!r} needs a class attribute Settings, a subclass of taskgeom.settings.fields.TaskSettings")
+        raise FamilyError(
+            f"{source}: family {name!r} needs a class attribute Settings, a subclass of taskgeom.settings.fields.TaskSettings"
+        )
     if name in FAMILIES and FAMILIES[name] is not family:
-        raise FamilyError(f"family {name!r} is registered twice: by {_SOURCES[name]} and by {source}; uninstall one of them")
+        raise FamilyError(
+            f"family {name!r} is registered twice: by {_SOURCES[name]} and by {source}; uninstall one of them"
+        )
     FAMILIES[name], _SOURCES[name] = family, source
     return family
 
@@ -59,7 +65,9 @@ def load_plugins() -> None:
         except Exception as err:  # any import failure of a plugin is reported as the plugin's
             raise FamilyError(f"{source} failed to import: {type(err).__name__}: {err}") from None
         if getattr(family, "name", None) != entry.name:
-            raise FamilyError(f"{source}: the entry point's name must be the family's name ({getattr(family, 'name', None)!r})")
+            raise FamilyError(
+                f"{source}: the entry point's name must be the family's name ({getattr(family, 'name', None)!r})"
+            )
         register(family, source)
 
 
@@ -73,15 +81,21 @@ def family_class(name: str) -> type[TaskFamily]:
     """The family registered as ``name``; FamilyError listing the registered ones otherwise."""
     known = families()
     if name not in known:
-        raise FamilyError(f"unknown task family {name!r}; registered: {', '.join(sorted(known))} (a family from another package "
-                          f"joins through the entry-point group {ENTRY_POINT_GROUP})")
+        raise FamilyError(
+            f"unknown task family {name!r}; registered: {', '.join(sorted(known))} (a family from another package "
+            f"joins through the entry-point group {ENTRY_POINT_GROUP})"
+        )
     return known[name]
 
 
 @lru_cache(maxsize=None)
 def _settings_model(family: type[TaskFamily]) -> type[TaskSettings]:
-    model = create_model(family.Settings.__name__, __base__=family.Settings, __module__=__name__,
-                         family=(Literal[family.name], family.name))
+    model = create_model(
+        family.Settings.__name__,
+        __base__=family.Settings,
+        __module__=__name__,
+        family=(Literal[family.name], family.name),
+    )
     model.__qualname__ = f"settings.{family.name}"  # how pickle finds it again, in any process: ``settings`` below
     return model
 

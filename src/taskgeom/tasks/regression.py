@@ -48,7 +48,9 @@ class RegressionSettings(TaskSettings):
         return self.n_examples * _STRIDE[self.layout]
 
     def length_setting(self) -> str:
-        return f"task.n_examples ({self.n_examples}) needs {self.seq_len} positions in the {self.layout!r} layout, which"
+        return (
+            f"task.n_examples ({self.n_examples}) needs {self.seq_len} positions in the {self.layout!r} layout, which"
+        )
 
 
 class Regression(TaskFamily):
@@ -69,7 +71,12 @@ class Regression(TaskFamily):
     projection_block = (10, 16)
     paired_batches = True  # the study's analysis batches share their x sequences across the tasks
     centred_token_effects = False  # the token effect is a linear map of x_t
-    plot_labels = ("dMMSE (pool posterior)", "ridge, lambda = noise^2", "mean squared error", "example index i (predicting y_i)")
+    plot_labels = (
+        "dMMSE (pool posterior)",
+        "ridge, lambda = noise^2",
+        "mean squared error",
+        "example index i (predicting y_i)",
+    )
 
     def __init__(self, d: int, noise: float, layout: Layout, major_seed: int | None = None):
         self.d, self.noise, self.layout, self.major_seed = d, float(noise), layout, major_seed
@@ -119,16 +126,22 @@ class Regression(TaskFamily):
 
     def _labelled(self, x: torch.Tensor, params: torch.Tensor, task: torch.Tensor, gen: torch.Generator) -> Batch:
         """The batch of examples x: [B, n, d] labelled by the tasks params: [B, d] (fresh noise)."""
-        y = torch.einsum("bnd,bd->bn", x, params.double()) + self.noise * torch.randn(*x.shape[:2], generator=gen, dtype=torch.float64)
+        y = torch.einsum("bnd,bd->bn", x, params.double()) + self.noise * torch.randn(
+            *x.shape[:2], generator=gen, dtype=torch.float64
+        )
         return Batch(self.encode(x, y), task, params, x, y)
 
-    def sample_paired(self, pool: TaskPool, batch_size: int, seq_len: int, seed: int = 0, step: int = 0, stream: str = "paired") -> Batch:
+    def sample_paired(
+        self, pool: TaskPool, batch_size: int, seq_len: int, seed: int = 0, step: int = 0, stream: str = "paired"
+    ) -> Batch:
         """A paired design: ``batch_size // K`` x sequences, each labelled once by every pool task
         (rows ``k * m .. (k + 1) * m - 1`` are task k), with independent noise; [K * m] sequences."""
         K = pool.size
         m = batch_size // K
         if m < 1:
-            raise ValueError(f"a paired batch needs at least one sequence per task: batch_size {batch_size} < {K} tasks")
+            raise ValueError(
+                f"a paired batch needs at least one sequence per task: batch_size {batch_size} < {K} tasks"
+            )
         gen = generator(seed, step, f"{stream}/paired")
         x = torch.randn(m, self.n_examples(seq_len), self.d, generator=gen, dtype=torch.float64).repeat(K, 1, 1)
         task = torch.arange(K).repeat_interleave(m)
@@ -147,7 +160,9 @@ class Regression(TaskFamily):
         """Mean squared error of the predictions of y."""
         return torch.nn.functional.mse_loss(self.model_predictions(model, batch.tokens), batch.y.float())
 
-    def position_losses(self, model: torch.nn.Module, batch: Batch, bayes_id: torch.Tensor, bayes_ood: torch.Tensor) -> dict[str, torch.Tensor]:
+    def position_losses(
+        self, model: torch.nn.Module, batch: Batch, bayes_id: torch.Tensor, bayes_ood: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """Each [B, n], squared errors of the predictions of y_i (``loss``: model, ``bayes_id_loss``:
         dMMSE, ``bayes_ood_loss``: ridge), ``excess`` and ``sq_gap_bayes_model`` = (model - dMMSE)^2."""
         pred = self.model_predictions(model, batch.tokens).double()

@@ -28,7 +28,9 @@ class EvalSet:
 
     def to(self, device: torch.device) -> "EvalSet":
         """The same set with its sequences and reference predictions on ``device``."""
-        return replace(self, batch=self.batch.to(device), bayes_id=self.bayes_id.to(device), bayes_ood=self.bayes_ood.to(device))
+        return replace(
+            self, batch=self.batch.to(device), bayes_id=self.bayes_id.to(device), bayes_ood=self.bayes_ood.to(device)
+        )
 
 
 def eval_sets(run: Run, batch_size: int | None = None) -> list[EvalSet]:
@@ -69,8 +71,9 @@ def evaluate_run(run: Run) -> list[dict]:
     rows = []
     for evalset in eval_sets(run):
         for metric, values in per_position(model, evalset).items():
-            rows += [{"set": evalset.name, "position": t, "metric": metric, "value": float(v)} for t, v in enumerate(values)]
+            rows += [
+                {"set": evalset.name, "position": t, "metric": metric, "value": float(v)} for t, v in enumerate(values)
+            ]
     rows = standard_json(rows)
     atomic_write_json(run.path / "analysis" / "eval.json", rows)
     return rows
-

@@ -64,7 +64,9 @@ def analysis_memory(config: RunConfig, n_sequences: int) -> int:
     and the fits' own work come on top."""
     m, family = config.model, config.family
     (n_in, n_out), T, K, sites = family.io_widths(), config.task.seq_len, config.task.n_major, 2
-    inputs = 2 * 8 * T * (1 if family.reads_tokens else n_in)  # the two batches' inputs: int64 tokens or float64 vectors
+    inputs = (
+        2 * 8 * T * (1 if family.reads_tokens else n_in)
+    )  # the two batches' inputs: int64 tokens or float64 vectors
     per_token = 4 * (m.d_mlp + 4 * m.d_model + n_out) + sites * m.d_model * (4 + 2 * 8)
     return 4 * _parameter_count(config, family) + n_sequences * (inputs + 2 * family.bayes_memory(T, K) + T * per_token)
 
@@ -84,12 +86,20 @@ def check_memory(needed: int | dict[str, int], available: int | None, where: str
     total = sum(needed.values()) if isinstance(needed, dict) else needed
     if available is None or total <= available:
         return
-    parts = f" ({', '.join(f'{name} {format_bytes(size)}' for name, size in needed.items())})" if isinstance(needed, dict) else ""
-    raise MemoryRefused(f"{what} needs at least {format_bytes(total)}{parts}, more than the {format_bytes(available)} of memory "
-                        f"available on {where}; {advice}")
+    parts = (
+        f" ({', '.join(f'{name} {format_bytes(size)}' for name, size in needed.items())})"
+        if isinstance(needed, dict)
+        else ""
+    )
+    raise MemoryRefused(
+        f"{what} needs at least {format_bytes(total)}{parts}, more than the {format_bytes(available)} of memory "
+        f"available on {where}; {advice}"
+    )
 
 
-def check_training_memory(config: RunConfig, available: int | None, where: str, host: tuple[int | None, str] | None = None) -> None:
+def check_training_memory(
+    config: RunConfig, available: int | None, where: str, host: tuple[int | None, str] | None = None
+) -> None:
     """Refuse ``config`` (before its run directory is made) when training it cannot fit in the
     ``available`` bytes of ``where``. ``host``: (bytes, name) of the CPU memory when the model is on
     a GPU; the exact posterior, computed on the CPU, is checked against it."""

@@ -118,7 +118,7 @@ def matmul_rate(seconds: float = 0.5, n: int = 512) -> float:
             a @ b
             count += 1
         spent = time.process_time() - cpu
-    return 2 * n ** 3 * count / max(spent, 1e-9)
+    return 2 * n**3 * count / max(spent, 1e-9)
 
 
 def estimate_wall(pool: list[float], main: float, workers: int) -> float:

@@ -29,7 +29,15 @@ import torch
 from taskgeom.errors import CheckpointError, TrainingDiverged
 from taskgeom.runs import index as runindex
 from taskgeom.runs.folders import Run
-from taskgeom.runs.storage import atomic_write_text, load_module_state, load_tensors, meta_float, meta_int, save_tensors, standard_json
+from taskgeom.runs.storage import (
+    atomic_write_text,
+    load_module_state,
+    load_tensors,
+    meta_float,
+    meta_int,
+    save_tensors,
+    standard_json,
+)
 from taskgeom.settings.config import RunConfig
 from taskgeom.settings.devices import autocast, resolve_device, torch_threads
 from taskgeom.tasks import Batch, TaskFamily
@@ -39,7 +47,9 @@ from taskgeom.training.trackers import Tracker, check_tracker, open_tracker
 ProgressFn = Callable[[int, int, float], None]
 
 
-def learning_rate(step: int, steps: int, peak: float, warmup_frac: float, floor: float = 0.0, kind: str = "triangular") -> float:
+def learning_rate(
+    step: int, steps: int, peak: float, warmup_frac: float, floor: float = 0.0, kind: str = "triangular"
+) -> float:
     """The rate of ``step`` (0-based): linear warm-up from ``floor`` to ``peak`` over ``warmup_frac``
     of the steps, then a decay to ``floor`` at ``steps``, linear (``triangular``) or half a cosine
     (``cosine``)."""
@@ -85,8 +95,15 @@ def _load_optimizer(opt: torch.optim.AdamW, tensors: dict[str, torch.Tensor]) ->
     opt.load_state_dict(full)
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, family: TaskFamily, batch: Batch, where: torch.device,
-               precision: str, grad_clip: float | None) -> float:
+def train_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    family: TaskFamily,
+    batch: Batch,
+    where: torch.device,
+    precision: str,
+    grad_clip: float | None,
+) -> float:
     """One optimiser step on a CPU-made batch, copied to ``where`` (gradients clipped to norm
     ``grad_clip``, or not at all for None); returns the training loss."""
     batch = batch.to(where)
@@ -129,7 +146,11 @@ def train(run: Run, progress: ProgressFn | None = None, device: str = "auto", tr
         finally:
             if sink is not None:
                 sink.close(failed)
-        save_tensors(run.model_path, model.state_dict(), {"config_digest": run.config.digest(), "step": str(run.config.train.steps)})
+        save_tensors(
+            run.model_path,
+            model.state_dict(),
+            {"config_digest": run.config.digest(), "step": str(run.config.train.steps)},
+        )
         runindex.record(run)
     return record or run.metrics()[-1]
 
@@ -142,8 +163,9 @@ class _Diverged(Exception):
         self.step, self.metric, self.value = step, metric, value
 
 
-def train_settings(settings: RunConfig, out: Path, run_dir: Path | None = None, device: str = "auto",
-                   tracker: str = "none") -> tuple[Run, list[str]]:
+def train_settings(
+    settings: RunConfig, out: Path, run_dir: Path | None = None, device: str = "auto", tracker: str = "none"
+) -> tuple[Run, list[str]]:
     """``taskgeom train``: the run of ``settings`` (its directory under ``out``, or ``run_dir``)
     trained, or resumed, with a progress bar, after checking that it fits ``device``; returns the
     run and one line per held-out set (loss, ID-Bayes loss, excess), none when it was already trained."""
@@ -160,8 +182,10 @@ def train_settings(settings: RunConfig, out: Path, run_dir: Path | None = None, 
         return run, []
     with step_bar(f"train {run.path.name}", run.config.train.steps) as update:
         record = train(run, update, device, tracker)
-    return run, [f"{name:>6}: loss {values['loss']:.4f}  ID-Bayes {values['bayes_id_loss']:.4f}  excess {values['excess']:+.4f}"
-                 for name, values in record["eval"].items()]
+    return run, [
+        f"{name:>6}: loss {values['loss']:.4f}  ID-Bayes {values['bayes_id_loss']:.4f}  excess {values['excess']:+.4f}"
+        for name, values in record["eval"].items()
+    ]
 
 
 def _diverged_message(run: Run, step: Any, metric: str, value: Any, again: bool = False) -> str:
@@ -202,8 +226,17 @@ def _restore(run: Run, where: torch.device) -> tuple[torch.nn.Module, torch.opti
     return model, opt, step, loss_sum, loss_count
 
 
-def _steps(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, where: torch.device, start: int, loss_sum: float,
-           loss_count: int, progress: ProgressFn | None, tracker: Tracker | None) -> dict:
+def _steps(
+    run: Run,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    where: torch.device,
+    start: int,
+    loss_sum: float,
+    loss_count: int,
+    progress: ProgressFn | None,
+    tracker: Tracker | None,
+) -> dict:
     """Steps ``start`` to the end: evaluation records, checkpoints and snapshots on their schedule;
     returns the last evaluation record."""
     cfg, family, pool = run.config.train, run.family, run.pool
@@ -221,7 +254,13 @@ def _steps(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, where: 
             raise _Diverged(done, "train_loss", loss_value)
         loss_sum, loss_count = loss_sum + loss_value, loss_count + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            record = {"step": done, "lr": lr, "train_loss": loss_sum / loss_count, "eval": summary(model, sets), "device": str(where)}
+            record = {
+                "step": done,
+                "lr": lr,
+                "train_loss": loss_sum / loss_count,
+                "eval": summary(model, sets),
+                "device": str(where),
+            }
             bad = _first_nonfinite(record["eval"])
             if bad is not None:
                 raise _Diverged(done, *bad)
@@ -232,10 +271,17 @@ def _steps(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, where: 
             loss_sum, loss_count = 0.0, 0
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             tensors = {f"model.{k}": v for k, v in model.state_dict().items()} | _optimizer_tensors(opt)
-            meta = {"config_digest": run.config.digest(), "step": str(done), "loss_sum": repr(loss_sum), "loss_count": str(loss_count)}
+            meta = {
+                "config_digest": run.config.digest(),
+                "step": str(done),
+                "loss_sum": repr(loss_sum),
+                "loss_count": str(loss_count),
+            }
             save_tensors(run.checkpoint_path, tensors, meta)
         if done in keep:
-            save_tensors(run.snapshot_path(done), model.state_dict(), {"config_digest": run.config.digest(), "step": str(done)})
+            save_tensors(
+                run.snapshot_path(done), model.state_dict(), {"config_digest": run.config.digest(), "step": str(done)}
+            )
         if progress:
             progress(done, cfg.steps, loss_value)
     return record

@@ -57,9 +57,13 @@ def two_way(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, n_a: int, n_b: in
 
     cells = torch.nonzero(occupied).flatten()
     design = torch.cat(
-        [torch.ones(len(cells), 1, dtype=torch.float64),
-         torch.nn.functional.one_hot(cells // n_b, n_a).double(),
-         torch.nn.functional.one_hot(cells % n_b, n_b).double()], dim=1)  # [C, 1 + A + B]
+        [
+            torch.ones(len(cells), 1, dtype=torch.float64),
+            torch.nn.functional.one_hot(cells // n_b, n_a).double(),
+            torch.nn.functional.one_hot(cells % n_b, n_b).double(),
+        ],
+        dim=1,
+    )  # [C, 1 + A + B]
     weight = counts[occupied].sqrt()[:, None]
     coef = torch.linalg.lstsq(design * weight, means * weight, driver="gelsd").solution  # minimum-norm
     fitted = design @ coef
@@ -127,8 +131,10 @@ class Shares:
 def _shares(total: torch.Tensor, within: torch.Tensor, lost: torch.Tensor) -> Shares:
     """Shares from [T] SS_total, SS_within and the SS the additive model loses (interaction)."""
     between = total - within
-    return Shares(torch.where(total > 0, within / total.clamp_min(1e-300), 0.0),
-                  torch.where(between > 0, 1 - lost / between.clamp_min(1e-300), 1.0))
+    return Shares(
+        torch.where(total > 0, within / total.clamp_min(1e-300), 0.0),
+        torch.where(between > 0, 1 - lost / between.clamp_min(1e-300), 1.0),
+    )
 
 
 def two_way_by_position(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, n_a: int, n_b: int) -> Shares:
@@ -143,8 +149,14 @@ def two_way_by_position(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, n_a: 
     total = (h - h.mean(0)).pow_(2).sum((0, 2))
     within = (h.reshape(-1, D) - means.reshape(-1, D)[index]).pow_(2).view(N, T, D).sum((0, 2))
     cells = torch.arange(C)
-    design = torch.cat([torch.ones(C, 1, dtype=torch.float64), torch.nn.functional.one_hot(cells // n_b, n_a).double(),
-                        torch.nn.functional.one_hot(cells % n_b, n_b).double()], dim=1)  # [C, 1 + A + B]
+    design = torch.cat(
+        [
+            torch.ones(C, 1, dtype=torch.float64),
+            torch.nn.functional.one_hot(cells // n_b, n_a).double(),
+            torch.nn.functional.one_hot(cells % n_b, n_b).double(),
+        ],
+        dim=1,
+    )  # [C, 1 + A + B]
     weight = counts.sqrt()[..., None]  # [T, C, 1]: empty cells weigh nothing
     coef = torch.linalg.lstsq(design * weight, means * weight, driver="gelsd").solution  # [T, 1 + A + B, D]
     lost = (counts[..., None] * (means - design @ coef) ** 2).sum((1, 2))

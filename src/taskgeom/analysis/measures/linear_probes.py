@@ -52,7 +52,11 @@ def _score(x: torch.Tensor, y: torch.Tensor, test: torch.Tensor, kind: Kind, n_c
     train = ~test
     mean, std = x[train].mean(0), x[train].std(0).clamp_min(1e-8)
     x = (x - mean) / std
-    target = torch.nn.functional.one_hot(y, n_classes).double() if kind == "classification" else y.double().reshape(len(y), -1)
+    target = (
+        torch.nn.functional.one_hot(y, n_classes).double()
+        if kind == "classification"
+        else y.double().reshape(len(y), -1)
+    )
     weights, bias = ridge(x[train], target[train], l2)
     pred = x[test] @ weights + bias
     if kind == "classification":

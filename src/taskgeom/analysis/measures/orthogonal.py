@@ -42,10 +42,10 @@ import torch
 from torch import nn
 
 from taskgeom.analysis.measures.subspace import complement_basis, direction_ablation
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place, intervene
 from taskgeom.rng import generator
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 BATCH_SIZE = PROTOCOL.search_batch  # sequences per search step, the protocol's; the caller's loss_fn draws them
 TOKEN_SHARE = PROTOCOL.token_share  # share of the token-effect variance the token subspace holds
@@ -80,7 +80,9 @@ def avoid_basis(*bases: torch.Tensor, rtol: float = RANK_RTOL) -> torch.Tensor:
         raise AnalysisError("avoid_basis needs at least one basis [D, k]")
     widths = {b.shape[0] for b in bases}
     if len(widths) != 1 or any(b.ndim != 2 for b in bases):
-        raise AnalysisError(f"avoid_basis takes [D, k] bases of one width D, got shapes {[tuple(b.shape) for b in bases]}")
+        raise AnalysisError(
+            f"avoid_basis takes [D, k] bases of one width D, got shapes {[tuple(b.shape) for b in bases]}"
+        )
     joined = torch.cat([b.double() for b in bases], 1)
     if joined.shape[1] == 0:
         return bases[0].new_zeros(bases[0].shape[0], 0)
@@ -126,8 +128,17 @@ class _Ascent:
         self.kept, self.best_step = self.mean_a, 0  # the average at the step of the best smoothed loss
         self.smoothed, self.best, self.stale, self.losses, self.stopped = None, -float("inf"), 0, [], False
 
-    def step(self, model: nn.Module, loss_fn: Callable[[int, Place], torch.Tensor], step: int, positions: slice | torch.Tensor | None,
-             clip: float, average: float, smoothing: float, patience: int) -> None:
+    def step(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[int, Place], torch.Tensor],
+        step: int,
+        positions: slice | torch.Tensor | None,
+        clip: float,
+        average: float,
+        smoothing: float,
+        patience: int,
+    ) -> None:
         """Evaluate the loss of batch ``step`` under the ablation of the current iterate, take one
         Adam step of ascent and update the averages; ``stopped`` once early stopping fires."""
         q = torch.linalg.qr(self.coords)[0]
@@ -182,8 +193,10 @@ def orthogonal_searches(
     which should be those of the states at ``site``.
     """
     if steps < 1 or patience < 1 or not 0 < average < 1 or not 0 < smoothing <= 1:
-        raise AnalysisError(f"need steps >= 1, patience >= 1, 0 < average < 1 and 0 < smoothing <= 1; got steps={steps}, "
-                            f"patience={patience}, average={average}, smoothing={smoothing}")
+        raise AnalysisError(
+            f"need steps >= 1, patience >= 1, 0 < average < 1 and 0 < smoothing <= 1; got steps={steps}, "
+            f"patience={patience}, average={average}, smoothing={smoothing}"
+        )
     ascents = [_Ascent(site, avoid, rank, seed, lr) for site, avoid, rank in searches]
     flags = [(p, p.requires_grad) for p in model.parameters()]
     try:

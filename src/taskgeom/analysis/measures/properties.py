@@ -35,7 +35,14 @@ from dataclasses import dataclass
 
 import torch
 
-from taskgeom.analysis.measures.anova import Layout, Shares, task_linear, task_linear_by_position, two_way, two_way_by_position
+from taskgeom.analysis.measures.anova import (
+    Layout,
+    Shares,
+    task_linear,
+    task_linear_by_position,
+    two_way,
+    two_way_by_position,
+)
 from taskgeom.analysis.measures.simplex import project_simplex, residual_r2, simplex_lstsq, sum_to_one_fit
 from taskgeom.analysis.measures.task_vectors import TaskSubspace, position_means, task_subspace, token_conditioned
 from taskgeom.analysis.protocol import STUDY as PROTOCOL
@@ -63,7 +70,9 @@ class Fit:
         return h.double() - self.subspace.mu[: h.shape[1]] - self.layout.effect(inputs).double()
 
 
-def stability(h: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor, n_tasks: int, vocab: int, window: slice) -> Fit:
+def stability(
+    h: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor, n_tasks: int, vocab: int, window: slice
+) -> Fit:
     """P0 and P1 of h: [N, T, D] for sequences of task: [N], tokens: [N, T], over ``window``; the
     subspace also carries the token-conditioned vectors theta_{k,a} of the same late states."""
     late, cells = _late(h, task, window)
@@ -80,7 +89,9 @@ def stability_linear(h: torch.Tensor, task: torch.Tensor, x: torch.Tensor, n_tas
     return Fit(layout, task_subspace(layout.effect_a, position_means(h, task, n_tasks), window))
 
 
-def pooled(h: torch.Tensor, task: torch.Tensor, current: torch.Tensor, n_tasks: int, vocab: int | None, window: slice) -> Layout:
+def pooled(
+    h: torch.Tensor, task: torch.Tensor, current: torch.Tensor, n_tasks: int, vocab: int | None, window: slice
+) -> Layout:
     """The layout of h: [N, T, D] pooled over the states of ``window`` (the ``pooled-anova``
     variant): cells (task, token) for current: [N, T] tokens of ``vocab``, E2's ANCOVA for
     current: [N, T, d] x_t (vocab None)."""
@@ -130,7 +141,9 @@ def random_rotation(dim: int, gen: torch.Generator) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r))
 
 
-def interpolation(y: torch.Tensor, theta: torch.Tensor, window: slice, n_random: int = 8, seed: int = 0) -> Interpolation:
+def interpolation(
+    y: torch.Tensor, theta: torch.Tensor, window: slice, n_random: int = 8, seed: int = 0
+) -> Interpolation:
     """P2 for y: [N, T, D] (``Fit.residual``) and theta: [K, D]: beta at every state, R^2 over
     the states of ``window`` (and per position)."""
     theta = theta.double()
@@ -147,7 +160,14 @@ def interpolation(y: torch.Tensor, theta: torch.Tensor, window: slice, n_random:
         random.append(residual_r2(late, fit_beta(late, rotated) @ rotated))
     residual, total = ((y - fitted) ** 2).sum((0, 2)), ((y - y.mean(0)) ** 2).sum((0, 2))  # [T] each
     by_position = torch.where(total > 0, 1 - residual / total, torch.nan)
-    return Interpolation(beta.float(), raw, residual_r2(late, late_fit), residual_r2(late, exact @ theta), torch.tensor(random), by_position)
+    return Interpolation(
+        beta.float(),
+        raw,
+        residual_r2(late, late_fit),
+        residual_r2(late, exact @ theta),
+        torch.tensor(random),
+        by_position,
+    )
 
 
 def token_additive_r2(h: torch.Tensor, y: torch.Tensor, fitted: torch.Tensor) -> torch.Tensor:
@@ -161,8 +181,9 @@ def token_additive_r2(h: torch.Tensor, y: torch.Tensor, fitted: torch.Tensor) ->
     return torch.where(total > 0, 1 - residual / total, torch.nan)
 
 
-def random_token_additive_r2(h: torch.Tensor, y: torch.Tensor, theta: torch.Tensor, positions: slice, n_random: int,
-                             seed: int) -> torch.Tensor:
+def random_token_additive_r2(
+    h: torch.Tensor, y: torch.Tensor, theta: torch.Tensor, positions: slice, n_random: int, seed: int
+) -> torch.Tensor:
     """[n_random] the mean over ``positions`` of ``token_additive_r2`` with the task vertices theta:
     [K, D] rotated at random (a random subspace of the same dimension and geometry, as P2's
     R^2_task compares), seeded by ``seed``."""
@@ -250,7 +271,9 @@ def mean_alignment(raw: torch.Tensor, alpha: torch.Tensor, task: torch.Tensor, n
     onehot = torch.nn.functional.one_hot(task, n_tasks).double()  # [N, M]
     counts = onehot.sum(0)
     if (counts == 0).any():
-        raise ValueError(f"no sequences of tasks {torch.nonzero(counts == 0).flatten().tolist()}: cannot average their beta")
+        raise ValueError(
+            f"no sequences of tasks {torch.nonzero(counts == 0).flatten().tolist()}: cannot average their beta"
+        )
 
     def mean(values: torch.Tensor) -> torch.Tensor:  # [M, T, K]
         return torch.einsum("nm,ntk->mtk", onehot, values.double()) / counts[:, None, None]
@@ -259,8 +282,12 @@ def mean_alignment(raw: torch.Tensor, alpha: torch.Tensor, task: torch.Tensor, n
     return MeanAlignment(beta, target, 0.5 * (beta - target).abs().sum(-1))
 
 
-UNCERTAIN_BELOW = PROTOCOL.uncertain_below  # a position is uncertain while the median largest posterior weight is below this
-MIN_UNCERTAIN_POSITIONS = PROTOCOL.min_uncertain_positions  # fewer uncertain positions than this: P3.shrinks is not applicable
+UNCERTAIN_BELOW = (
+    PROTOCOL.uncertain_below
+)  # a position is uncertain while the median largest posterior weight is below this
+MIN_UNCERTAIN_POSITIONS = (
+    PROTOCOL.min_uncertain_positions
+)  # fewer uncertain positions than this: P3.shrinks is not applicable
 
 
 @dataclass(frozen=True)
@@ -278,8 +305,10 @@ def too_few_uncertain(count: int) -> str | None:
     """Why P3.shrinks does not apply with ``count`` uncertain positions (None when it does)."""
     if count >= MIN_UNCERTAIN_POSITIONS:
         return None
-    return (f"the posterior is uncertain (median max alpha_t < {UNCERTAIN_BELOW}) at {count} position(s) only, "
-            f"fewer than {MIN_UNCERTAIN_POSITIONS}")
+    return (
+        f"the posterior is uncertain (median max alpha_t < {UNCERTAIN_BELOW}) at {count} position(s) only, "
+        f"fewer than {MIN_UNCERTAIN_POSITIONS}"
+    )
 
 
 def shrinkage(tv: torch.Tensor, alpha: torch.Tensor) -> Shrinkage:

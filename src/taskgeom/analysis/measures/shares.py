@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 # Below this many nats (squared error for E2) of in-context gain, a share of it is unreliable and counts
@@ -52,16 +53,19 @@ class Share:
         return {"gain": self.gain, "unreliable": self.unreliable, "reason": self.reason}
 
 
-
-
 def loss_window(family) -> slice:
     """The predictions a family's L averages: from its ``loss_from`` on (the study's coin code: every
     prediction; its latent-Markov code: every one after the first)."""
     return slice(family.loss_from, None)
 
 
-def share_of_gain(ablated: torch.Tensor, clean: torch.Tensor, window: slice = slice(1, None),
-                  min_gain: float = MIN_RELIABLE_GAIN, change_window: slice | None = None) -> Share:
+def share_of_gain(
+    ablated: torch.Tensor,
+    clean: torch.Tensor,
+    window: slice = slice(1, None),
+    min_gain: float = MIN_RELIABLE_GAIN,
+    change_window: slice | None = None,
+) -> Share:
     """The share of in-context gain removed, for per-prediction losses ablated, clean: [P] (clean
     and edited runs of one batch); L and L_ablated average the predictions in ``window`` (every one
     after the first by default), the change L_ablated - L those in ``change_window`` (``window``
@@ -71,6 +75,13 @@ def share_of_gain(ablated: torch.Tensor, clean: torch.Tensor, window: slice = sl
     before, after = float(clean[change_window].mean()), float(ablated[change_window].mean())
     unreliable = unreliable_gain(gain, min_gain)
     if not gain > 0:
-        return Share(None, gain, before, after, float(clean[0]), unreliable,
-                     f"the in-context gain L_0 - L = {gain:.3g} is not positive: no share of it can be removed")
+        return Share(
+            None,
+            gain,
+            before,
+            after,
+            float(clean[0]),
+            unreliable,
+            f"the in-context gain L_0 - L = {gain:.3g} is not positive: no share of it can be removed",
+        )
     return Share(100 * (after - before) / gain, gain, before, after, float(clean[0]), unreliable)

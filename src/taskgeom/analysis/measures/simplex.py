@@ -73,8 +73,12 @@ def simplex_lstsq(y: torch.Tensor, vertices: torch.Tensor, chunk: int = 4096) ->
     i, j = torch.triu_indices(K, K)
     sym = A + A.transpose(1, 2)
     quad = -torch.where(i == j, sym[:, i, j] / 2, sym[:, i, j])  # [M, K(K+1)/2]: cost = -r'Ar - (c + ell).r - d
-    weight = torch.cat([torch.cat([A.permute(2, 0, 1).reshape(K, M * K), -(c + ell).T], 1),
-                        torch.cat([torch.zeros(len(i), M * K, dtype=inv.dtype), quad.T], 1)])  # [K + K(K+1)/2, M*K + M]
+    weight = torch.cat(
+        [
+            torch.cat([A.permute(2, 0, 1).reshape(K, M * K), -(c + ell).T], 1),
+            torch.cat([torch.zeros(len(i), M * K, dtype=inv.dtype), quad.T], 1),
+        ]
+    )  # [K + K(K+1)/2, M*K + M]
     bias = torch.cat([c.reshape(-1), -d])
     out = []
     for start in range(0, y.shape[0], chunk):

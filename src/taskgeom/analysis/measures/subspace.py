@@ -42,7 +42,9 @@ def task_ablation(subspace: TaskSubspace) -> Edit:
 
     def edit(h: torch.Tensor) -> torch.Tensor:
         if h.shape[1] != subspace.mu.shape[0]:
-            raise ValueError(f"the S ablation edits the {subspace.mu.shape[0]} analysed positions of mu_t, got {h.shape[1]}")
+            raise ValueError(
+                f"the S ablation edits the {subspace.mu.shape[0]} analysed positions of mu_t, got {h.shape[1]}"
+            )
         basis = subspace.basis.to(h.dtype)
         centred = h - subspace.mu.to(h.dtype)
         return h - centred @ basis @ basis.T

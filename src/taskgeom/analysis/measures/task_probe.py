@@ -35,15 +35,23 @@ from dataclasses import dataclass
 
 import torch
 
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.errors import AnalysisError
 from taskgeom.settings.devices import torch_threads
 from taskgeom.tasks.base import TaskProbe
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
-SUMS_TO_ONE = PROTOCOL.probe_sums_to_one  # pi sums to one (its last column is dropped) when every row is this close to 1
-FIT_SHARE = PROTOCOL.probe_fit_share  # the share of the sequences the probe is fitted on (the study's validation_split 0.2)
-RANK_TOLERANCE = PROTOCOL.probe_rank_tolerance  # S keeps the singular directions of W_task above this fraction of the largest
-PROBE_SEQUENCES = PROTOCOL.probe_sequences  # the study's fit_n_samples = 5000 drawn in batches of 64: 79 batches, 5,056 major sequences
+SUMS_TO_ONE = (
+    PROTOCOL.probe_sums_to_one
+)  # pi sums to one (its last column is dropped) when every row is this close to 1
+FIT_SHARE = (
+    PROTOCOL.probe_fit_share
+)  # the share of the sequences the probe is fitted on (the study's validation_split 0.2)
+RANK_TOLERANCE = (
+    PROTOCOL.probe_rank_tolerance
+)  # S keeps the singular directions of W_task above this fraction of the largest
+PROBE_SEQUENCES = (
+    PROTOCOL.probe_sequences
+)  # the study's fit_n_samples = 5000 drawn in batches of 64: 79 batches, 5,056 major sequences
 PROBE_CHUNK = 250  # sequences a pass while collecting them (the pool posterior of 1,000 tasks is large)
 
 
@@ -80,8 +88,9 @@ def one_hot_dropped(index: torch.Tensor, n: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(index.long(), n)[:, :-1].double()
 
 
-def probe_design(pi: torch.Tensor, current: torch.Tensor, vocab: int | None, logits: torch.Tensor | None,
-                 n_positions: int | None) -> tuple[torch.Tensor, bool]:
+def probe_design(
+    pi: torch.Tensor, current: torch.Tensor, vocab: int | None, logits: torch.Tensor | None, n_positions: int | None
+) -> tuple[torch.Tensor, bool]:
     """(X [N * P, columns] float64, dropped) the study's regressors for pi: [N, P, K], current: [N, P]
     tokens (``vocab`` of them) or [N, P, d] x_t (``vocab`` None), logits: [N, P, V] or None, and the
     position one-hot over ``n_positions`` (None: none); the intercept is the last column. ``pi`` is
@@ -90,7 +99,9 @@ def probe_design(pi: torch.Tensor, current: torch.Tensor, vocab: int | None, log
     flat_pi = pi.reshape(-1, K).double()
     dropped = K > 1 and bool(((flat_pi.sum(-1) - 1).abs() < SUMS_TO_ONE).all())
     parts = [flat_pi[:, :-1] if dropped else flat_pi]
-    parts.append(one_hot_dropped(current.flatten(), vocab) if vocab is not None else current.reshape(N * P, -1).double())
+    parts.append(
+        one_hot_dropped(current.flatten(), vocab) if vocab is not None else current.reshape(N * P, -1).double()
+    )
     if logits is not None:
         parts.append(logits.reshape(N * P, -1).double())
     if n_positions is not None and n_positions > 1:
@@ -113,9 +124,14 @@ def fit_probe(data: ProbeData, spec: TaskProbe, gen: torch.Generator, exact: boo
     if spec.logits and data.logits is None:
         raise AnalysisError("this family's probe regresses on the model's logits; none were given")
     rows = fit_rows(len(states), gen)
-    pick = (lambda x: None if x is None else x[rows])
-    x, dropped = probe_design(pick(pi), pick(data.current), data.vocab, pick(data.logits) if spec.logits else None,
-                              states.shape[1] if spec.positions else None)
+    pick = lambda x: None if x is None else x[rows]
+    x, dropped = probe_design(
+        pick(pi),
+        pick(data.current),
+        data.vocab,
+        pick(data.logits) if spec.logits else None,
+        states.shape[1] if spec.positions else None,
+    )
     h = states[rows].reshape(-1, D)
     if exact:
         solution = torch.linalg.lstsq(x.cpu(), h.double().cpu(), driver="gelsd").solution
@@ -134,12 +150,17 @@ def fit_probe(data: ProbeData, spec: TaskProbe, gen: torch.Generator, exact: boo
     if not s[0] > 0:
         raise AnalysisError("the probe's task weights are zero: no task subspace")
     rank = int((s > RANK_TOLERANCE * s[0]).sum())
-    return ProbeFit(weights.to(states.device), vh[:rank].T.to(states.device), dropped,
-                    None if token_weights is None else token_weights.to(states.device))
+    return ProbeFit(
+        weights.to(states.device),
+        vh[:rank].T.to(states.device),
+        dropped,
+        None if token_weights is None else token_weights.to(states.device),
+    )
 
 
-def probe_basis_with_mean(states: torch.Tensor, alpha: torch.Tensor, current: torch.Tensor, vocab: int | None,
-                          window: slice) -> torch.Tensor:
+def probe_basis_with_mean(
+    states: torch.Tensor, alpha: torch.Tensor, current: torch.Tensor, vocab: int | None, window: slice
+) -> torch.Tensor:
     """[D, K] the variant ``s-with-mean``: the row space of W_task of the minimum-norm fit of
     ``h ~ alpha W_task + onehot(x_t) W_tok + b`` (every column kept) on states: [N, P, D] over the
     positions ``window`` (alpha: [N, P, K] the posterior over the majors; current: [N, P] tokens or
@@ -147,7 +168,9 @@ def probe_basis_with_mean(states: torch.Tensor, alpha: torch.Tensor, current: to
     K, D = alpha.shape[-1], states.shape[-1]
     tokens = current[:, window].flatten(0, 1)
     tokens = torch.nn.functional.one_hot(tokens.long(), vocab) if vocab is not None else tokens
-    x = torch.cat([alpha[:, window].reshape(-1, K).double(), tokens.double(), torch.ones(len(tokens), 1, dtype=torch.float64)], 1)
+    x = torch.cat(
+        [alpha[:, window].reshape(-1, K).double(), tokens.double(), torch.ones(len(tokens), 1, dtype=torch.float64)], 1
+    )
     h = states[:, window].reshape(-1, D).double()
     w = torch.linalg.lstsq(x.cpu(), h.cpu(), driver="gelsd").solution[:K]
     _, s, vh = torch.linalg.svd(w, full_matrices=False)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from taskgeom.errors import AnalysisError
 from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.errors import AnalysisError
 
 RANK_TOLERANCE = PROTOCOL.task_rank_tolerance
 MIN_MAJOR_TASKS = 2  # K - 1 >= 1: fewer major tasks span no task subspace
@@ -28,7 +28,9 @@ def check_major_tasks(n_major: int, what: str) -> None:
     """Refuse (AnalysisError) ``what`` for a config with fewer than MIN_MAJOR_TASKS major tasks,
     before any work: its task vectors span no subspace."""
     if n_major < MIN_MAJOR_TASKS:
-        raise AnalysisError(f"{what}: the task subspace needs at least {MIN_MAJOR_TASKS} major tasks (task.n_major), got {n_major}")
+        raise AnalysisError(
+            f"{what}: the task subspace needs at least {MIN_MAJOR_TASKS} major tasks (task.n_major), got {n_major}"
+        )
 
 
 def rank_basis(vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,15 +67,19 @@ class TaskSubspace:
         return self.token_basis[tokens]
 
 
-def task_subspace(theta: torch.Tensor, mu: torch.Tensor, window: slice, theta_token: torch.Tensor | None = None) -> TaskSubspace:
+def task_subspace(
+    theta: torch.Tensor, mu: torch.Tensor, window: slice, theta_token: torch.Tensor | None = None
+) -> TaskSubspace:
     """The subspace of raw task effects theta: [K, D] (centred here), mu: [T, D] and, optionally,
     theta_token: [K, V, D] (centred over k here). Tokens whose conditioned vectors span fewer than
     K - 1 dimensions use the basis of S."""
     theta = theta.double() - theta.double().mean(0)
     basis, ok = rank_basis(theta)
     if not bool(ok):
-        raise AnalysisError(f"the {theta.shape[0]} task vectors span fewer than {theta.shape[0] - 1} dimensions: the task subspace "
-                            "is degenerate here (are the major tasks distinct, and does this site carry them?)")
+        raise AnalysisError(
+            f"the {theta.shape[0]} task vectors span fewer than {theta.shape[0] - 1} dimensions: the task subspace "
+            "is degenerate here (are the major tasks distinct, and does this site carry them?)"
+        )
     token_basis = None
     if theta_token is not None:
         theta_token = theta_token.double() - theta_token.double().mean(0)
@@ -94,8 +100,9 @@ def position_means(h: torch.Tensor, task: torch.Tensor, n_tasks: int) -> torch.T
     return per_task.mean(0)
 
 
-def token_conditioned(h: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor, n_tasks: int, vocab: int,
-                      theta: torch.Tensor) -> torch.Tensor:
+def token_conditioned(
+    h: torch.Tensor, task: torch.Tensor, tokens: torch.Tensor, n_tasks: int, vocab: int, theta: torch.Tensor
+) -> torch.Tensor:
     """[K, V, D] theta_{k,a} = cell mean (k, a) - mean over k of the cell means (k, a), for
     late-window states h: [M, D] with task: [M] and current token tokens: [M]. A token that some
     task never shows at these positions takes the plain vectors theta: [K, D] (centred)."""

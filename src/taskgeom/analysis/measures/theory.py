@@ -45,7 +45,9 @@ def readout_lipschitz(readout, states: torch.Tensor) -> float:
     return float(torch.linalg.matrix_norm(jac.detach(), ord=2).max())
 
 
-def best_gap_in_subspace(readout, target_clr: torch.Tensor, mu: torch.Tensor, basis: torch.Tensor, steps: int = 50) -> torch.Tensor:
+def best_gap_in_subspace(
+    readout, target_clr: torch.Tensor, mu: torch.Tensor, basis: torch.Tensor, steps: int = 50
+) -> torch.Tensor:
     """[N] min over a of ||target_clr - CLR(readout(mu + basis a))|| for target_clr: [N, V],
     mu: [N, D] the per-position means, basis: [D, k]. The sum over sequences separates, so one
     L-BFGS run minimises every sequence's gap."""
@@ -66,8 +68,15 @@ def best_gap_in_subspace(readout, target_clr: torch.Tensor, mu: torch.Tensor, ba
         return gaps()
 
 
-def theorem2(readout, h: torch.Tensor, mu: torch.Tensor, basis: torch.Tensor, model_logits: torch.Tensor, ood_optimal: torch.Tensor,
-             prior_predictions: torch.Tensor) -> dict[str, torch.Tensor | float]:
+def theorem2(
+    readout,
+    h: torch.Tensor,
+    mu: torch.Tensor,
+    basis: torch.Tensor,
+    model_logits: torch.Tensor,
+    ood_optimal: torch.Tensor,
+    prior_predictions: torch.Tensor,
+) -> dict[str, torch.Tensor | float]:
     """h, mu: [N, D] last-layer states of OOD sequences and their position means; basis: [D, k];
     model_logits: [N, V]; ood_optimal: [N, V] OOD-optimal predictive; prior_predictions: [M, V]
     OOD-optimal predictives over many OOD tasks (for d0). Per-sequence tensors are [N]."""

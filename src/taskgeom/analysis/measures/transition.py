@@ -16,15 +16,18 @@ import math
 
 import torch
 
-from taskgeom.tasks import TaskFamily, TaskPool
 from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.tasks import TaskFamily, TaskPool
 
 
 def predict_generalising(family: TaskFamily, tokens: torch.Tensor, pool: TaskPool, p_new: float) -> torch.Tensor:
     """[B, T, V] posterior mixture over {majors, new task ~ prior} after tokens[:, :t+1]."""
     majors = pool.params[: pool.n_major].double()
     loglik = family.step_log_likelihood(tokens, majors).cumsum(dim=1)  # [B, T, K]
-    log_major, log_new = math.log((1 - p_new) / pool.n_major), (math.log(p_new) if p_new > 0 else -math.inf)  # p_new = 0: majors only
+    log_major, log_new = (
+        math.log((1 - p_new) / pool.n_major),
+        (math.log(p_new) if p_new > 0 else -math.inf),
+    )  # p_new = 0: majors only
     joint = torch.cat([loglik + log_major, (family.log_marginal_ood(tokens) + log_new)[..., None]], dim=-1)
     weights = torch.softmax(joint, dim=-1)
     return family.mix_predictive(tokens, majors, weights[..., :-1]) + weights[..., -1:] * family.predict_ood(tokens)
@@ -41,14 +44,22 @@ def kl_to_model(reference: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return (p * (p.log() - q.log())).sum(-1).mean()
 
 
-def reference_predictors(family: TaskFamily, tokens: torch.Tensor, pool: TaskPool, p_new: float) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_predictors(
+    family: TaskFamily, tokens: torch.Tensor, pool: TaskPool, p_new: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """([B, T, V], [B, T, V]) the memorising and generalising predictors on tokens: [B, T], computed
     once for every checkpoint read on these tokens."""
     return family.predict_id(tokens, pool), predict_generalising(family, tokens, pool, p_new)
 
 
-def transition_statistic(logits: torch.Tensor, memorising: torch.Tensor, generalising: torch.Tensor) -> dict[str, float]:
+def transition_statistic(
+    logits: torch.Tensor, memorising: torch.Tensor, generalising: torch.Tensor
+) -> dict[str, float]:
     """log(KL_to_memorising / KL_to_generalising) of a model's logits: [B, T, V] on the tokens of
     ``reference_predictors``; positive means the model is closer to the generalising predictor."""
     to_mem, to_gen = kl_to_model(memorising, logits), kl_to_model(generalising, logits)
-    return {"kl_to_memorising": float(to_mem), "kl_to_generalising": float(to_gen), "log_ratio": float(torch.log(to_mem / to_gen))}
+    return {
+        "kl_to_memorising": float(to_mem),
+        "kl_to_generalising": float(to_gen),
+        "log_ratio": float(torch.log(to_mem / to_gen)),
+    }

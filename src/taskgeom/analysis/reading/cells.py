@@ -16,12 +16,12 @@ from typing import Sequence
 import torch
 
 from taskgeom.analysis.measures.anova import TwoWay, two_way
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.analysis.reading.states import stream_layers
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.rng import generator
 from taskgeom.tasks import TaskPool, TokenFamily
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 P0_PER_CELL = PROTOCOL.cell_sequences  # the study's batch_size for P0/P1 (fig_task_vector_r2_combined.py)
 P2_PER_CELL = 256  # and for P2 (fig_averaging_r2_combined.py)
@@ -55,19 +55,34 @@ def _check(family, position: int, per_cell: int) -> None:
     if not isinstance(family, TokenFamily):
         raise AnalysisError(f"forced-token cells overwrite a token; the family {family.name!r} does not read tokens")
     if position < 0 or per_cell < 1:
-        raise AnalysisError(f"forced-token cells need a position >= 0 and at least one sequence a cell, got {position} and {per_cell}")
+        raise AnalysisError(
+            f"forced-token cells need a position >= 0 and at least one sequence a cell, got {position} and {per_cell}"
+        )
 
 
-def seen_tokens(family: TokenFamily, majors: TaskPool, seed: int, position: int, per_cell: int, stream: str = STREAM) -> torch.Tensor:
+def seen_tokens(
+    family: TokenFamily, majors: TaskPool, seed: int, position: int, per_cell: int, stream: str = STREAM
+) -> torch.Tensor:
     """[A] the token values (sorted) at ``position`` of ``per_cell`` natural sequences of each major task."""
     _check(family, position, per_cell)
     task = torch.arange(majors.size).repeat_interleave(per_cell)
-    seen = family.make_batch(majors.params[task], task, position + 1, generator(seed, position, f"{stream}/tokens")).tokens[:, position]
+    seen = family.make_batch(
+        majors.params[task], task, position + 1, generator(seed, position, f"{stream}/tokens")
+    ).tokens[:, position]
     return torch.unique(seen, sorted=True)
 
 
-def forced_cells(model: torch.nn.Module, family: TokenFamily, majors: TaskPool, seed: int, position: int, per_cell: int,
-                 places: Sequence[Place], stream: str = STREAM, tokens: torch.Tensor | None = None) -> ForcedCells:
+def forced_cells(
+    model: torch.nn.Module,
+    family: TokenFamily,
+    majors: TaskPool,
+    seed: int,
+    position: int,
+    per_cell: int,
+    places: Sequence[Place],
+    stream: str = STREAM,
+    tokens: torch.Tensor | None = None,
+) -> ForcedCells:
     """The forced-token cells at ``position`` (module docstring) of the major tasks ``majors``, their
     states at ``places``; the draws come from (seed, ``stream``), a stream no other analysis reads.
     ``tokens``: the values to force (default: those seen there, ``seen_tokens``)."""

@@ -26,8 +26,13 @@ class Edit:
     (None: all), in force on the run's model while its ``with`` block runs (removed on exit, even
     on error)."""
 
-    def __init__(self, run: Edited, place: Place, change: Callable[[torch.Tensor], torch.Tensor],
-                 positions: slice | torch.Tensor | None):
+    def __init__(
+        self,
+        run: Edited,
+        place: Place,
+        change: Callable[[torch.Tensor], torch.Tensor],
+        positions: slice | torch.Tensor | None,
+    ):
         self.run, self.place, self.change, self.positions = run, Place(*place), change, positions
         self._hook = None
 

@@ -41,11 +41,11 @@ from typing import Callable, Literal, get_args
 import torch
 
 from taskgeom.analysis.measures.properties import Fit, stability, stability_linear
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.analysis.reading.steering import PredictionReadout, Readout, TokenReadout
 from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
 from taskgeom.tasks import FAMILIES, Batch, TaskFamily, TaskPool, TokenFamily
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 Kind = Literal["major", "minor", "ood", "mixture"]  # mixture: the pool's training mixture
 KINDS: tuple[str, ...] = get_args(Kind)
@@ -76,16 +76,31 @@ class Split(str, Enum):
 
 
 STREAMS: dict[tuple[Split, str], str] = {
-    (Split.SELECT, "major"): "m1-select", (Split.MEASURE, "major"): "m1-measure",
-    (Split.GEOMETRY, "major"): "dual-geometry", (Split.GEOMETRY, "ood"): "dual-geometry-ood",
-    (Split.LOSS, "major"): "dual", (Split.LOSS, "minor"): "dual", (Split.LOSS, "ood"): "dual-ood",
-    (Split.SEARCH_SELECT, "ood"): "dual-ood-search-select", (Split.PRIOR, "ood"): "dual-prior",
-    (Split.PROJECTION, "major"): "dual-projection", (Split.PROJECTION, "ood"): "dual-projection-ood",
-    (Split.STEERING, "major"): "m1-steering", (Split.PROBE, "major"): "probe", (Split.TRAJECTORY, "major"): "m1-trajectory",
+    (Split.SELECT, "major"): "m1-select",
+    (Split.MEASURE, "major"): "m1-measure",
+    (Split.GEOMETRY, "major"): "dual-geometry",
+    (Split.GEOMETRY, "ood"): "dual-geometry-ood",
+    (Split.LOSS, "major"): "dual",
+    (Split.LOSS, "minor"): "dual",
+    (Split.LOSS, "ood"): "dual-ood",
+    (Split.SEARCH_SELECT, "ood"): "dual-ood-search-select",
+    (Split.PRIOR, "ood"): "dual-prior",
+    (Split.PROJECTION, "major"): "dual-projection",
+    (Split.PROJECTION, "ood"): "dual-projection-ood",
+    (Split.STEERING, "major"): "m1-steering",
+    (Split.PROBE, "major"): "probe",
+    (Split.TRAJECTORY, "major"): "m1-trajectory",
     (Split.TRANSITION, "mixture"): "dual-transition",
 }
-PAIRED = (Split.SELECT, Split.MEASURE, Split.GEOMETRY, Split.PROBE)  # E2's major sequences of these are paired over tasks
-LOSS_OOD_TASKS = PROTOCOL.loss_ood_tasks  # the study's n_ood: the OOD sequences of the ``loss`` split come from 30 OOD tasks drawn once
+PAIRED = (
+    Split.SELECT,
+    Split.MEASURE,
+    Split.GEOMETRY,
+    Split.PROBE,
+)  # E2's major sequences of these are paired over tasks
+LOSS_OOD_TASKS = (
+    PROTOCOL.loss_ood_tasks
+)  # the study's n_ood: the OOD sequences of the ``loss`` split come from 30 OOD tasks drawn once
 
 
 def stream(split: "Split | str", kind: str) -> str:
@@ -100,7 +115,9 @@ def stream(split: "Split | str", kind: str) -> str:
     return STREAMS[(split, kind)]
 
 
-def sample(family: TaskFamily, pool: TaskPool, kind: str, n: int, split: "Split | str", seq_len: int, seed: int) -> Batch:
+def sample(
+    family: TaskFamily, pool: TaskPool, kind: str, n: int, split: "Split | str", seq_len: int, seed: int
+) -> Batch:
     """``n`` held-out ``kind`` sequences of ``split`` (module docstring)."""
     name, split = stream(split, kind), Split.of(split)
     if n < 1:
@@ -111,16 +128,27 @@ def sample(family: TaskFamily, pool: TaskPool, kind: str, n: int, split: "Split 
         raise AnalysisError("this run's pool has no minor tasks (task.diversity = -1)")
     if kind == "major" and split in PAIRED:
         majors = pool.subset("major")
-        batch = (family.sample_paired(majors, n, seq_len, seed, 0, name) if family.paired_batches
-                 else family.sample(pool, n, seq_len, seed, 0, name, "major"))
+        batch = (
+            family.sample_paired(majors, n, seq_len, seed, 0, name)
+            if family.paired_batches
+            else family.sample(pool, n, seq_len, seed, 0, name, "major")
+        )
         if len(torch.unique(batch.task)) < majors.size:
             raise AnalysisError(f"{n} sequences do not cover all {majors.size} major tasks; ask for more")
         return batch
     return family.sample(pool, n, seq_len, seed, 0, name, "all" if kind == "mixture" else kind)
 
 
-def sample_tasks(family: TaskFamily, pool: TaskPool, kind: str, per_task: int, split: "Split | str", seq_len: int, seed: int,
-                 n_tasks: int | None = None) -> Batch:
+def sample_tasks(
+    family: TaskFamily,
+    pool: TaskPool,
+    kind: str,
+    per_task: int,
+    split: "Split | str",
+    seq_len: int,
+    seed: int,
+    n_tasks: int | None = None,
+) -> Batch:
     """Whole tasks of ``split``, ``per_task`` held-out sequences each, rows ``j * per_task .. (j + 1)
     * per_task - 1`` of task j: ``n_tasks`` fresh OOD tasks, or every major task (``n_tasks`` None or
     K; E2's paired: the K tasks share their x sequences). A pure function of the arguments."""
@@ -191,10 +219,26 @@ def family_inputs(family: TaskFamily, batch: Batch, majors: TaskPool) -> Inputs:
         def fit(h, task, current, K, window):
             return stability(h, task, current, K, V, window)
 
-        return Inputs(batch, None, batch.tokens, fit, V, family.log_posterior(batch.tokens, majors).exp(),
-                      TokenReadout(family, batch.tokens, majors.params), "current token")
+        return Inputs(
+            batch,
+            None,
+            batch.tokens,
+            fit,
+            V,
+            family.log_posterior(batch.tokens, majors).exp(),
+            TokenReadout(family, batch.tokens, majors.params),
+            "current token",
+        )
     if not family.reads_tokens:
         separators = family.prediction_positions(batch.x.shape[1])
-        return Inputs(batch, separators, batch.x, stability_linear, None, family.log_posterior(batch, majors).exp(),
-                      PredictionReadout(family, batch, majors.params), "linear map of x_t")
+        return Inputs(
+            batch,
+            separators,
+            batch.x,
+            stability_linear,
+            None,
+            family.log_posterior(batch, majors).exp(),
+            PredictionReadout(family, batch, majors.params),
+            "linear map of x_t",
+        )
     raise AnalysisError(unsupported(family))

@@ -29,15 +29,17 @@ from typing import Iterator, Sequence
 import torch
 
 from taskgeom.analysis.measures.properties import quantiles
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.analysis.reading.sequences import Sequences, StudiedRun
 from taskgeom.analysis.reading.states import stream_layers
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.tasks import Batch, TaskFamily
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 CHUNK = 512  # sequences per forward pass or estimate while the task means are summed
-STUDY_SIZES = PROTOCOL.projection_study_sizes  # (OOD tasks, sequences per task): the study's draw, written beside the claims' larger one
+STUDY_SIZES = (
+    PROTOCOL.projection_study_sizes
+)  # (OOD tasks, sequences per task): the study's draw, written beside the claims' larger one
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,10 @@ class ProjectionR2:
     def __repr__(self) -> str:
         low, high = self.quartiles[0], self.quartiles[-1]
         where = "" if self.place is None else f" at {self.place}"
-        return (f"ProjectionR2({self.variant}{where}: mean {self.mean:.4g} (SE {self.standard_error:.2g}), quartiles {low:.4g}-{high:.4g} over "
-                f"{self.values.numel()} values; {self.n_tasks} OOD tasks x {self.per_task} sequences)")
+        return (
+            f"ProjectionR2({self.variant}{where}: mean {self.mean:.4g} (SE {self.standard_error:.2g}), quartiles {low:.4g}-{high:.4g} over "
+            f"{self.values.numel()} values; {self.n_tasks} OOD tasks x {self.per_task} sequences)"
+        )
 
     @property
     def mean(self) -> float:
@@ -94,7 +98,9 @@ def block(family: TaskFamily, n_positions: int) -> slice:
     start, dropped = family.declared("projection_window")
     positions = slice(int(n_positions * start), n_positions - dropped)
     if positions.stop <= positions.start:
-        raise AnalysisError(f"projection R^2 averages over a block of positions; {n_positions} analysed positions leave none")
+        raise AnalysisError(
+            f"projection R^2 averages over a block of positions; {n_positions} analysed positions leave none"
+        )
     return positions
 
 
@@ -145,8 +151,11 @@ def mean_states(run: StudiedRun, sequences: Sequences, places: Sequence[Place]) 
     tokens, positions = sequences.batch.tokens, run.analysed_positions
 
     def states(rows: slice) -> dict[Place, torch.Tensor]:
-        return {Place(layer, site): h[:, positions] for layer, found in stream_layers(run.model, tokens[rows], list(places))
-                for site, h in found.items()}
+        return {
+            Place(layer, site): h[:, positions]
+            for layer, found in stream_layers(run.model, tokens[rows], list(places))
+            for site, h in found.items()
+        }
 
     return group_means(((rows, states(rows)) for rows in _chunks(len(tokens))), *task_groups(sequences.batch))
 
@@ -154,20 +163,32 @@ def mean_states(run: StudiedRun, sequences: Sequences, places: Sequence[Place]) 
 def measure(run: StudiedRun, ood: Sequences, major: Sequences, places: Sequence[Place]) -> dict[Place, ProjectionR2]:
     """{place: the protocol's projection R^2} of the OOD tasks of ``ood`` on the major tasks of ``major``."""
     if ood.kind != "ood" or major.kind != "major":
-        raise AnalysisError(f"projection R^2 reads OOD tasks against the major tasks, not {ood.kind} against {major.kind}")
+        raise AnalysisError(
+            f"projection R^2 reads OOD tasks against the major tasks, not {ood.kind} against {major.kind}"
+        )
     if not places:
         raise AnalysisError("projection R^2 needs at least one place")
     n_tasks, per_task = task_sizes(ood.batch)
     ood_means, major_means = mean_states(run, ood, places), mean_states(run, major, places)
     positions = block(run.family, next(iter(ood_means.values())).shape[1])
-    return {Place(*at): ProjectionR2(fig4_r2(ood_means[Place(*at)], major_means[Place(*at)], positions), n_tasks, per_task, Place(*at),
-                                     "protocol") for at in places}
+    return {
+        Place(*at): ProjectionR2(
+            fig4_r2(ood_means[Place(*at)], major_means[Place(*at)], positions),
+            n_tasks,
+            per_task,
+            Place(*at),
+            "protocol",
+        )
+        for at in places
+    }
 
 
 def reference_unavailable(family: TaskFamily) -> str | None:
     """Why the linear-code reference cannot be computed for ``family`` (None when it can)."""
     if type(family).ood_estimate is TaskFamily.ood_estimate:
-        return f"the {family.name!r} family does not define ood_estimate (the OOD-optimal learner's estimate of the task)"
+        return (
+            f"the {family.name!r} family does not define ood_estimate (the OOD-optimal learner's estimate of the task)"
+        )
     return None
 
 
@@ -175,8 +196,13 @@ def reference(family: TaskFamily, ood: Batch, major: Batch) -> ProjectionR2:
     """The linear-code reference: the protocol's statistic on ``family.ood_estimate`` of the same sequences."""
     if (reason := reference_unavailable(family)) is not None:
         raise AnalysisError(f"no linear-code reference: {reason}")
-    means = [group_means(((rows, {"estimate": family.ood_estimate(_rows(b, rows))}) for rows in _chunks(len(b.task))),
-                         *task_groups(b))["estimate"] for b in (ood, major)]
+    means = [
+        group_means(
+            ((rows, {"estimate": family.ood_estimate(_rows(b, rows))}) for rows in _chunks(len(b.task))),
+            *task_groups(b),
+        )["estimate"]
+        for b in (ood, major)
+    ]
     return ProjectionR2(fig4_r2(*means, block(family, means[0].shape[1])), *task_sizes(ood), None, "reference")
 
 

@@ -23,7 +23,11 @@ from taskgeom.hooks import Place, capture
 
 @torch.no_grad()
 def stream_layers(
-    model: torch.nn.Module, tokens: torch.Tensor, sites: Sequence[Place], batch_size: int = 256, positions: slice | None = None
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    sites: Sequence[Place],
+    batch_size: int = 256,
+    positions: slice | None = None,
 ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """Yield ``(layer, {site name: [N, T', D] float32})`` for each layer named in ``sites``, in order.
 
@@ -50,10 +54,18 @@ def stream_layers(
 
 
 def collect(
-    model: torch.nn.Module, tokens: torch.Tensor, sites: Sequence[Place], batch_size: int = 256, positions: slice | None = None
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    sites: Sequence[Place],
+    batch_size: int = 256,
+    positions: slice | None = None,
 ) -> dict[Place, torch.Tensor]:
     """{site: [N, T', D] float32} for tokens: [N, T]; T' = positions' length (all by default)."""
-    return {(layer, name): h for layer, states in stream_layers(model, tokens, sites, batch_size, positions) for name, h in states.items()}
+    return {
+        (layer, name): h
+        for layer, states in stream_layers(model, tokens, sites, batch_size, positions)
+        for name, h in states.items()
+    }
 
 
 class LayerStreams:
@@ -77,7 +89,9 @@ class LayerStreams:
     def _check_unedited(self, layer: int, names: Sequence[str]) -> None:
         hooked = [(layer, name) for name in names if self.model.site(layer, name)._forward_hooks]
         if hooked:
-            raise AnalysisError(f"the shared streams must be unedited, but sites {hooked} are hooked while they are computed")
+            raise AnalysisError(
+                f"the shared streams must be unedited, but sites {hooked} are hooked while they are computed"
+            )
 
     @torch.no_grad()
     def entering(self, layer: int) -> torch.Tensor:

@@ -38,22 +38,33 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.analysis.reading.states import LayerStreams
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place, intervene
 from taskgeom.tasks import Batch, TaskFamily, TokenFamily
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 Change = Callable[[torch.Tensor], torch.Tensor]
 SteeringForm = Literal["task", "subspace"]
 FORMS: tuple[str, ...] = ("task", "subspace")
-STUDY_POSITIONS: dict[str, range] = {"task": PROTOCOL.steering_task_positions, "subspace": PROTOCOL.steering_subspace_positions}
+STUDY_POSITIONS: dict[str, range] = {
+    "task": PROTOCOL.steering_task_positions,
+    "subspace": PROTOCOL.steering_subspace_positions,
+}
 STUDY_SPAN = PROTOCOL.steering_span  # the study edits positions below 40
-STUDY_ESTIMATION = PROTOCOL.steering_estimation  # the positions whose natural states give the subspace form's task vectors
-ESTIMATION_PER_TASK = PROTOCOL.steering_estimation_per_task  # natural sequences of each major task the vectors are estimated on (the study's estimation_B)
+STUDY_ESTIMATION = (
+    PROTOCOL.steering_estimation
+)  # the positions whose natural states give the subspace form's task vectors
+ESTIMATION_PER_TASK = (
+    PROTOCOL.steering_estimation_per_task
+)  # natural sequences of each major task the vectors are estimated on (the study's estimation_B)
 STUDY_SEQUENCES = PROTOCOL.steering_sequences  # sequences steered, drawn from the major mixture (the study's B)
-WRITE_SITE = PROTOCOL.steering_write_site  # where the study writes the edit: the output of the block's attention sub-block
-RANK_CUT = PROTOCOL.steering_rank_cut  # singular values of the task vectors kept above this fraction of the largest (the study's rank cut)
+WRITE_SITE = (
+    PROTOCOL.steering_write_site
+)  # where the study writes the edit: the output of the block's attention sub-block
+RANK_CUT = (
+    PROTOCOL.steering_rank_cut
+)  # singular values of the task vectors kept above this fraction of the largest (the study's rank cut)
 KINDS = ("unsteered", "steered", "mode", "random")
 
 
@@ -93,7 +104,9 @@ def estimation_positions(n_positions: int) -> tuple[int, ...]:
     return tuple(sorted({min(p * n_positions // STUDY_SPAN, n_positions - 1) for p in STUDY_ESTIMATION}))
 
 
-def averaged_task_vectors(h: torch.Tensor, task: torch.Tensor, K: int, positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def averaged_task_vectors(
+    h: torch.Tensor, task: torch.Tensor, K: int, positions: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The study's averaging estimate (``estimate_task_vectors_by_averaging``) from natural states
     h: [N, P, D] of sequences of task: [N]: (theta [K, D], mu [P, D]) float64, theta_k the mean of
     task k's states over its sequences and ``positions`` minus the mean over the tasks, mu the mean
@@ -123,7 +136,9 @@ def position_task_vectors(h: torch.Tensor, task: torch.Tensor, K: int, centred: 
     onehot = torch.nn.functional.one_hot(task, K).double()  # [N, K]
     counts = onehot.sum(0)
     if (counts == 0).any():
-        raise AnalysisError(f"no sequences of tasks {torch.nonzero(counts == 0).flatten().tolist()}: cannot form their task vectors")
+        raise AnalysisError(
+            f"no sequences of tasks {torch.nonzero(counts == 0).flatten().tolist()}: cannot form their task vectors"
+        )
     means = torch.einsum("nk,npd->kpd", onehot, h.double()) / counts[:, None, None]
     return means - means.mean(0) if centred else means
 
@@ -180,7 +195,9 @@ class TokenReadout:
         ``sequence``: [M]; weights: [M, K]."""
         tokens = self.tokens[sequence, : max(positions) + 1]
         M, T = tokens.shape
-        return self.family.mix_predictive(tokens, self.params.double(), weights.double()[:, None].expand(M, T, -1))[:, list(positions)]
+        return self.family.mix_predictive(tokens, self.params.double(), weights.double()[:, None].expand(M, T, -1))[
+            :, list(positions)
+        ]
 
     @staticmethod
     def prediction(out: torch.Tensor) -> torch.Tensor:
@@ -263,8 +280,10 @@ class Steering:
 
     def __repr__(self) -> str:
         means = ", ".join(f"{kind} {self.mean(kind):.4g}" for kind in KINDS)
-        return (f"Steering({self.form} edit at {self.place}, {self.n_points} points on {self.n_sequences} sequences, "
-                f"{len(self.positions)} positions; mean {self.measure}: {means})")
+        return (
+            f"Steering({self.form} edit at {self.place}, {self.n_points} points on {self.n_sequences} sequences, "
+            f"{len(self.positions)} positions; mean {self.measure}: {means})"
+        )
 
     @property
     def n_points(self) -> int:
@@ -279,8 +298,19 @@ class Steering:
 
 
 @torch.no_grad()
-def steer(model: torch.nn.Module, readout: Readout, tokens: torch.Tensor, place: Place, sequence: torch.Tensor, a: torch.Tensor,
-          edits: dict[int, Change], model_positions: torch.Tensor | None, gen: torch.Generator, form: str, n_sequences: int) -> Steering:
+def steer(
+    model: torch.nn.Module,
+    readout: Readout,
+    tokens: torch.Tensor,
+    place: Place,
+    sequence: torch.Tensor,
+    a: torch.Tensor,
+    edits: dict[int, Change],
+    model_positions: torch.Tensor | None,
+    gen: torch.Generator,
+    form: str,
+    n_sequences: int,
+) -> Steering:
     """Steer the sequences ``sequence``: [M] (rows of tokens: [N, T, ...]) toward a: [M, K] at
     ``place``, one forward pass per analysed position p of ``edits`` ({p: the edit of the states
     [M, 1, D] there}), each read where the model predicts at p (model position
@@ -291,14 +321,18 @@ def steer(model: torch.nn.Module, readout: Readout, tokens: torch.Tensor, place:
     prefix = tokens[sequence, : max(where) + 1]
     streams = LayerStreams(model, prefix)
     target = readout.mixture(sequence, a, positions)  # [M, P', ...]
-    mode = readout.distance(readout.of_mixture(readout.mixture(sequence, torch.nn.functional.one_hot(a.argmax(-1), a.shape[1]), positions)),
-                            target)
+    mode = readout.distance(
+        readout.of_mixture(readout.mixture(sequence, torch.nn.functional.one_hot(a.argmax(-1), a.shape[1]), positions)),
+        target,
+    )
 
     def read(out: torch.Tensor, i: int) -> torch.Tensor:
         return readout.distance(readout.prediction(out[:, where[i]]), target[:, i])
 
     def edited(edit: Change, i: int) -> torch.Tensor:
-        forward = streams.model_from(place, where[i] + 1)  # the prefix up to the edited position: later ones cannot change its output
+        forward = streams.model_from(
+            place, where[i] + 1
+        )  # the prefix up to the edited position: later ones cannot change its output
         with intervene(model, place, edit, slice(where[i], where[i] + 1)):
             return read(forward(prefix), i)
 
@@ -307,5 +341,14 @@ def steer(model: torch.nn.Module, readout: Readout, tokens: torch.Tensor, place:
     steered = torch.stack([edited(edits[p], i) for i, p in enumerate(positions)], 1)
     random = torch.stack([edited(random_edit(edits[p], gen), i) for i, p in enumerate(positions)], 1)
     values = {kind: readout.summarise(v) for kind, v in zip(KINDS, (unsteered, steered, mode, random))}
-    return Steering(a, sequence, positions, **values, measure=readout.measure, label=readout.label, form=form, place=Place(*place),
-                    n_sequences=n_sequences)
+    return Steering(
+        a,
+        sequence,
+        positions,
+        **values,
+        measure=readout.measure,
+        label=readout.label,
+        form=form,
+        place=Place(*place),
+        n_sequences=n_sequences,
+    )

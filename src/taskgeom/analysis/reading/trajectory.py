@@ -18,8 +18,8 @@ from typing import Sequence
 import torch
 
 from taskgeom.analysis.measures.simplex import project_simplex, sum_to_one_fit
-from taskgeom.analysis.reading.steering import averaged_task_vectors
 from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.reading.steering import averaged_task_vectors
 
 PER_TASK = PROTOCOL.trajectory_per_task  # natural sequences of each major task (the script's B)
 STUDY_ESTIMATION = PROTOCOL.trajectory_estimation  # _ESTIM_POSITIONS, every family
@@ -42,8 +42,10 @@ class Trajectory:
     tv: torch.Tensor
 
     def __repr__(self) -> str:
-        return (f"Trajectory(P3 {self.value:.4g}: TV of task {list(self.tasks)}'s mean beta to its mean posterior, positions "
-                f"{self.positions[self.late.start]}-{self.positions[-1]}; vectors from {self.estimation[0]}-{self.estimation[-1]})")
+        return (
+            f"Trajectory(P3 {self.value:.4g}: TV of task {list(self.tasks)}'s mean beta to its mean posterior, positions "
+            f"{self.positions[self.late.start]}-{self.positions[-1]}; vectors from {self.estimation[0]}-{self.estimation[-1]})"
+        )
 
     @property
     def late(self) -> slice:
@@ -64,7 +66,9 @@ def study_positions(span: range, n_positions: int) -> tuple[int, ...]:
     return tuple(sorted({p * n_positions // len(STUDY_PLOTTED) for p in span}))
 
 
-def trajectory(h: torch.Tensor, task: torch.Tensor, alpha: torch.Tensor, tasks: Sequence[int] = STUDY_TASKS) -> Trajectory:
+def trajectory(
+    h: torch.Tensor, task: torch.Tensor, alpha: torch.Tensor, tasks: Sequence[int] = STUDY_TASKS
+) -> Trajectory:
     """P3's trajectory (module docstring) of natural major states h: [N, P, D] of sequences of
     task: [N] with exact posterior alpha: [N, P, K]."""
     K, P = alpha.shape[-1], h.shape[1]

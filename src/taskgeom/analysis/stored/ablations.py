@@ -32,12 +32,12 @@ import torch
 from taskgeom.analysis.geometry import Geometry
 from taskgeom.analysis.measures.shares import Share, loss_window, share_of_gain
 from taskgeom.analysis.measures.subspace import complement_basis, random_directions
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.analysis.stored.rows import row
 from taskgeom.analysis.study import Sequences, StudyRun
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.rng import generator
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 N_RANDOM_CONTROLS = PROTOCOL.random_controls
 CONTROL_QUANTILE = PROTOCOL.control_quantile
@@ -65,14 +65,21 @@ class Block:
         return self.geometry.place
 
 
-def find_blocks(run: StudyRun, geometries: Sequence[Geometry], *, rank: int = 1, steps: int = 200,
-                variant: str | None = None) -> list[Block]:
+def find_blocks(
+    run: StudyRun, geometries: Sequence[Geometry], *, rank: int = 1, steps: int = 200, variant: str | None = None
+) -> list[Block]:
     """V (the searches in lockstep) and the random controls at each geometry's place; ``variant``:
     a section-8 variant of the search (``v-avoids-tokens``, ``v-searched-on-ood``) or None."""
     found = run.orthogonal_search([(g, rank) for g in geometries], steps=steps, variant=variant)
     gen = generator(run.seed, 0, "dual-random")
-    return [Block(g, v, tuple(random_directions(complement_basis(g.avoid(variant)), rank, gen) for _ in range(N_RANDOM_CONTROLS)))
-            for g, v in zip(geometries, found)]
+    return [
+        Block(
+            g,
+            v,
+            tuple(random_directions(complement_basis(g.avoid(variant)), rank, gen) for _ in range(N_RANDOM_CONTROLS)),
+        )
+        for g, v in zip(geometries, found)
+    ]
 
 
 def control_statistic(values: Sequence[float | None]) -> float | None:
@@ -84,8 +91,15 @@ def control_statistic(values: Sequence[float | None]) -> float | None:
     return float(torch.quantile(torch.tensor(values, dtype=torch.float64), CONTROL_QUANTILE))
 
 
-def ablation_rows(run: StudyRun, blocks: Sequence[Block], sets: dict[str, Sequences], clean: dict[str, torch.Tensor], *,
-                  v_block: int | None = None, variant: str | None = None) -> list[dict]:
+def ablation_rows(
+    run: StudyRun,
+    blocks: Sequence[Block],
+    sets: dict[str, Sequences],
+    clean: dict[str, torch.Tensor],
+    *,
+    v_block: int | None = None,
+    variant: str | None = None,
+) -> list[dict]:
     """The per-block and summary rows (module docstring) on each set {name: sequences} of the
     ``loss`` split, whose clean per-prediction losses are ``clean`` {name: [P - 1]}; ``v_block``:
     the index of the block whose V and control rows are the summary (``v-best-block``), else the mean;
@@ -103,18 +117,29 @@ def ablation_rows(run: StudyRun, blocks: Sequence[Block], sets: dict[str, Sequen
         ablated: dict[str, list[torch.Tensor]] = {"ablate_S": [], "ablate_V": []}
         controls: list[tuple[float | None, Share]] = []
         for block in blocks:
-            for label, edit in (("ablate_S", block.geometry.ablate(s_variant)), ("ablate_V", run.ablate(block.v, block.place))):
+            for label, edit in (
+                ("ablate_S", block.geometry.ablate(s_variant)),
+                ("ablate_V", run.ablate(block.v, block.place)),
+            ):
                 with edit:
                     losses = run.loss(sequences, per_position=True)
                 ablated[label].append(losses)
                 share = share_of_gain(losses, clean[name], window)
-                rows += [row(f"loss_{label}", losses[window].mean(), place=block.place, **where),
-                         row(f"gain_removed_{label}", share.value, place=block.place, share=share, **where)]
+                rows += [
+                    row(f"loss_{label}", losses[window].mean(), place=block.place, **where),
+                    row(f"gain_removed_{label}", share.value, place=block.place, share=share, **where),
+                ]
             draws = []
             for i, directions in enumerate(block.controls):
                 with run.ablate(directions, block.place):
-                    draws.append(share_of_gain(run.loss(sequences, per_position=True), clean[name], window, change_window=slice(0, None)))
-                rows.append(row(f"gain_removed_random_draw{i}", draws[-1].value, place=block.place, share=draws[-1], **where))
+                    draws.append(
+                        share_of_gain(
+                            run.loss(sequences, per_position=True), clean[name], window, change_window=slice(0, None)
+                        )
+                    )
+                rows.append(
+                    row(f"gain_removed_random_draw{i}", draws[-1].value, place=block.place, share=draws[-1], **where)
+                )
             values = [d.value for d in draws]
             controls.append((control_statistic(values), draws[0]))
             band = None if None in values else [min(values), max(values)]
@@ -123,17 +148,35 @@ def ablation_rows(run: StudyRun, blocks: Sequence[Block], sets: dict[str, Sequen
             chosen = [losses[v_block]] if label == "ablate_V" and v_block is not None else losses
             mean = torch.stack(chosen).mean(0)
             share = share_of_gain(mean, clean[name], window)
-            rows += [row(f"loss_{label}", mean[window].mean(), place=summary, **where),
-                     row(f"gain_removed_{label}", share.value, place=summary, share=share, **where)]
+            rows += [
+                row(f"loss_{label}", mean[window].mean(), place=summary, **where),
+                row(f"gain_removed_{label}", share.value, place=summary, share=share, **where),
+            ]
         chosen = [controls[v_block]] if v_block is not None else controls
         stats = [stat for stat, _ in chosen]
         band = None if None in stats else [min(stats), max(stats)]
-        rows.append(row("gain_removed_random", None if None in stats else max(stats), band, place=summary, share=chosen[0][1], **where))
+        rows.append(
+            row(
+                "gain_removed_random",
+                None if None in stats else max(stats),
+                band,
+                place=summary,
+                share=chosen[0][1],
+                **where,
+            )
+        )
     return rows
 
 
-def rank_rows(run: StudyRun, blocks: Sequence[Block], ranks: Sequence[int], ood: Sequences, clean: torch.Tensor, *,
-              steps: int = 200) -> list[dict]:
+def rank_rows(
+    run: StudyRun,
+    blocks: Sequence[Block],
+    ranks: Sequence[int],
+    ood: Sequences,
+    clean: torch.Tensor,
+    *,
+    steps: int = 200,
+) -> list[dict]:
     """The rank curve: the share of OOD gain removed by V of rank r (searched afresh for r other
     than the blocks' own rank) at each block, and its mean over blocks (``layer`` None)."""
     own = blocks[0].v.shape[1]
@@ -148,12 +191,18 @@ def rank_rows(run: StudyRun, blocks: Sequence[Block], ranks: Sequence[int], ood:
             with run.ablate(block.v if r == own else found[(i, r)], block.place):
                 per_block.append(run.loss(ood, per_position=True))
             share = share_of_gain(per_block[-1], clean, window)
-            rows += [row(f"loss_ablate_V_rank{r}", per_block[-1][window].mean(), place=block.place, **where),
-                     row(f"gain_removed_ablate_V_rank{r}", share.value, place=block.place, share=share, **where)]
+            rows += [
+                row(f"loss_ablate_V_rank{r}", per_block[-1][window].mean(), place=block.place, **where),
+                row(f"gain_removed_ablate_V_rank{r}", share.value, place=block.place, share=share, **where),
+            ]
         mean = torch.stack(per_block).mean(0)
         share = share_of_gain(mean, clean, window)
-        rows += [row(f"loss_ablate_V_rank{r}", mean[window].mean(), place=(None, blocks[0].place.site), **where),
-                 row(f"gain_removed_ablate_V_rank{r}", share.value, place=(None, blocks[0].place.site), share=share, **where)]
+        rows += [
+            row(f"loss_ablate_V_rank{r}", mean[window].mean(), place=(None, blocks[0].place.site), **where),
+            row(
+                f"gain_removed_ablate_V_rank{r}", share.value, place=(None, blocks[0].place.site), share=share, **where
+            ),
+        ]
     return rows
 
 

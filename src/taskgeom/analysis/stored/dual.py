@@ -58,6 +58,7 @@ from taskgeom.analysis.measures.subspace import complement_basis
 from taskgeom.analysis.measures.task_vectors import late_window
 from taskgeom.analysis.measures.theory import clr, participation_ratio, theorem2
 from taskgeom.analysis.measures.transition import reference_predictors, transition_statistic
+from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.analysis.reading import projection
 from taskgeom.analysis.stored.ablations import ablation_rows, block_places, find_blocks, rank_rows
 from taskgeom.analysis.stored.rows import row, stamped, stored_rows
@@ -68,12 +69,15 @@ from taskgeom.runs.folders import Run
 from taskgeom.runs.storage import atomic_write_json
 from taskgeom.settings.recipes import MeasureSettings
 from taskgeom.tasks import TokenFamily
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
 
 PRIOR_TASKS = PROTOCOL.prior_tasks  # OOD tasks whose predictions sample the OOD prediction map (d0)
-TRANSITION_SEQUENCES = PROTOCOL.transition_sequences  # the study's num_samples of the predictor transition (fig_kl_transition_combined.py)
+TRANSITION_SEQUENCES = (
+    PROTOCOL.transition_sequences
+)  # the study's num_samples of the predictor transition (fig_kl_transition_combined.py)
 REFERENCE_CHUNK = 256  # sequences whose Bayes predictors are computed at once
-EVAL_SEQUENCES = PROTOCOL.eval_sequences  # the study's evaluation sets: n_samples_eval = 500 drawn in batches of 64, so 8 batches, 512 sequences
+EVAL_SEQUENCES = (
+    PROTOCOL.eval_sequences
+)  # the study's evaluation sets: n_samples_eval = 500 drawn in batches of 64, so 8 batches, 512 sequences
 
 
 def quartiles(x: torch.Tensor) -> list[float]:
@@ -89,8 +93,14 @@ def loss_sets(run: StudyRun, n: int = EVAL_SEQUENCES) -> dict[str, Sequences]:
     return {kind: run.heldout(kind, n, split="loss") for kind in kinds}
 
 
-def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps: int = 200,
-                 projection_sizes: tuple[int, int] = MeasureSettings().projection_sizes) -> list[dict]:
+def analyze_dual(
+    run: StudyRun,
+    *,
+    n_seq: int = 256,
+    rank: int = 1,
+    search_steps: int = 200,
+    projection_sizes: tuple[int, int] = MeasureSettings().projection_sizes,
+) -> list[dict]:
     """All section-5 measurements of a finished run (``n_seq`` sequences per geometry batch, the
     study's ``EVAL_SEQUENCES`` per evaluation set, V of ``rank`` directions found in ``search_steps``
     steps, projection R^2 on ``projection_sizes`` = (OOD tasks, sequences per task)); writes
@@ -119,23 +129,40 @@ def analyze_dual(run: StudyRun, *, n_seq: int = 256, rank: int = 1, search_steps
 
     blocks = find_blocks(run, [geometries[site] for site in searched], rank=rank, steps=search_steps)
     for block in blocks:
-        rows += [row("orthogonality", (block.v.T.double() @ block.geometry.probe).abs().max(), place=block.place),
-                 row("orthogonality_avoided", (block.v.T.double() @ block.geometry.avoided.double()).abs().max(), place=block.place)]
+        rows += [
+            row("orthogonality", (block.v.T.double() @ block.geometry.probe).abs().max(), place=block.place),
+            row(
+                "orthogonality_avoided",
+                (block.v.T.double() @ block.geometry.avoided.double()).abs().max(),
+                place=block.place,
+            ),
+        ]
     sets = loss_sets(run)
     clean = {name: run.loss(sequences, per_position=True) for name, sequences in sets.items()}
     window = loss_window(family)
     for name in sets:
-        rows += [row("loss", clean[name][window].mean(), batch="loss", set=name), row("loss_first", clean[name][0], batch="loss", set=name)]
+        rows += [
+            row("loss", clean[name][window].mean(), batch="loss", set=name),
+            row("loss_first", clean[name][0], batch="loss", set=name),
+        ]
     bayes_ood = bayes_ood_losses(run, sets["ood"])  # the OOD-mode precondition's reference (claims.dual_modes.ood_mode)
-    rows += [row("bayes_ood_loss", bayes_ood[window].mean(), batch="loss", set="ood"),
-             row("bayes_ood_loss_first", bayes_ood[0], batch="loss", set="ood")]
+    rows += [
+        row("bayes_ood_loss", bayes_ood[window].mean(), batch="loss", set="ood"),
+        row("bayes_ood_loss_first", bayes_ood[0], batch="loss", set="ood"),
+    ]
     rows += ablation_rows(run, blocks, sets, clean)
 
-    prior = family.predict_ood(run.heldout("ood", PRIOR_TASKS, split="prior").batch.tokens)[:, -1] if family.reads_tokens else None
+    prior = (
+        family.predict_ood(run.heldout("ood", PRIOR_TASKS, split="prior").batch.tokens)[:, -1]
+        if family.reads_tokens
+        else None
+    )
     d0 = float(family.d) if prior is None else participation_ratio(clr(prior))  # a vector family's d: E2's ridge map
     rows.append(row("d0", d0))
     free = min(block.geometry.avoided.shape[0] - block.geometry.avoided.shape[1] for block in blocks)
-    rows += rank_rows(run, blocks, range(1, min(math.ceil(d0), free) + 1), sets["ood"], clean["ood"], steps=search_steps)
+    rows += rank_rows(
+        run, blocks, range(1, min(math.ceil(d0), free) + 1), sets["ood"], clean["ood"], steps=search_steps
+    )
 
     for block in blocks:
         rows += probe_rows(run, block.geometry, block.v, ood, ood_states[block.place])
@@ -154,8 +181,14 @@ def bayes_ood_losses(run: StudyRun, sequences: Sequences) -> torch.Tensor:
         return run.family.position_losses(run.model, sequences.batch, *sequences.references)["bayes_ood_loss"].mean(0)
 
 
-def projection_rows(run: StudyRun, checkpoints: dict[int, StudyRun], geometries: dict[Place, Geometry], ood: Sequences,
-                    ood_states: dict[Place, torch.Tensor], sizes: tuple[int, int]) -> list[dict]:
+def projection_rows(
+    run: StudyRun,
+    checkpoints: dict[int, StudyRun],
+    geometries: dict[Place, Geometry],
+    ood: Sequences,
+    ood_states: dict[Place, torch.Tensor],
+    sizes: tuple[int, int],
+) -> list[dict]:
     """Projection R^2 (module docstring) at every place of ``run.places()``, where ``geometries``
     (fitted on the ``geometry`` split) and the OOD states ``ood_states``: [N, P, D] of ``ood`` are,
     and across the ``checkpoints`` {step: run} at the protocol's place; ``sizes``: (OOD tasks,
@@ -167,26 +200,39 @@ def projection_rows(run: StudyRun, checkpoints: dict[int, StudyRun], geometries:
     if where not in places:
         raise AnalysisError(f"projection R^2 is read at {tuple(where)}, which this model does not have")
     fig4, at = {"batch": "projection", "set": "ood"}, {"batch": "geometry", "set": "ood"}
-    rows = [row("projection_r2_tasks", n_tasks, place=where, **fig4), row("projection_r2_per_task", per_task, place=where, **fig4)]
+    rows = [
+        row("projection_r2_tasks", n_tasks, place=where, **fig4),
+        row("projection_r2_per_task", per_task, place=where, **fig4),
+    ]
     table = projection.measure(run, tasks["ood"], tasks["major"], places)
     for site, r2 in table.items():
         per_sequence = geometries[site].projection_r2(ood, "token", ood_states[site])
-        rows += [row("table.projection_r2", r2.mean, r2.quartiles, place=site, **fig4),
-                 row("table.projection_r2_per_sequence", per_sequence.mean(), quartiles(per_sequence), place=site, **at)]
+        rows += [
+            row("table.projection_r2", r2.mean, r2.quartiles, place=site, **fig4),
+            row("table.projection_r2_per_sequence", per_sequence.mean(), quartiles(per_sequence), place=site, **at),
+        ]
         if site == where:
-            rows += [row("projection_r2", r2.mean, r2.quartiles, place=site, **fig4),
-                     row("projection_r2_se", r2.standard_error, place=site, **fig4),
-                     row("projection_r2_per_sequence", per_sequence.mean(), quartiles(per_sequence), place=site, **at)]
+            rows += [
+                row("projection_r2", r2.mean, r2.quartiles, place=site, **fig4),
+                row("projection_r2_se", r2.standard_error, place=site, **fig4),
+                row("projection_r2_per_sequence", per_sequence.mean(), quartiles(per_sequence), place=site, **at),
+            ]
     # the study's own draw (128 OOD tasks of 128 sequences), at the final model and across training
     study_sizes = projection.STUDY_SIZES
     drawn = tasks["ood"] if study_sizes == sizes else run.heldout_tasks("ood", study_sizes[1], n_tasks=study_sizes[0])
     study_major = tasks["major"] if study_sizes[1] == per_task else run.heldout_tasks("major", study_sizes[1])
     study = {"batch": "projection_study", "set": "ood"}
     for step, snapshot in checkpoints.items():
-        r2 = table[where] if snapshot is run and drawn is tasks["ood"] else snapshot.projection_r2(drawn, study_major, where)
+        r2 = (
+            table[where]
+            if snapshot is run and drawn is tasks["ood"]
+            else snapshot.projection_r2(drawn, study_major, where)
+        )
         if snapshot is run:
-            rows += [row("projection_r2_study_draw", r2.mean, r2.quartiles, place=where, **study),
-                     row("projection_r2_study_draw_se", r2.standard_error, place=where, **study)]
+            rows += [
+                row("projection_r2_study_draw", r2.mean, r2.quartiles, place=where, **study),
+                row("projection_r2_study_draw_se", r2.standard_error, place=where, **study),
+            ]
         rows.append(row("projection_r2", r2.mean, r2.quartiles, place=where, step=step, **study))
     why = projection.reference_unavailable(run.family)
     if why is None:
@@ -197,7 +243,9 @@ def projection_rows(run: StudyRun, checkpoints: dict[int, StudyRun], geometries:
     return rows
 
 
-def probe_rows(run: StudyRun, geometry: Geometry, directions: torch.Tensor, ood: Sequences, h_ood: torch.Tensor) -> list[dict]:
+def probe_rows(
+    run: StudyRun, geometry: Geometry, directions: torch.Tensor, ood: Sequences, h_ood: torch.Tensor
+) -> list[dict]:
     """What V encodes: linear probes from V^T h (and from the complement of the probe's S) of the OOD states
     h_ood: [N, P, D] at V's place to the context statistic of the OOD-optimal learner."""
     complement = complement_basis(geometry.probe.float())
@@ -208,14 +256,27 @@ def probe_rows(run: StudyRun, geometry: Geometry, directions: torch.Tensor, ood:
     states = h_ood[:, late]
     rows = []
     for label, x in (("V", states @ directions), ("complement", states @ complement)):
-        probe = linear_probe(x.reshape(-1, x.shape[-1]).double(), target.reshape(-1, target.shape[-1]).double(), "regression", groups=groups)
-        rows += [row(f"probe_r2_{label}", probe.score, place=geometry.place, batch="geometry", set="ood"),
-                 row(f"probe_r2_{label}_shuffled", probe.control, place=geometry.place, batch="geometry", set="ood")]
+        probe = linear_probe(
+            x.reshape(-1, x.shape[-1]).double(),
+            target.reshape(-1, target.shape[-1]).double(),
+            "regression",
+            groups=groups,
+        )
+        rows += [
+            row(f"probe_r2_{label}", probe.score, place=geometry.place, batch="geometry", set="ood"),
+            row(f"probe_r2_{label}_shuffled", probe.control, place=geometry.place, batch="geometry", set="ood"),
+        ]
     return rows
 
 
-def token_prediction_rows(run: StudyRun, checkpoints: dict[int, StudyRun], readout: Geometry, ood: Sequences, h_ood: torch.Tensor,
-                          prior: torch.Tensor) -> list[dict]:
+def token_prediction_rows(
+    run: StudyRun,
+    checkpoints: dict[int, StudyRun],
+    readout: Geometry,
+    ood: Sequences,
+    h_ood: torch.Tensor,
+    prior: torch.Tensor,
+) -> list[dict]:
     """Theorem 2 (at the last layer's resid_post, where the readout is the final norm and
     unembedding) on the OOD sequences whose states h_ood: [N, T, D] there ``readout`` was fitted
     beside (prior: [2048, V] OOD-optimal predictions over OOD tasks), and the predictor transition
@@ -226,19 +287,37 @@ def token_prediction_rows(run: StudyRun, checkpoints: dict[int, StudyRun], reado
     with torch.no_grad():
         logits = model.readout(h_ood[:, t])  # [N, V] the final model's last output, read off the cached states
     n = tokens.shape[0]
-    theory = theorem2(model.readout, h_ood[:, t], subspace.mu[t].float().expand(n, -1), subspace.basis.float(), logits,
-                      family.predict_ood(tokens)[:, t], prior)
+    theory = theorem2(
+        model.readout,
+        h_ood[:, t],
+        subspace.mu[t].float().expand(n, -1),
+        subspace.basis.float(),
+        logits,
+        family.predict_ood(tokens)[:, t],
+        prior,
+    )
     where = {"place": place, "batch": "geometry"}
     rows = [row(f"theorem2_{key}", theory[key], **where) for key in ("k_star", "d0", "lipschitz")]
-    rows += [row(f"theorem2_{key}", theory[key].median(), quartiles(theory[key]), set="ood", **where) for key in ("c", "delta", "bound", "distance")]
-    rows.append(row("theorem2_share_bound_holds", (theory["distance"] >= theory["bound"]).double().mean(), set="ood", **where))
+    rows += [
+        row(f"theorem2_{key}", theory[key].median(), quartiles(theory[key]), set="ood", **where)
+        for key in ("c", "delta", "bound", "distance")
+    ]
+    rows.append(
+        row("theorem2_share_bound_holds", (theory["distance"] >= theory["bound"]).double().mean(), set="ood", **where)
+    )
     mixture = run.heldout("mixture", TRANSITION_SEQUENCES, split="transition").batch.tokens  # the study's mode="train"
-    by_chunk = [reference_predictors(family, chunk, pool, run.config.task.p_minor) for chunk in mixture.split(REFERENCE_CHUNK)]
-    references = tuple(torch.cat(parts) for parts in zip(*by_chunk))  # the pool posterior of ~1,000 tasks a chunk at a time
+    by_chunk = [
+        reference_predictors(family, chunk, pool, run.config.task.p_minor) for chunk in mixture.split(REFERENCE_CHUNK)
+    ]
+    references = tuple(
+        torch.cat(parts) for parts in zip(*by_chunk)
+    )  # the pool posterior of ~1,000 tasks a chunk at a time
     for step, snapshot in checkpoints.items():
         with torch.no_grad():
             stat = transition_statistic(snapshot.model(mixture), *references)
-        rows += [row(f"transition_{key}", value, batch="transition", set="mixture", step=step) for key, value in stat.items()]
+        rows += [
+            row(f"transition_{key}", value, batch="transition", set="mixture", step=step) for key, value in stat.items()
+        ]
     return rows
 
 
@@ -251,4 +330,8 @@ def load_dual(run: Run, projection_sizes: tuple[int, int] | None = None) -> list
     if rows is None or projection_sizes is None:
         return rows
     stored = {r["metric"]: r["value"] for r in rows if r["metric"] in ("projection_r2_tasks", "projection_r2_per_task")}
-    return rows if (stored.get("projection_r2_tasks"), stored.get("projection_r2_per_task")) == tuple(projection_sizes) else None
+    return (
+        rows
+        if (stored.get("projection_r2_tasks"), stored.get("projection_r2_per_task")) == tuple(projection_sizes)
+        else None
+    )

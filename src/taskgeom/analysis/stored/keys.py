@@ -24,7 +24,14 @@ from taskgeom.analysis.protocol import STUDY
 FORMATS = {"m1": 12, "dual": 12, "e4": 1}
 # the module each analysis starts from; its code is every module of MEASURING it imports, transitively
 ENTRY = {"m1": "taskgeom.analysis.stored.m1", "dual": "taskgeom.analysis.stored.dual", "e4": "taskgeom.extras.dyck"}
-MEASURING = ("taskgeom.analysis", "taskgeom.extras", "taskgeom.tasks", "taskgeom.models", "taskgeom.hooks", "taskgeom.rng")
+MEASURING = (
+    "taskgeom.analysis",
+    "taskgeom.extras",
+    "taskgeom.tasks",
+    "taskgeom.models",
+    "taskgeom.hooks",
+    "taskgeom.rng",
+)
 
 
 def key(analysis: str) -> dict[str, int | str]:
@@ -45,12 +52,28 @@ def _source(module: str) -> Path:
     return Path(spec.origin)
 
 
-def _without_docstrings(tree: ast.AST) -> ast.AST:
+def _normalized(tree: ast.Module) -> ast.Module:
+    """``tree`` without docstrings, and with its top-level imports as one sorted set of the names
+    they bind (their order and grouping are layout: an import sorter changes nothing)."""
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 node.body = node.body[1:] or [ast.Pass()]
+    imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    bound = sorted(
+        {
+            (getattr(node, "module", None) or "", getattr(node, "level", 0), alias.name, alias.asname or "")
+            for node in imports
+            for alias in node.names
+        }
+    )
+    names = ast.Constant(value=repr(bound))
+    tree.body = [ast.Expr(value=names)] + [node for node in tree.body if node not in imports]
     return tree
 
 
@@ -93,6 +116,6 @@ def code_fingerprint(analysis: str) -> str:
     """12 hex digits of the sha256 of the code of ``code_modules(analysis)`` (module docstring)."""
     digest = hashlib.sha256()
     for module in code_modules(analysis):
-        tree = _without_docstrings(ast.parse(_source(module).read_text(encoding="utf-8")))
+        tree = _normalized(ast.parse(_source(module).read_text(encoding="utf-8")))
         digest.update(f"{module}\n{ast.dump(tree, annotate_fields=False)}\n".encode())
     return digest.hexdigest()[:12]

@@ -88,7 +88,9 @@ class Result:
     window: slice
     p2_window: slice
     effect: str = "current token"
-    request: dict = field(default_factory=dict)  # what was asked (``analysis_request``): a stored result is read back only for the same
+    request: dict = field(
+        default_factory=dict
+    )  # what was asked (``analysis_request``): a stored result is read back only for the same
 
 
 READ_SITE_PREFIX = "steering_at_read_site"  # the rows of the variant steer-at-read-site
@@ -101,8 +103,14 @@ def claim_places(run: StudyRun) -> tuple[Place, Place]:
     return steering_place(family, n_layers), Place.at_depth(*family.p3_block, n_layers)  # steering reads the M1 place
 
 
-def check_request(run: StudyRun, layers: tuple[int, ...] | None = None, sites: tuple[str, ...] | None = None,
-                  n_sequences: int = 512, window: float = 0.25, per_cell: int = P0_PER_CELL) -> list[Place]:
+def check_request(
+    run: StudyRun,
+    layers: tuple[int, ...] | None = None,
+    sites: tuple[str, ...] | None = None,
+    n_sequences: int = 512,
+    window: float = 0.25,
+    per_cell: int = P0_PER_CELL,
+) -> list[Place]:
     """The places to analyse; AnalysisError (before any work) for what the run cannot give.
     layers: None for all; sites: those measured (None: those of DEFAULT_SITES the model has); both
     must include the claims' places (``claim_places``); window: the late fraction of positions
@@ -118,7 +126,9 @@ def check_request(run: StudyRun, layers: tuple[int, ...] | None = None, sites: t
         raise AnalysisError(f"the M1 claims read (layer, site) {missing} (docs/protocol.md); measure them too")
     check_major_tasks(run.pool.n_major, f"analysing {run.path}")
     if n_sequences < 4 * run.pool.n_major:
-        raise AnalysisError(f"n_sequences must be at least 4 per major task ({4 * run.pool.n_major}), got {n_sequences}")
+        raise AnalysisError(
+            f"n_sequences must be at least 4 per major task ({4 * run.pool.n_major}), got {n_sequences}"
+        )
     if not 0 < window <= 0.5:
         raise AnalysisError(f"window must lie in (0, 0.5], got {window}")
     if per_cell < 2:
@@ -128,7 +138,11 @@ def check_request(run: StudyRun, layers: tuple[int, ...] | None = None, sites: t
 
 def place_rows(geometry: Geometry, per_position: bool) -> list[dict]:
     """P0-P2 of one place on its batch (module docstring; and per position)."""
-    pooled, p2, where = geometry.pooled, geometry.p2, {"place": geometry.place, "batch": geometry.sequences.split.value, "set": "major"}
+    pooled, p2, where = (
+        geometry.pooled,
+        geometry.p2,
+        {"place": geometry.place, "batch": geometry.sequences.split.value, "set": "major"},
+    )
     r2_random = p2.r2_random.double()
     rows = [
         row("p0.within_share", 1 - geometry.p0, **where),
@@ -140,19 +154,37 @@ def place_rows(geometry: Geometry, per_position: bool) -> list[dict]:
         row("p1.additive_share_pooled", pooled.additive_share, **where),
         row("p2.r2_task", p2.r2_task, **where),
         row("p2.r2_task_exact", p2.r2_exact, **where),
-        row("p2.r2_random", r2_random.mean() if len(r2_random) else float("nan"),
-            (r2_random.min(), r2_random.max()) if len(r2_random) else None, **where),
+        row(
+            "p2.r2_random",
+            r2_random.mean() if len(r2_random) else float("nan"),
+            (r2_random.min(), r2_random.max()) if len(r2_random) else None,
+            **where,
+        ),
     ]
     additive = geometry.p2_additive
     random = additive.random
-    rows += [row("p2.r2_additive", additive.value, **where),
-             row("p2.r2_additive_random", random.mean() if len(random) else float("nan"),
-                 (random.min(), random.max()) if len(random) else None, **where),
-             row("p2.post_layernorm", float(additive.post_layernorm), **where)]
-    curves = {"p2.r2_task": p2.r2_by_position, "p0.cell_r2": geometry.shares.cell_r2, "p1.additive_share": geometry.shares.additive_share,
-              "p2.r2_additive": additive.by_position}
+    rows += [
+        row("p2.r2_additive", additive.value, **where),
+        row(
+            "p2.r2_additive_random",
+            random.mean() if len(random) else float("nan"),
+            (random.min(), random.max()) if len(random) else None,
+            **where,
+        ),
+        row("p2.post_layernorm", float(additive.post_layernorm), **where),
+    ]
+    curves = {
+        "p2.r2_task": p2.r2_by_position,
+        "p0.cell_r2": geometry.shares.cell_r2,
+        "p1.additive_share": geometry.shares.additive_share,
+        "p2.r2_additive": additive.by_position,
+    }
     if per_position:
-        rows += [row(metric, value, position=t, **where) for metric, curve in curves.items() for t, value in enumerate(curve.tolist())]
+        rows += [
+            row(metric, value, position=t, **where)
+            for metric, curve in curves.items()
+            for t, value in enumerate(curve.tolist())
+        ]
     return rows
 
 
@@ -166,16 +198,29 @@ def cell_rows(cells: ForcedCells, p2: dict[Place, AdditiveR2]) -> list[dict]:
     for place in cells.states:
         layout, where = cells.layout(place), {"place": place, "batch": "cells", "set": "major"}
         A, _, N, _ = cells.states[place].shape
-        rows += [row("p0.cell_r2_forced", layout.cell_r2, **where), row("p0.within_share_forced", layout.within_share, **where),
-                 row("p1.additive_share_forced", layout.additive_share, **where), row("cells.position", cells.position, **where),
-                 row("cells.per_cell", N, **where), row("cells.tokens", A, **where)]
+        rows += [
+            row("p0.cell_r2_forced", layout.cell_r2, **where),
+            row("p0.within_share_forced", layout.within_share, **where),
+            row("p1.additive_share_forced", layout.additive_share, **where),
+            row("cells.position", cells.position, **where),
+            row("cells.per_cell", N, **where),
+            row("cells.tokens", A, **where),
+        ]
         additive = p2[place]
         random = additive.random
-        rows += [row("p2.r2_additive_forced", additive.value, **where),
-                 row("p2.r2_additive_forced_random", random.mean() if len(random) else float("nan"),
-                     (random.min(), random.max()) if len(random) else None, **where)]
-        rows += [row("p2.r2_additive_forced", float(additive.by_position[t]), position=t, **where)
-                 for t in range(additive.positions.start, additive.positions.stop)]
+        rows += [
+            row("p2.r2_additive_forced", additive.value, **where),
+            row(
+                "p2.r2_additive_forced_random",
+                random.mean() if len(random) else float("nan"),
+                (random.min(), random.max()) if len(random) else None,
+                **where,
+            ),
+        ]
+        rows += [
+            row("p2.r2_additive_forced", float(additive.by_position[t]), position=t, **where)
+            for t in range(additive.positions.start, additive.positions.stop)
+        ]
     return rows
 
 
@@ -188,18 +233,32 @@ def trajectory_rows(trajectories: dict[Place, Trajectory], p3_place: Place) -> l
     rows = []
     for place, found in trajectories.items():
         where = {"place": place, "batch": "trajectory", "set": "major"}
-        rows += [row("p3.tv_trajectory", found.value, **where),
-                 row("p3.trajectory_first", found.positions[0], **where), row("p3.trajectory_last", found.positions[-1], **where),
-                 row("p3.trajectory_estimation_first", found.estimation[0], **where),
-                 row("p3.trajectory_estimation_last", found.estimation[-1], **where)]
+        rows += [
+            row("p3.tv_trajectory", found.value, **where),
+            row("p3.trajectory_first", found.positions[0], **where),
+            row("p3.trajectory_last", found.positions[-1], **where),
+            row("p3.trajectory_estimation_first", found.estimation[0], **where),
+            row("p3.trajectory_estimation_last", found.estimation[-1], **where),
+        ]
         if place == p3_place:
-            rows += [row("p3.tv_trajectory", value, position=t, task=k, **where)
-                     for k, curve in zip(found.tasks, found.tv.tolist()) for t, value in zip(found.positions, curve)]
+            rows += [
+                row("p3.tv_trajectory", value, position=t, task=k, **where)
+                for k, curve in zip(found.tasks, found.tv.tolist())
+                for t, value in zip(found.positions, curve)
+            ]
     return rows
 
 
-def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tuple[str, ...] | None = None,
-            n_sequences: int = 512, window: float = 0.25, n_random: int = 8, per_cell: int = P0_PER_CELL) -> Result:
+def analyze(
+    run: StudyRun,
+    *,
+    layers: tuple[int, ...] | None = None,
+    sites: tuple[str, ...] | None = None,
+    n_sequences: int = 512,
+    window: float = 0.25,
+    n_random: int = 8,
+    per_cell: int = P0_PER_CELL,
+) -> Result:
     """The M1 geometry of a finished run (options: ``check_request``; ``n_random``: P2's random
     subspaces; ``per_cell``: sequences a forced-token cell, ``StudyRun.forced_cells``, for P0 and P1
     of a token family); RunDirError if unfinished, AnalysisError for a bad request. Steering is measured at
@@ -210,7 +269,9 @@ def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tupl
     request = analysis_request(places, n_sequences, window, n_random, per_cell)
     place, p3_place = claim_places(run)
     options = {"window": window, "n_random": n_random}
-    selection = run.select_place(run.heldout("major", n_sequences, split="select"), places, **options)  # the selected-place variant
+    selection = run.select_place(
+        run.heldout("major", n_sequences, split="select"), places, **options
+    )  # the selected-place variant
     rows: list[dict] = []
     for geometry in selection.geometries:
         rows += place_rows(geometry, per_position=False)
@@ -228,7 +289,10 @@ def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tupl
         rows += alignment_rows(geometry.place, geometry.p3, measure.batch.task, per_position=geometry.place == p3_place)
         if geometry.place in (place, p3_place):
             kept[geometry.place] = geometry
-    rows += [row(label, 1.0, place=at, batch="measure", set="major") for label, at in (("place.m1", place), ("place.p3", p3_place))]
+    rows += [
+        row(label, 1.0, place=at, batch="measure", set="major")
+        for label, at in (("place.m1", place), ("place.p3", p3_place))
+    ]
     rows += trajectory_rows(run.trajectories(places), p3_place)
     if isinstance(run.family, TokenFamily):
         rows += cell_rows(run.forced_cells(places, per_cell=per_cell), run.cell_p2(places, n_random=n_random))
@@ -237,19 +301,47 @@ def analyze(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tupl
     rows += steering_rows(kept[place].steer("dirichlet", variant="steer-at-read-site"), READ_SITE_PREFIX)
 
     p3 = kept[p3_place]
-    return Result(run.config.name, stamped(rows, "m1"), place, p3_place, selected, runner_up, measure.batch.task, measure.alpha.float(), p3.beta,
-                  p3.p3.mean, steering, _summary(rows, place), p3.window, kept[place].p2_additive.positions, measure.inputs.effect, request)
+    return Result(
+        run.config.name,
+        stamped(rows, "m1"),
+        place,
+        p3_place,
+        selected,
+        runner_up,
+        measure.batch.task,
+        measure.alpha.float(),
+        p3.beta,
+        p3.p3.mean,
+        steering,
+        _summary(rows, place),
+        p3.window,
+        kept[place].p2_additive.positions,
+        measure.inputs.effect,
+        request,
+    )
 
 
 def analysis_request(places: list[Place], n_sequences: int, window: float, n_random: int, per_cell: int) -> dict:
     """What one ``analyze`` call measured, as stored beside its result: the places and the options."""
-    return {"places": [list(p) for p in places], "n_sequences": n_sequences, "window": window, "n_random": n_random, "per_cell": per_cell}
+    return {
+        "places": [list(p) for p in places],
+        "n_sequences": n_sequences,
+        "window": window,
+        "n_random": n_random,
+        "per_cell": per_cell,
+    }
 
 
 def _summary(rows: list[dict], place: Place) -> dict[str, float]:
     """{metric: value} of the non-positional measurement-batch rows at ``place``."""
-    return {r["metric"]: r["value"] for r in rows
-            if r["batch"] == "measure" and (r["layer"], r["site"]) == tuple(place) and r["position"] is None and r["task"] is None}
+    return {
+        r["metric"]: r["value"]
+        for r in rows
+        if r["batch"] == "measure"
+        and (r["layer"], r["site"]) == tuple(place)
+        and r["position"] is None
+        and r["task"] is None
+    }
 
 
 def alignment_rows(place: Place, p3: Alignment, task: torch.Tensor, per_position: bool = True) -> list[dict]:
@@ -266,21 +358,29 @@ def alignment_rows(place: Place, p3: Alignment, task: torch.Tensor, per_position
     if per_position:
         curves = p3.mean.tv
         rows += [row("p3.tv_mean_beta", value, position=t, **where) for t, value in enumerate(curves.mean(0).tolist())]
-        rows += [row("p3.tv_mean_beta", value, position=t, task=k, **where)
-                 for k, curve in enumerate(curves.tolist()) for t, value in enumerate(curve)]
+        rows += [
+            row("p3.tv_mean_beta", value, position=t, task=k, **where)
+            for k, curve in enumerate(curves.tolist())
+            for t, value in enumerate(curve)
+        ]
     for metric in ("tv", "kl"):
         values = getattr(p3, metric)
         if per_position:
             for k in [None, *range(int(task.max()) + 1)]:
                 med, low, high = quantiles(values if k is None else values[task == k], dim=0)
-                rows += [row(f"p3.{metric}", med[t], (low[t], high[t]), position=t, task=k, **where) for t in range(values.shape[1])]
+                rows += [
+                    row(f"p3.{metric}", med[t], (low[t], high[t]), position=t, task=k, **where)
+                    for t in range(values.shape[1])
+                ]
         for part in ("first", "last"):
             med, low, high = p3.quarter(metric, part)
             rows.append(row(f"p3.{metric}_{part}_quarter", med, (low, high), **where))
     shrink = p3.shrinkage
-    rows += [row("p3.uncertain_positions", len(shrink.positions), **where),
-             row("p3.tv_first_uncertain", shrink.tv_first, **where),
-             row("p3.tv_last_uncertain", shrink.tv_last, **where)]
+    rows += [
+        row("p3.uncertain_positions", len(shrink.positions), **where),
+        row("p3.tv_first_uncertain", shrink.tv_first, **where),
+        row("p3.tv_last_uncertain", shrink.tv_last, **where),
+    ]
     return rows
 
 
@@ -296,9 +396,13 @@ def steering_rows(steering: Steering, prefix: str = "steering") -> list[dict]:
     for kind in KINDS:
         _, low, high = quantiles(getattr(steering, kind).reshape(-1))
         rows.append(row(f"{prefix}.{steering.measure}_{kind}", steering.mean(kind), (low, high), **where))
-    rows += [row(f"{prefix}.n_sequences", steering.n_sequences, **where), row(f"{prefix}.n_points", steering.n_points, **where),
-             row(f"{prefix}.position_first", steering.positions[0], **where),
-             row(f"{prefix}.position_last", steering.positions[-1], **where), row(f"{prefix}.n_positions", len(steering.positions), **where)]
+    rows += [
+        row(f"{prefix}.n_sequences", steering.n_sequences, **where),
+        row(f"{prefix}.n_points", steering.n_points, **where),
+        row(f"{prefix}.position_first", steering.positions[0], **where),
+        row(f"{prefix}.position_last", steering.positions[-1], **where),
+        row(f"{prefix}.n_positions", len(steering.positions), **where),
+    ]
     return rows
 
 
@@ -314,22 +418,56 @@ def write(run: StudyRun, result: Result) -> None:
     rows_path = run.path / "analysis" / "m1.json"
     atomic_write_json(rows_path, result.rows)
     steering = result.steering
-    tensors = {**{name: getattr(result, name) for name in _TENSORS}, **{f"mean.{name}": getattr(result.mean, name) for name in ("beta", "alpha", "tv")},
-               **{f"steering.{name}": getattr(steering, name) for name in _STEERING_TENSORS}}
-    fields = {"experiment": result.experiment, "place": result.place, "p3_place": result.p3_place, "selected": result.selected,
-              "runner_up": result.runner_up, "window": _span(result.window), "p2_window": _span(result.p2_window), "effect": result.effect,
-              "request": result.request, "steering": {"positions": steering.positions, "measure": steering.measure, "label": steering.label,
-                                                      "form": steering.form, "place": steering.place, "n_sequences": steering.n_sequences}}
-    save_tensors(run.path / "analysis" / RESULT_FILE, {name: t.clone() for name, t in tensors.items()},
-                 {"analysis": "m1", **{name: str(value) for name, value in key("m1").items()}, "fields": json.dumps(fields), "rows_sha256": _sha256(rows_path)})
+    tensors = {
+        **{name: getattr(result, name) for name in _TENSORS},
+        **{f"mean.{name}": getattr(result.mean, name) for name in ("beta", "alpha", "tv")},
+        **{f"steering.{name}": getattr(steering, name) for name in _STEERING_TENSORS},
+    }
+    fields = {
+        "experiment": result.experiment,
+        "place": result.place,
+        "p3_place": result.p3_place,
+        "selected": result.selected,
+        "runner_up": result.runner_up,
+        "window": _span(result.window),
+        "p2_window": _span(result.p2_window),
+        "effect": result.effect,
+        "request": result.request,
+        "steering": {
+            "positions": steering.positions,
+            "measure": steering.measure,
+            "label": steering.label,
+            "form": steering.form,
+            "place": steering.place,
+            "n_sequences": steering.n_sequences,
+        },
+    }
+    save_tensors(
+        run.path / "analysis" / RESULT_FILE,
+        {name: t.clone() for name, t in tensors.items()},
+        {
+            "analysis": "m1",
+            **{name: str(value) for name, value in key("m1").items()},
+            "fields": json.dumps(fields),
+            "rows_sha256": _sha256(rows_path),
+        },
+    )
 
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def load(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tuple[str, ...] | None = None, n_sequences: int = 512,
-         window: float = 0.25, n_random: int = 8, per_cell: int = P0_PER_CELL) -> Result | None:
+def load(
+    run: StudyRun,
+    *,
+    layers: tuple[int, ...] | None = None,
+    sites: tuple[str, ...] | None = None,
+    n_sequences: int = 512,
+    window: float = 0.25,
+    n_random: int = 8,
+    per_cell: int = P0_PER_CELL,
+) -> Result | None:
     """The ``Result`` that ``analyze`` with these options gave, as ``write`` stored it, or None when the
     run has none: no file, another key (``keys.key``: format number, protocol), another request, or an m1.json written
     since (by another analysis). CheckpointError naming the file when it is damaged or not a stored M1
@@ -346,18 +484,40 @@ def load(run: StudyRun, *, layers: tuple[int, ...] | None = None, sites: tuple[s
         raise CheckpointError(f"{path} is not a stored M1 result; delete it to measure the run again")
     if meta.get("rows_sha256") != _sha256(run.path / "analysis" / "m1.json"):
         return None
-    request = analysis_request(check_request(run, layers, sites, n_sequences, window, per_cell), n_sequences, window, n_random, per_cell)
+    request = analysis_request(
+        check_request(run, layers, sites, n_sequences, window, per_cell), n_sequences, window, n_random, per_cell
+    )
     fields = json.loads(meta["fields"])
     if not is_current({name: meta.get(name) for name in key("m1")}, "m1", as_text=True) or fields["request"] != request:
         return None
     s = fields["steering"]
-    steering = Steering(**{name: tensors[f"steering.{name}"] for name in _STEERING_TENSORS}, positions=tuple(s["positions"]),
-                        measure=s["measure"], label=s["label"], form=s["form"], place=Place(*s["place"]), n_sequences=s["n_sequences"])
+    steering = Steering(
+        **{name: tensors[f"steering.{name}"] for name in _STEERING_TENSORS},
+        positions=tuple(s["positions"]),
+        measure=s["measure"],
+        label=s["label"],
+        form=s["form"],
+        place=Place(*s["place"]),
+        n_sequences=s["n_sequences"],
+    )
     place = Place(*fields["place"])
     mean = MeanAlignment(tensors["mean.beta"], tensors["mean.alpha"], tensors["mean.tv"])
-    return Result(fields["experiment"], rows, place, Place(*fields["p3_place"]), Place(*fields["selected"]),
-                  None if fields["runner_up"] is None else Place(*fields["runner_up"]), *(tensors[name] for name in _TENSORS), mean, steering,
-                  _summary(rows, place), slice(*fields["window"]), slice(*fields["p2_window"]), fields["effect"], request)
+    return Result(
+        fields["experiment"],
+        rows,
+        place,
+        Place(*fields["p3_place"]),
+        Place(*fields["selected"]),
+        None if fields["runner_up"] is None else Place(*fields["runner_up"]),
+        *(tensors[name] for name in _TENSORS),
+        mean,
+        steering,
+        _summary(rows, place),
+        slice(*fields["window"]),
+        slice(*fields["p2_window"]),
+        fields["effect"],
+        request,
+    )
 
 
 def _span(window: slice) -> list[int | None]:

@@ -27,19 +27,56 @@ from taskgeom.analysis.stored.keys import is_current, key
 from taskgeom.errors import RunDirError
 from taskgeom.runs.folders import Run
 
-FIELDS = ("metric", "value", "band", "layer", "site", "batch", "set", "step", "position", "task", "gain", "unreliable", "reason",
-          "version", "protocol")
+FIELDS = (
+    "metric",
+    "value",
+    "band",
+    "layer",
+    "site",
+    "batch",
+    "set",
+    "step",
+    "position",
+    "task",
+    "gain",
+    "unreliable",
+    "reason",
+    "version",
+    "protocol",
+)
 
 
-def row(metric: str, value: float | None, band: Sequence[float] | None = None, *, place: tuple[int, str] | None = None,
-        batch: str | None = None, set: str | None = None, step: int | None = None, position: int | None = None,
-        task: int | None = None, share: Share | None = None) -> dict:
+def row(
+    metric: str,
+    value: float | None,
+    band: Sequence[float] | None = None,
+    *,
+    place: tuple[int, str] | None = None,
+    batch: str | None = None,
+    set: str | None = None,
+    step: int | None = None,
+    position: int | None = None,
+    task: int | None = None,
+    share: Share | None = None,
+) -> dict:
     """One stored row (module docstring); ``share``: the share of gain this row is (or is of)."""
     layer, site = place if place is not None else (None, None)
     extra = share.fields() if share is not None else {"gain": None, "unreliable": None, "reason": None}
-    return {"metric": metric, "value": None if value is None else float(value),
-            "band": None if band is None else [float(band[0]), float(band[1])], "layer": layer, "site": site, "batch": batch,
-            "set": set, "step": step, "position": position, "task": task, **extra, "version": None, "protocol": None}
+    return {
+        "metric": metric,
+        "value": None if value is None else float(value),
+        "band": None if band is None else [float(band[0]), float(band[1])],
+        "layer": layer,
+        "site": site,
+        "batch": batch,
+        "set": set,
+        "step": step,
+        "position": position,
+        "task": task,
+        **extra,
+        "version": None,
+        "protocol": None,
+    }
 
 
 def stamped(rows: list[dict], analysis: str) -> list[dict]:
@@ -65,5 +102,7 @@ def by_step(table: pd.DataFrame) -> pd.DataFrame:
     """One row per (run, training step): projection R^2 and the predictor-transition statistics
     (``log_ratio``, ``kl_to_memorising``, ``kl_to_generalising``; token families only)."""
     rows = table[table["step"].notna()]
-    wide = rows.pivot_table(index=["recipe", "diversity", "seed", "step"], columns="metric", values="value").reset_index()
+    wide = rows.pivot_table(
+        index=["recipe", "diversity", "seed", "step"], columns="metric", values="value"
+    ).reset_index()
     return wide.rename(columns=lambda c: c.removeprefix("transition_"))
