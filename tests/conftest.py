@@ -90,32 +90,21 @@ def tiny():
 
 
 # Every run of a reproduction shrunk to seconds: what the report, browser and README tests read.
-TINY_REPRODUCTION = (
-    "train.steps=30",
-    "train.eval_every=10",
-    "train.checkpoint_every=10",
-    "train.snapshots=2",
-    "train.batch_size=16",
-    "model.n_layers=1",
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.d_mlp=32",
+SMOKE = (
+    "smoke"  # the profile every recipe shares that runs every experiment at toy sizes (configs/shared/profiles.yaml)
 )
-
-
 TINY_SEEDS = (0, 1)
 
 
 @pytest.fixture(scope="session")
 def tiny_reproduction(tmp_path_factory):
-    """The results folder of a whole ``reproduce`` (every experiment, quick profile) on two seeds
-    with every run shrunk by TINY_REPRODUCTION: about two minutes on 2 cores. Tests must not modify
-    it (copy it)."""
+    """The results folder of a whole ``reproduce`` (every experiment) at the ``smoke`` profile on two
+    seeds: about two minutes on 2 cores. Tests must not modify it (copy it)."""
     from taskgeom.experiments import reproduce
     from taskgeom.experiments.executors import Executor
 
     out = tmp_path_factory.mktemp("tiny-reproduction")
-    reproduce(out, "quick", None, Executor("local", 2), device="cpu", overrides=TINY_REPRODUCTION, seeds=TINY_SEEDS)
+    reproduce(out, SMOKE, None, Executor("local", 2), device="cpu", seeds=TINY_SEEDS)
     return out
 
 

@@ -6,6 +6,7 @@ forward hook, states against ``hooks.capture``)."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -143,7 +144,7 @@ def test_projection_r2_and_its_variant_at_every_place_and_the_reference_are_the_
                 one(dual, "projection_r2_study_draw")["value"], rel=1e-12
             )
         variant = e3.projection_r2(
-            geometry_ood, e3.heldout("major", 256, split="geometry"), place, variant="per-sequence-r2"
+            geometry_ood, e3.heldout("major", 256, split="geometry"), place, protocol=tg.protocol("per-sequence-r2")
         )
         assert variant.mean == pytest.approx(
             one(dual, "table.projection_r2_per_sequence", layer=place.layer, site=place.site)["value"], rel=1e-6
@@ -153,8 +154,14 @@ def test_projection_r2_and_its_variant_at_every_place_and_the_reference_are_the_
     claims = tg.results(folder).claims.set_index("id")
     parts = claims.loc["e3.projection_r2_drop", "seeds"][0]["parts"]
     assert parts["k=-1.reference"] == pytest.approx(reference.mean, rel=1e-12) and parts["k=-1.ood_tasks"] == 1024
-    with pytest.raises(AnalysisError, match="unknown variant 'per-sequence'"):
-        e3.projection_r2(ood, major, variant="per-sequence")
+    with pytest.raises(AnalysisError, match="no variant of the measurement 'per-sequence'"):
+        e3.projection_r2(ood, major, protocol=tg.protocol("per-sequence"))
+    with pytest.raises(
+        AnalysisError, match="no variant of the measurement 'e1-v6'"
+    ):  # a variant of the data: other runs
+        tg.protocol("e1-v6")
+    with pytest.raises(ValueError, match="projection='per-state'"):
+        dataclasses.replace(tg.STUDY, projection="per-state")
 
 
 def test_the_orthogonal_search_gives_the_stored_ablated_losses(e3):
@@ -179,7 +186,7 @@ def test_steering_to_a_chosen_point_moves_the_model_to_the_mixture_computed_by_h
     place = e3.places()[0]
     geometry = e3.geometry(major, place)
     a = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
-    result = geometry.steer(to=a, positions=[5], variant="steer-at-read-site")
+    result = geometry.steer(to=a, positions=[5], protocol=tg.protocol("steer-at-read-site"))
     tokens = major.batch.tokens
     basis, theta, mu = geometry.basis.float(), geometry.task_vectors.float(), geometry.mu[5].float()
 
@@ -243,10 +250,10 @@ def test_ablation_losses_equal_a_plain_forward_hook(folder, recipe):
     torch.testing.assert_close(clean, hooked(), rtol=0, atol=1e-6)
     with geometry.ablate():
         torch.testing.assert_close(run.loss(sequences, per_position=True), hooked(ablate_s), rtol=0, atol=1e-5)
-    with geometry.ablate(variant="centred-S"):
+    with geometry.ablate(tg.protocol("centred-S")):
         torch.testing.assert_close(run.loss(sequences, per_position=True), hooked(centred_s), rtol=0, atol=1e-5)
-    with pytest.raises(AnalysisError, match="does not change the S ablation"):
-        geometry.ablate(variant="v-best-block")
+    with geometry.ablate(tg.protocol("v-best-block")):  # a field the S ablation does not read: the study's S
+        torch.testing.assert_close(run.loss(sequences, per_position=True), hooked(ablate_s), rtol=0, atol=1e-5)
     with run.ablate(v, place_v):  # float64 directions work as they are
         torch.testing.assert_close(run.loss(sequences, per_position=True), hooked(ablate_v), rtol=0, atol=1e-5)
     with geometry.ablate(), run.ablate(v, place_v):

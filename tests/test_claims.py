@@ -291,7 +291,9 @@ def test_as_dict_round_trips_through_json_and_pandas():
         "max",
         "precondition",
         "caveat",
+        "recipe",
     }
+    assert list(table["recipe"]) == [c.id.partition(".")[0] for c in claims]  # a claim's recipe: its id's first part
     assert list(table["status"]) == ["pass", "fail", "n/a", "pass", "fail"]
     assert list(table["passed"]) == [True, False, False, True, False]
     assert table["value"].isna().tolist() == [False, False, True, False, True]

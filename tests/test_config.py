@@ -5,10 +5,21 @@ from __future__ import annotations
 import re
 
 import pytest
+import typer
 import yaml
 
+from taskgeom.cli import app
 from taskgeom.settings.config import LATER_SETTINGS, ConfigError
-from taskgeom.settings.recipes import build_config, load_config, load_recipe, recipe_names
+from taskgeom.settings.recipes import (
+    build_config,
+    common_profiles,
+    load_config,
+    load_recipe,
+    read_recipe,
+    recipe_names,
+    recipe_path,
+    shared_profiles,
+)
 
 BASE = {"name": "x", "task": {"family": "dice"}}
 
@@ -48,6 +59,32 @@ def test_every_shipped_recipe_loads_in_both_profiles():
     for name in recipe_names():
         for profile in ("quick", "paper"):
             assert load_recipe(name, profile).name == name
+
+
+def test_the_shared_profiles_are_every_recipe_s_unless_it_defines_its_own(tmp_path):
+    """wide, deep and smoke are written once (configs/shared/profiles.yaml) and extend each recipe's
+    quick; a recipe's own profile of the name wins; one without quick gets none; a profile's about is
+    its own, and --profile's help lists the profiles every shipped recipe has with theirs."""
+    for name in recipe_names():
+        quick = load_recipe(name, "quick").model_dump()
+        for profile, changed in shared_profiles().items():
+            config = load_recipe(name, profile).model_dump()
+            for section in ("task", "model", "train"):
+                assert config[section] == quick[section] | changed.get(section, {}), (name, profile, section)
+        assert read_recipe(recipe_path(name)).about("deep") == shared_profiles()["deep"]["about"]
+        assert read_recipe(recipe_path(name)).about("standard") != read_recipe(recipe_path(name)).about("deep")
+    own = tmp_path / "own.yaml"
+    base = {"name": "own", "task": {"family": "dice", "seq_len": 16}}
+    own.write_text(yaml.safe_dump({"base": base, "profiles": {"quick": {}, "wide": {"model": {"d_model": 32}}}}))
+    assert load_config(own, "wide").model.d_model == 32 and load_config(own, "smoke").train.steps == 30
+    lone = tmp_path / "lone.yaml"
+    lone.write_text(yaml.safe_dump({"base": base, "profiles": {"small": {}}}))
+    with pytest.raises(ConfigError, match=r"unknown profile 'deep'; available: \['small'\]"):
+        load_config(lone, "deep")
+    option = next(p for p in typer.main.get_command(app).commands["reproduce"].params if p.name == "profile")
+    for profile, about in common_profiles().items():
+        assert f"{profile} ({about})" in option.help, profile
+    assert {"quick", "deep", "standard", "paper", "wide", "long", "smoke"} == set(common_profiles())
 
 
 def test_a_profile_that_extends_another_changes_only_what_it_names():
@@ -364,6 +401,7 @@ def test_a_recipe_is_parsed_once_and_every_profile_s_measure_is_validated_with_i
     wrong ``measure`` section in any profile is refused when the recipe is read, naming that profile."""
     from taskgeom.settings.recipes import load_measure, load_study
 
+    shared_profiles()  # read once per process, before counting
     parses = []
     real_load = yaml.safe_load
     monkeypatch.setattr(yaml, "safe_load", lambda text: parses.append(1) or real_load(text))
@@ -375,7 +413,12 @@ def test_a_recipe_is_parsed_once_and_every_profile_s_measure_is_validated_with_i
     }
     recipe.write_text(yaml.safe_dump(body, sort_keys=False))
     study, config, measure = load_study(recipe), load_config(recipe, "big"), load_measure(recipe, "big")
-    assert (study.profiles, config.train.steps, measure.grid, len(parses)) == (("quick", "big"), 7, [-1, 2], 1)
+    assert (study.profiles, config.train.steps, measure.grid, len(parses)) == (
+        ("quick", "big", "wide", "deep", "smoke"),  # its own, then those every recipe shares
+        7,
+        [-1, 2],
+        1,
+    )
     body["profiles"]["big"]["measure"] = {"grid": [3]}  # one k: a sweep needs two
     recipe.write_text(yaml.safe_dump(body, sort_keys=False))
     with pytest.raises(ConfigError, match=r"mine.yaml: config field 'profiles.big.measure.grid'"):

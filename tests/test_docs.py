@@ -37,6 +37,8 @@ PAGES = (
     "benchmarks",
     "changelog",
     "practicalities",
+    "device-check",
+    "contributing",
 )
 README_LIMIT = 160
 
@@ -82,11 +84,14 @@ def test_the_site_builds_strict_with_every_page(site):
 def test_the_api_reference_documents_every_public_name(site):
     page = (site / "api.html").read_text(encoding="utf-8")
     documented = set(re.findall(r'id="(taskgeom[\w.]*)"', page))
-    public = [name for name in tg.__all__ if name not in ("__version__", "tasks", "results", "MIN_RELIABLE_GAIN")]
+    public = [
+        name for name in tg.__all__ if name not in ("__version__", "tasks", "results", "MIN_RELIABLE_GAIN", "STUDY")
+    ]
     assert {f"taskgeom.{name}" for name in public} - documented == set()
     assert {
         "taskgeom.results.results",
         "taskgeom.analysis.measures.shares.MIN_RELIABLE_GAIN",
+        "taskgeom.analysis.protocol.STUDY",
         "taskgeom.tasks",
         "taskgeom.tasks.make",
     } <= documented

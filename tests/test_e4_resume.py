@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from conftest import TINY_REPRODUCTION, TINY_SEEDS
+from conftest import SMOKE, TINY_SEEDS
 
 from taskgeom.experiments import reproduce
 from taskgeom.experiments.executors import Executor
@@ -14,14 +14,13 @@ from taskgeom.experiments.request import Request, resolve
 
 
 def _e4(out):
-    resolved = resolve(Request("quick", TINY_SEEDS, out, only=("e4",), settings=TINY_REPRODUCTION))
+    resolved = resolve(Request(SMOKE, TINY_SEEDS, out, only=("e4",)))
     return reproduce(
         out,
-        "quick",
+        SMOKE,
         resolved.experiments,
         Executor("local", 1),
         device="cpu",
-        overrides=TINY_REPRODUCTION,
         seeds=TINY_SEEDS,
         studies=resolved.studies,
     )

@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from taskgeom.cli import app
-from tests.conftest import TINY_REPRODUCTION
+from tests.conftest import SMOKE
 
 
 def _claims(folder: Path) -> list[dict]:
@@ -29,13 +30,20 @@ def test_a_rung_measures_only_its_recipes_over_its_grid(tmp_path):
     from taskgeom.experiments.executors import Executor
 
     out = tmp_path / "rung"
+    shrunk = (
+        "train.steps=30",
+        "train.eval_every=10",
+        "train.checkpoint_every=10",
+        "model.n_layers=1",
+        "model.d_model=16",
+    )
     reproduce(
         out,
         "wide",
         None,
         Executor("local", 1),
         device="cpu",
-        overrides=(*TINY_REPRODUCTION, "model.d_model=16"),
+        overrides=shrunk,
         seeds=(0,),
         studies=tuple(s for s in shipped_studies() if s.name == "e1"),
         diversities=(-1, 2),
@@ -44,6 +52,11 @@ def test_a_rung_measures_only_its_recipes_over_its_grid(tmp_path):
     assert ids and all(i.startswith("e1.") for i in ids) and "e1.ablate_V_ood" in ids and "e1.bayes_optimal" in ids
     manifest = json.loads((out / "reproduction.json").read_text())
     assert manifest["profile"] == "wide" and manifest["recipes"] == ["e1"] and manifest["grid"] == [-1, 2]
+    assert manifest["overrides"] == list(shrunk)  # every run trained with them, on top of the profile
+    configs = [yaml.safe_load(p.read_text()) for p in (out / "runs").glob("*/config.yaml")]
+    assert configs and {(c["train"]["steps"], c["model"]["d_model"], c["model"]["d_mlp"]) for c in configs} == {
+        (30, 16, 512)
+    }
     sweep = pd.read_csv(out / "tables" / "sweep.csv")
     assert sorted(sweep["diversity"].unique()) == [-1, 2] and set(sweep["recipe"]) == {"e1"}
     assert {r.split("-")[0] for r in manifest["runs"]} == {"e1"}
@@ -153,7 +166,7 @@ def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the
     from taskgeom.runs.folders import Run
 
     high = int(pd.read_csv(tiny_reproduction / "tables" / "sweep.csv")["diversity"].max())
-    config = Context(tiny_reproduction, overrides=TINY_REPRODUCTION).config("e1", (f"task.diversity={high}",), 0)
+    config = Context(tiny_reproduction, SMOKE).config("e1", (f"task.diversity={high}",), 0)
     assert config.model.n_layers == 1
     run_dir = tiny_reproduction / "runs" / f"{config.name}-{config.digest()}"
     rows = pd.DataFrame(ablation_variants(StudyRun(Run.open(run_dir))))
@@ -199,7 +212,7 @@ def test_sensitivity_reads_the_m1_and_projection_variants_from_the_stored_analys
     from taskgeom.runs.folders import Run
 
     claims = {c["id"]: next(s for s in c["seeds"] if s["seed"] == 0) for c in _claims(tiny_reproduction)}
-    ctx = Context(tiny_reproduction, overrides=TINY_REPRODUCTION)
+    ctx = Context(tiny_reproduction, SMOKE)
     high = int(pd.read_csv(tiny_reproduction / "tables" / "sweep.csv")["diversity"].max())
     run_dirs = {
         k: tiny_reproduction / "runs" / f"{c.name}-{c.digest()}"
@@ -236,7 +249,7 @@ def test_the_pinned_place_holds_the_claims_values_and_every_place_is_listed(tiny
 
     claims = {c["id"]: {r["seed"]: r["value"] for r in c["seeds"]} for c in _claims(tiny_reproduction)}
     high = int(pd.read_csv(tiny_reproduction / "tables" / "sweep.csv")["diversity"].max())
-    ctx = Context(tiny_reproduction, overrides=TINY_REPRODUCTION)
+    ctx = Context(tiny_reproduction, SMOKE)
     for k, metric, claim in (
         (-1, "p2.r2_additive", "e1.P2"),
         (high, "projection_r2", "e1.projection_r2_high_diversity"),

@@ -137,7 +137,7 @@ def test_the_plan_counts_only_the_work_left(tiny_reproduction, tmp_path):
     """On the folder of a finished reproduction nothing is left to train, analyse or measure; on an
     empty folder everything is, and each part's CPU seconds are its kind's cost per training
     FLOP-second (analyses scaled by the blocks)."""
-    from conftest import TINY_REPRODUCTION, TINY_SEEDS
+    from conftest import SMOKE, TINY_SEEDS
 
     from taskgeom.experiments.base import Context
     from taskgeom.experiments.executors import Executor
@@ -146,10 +146,10 @@ def test_the_plan_counts_only_the_work_left(tiny_reproduction, tmp_path):
     from taskgeom.training.timing import depth_factor
 
     def left(out):
-        request = Request("quick", TINY_SEEDS, out, settings=TINY_REPRODUCTION)
+        request = Request(SMOKE, TINY_SEEDS, out)
         resolved = resolve(request)
         ctx = Context(
-            resolved.out, "quick", TINY_SEEDS, Executor("local", 2), "cpu", "none", resolved.settings, resolved.studies
+            resolved.out, SMOKE, TINY_SEEDS, Executor("local", 2), "cpu", "none", resolved.settings, resolved.studies
         )
         return work_left(ctx, resolved.experiments, rate=1e9)
 
@@ -164,7 +164,7 @@ def test_the_plan_counts_only_the_work_left(tiny_reproduction, tmp_path):
     assert list(e4["cpu_main_s"]) == pytest.approx(list(cost["e4"] * depth_factor(1) * e4["flops"] / 1e9))
     assert fresh["dual"].sum() == 2 * 3 * len(TINY_SEEDS)  # the sweep at quick: E1 and E3 on the grid -1, 4, 10
     one = fresh[fresh["dual"] & ~fresh["m1"]].iloc[0]
-    depth = depth_factor(1)  # TINY_REPRODUCTION: one block
+    depth = depth_factor(1)  # the smoke profile: one block
     assert one["cpu_pool_s"] == pytest.approx((cost["train"] + cost["dual"] * depth) * one["flops"] / 1e9)
 
 

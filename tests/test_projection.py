@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
+from taskgeom.analysis.measures.variants import protocol
 from taskgeom.analysis.reading import projection
 from taskgeom.analysis.reading.heldout import sample_tasks
 from taskgeom.errors import AnalysisError
@@ -67,13 +68,13 @@ def test_a_trained_models_projection_r2_is_the_numpy_loop_over_tasks(tmp_path, m
     np.testing.assert_allclose(measured.values.numpy(), expected, rtol=1e-5, atol=1e-6)
     assert measured.mean == pytest.approx(expected.mean(), rel=1e-5)
     assert measured.quartiles == pytest.approx(np.quantile(expected, [0.25, 0.75]).tolist(), rel=1e-5)
-    assert study.projection_r2(ood, major, variant="protocol").values.equal(measured.values)
-    per_sequence = study.projection_r2(ood, major, variant="per-sequence-r2")
-    assert per_sequence.variant == "per-sequence-r2" and per_sequence.values.shape == (
+    assert study.projection_r2(ood, major, protocol=protocol("protocol")).values.equal(measured.values)
+    per_sequence = study.projection_r2(ood, major, protocol=protocol("per-sequence-r2"))
+    assert per_sequence.statistic == "per-sequence" and per_sequence.values.shape == (
         24 * 4,
     )  # every state of the late quarter
-    with pytest.raises(AnalysisError, match="does not change projection R\\^2"):
-        study.projection_r2(ood, major, variant="centred-S")
+    # a protocol whose changed fields projection R^2 does not read measures it as the study's
+    assert study.projection_r2(ood, major, protocol=protocol("centred-S")).values.equal(measured.values)
     with pytest.raises(AnalysisError, match="OOD tasks against the major tasks"):
         study.projection_r2(major, ood)
 

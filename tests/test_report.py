@@ -16,10 +16,12 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import TINY_REPRODUCTION, TINY_SEEDS
+from conftest import SMOKE, TINY_SEEDS
 from typer.testing import CliRunner
 
+from taskgeom.claims.catalog import CLAIMS
 from taskgeom.cli import app
+from taskgeom.report.manifest import read_claims
 
 REPORT_OUTPUTS = {"report.html", "plotly.min.js", "tables/analysis.parquet", "tables/analysis.csv"}
 
@@ -169,9 +171,9 @@ def test_the_long_table_holds_every_analysis_row_of_every_run(tiny_reproduction)
     assert set(table["analysis"]) >= {"m1", "dual", "eval", "e4.p0", "e4.probes"}
 
 
-def test_reproduce_applies_its_overrides_to_every_run_and_records_them(tiny_reproduction):
+def test_reproduce_trains_every_run_at_its_profile_and_records_it(tiny_reproduction):
     manifest = json.loads((tiny_reproduction / "reproduction.json").read_text())
-    assert manifest["overrides"] == list(TINY_REPRODUCTION) and manifest["profile"] == "quick"
+    assert manifest["overrides"] == [] and manifest["profile"] == SMOKE
     configs = [yaml.safe_load(p.read_text()) for p in (tiny_reproduction / "runs").glob("*/config.yaml")]
     assert len(configs) == 9 * len(TINY_SEEDS)  # per seed: E1 and E3 at k = -1, 3, 8; E2; E4 at two diversities
     assert {(c["train"]["steps"], c["model"]["d_model"], c["model"]["n_layers"]) for c in configs} == {(30, 16, 1)}
@@ -318,6 +320,31 @@ def test_compare_names_the_run_whose_bits_differ_and_the_claims_whose_verdict_di
     assert "claims that differ: 1" in result.output and re.search(
         rf"{re.escape(flipped['id'])} .*-> unstable .*verdict", result.output
     )
+
+
+def test_each_claim_names_its_recipe_and_the_experiment_that_measured_it(tiny_reproduction):
+    manifest = json.loads((tiny_reproduction / "reproduction.json").read_text())
+    experiments = {spec.experiment for spec in CLAIMS}
+    for claim in _claims_file(tiny_reproduction):
+        assert claim["recipe"] == claim["id"].split(".")[0] and claim["recipe"] in manifest["recipes"], claim["id"]
+        assert claim["experiment"] == manifest["claims"][claim["id"]] and claim["experiment"] in experiments, claim[
+            "id"
+        ]
+
+
+def test_a_folder_whose_claims_name_their_recipe_experiment_is_read_as_today_s(tiny_reproduction, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(tiny_reproduction, old)
+    manifest = json.loads((old / "reproduction.json").read_text())
+    (old / "reproduction.json").write_text(json.dumps({**manifest, "format": 4}))
+    claims = _claims_file(old)
+    for claim in claims:  # what format 4 wrote: the recipe under "experiment", no "recipe"
+        claim["experiment"] = claim.pop("recipe")
+    (old / "claims.json").write_text(json.dumps(claims))
+    assert read_claims(old) == _claims_file(tiny_reproduction)
+    result = CliRunner().invoke(app, ["compare", str(old), str(tiny_reproduction)])
+    assert result.exit_code == 0 and "claims that differ: 0" in result.output, result.output
+    assert CliRunner().invoke(app, ["report", str(old), "--markdown"]).exit_code == 0
 
 
 def test_the_markdown_table_is_the_claims_file_with_its_machine(tiny_reproduction):

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from taskgeom.analysis.measures.variants import protocol
 from taskgeom.analysis.reading.steering import (
     Steering,
     TokenReadout,
@@ -29,6 +30,8 @@ from taskgeom.settings.recipes import build_config
 from taskgeom.tasks import make
 
 N = 24  # held-out sequences: 8 per major task
+
+READ_PLACE = protocol("steer-at-read-site")  # the earlier construction
 
 
 def kl_by_hand(p: list[float], q: list[float]) -> float:
@@ -135,7 +138,7 @@ def test_each_steered_position_equals_its_own_pass_under_a_plain_hook(tmp_path, 
     major = run.heldout("major", N, split="measure")
     geometry = run.geometry(major, place)
     positions = (26, 29) if family == "dice" else (0, 7)
-    result = geometry.steer("dirichlet", positions=positions, variant="steer-at-read-site")
+    result = geometry.steer("dirichlet", positions=positions, protocol=READ_PLACE)
     assert (
         result.positions == positions
         and result.form == ("task" if family == "dice" else "subspace")
@@ -234,7 +237,7 @@ def test_the_protocol_steers_as_the_study_s_injection_by_hand(tmp_path, monkeypa
     torch.testing.assert_close(result.unsteered, mean(unsteered), rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(result.steered, mean(steered), rtol=1e-4, atol=1e-7)
     assert (result.steered - result.unsteered).abs().max() > 1e-3  # the edit acts
-    at_read_site = run.geometry(major, place).steer("dirichlet", positions=positions, variant="steer-at-read-site")
+    at_read_site = run.geometry(major, place).steer("dirichlet", positions=positions, protocol=READ_PLACE)
     assert at_read_site.place == place and not torch.allclose(at_read_site.steered, result.steered)
 
 
@@ -244,7 +247,7 @@ def test_the_readout_at_a_vertex_is_the_kl_to_that_tasks_law(tmp_path, k):
     place = steering_place(run.family, 4)
     major = run.heldout("major", N, split="measure")
     vertex = torch.eye(3, dtype=torch.float64)[k]
-    result = run.geometry(major, place).steer(to=vertex, positions=[3], variant="steer-at-read-site")
+    result = run.geometry(major, place).steer(to=vertex, positions=[3], protocol=READ_PLACE)
     tokens, params = major.batch.tokens, run.pool.subset("major").params.double()
     with torch.no_grad():
         plain = torch.softmax(run.model(tokens).double(), -1)
@@ -265,7 +268,7 @@ def test_e2_steering_is_the_rmse_to_the_mixtures_prediction_by_hand(tmp_path, la
     major = run.heldout("major", N, split="measure")
     geometry = run.geometry(major, place)
     examples = (1, 6)
-    result = geometry.steer("dirichlet", positions=examples, variant="steer-at-read-site")
+    result = geometry.steer("dirichlet", positions=examples, protocol=READ_PLACE)
     assert result.measure == "rmse" and result.form == "subspace"
     a, batch, w = result.a, major.batch, run.pool.subset("major").params.double()
     read = run.family.prediction_positions(8)

@@ -15,6 +15,9 @@ The public API, ``import taskgeom as tg`` (docs/python-api.md walks through a st
 - ``tg.analyze_m1`` and ``tg.analyze_dual``: the stored analyses (``m1.json``, ``dual.json``),
   written with the objects above.
 - ``tg.results(folder)`` -> ``tg.Results``: a reproduction's claims and every analysis row.
+- ``tg.STUDY``: the study's measurement protocol (a frozen ``tg.Protocol``); ``tg.protocol(name)``
+  an earlier convention's copy of it (docs/protocol.md#variants), which ``steer``, ``ablate``,
+  ``projection_r2`` and ``orthogonal_search`` take as ``protocol=``.
 - ``tg.tasks``: the latent-task families (``tasks.make``).
 - ``tg.pin_kernels()``: torch's CPU kernels pinned as every ``taskgeom`` command pins them, so a
   session computes the published bits; call it first, before torch computes anything.
@@ -23,6 +26,8 @@ The public API, ``import taskgeom as tg`` (docs/python-api.md walks through a st
 from taskgeom import tasks
 from taskgeom.analysis.geometry import Alignment, Geometry
 from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN, Share, share_of_gain
+from taskgeom.analysis.measures.variants import protocol
+from taskgeom.analysis.protocol import STUDY, Protocol
 from taskgeom.analysis.reading.edits import Edit
 from taskgeom.analysis.reading.heldout import Split
 from taskgeom.analysis.reading.projection import ProjectionR2
@@ -51,6 +56,9 @@ __all__ = [
     "share_of_gain",
     "Share",
     "MIN_RELIABLE_GAIN",
+    "STUDY",
+    "Protocol",
+    "protocol",
     "analyze_m1",
     "M1Result",
     "analyze_dual",

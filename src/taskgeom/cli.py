@@ -20,8 +20,9 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
+from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS, MEASURED_AGAIN, STORED_VARIANTS
 from taskgeom.errors import EnvironmentRefused, TaskgeomError, TrainingDiverged
-from taskgeom.settings.recipes import DEFAULT_PROFILE
+from taskgeom.settings.recipes import DEFAULT_PROFILE, profiles_help
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_BUG = 1, 2, 3, 4
 
@@ -209,7 +210,7 @@ def train(
     config: str = typer.Argument(..., help="A recipe name (e1, e3, ...) or a path to a YAML recipe."),
     profile: str = typer.Option(
         DEFAULT_PROFILE,
-        help="Profile in the recipe: quick (CPU, minutes), deep (quick at 6 blocks), standard, wide, long, or paper (the study's sizes).",
+        help=profiles_help("Profile in the recipe; a shipped recipe's"),
     ),
     set_: Optional[List[str]] = typer.Option(
         None, "--set", help="Dotted override, repeatable: --set train.steps=500 --set task.diversity=4"
@@ -450,10 +451,7 @@ def export_hf(
 def reproduce(
     profile: str = typer.Option(
         DEFAULT_PROFILE,
-        help="A profile every recipe defines: quick (reduced sizes for a 2-core CPU), deep (quick at the "
-        "study's depth, 6 blocks), standard (deep with E2 trained 9,000 steps and E4 2,000: the claims "
-        "where the study reads them), paper (the study's sizes), or a rung of the scale ladder (wide, long; "
-        "docs/scale-ladder.md).",
+        help=profiles_help("A profile every recipe defines"),
     ),
     seeds: str = typer.Option(
         "0,1,2",
@@ -495,9 +493,9 @@ def reproduce(
     variant_name: Optional[str] = typer.Option(
         None,
         "--variant",
-        help="Train a variant of the data instead of the study's settings "
-        "(docs/protocol.md#variants): e1-v6 (E1 at 6 faces, near-disjoint majors) or separator (E2's "
-        "x, separator, y layout). Its recipes alone, with its settings, judged under the "
+        help="Train a variant of the data instead of the study's settings (docs/protocol.md#variants): "
+        + "; ".join(f"{name} ({BY_NAME[name].changes})" for name in DATA_VARIANTS)
+        + ". Its recipes alone, with its settings, judged under the "
         "protocol; set it beside the study's settings with `taskgeom ladder results "
         "results-VARIANT`. The variants of the measurement are `taskgeom sensitivity`'s.",
     ),
@@ -645,11 +643,10 @@ def sensitivity(
     variant: Optional[List[str]] = typer.Option(
         None,
         "--variant",
-        help="A variant (docs: Protocol, Variants) to list beside the "
-        "protocol, repeatable. Default: every one sensitivity covers: selected-place, site-mid, "
-        "natural-cells, pooled-anova, p2-task-only, p3-late-window, per-sequence-r2 and steer-at-read-site, read from the runs' stored "
-        "m1.json and dual.json; centred-S, s-with-mean, probe-exact, v-avoids-tokens, v-searched-on-ood "
-        "and v-best-block, measured again on each run (minutes a run). The variants of the data (e1-v6, separator) train other runs: `taskgeom reproduce --variant`.",
+        help="A variant (docs: Protocol, Variants) to list beside the protocol, repeatable. Default: every one "
+        f"sensitivity covers: {', '.join(STORED_VARIANTS)}, read from the runs' stored m1.json and dual.json; "
+        f"{', '.join(MEASURED_AGAIN)}, measured again on each run (minutes a run). The variants of the data "
+        f"({', '.join(DATA_VARIANTS)}) train other runs: `taskgeom reproduce --variant`.",
     ),
     csv: bool = typer.Option(False, "--csv", help="Print every run's row as CSV instead of the summary."),
     places: bool = typer.Option(

@@ -12,7 +12,7 @@ import pandas as pd
 
 from taskgeom.analysis.study import StudyRun, open_run
 from taskgeom.errors import TaskgeomError
-from taskgeom.report.manifest import read_json, read_manifest
+from taskgeom.report.manifest import read_claims, read_manifest
 from taskgeom.report.tables import analysis_table, run_config
 
 
@@ -40,5 +40,5 @@ def results(folder: Path | str) -> Results:
     """The results folder written by ``taskgeom reproduce``; TaskgeomError naming the file when it is not one."""
     folder = Path(folder)
     runs = tuple(read_manifest(folder)["runs"])
-    claims = pd.DataFrame(read_json(folder / "claims.json", f"rerun `taskgeom reproduce --out {folder}`"))
+    claims = pd.DataFrame(read_claims(folder))
     return Results(folder, claims, analysis_table(folder, list(runs)), runs)

@@ -48,7 +48,7 @@ from taskgeom.analysis.measures.task_probe import (
     probe_basis_with_mean,
 )
 from taskgeom.analysis.measures.task_vectors import fraction_window
-from taskgeom.analysis.measures.variants import variant as named_variant
+from taskgeom.analysis.protocol import STUDY, Protocol
 from taskgeom.analysis.reading.cells import ForcedCells
 from taskgeom.analysis.reading.edits import Edit
 from taskgeom.analysis.reading.heldout import family_inputs
@@ -336,7 +336,7 @@ class Geometry:
         positions: Sequence[int] | None = None,
         form: SteeringForm | None = None,
         sequences: Sequences | None = None,
-        variant: str | None = None,
+        protocol: Protocol = STUDY,
     ) -> Steering:
         """Steer major sequences toward points of the simplex, one position per forward pass
         (docs/protocol.md; ``analysis.reading.steering``): ``to`` a point [K] for every sequence,
@@ -348,16 +348,12 @@ class Geometry:
         (default these). Under the protocol the vectors are estimated, as the study's injection
         estimates them, from natural states at this place of ``ESTIMATION_PER_TASK`` sequences of each
         major task (split ``steering``), and the edit is written at ``resid_mid`` of this block;
-        ``variant="steer-at-read-site"``: the earlier construction, the vectors from these
-        sequences' two-way layout, written at this place. Random draws come from the run's seed."""
+        a ``protocol`` with ``steering_vectors="read-place"`` (the variant ``steer-at-read-site``): the
+        earlier construction, the vectors from these sequences' two-way layout, written at this place.
+        Random draws come from the run's seed."""
         form = study_form(self.run.family) if form is None else form
         check_form(form)
-        chosen = named_variant(variant)
-        if chosen is not None and chosen.name != "steer-at-read-site":
-            raise AnalysisError(
-                f"variant {chosen.name!r} does not change how steering edits; choose 'protocol' or 'steer-at-read-site' "
-                "(a variant of the place chooses the geometry's place)"
-            )
+        estimated = protocol.steering_vectors == "estimated"
         steered = self.sequences if sequences is None else sequences
         if steered.kind != "major":
             raise AnalysisError(f"steering edits major sequences, not {steered.kind} ones")
@@ -373,7 +369,7 @@ class Geometry:
             a = simplex_point(to, N, K)
         sequence = torch.arange(N).repeat_interleave(points)
         positions = clip_positions(STUDY_POSITIONS[form] if positions is None else positions, P)
-        if chosen is None:
+        if estimated:
             estimation = self.run.heldout_tasks("major", ESTIMATION_PER_TASK, split="steering")
             states, task, write = (
                 self.run.cache(estimation, [self.place])[self.place],
@@ -385,7 +381,7 @@ class Geometry:
         if form == "task":
             theta = position_task_vectors(states[:, list(positions)], task, K)  # [K, P', D]
             edits = {p: task_edit(theta[:, i], steered.batch.task[sequence], a) for i, p in enumerate(positions)}
-        elif chosen is None:
+        elif estimated:
             theta, mu = averaged_task_vectors(states, task, K, estimation_positions(P))
             basis = span_basis(theta)
             edits = {p: subspace_edit(theta, basis, mu[p], a) for p in positions}
@@ -443,31 +439,23 @@ class Geometry:
         inputs = self.sequences.inputs
         return probe_basis_with_mean(self.states, self.sequences.alpha, inputs.current, inputs.vocab, self.window)
 
-    def s_basis(self, variant: str | None = None) -> torch.Tensor:
-        """[D, r] the ablations' S under the protocol (``probe``), ``s-with-mean`` (``probe_with_mean``)
-        or ``probe-exact`` (``task_probe_exact``); any other variant leaves it as it is."""
-        chosen = named_variant(variant)
-        name = None if chosen is None else chosen.name
-        if name == "s-with-mean":
+    def s_basis(self, protocol: Protocol = STUDY) -> torch.Tensor:
+        """[D, r] the ablations' S of ``protocol.s_probe``: the study's probe (``probe``), ``with-mean``
+        (``probe_with_mean``) or ``exact`` (``task_probe_exact``); ``centred`` ablates the task vectors'
+        span (``ablate``) and leaves V's avoided S the study's."""
+        if protocol.s_probe == "with-mean":
             return self.probe_with_mean
-        return self.task_probe_exact.basis if name == "probe-exact" else self.probe
+        return self.task_probe_exact.basis if protocol.s_probe == "exact" else self.probe
 
-    def ablate(self, variant: str | None = None) -> Edit:
+    def ablate(self, protocol: Protocol = STUDY) -> Edit:
         """The S ablation at this place on the analysed positions: ``h - h P_S`` with S the study's
-        probe's (docs/protocol.md, "S ablation"); ``variant="s-with-mean"``: the same with S the
-        earlier rank-K probe; ``variant="probe-exact"``: with S of the exact double-precision fit;
-        ``variant="centred-S"``: ``h - P_S (h - mu_t)`` with S the span of the task vectors
-        (docs/protocol.md, "Variants")."""
-        chosen = named_variant(variant)
-        if chosen is None or chosen.name in ("s-with-mean", "probe-exact"):
-            change = direction_ablation(self.s_basis(variant))
-        elif chosen.name == "centred-S":
+        probe's (docs/protocol.md, "S ablation"), or that of ``protocol.s_probe`` (``s_basis``);
+        ``s_probe="centred"`` (the variant ``centred-S``): ``h - P_S (h - mu_t)`` with S the span of
+        the task vectors (docs/protocol.md, "Variants")."""
+        if protocol.s_probe == "centred":
             change = task_ablation(self.fit.subspace)
         else:
-            raise AnalysisError(
-                f"variant {chosen.name!r} does not change the S ablation; choose 'protocol', 's-with-mean', "
-                "'probe-exact' or 'centred-S'"
-            )
+            change = direction_ablation(self.s_basis(protocol))
         return Edit(self.run, self.place, change, self.run.analysed_positions)
 
     def projection_r2(
@@ -508,12 +496,12 @@ class Geometry:
         the token subspace for families that say so (``TaskFamily.v_avoids_tokens``: E3)."""
         return self.avoid()
 
-    def avoid(self, variant: str | None = None) -> torch.Tensor:
-        """[D, m] the span V avoids under the protocol (``avoided``) or a variant: ``v-avoids-tokens``
-        adds the token subspace for every family (docs/protocol.md#variants); other variants leave it as it is."""
-        chosen = named_variant(variant)
-        tokens = self.run.family.v_avoids_tokens or (chosen is not None and chosen.name == "v-avoids-tokens")
-        s = self.s_basis(variant).float()
+    def avoid(self, protocol: Protocol = STUDY) -> torch.Tensor:
+        """[D, m] the span V avoids under ``protocol`` (the study's: ``avoided``): its S (``s_basis``),
+        and the token subspace for the families that say so, or for every family under
+        ``v_always_avoids_tokens`` (the variant ``v-avoids-tokens``, docs/protocol.md#variants)."""
+        tokens = self.run.family.v_avoids_tokens or protocol.v_always_avoids_tokens
+        s = self.s_basis(protocol).float()
         return avoid_basis(s, self.token_directions) if tokens else avoid_basis(s)
 
 

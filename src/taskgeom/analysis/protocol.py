@@ -4,8 +4,9 @@ defaults (docs/protocol.md says where each comes from).
 
 ``STUDY`` is the protocol the analyses run under; the modules that measure read their choices from
 it, and every stored analysis is keyed by ``STUDY.digest()`` (``analysis.stored.keys``), so a changed
-choice is measured again by construction. Memory-only sizes (chunks of a forward pass) are not
-choices and stay where they are used.
+choice is measured again by construction. A variant (``analysis.measures.variants``) is a named copy
+of ``STUDY`` with the fields it changes; the functions that can measure one take a ``protocol``.
+Memory-only sizes (chunks of a forward pass) are not choices and stay where they are used.
 """
 
 from __future__ import annotations
@@ -61,12 +62,12 @@ class Protocol:
     steering_span: int = 40
     steering_task_positions: range = range(25, 40)
     steering_subspace_positions: range = range(0, 40)
-    steering_rank_cut: float = 1e-6
-    # task vectors and the study's probe (S): rank cut-offs, its fit split and sample
-    task_rank_tolerance: float = 1e-6
+    # the one rank cut-off: singular values below this fraction of the largest are cut (the task vectors'
+    # span and its check, steering's span, the probe's S, the spans V avoids)
+    rank_cut: float = 1e-6
+    # the study's probe (S): its fit split and sample
     probe_sequences: int = 5056
     probe_fit_share: float = 0.8
-    probe_rank_tolerance: float = 1e-6
     probe_sums_to_one: float = 1e-4
     # the dual analysis: evaluation sets, the OOD prior, the transition, Fig. 4's own draw
     eval_sequences: int = 512
@@ -81,7 +82,6 @@ class Protocol:
     control_quantile: float = 0.75
     search_batch: int = 32
     token_share: float = 0.9
-    span_rank_rtol: float = 1e-6
     min_reliable_gain: float = 0.05
     # E4: P0 as the study's variance.py, its prefix probe, the planted-bracket probes
     dyck_p0_masks: int = 30
@@ -96,6 +96,24 @@ class Protocol:
     dyck_prefix_probe: PrefixProbeSettings = field(default_factory=PrefixProbeSettings)
     dyck_max_back: int = 7
     dyck_probe_sequences: int = 256
+    # the choices the variants change (analysis.measures.variants); the study's here
+    place: str = "fixed"  # "fixed": the study's block; "selected": best R^2_task on the selection batch
+    read_site: str | None = None  # None: each readout at its own site (the study's); a site: every readout there
+    cells: str = "forced"  # P0-P2 on the study's forced-token cells, or "natural" states grouped by their token
+    anova: str = "per-position"  # the two-way layout at each position, or "pooled" over the late window
+    p2: str = "additive"  # the study's r2_additive, or "task-only" (R^2_task, the token effect removed)
+    p3: str = "trajectory"  # the study's trajectory figure, or "late-window" (every task, the last quarter)
+    projection: str = "task-means"  # Fig. 4's task means, or "per-sequence" (each late OOD state)
+    s_probe: str = "study"  # the study's _fit_ols probe, or "exact", "with-mean", "centred" (docs/protocol.md#variants)
+    v_always_avoids_tokens: bool = False  # V kept out of the token subspace for every family, not only E3
+    v_search_set: str = "minor"  # V ascended on minor sequences, or "ood"
+    v_block: str = "mean"  # V's share the mean over blocks, or "best" (one block, chosen on a separate batch)
+    steering_vectors: str = "estimated"  # the study's injection, or "read-place" (the measured layout, written there)
+
+    def __post_init__(self) -> None:
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"protocol field {name}={getattr(self, name)!r}: choose one of {list(allowed)}")
 
     def digest(self) -> str:
         """12 hex digits of the sha256 of every field (ranges as [start, stop, step]): what a stored
@@ -104,4 +122,17 @@ class Protocol:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+CHOICES: dict[str, tuple] = {  # the fields that name a construction, and the ones each may name
+    "place": ("fixed", "selected"),
+    "read_site": (None, "resid_mid", "resid_post"),
+    "cells": ("forced", "natural"),
+    "anova": ("per-position", "pooled"),
+    "p2": ("additive", "task-only"),
+    "p3": ("trajectory", "late-window"),
+    "projection": ("task-means", "per-sequence"),
+    "s_probe": ("study", "exact", "with-mean", "centred"),
+    "v_search_set": ("minor", "ood"),
+    "v_block": ("mean", "best"),
+    "steering_vectors": ("estimated", "read-place"),
+}
 STUDY = Protocol()

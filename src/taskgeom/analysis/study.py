@@ -25,7 +25,6 @@ width, ``K`` major tasks.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import weakref
@@ -41,8 +40,7 @@ from taskgeom.analysis.measures.orthogonal import BATCH_SIZE, orthogonal_searche
 from taskgeom.analysis.measures.shares import loss_window
 from taskgeom.analysis.measures.subspace import direction_ablation
 from taskgeom.analysis.measures.task_vectors import fraction_window, late_window
-from taskgeom.analysis.measures.variants import variant as named_variant
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.protocol import STUDY, Protocol
 from taskgeom.analysis.reading import projection, trajectory
 from taskgeom.analysis.reading.cells import (
     P0_PER_CELL,
@@ -66,13 +64,13 @@ from taskgeom.settings.config import RunConfig
 from taskgeom.settings.recipes import DEFAULT_PROFILE
 from taskgeom.tasks import Batch, TaskFamily, TaskPool
 
-DEFAULT_SITES = PROTOCOL.sites
+DEFAULT_SITES = STUDY.sites
 SEARCH_STREAMS = {
     "minor": "dual-minor-search",
     "ood": "dual-ood-search",
 }  # the orthogonal search's fresh batch of each step
 SELECTION_SEQUENCES = (
-    PROTOCOL.selection_sequences
+    STUDY.selection_sequences
 )  # the M1 analysis' selection batch: the selected-place variant chooses where it does
 
 
@@ -169,30 +167,29 @@ class StudyRun:
         return Sequences(self, kind, Split.of(split), batch)
 
     def projection_r2(
-        self, ood: Sequences, major: Sequences, place: tuple[int, str] | None = None, *, variant: str | None = None
+        self,
+        ood: Sequences,
+        major: Sequences,
+        place: tuple[int, str] | None = None,
+        *,
+        protocol: Protocol = STUDY,
     ) -> ProjectionR2:
         """Projection R^2 of the OOD tasks of ``ood`` on the major tasks of ``major`` as the study's
         Fig. 4 measures it (``analysis.reading.projection``; whole tasks from ``heldout_tasks``) at ``place``
-        (default: the protocol's, ``analysis.reading.projection.place``); or under a ``variant`` of docs/protocol.md#variants:
-        ``per-sequence-r2`` (each OOD state of the late window, centred by mu_t + nu(x_t) and
-        regressed on theta_(k, x_t), with the geometry fitted on ``major`` at the place),
-        ``site-mid`` (the protocol at resid_mid of the same block) or ``selected-place`` (the
-        protocol at the place of best R^2_task on the ``select`` split)."""
-        chosen = named_variant(variant)
-        name = "protocol" if chosen is None else chosen.name
+        (default: the protocol's, ``analysis.reading.projection.place``); or under another ``protocol``
+        (a variant's, docs/protocol.md#variants): ``projection="per-sequence"`` (each OOD state of the
+        late window, centred by mu_t + nu(x_t) and regressed on theta_(k, x_t), with the geometry
+        fitted on ``major`` at the place), ``read_site`` (the same block at that site) or
+        ``place="selected"`` (the place of best R^2_task on the ``select`` split)."""
         at = projection.place(self.family, self.config.model.n_layers) if place is None else Place(*place)
-        if name == "site-mid":
-            at = Place(at.layer, "resid_mid")
-        elif name == "selected-place":
+        if protocol.read_site is not None:
+            at = Place(at.layer, protocol.read_site)
+        if protocol.place == "selected":
             at = self.select_place(self.heldout("major", SELECTION_SEQUENCES, split="select"), n_random=0).best
-        elif name == "per-sequence-r2":
+        if protocol.projection == "per-sequence":
             values = self.geometry(major, at, n_random=0).projection_r2(ood, "token")
-            return ProjectionR2(values, *projection.task_sizes(ood.batch), at, name)
-        elif name != "protocol":
-            raise AnalysisError(
-                f"the variant {name!r} does not change projection R^2; choose per-sequence-r2, site-mid or selected-place"
-            )
-        return dataclasses.replace(projection.measure(self, ood, major, [at])[at], variant=name)
+            return ProjectionR2(values, *projection.task_sizes(ood.batch), at, "per-sequence")
+        return projection.measure(self, ood, major, [at])[at]
 
     def projection_reference(self, ood: Sequences, major: Sequences) -> ProjectionR2:
         """The linear-code reference beside projection R^2: the same statistic on the OOD-optimal
@@ -337,13 +334,10 @@ class StudyRun:
         """The ablation h <- h - V V^T h of orthonormal directions: [D, r] at ``place`` on the analysed positions."""
         return Edit(self, Place(*place), direction_ablation(directions), self.analysed_positions)
 
-    def search_set(self, variant: str | None = None) -> Kind:
-        """The sequences the orthogonal search ascends on (docs/protocol.md): minor (pool)
-        sequences, OOD ones when the pool has no minors (k = -1) or under ``v-searched-on-ood``."""
-        chosen = named_variant(variant)
-        return (
-            "ood" if not self.pool.n_minor or (chosen is not None and chosen.name == "v-searched-on-ood") else "minor"
-        )
+    def search_set(self, protocol: Protocol = STUDY) -> Kind:
+        """The sequences the orthogonal search ascends on (docs/protocol.md): ``protocol.v_search_set``'s
+        (the study's minor, pool, sequences), OOD ones when the pool has no minors (k = -1)."""
+        return "ood" if not self.pool.n_minor else protocol.v_search_set
 
     def _search_loss(self, kind: Kind):
         """loss_fn(step, site) of ``orthogonal_searches``: the training loss of batch ``step`` of
@@ -371,18 +365,18 @@ class StudyRun:
         searches: Sequence[tuple[Geometry, int]],
         *,
         steps: int = 200,
-        variant: str | None = None,
+        protocol: Protocol = STUDY,
         avoid: Callable[[Geometry], torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """V: [D, r] for each ``(geometry, rank r)``: directions outside ``geometry.avoid(variant)``
-        (the protocol: the probe's S, and the token subspace for E3; or ``avoid(geometry)`` when
-        given) whose ablation at the geometry's place raises the loss of fresh minor sequences most
-        (OOD ones at k = -1 or under ``v-searched-on-ood``; docs/protocol.md); the searches run
-        in lockstep, each giving what it would alone."""
-        avoid = avoid or (lambda geometry: geometry.avoid(variant))
+        """V: [D, r] for each ``(geometry, rank r)``: directions outside ``geometry.avoid(protocol)``
+        (the study's: the probe's S, and the token subspace for E3; or ``avoid(geometry)`` when
+        given) whose ablation at the geometry's place raises the loss of fresh sequences of
+        ``search_set(protocol)`` most (docs/protocol.md); the searches run in lockstep, each giving
+        what it would alone."""
+        avoid = avoid or (lambda geometry: geometry.avoid(protocol))
         results = orthogonal_searches(
             self.model,
-            self._search_loss(self.search_set(variant)),
+            self._search_loss(self.search_set(protocol)),
             [(g.place, avoid(g), rank) for g, rank in searches],
             steps=steps,
             seed=self.seed,

@@ -17,7 +17,7 @@ import math
 from typing import NamedTuple
 
 from taskgeom.analysis.measures.properties import too_few_uncertain
-from taskgeom.analysis.measures.variants import variant as named_variant
+from taskgeom.analysis.protocol import STUDY, Protocol
 from taskgeom.analysis.reading.steering import KINDS, Steering
 from taskgeom.analysis.stored.m1 import Result
 from taskgeom.claims.rules import Claim, Spec
@@ -113,25 +113,21 @@ class Reading(NamedTuple):
     reason: str | None = None
 
 
-def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Reading]:
-    """{name of a P0-P3 claim: Reading} from a run's m1.json ``rows`` under the protocol
-    (``variant`` None or "protocol") or a named variant (``analysis.measures.variants``):
-    ``selected-place`` reads every claim at the place of best R^2_task on the selection batch;
-    ``site-mid`` at resid_mid of the protocol's blocks; ``pooled-anova`` reads P0/P1 pooled over
-    the late window; ``natural-cells`` reads them on natural states grouped by their token, the
-    median over the late window (the protocol: the study's forced-token cells at the last position
-    it reads; E2, which has no tokens to force, reads its paired layout's late-window median). A variant that does not move these claims reads them as the protocol does
-    (``e1-v6`` and ``separator`` are other runs: pass their rows). AnalysisError when the rows lack
-    a value."""
-    chosen = named_variant(variant)
-    name = (
-        chosen.name if chosen is not None and {spec.name.split(".")[0] for spec in SPECS} & set(chosen.claims) else None
-    )
+def claim_values(rows: list[dict], protocol: Protocol = STUDY) -> dict[str, Reading]:
+    """{name of a P0-P3 claim: Reading} from a run's m1.json ``rows`` as ``protocol`` reads them (the
+    study's, or a variant's, ``analysis.measures.variants``): ``place="selected"`` reads every claim at
+    the place of best R^2_task on the selection batch; ``read_site`` at that site of the protocol's
+    blocks; ``anova="pooled"`` reads P0/P1 pooled over the late window; ``cells="natural"`` reads them
+    on natural states grouped by their token, the median over the late window (the study's:
+    forced-token cells at the last position it reads; E2, which has no tokens to force, reads its
+    paired layout's late-window median); ``p2="task-only"`` reads R^2_task; ``p3="late-window"`` the
+    two-way layout's P3. Fields these claims do not read change nothing (the variants of the data
+    are other runs: pass their rows). AnalysisError when the rows lack a value."""
     place, p3_place = _place(rows, "place.m1", "measure"), _place(rows, "place.p3", "measure")
-    if name == "selected-place":
+    if protocol.read_site is not None:
+        place, p3_place = Place(place.layer, protocol.read_site), Place(p3_place.layer, protocol.read_site)
+    if protocol.place == "selected":
         place = p3_place = _place(rows, "place.selected", "select")
-    elif name == "site-mid":
-        place, p3_place = Place(place.layer, "resid_mid"), Place(p3_place.layer, "resid_mid")
     table = {
         (r["metric"], r["layer"], r["site"]): r["value"]
         for r in rows
@@ -149,11 +145,10 @@ def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Read
 
     placed, p3_placed = {"layer": place.layer, "site": place.site}, {"layer": p3_place.layer, "site": p3_place.site}
     r2_task, r2_random = at("p2.r2_task"), at("p2.r2_random")
-    if name == "pooled-anova":  # natural states pooled over the late window
+    natural = protocol.cells == "natural" or not cells
+    if protocol.anova == "pooled":  # natural states pooled over the late window
         p0, p1 = Reading(at("p0.cell_r2_pooled"), placed), Reading(at("p1.additive_share_pooled"), placed)
-    elif (
-        name == "natural-cells" or not cells
-    ):  # natural states grouped by their token (E2: its paired layout), late-window medians
+    elif natural:  # natural states grouped by their token (E2: its paired layout), late-window medians
         p0 = Reading(at("p0.cell_r2"), {**placed, "cells": "natural"})
         p1 = Reading(
             at("p1.additive_share"), {**placed, "cells": "natural", "last_position": at("p1.additive_share_last")}
@@ -167,11 +162,11 @@ def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Read
         }
         p0 = Reading(at("p0.cell_r2_forced"), {**beside, "natural_late_median": at("p0.cell_r2")})
         p1 = Reading(at("p1.additive_share_forced"), {**beside, "natural_late_median": at("p1.additive_share")})
-    if name == "p2-task-only":  # the earlier quantity: R^2_task, the token effect removed from the total
+    if protocol.p2 == "task-only":  # the earlier quantity: R^2_task, the token effect removed from the total
         p2 = Reading(r2_task, placed)
         vs_random = Reading(r2_task - r2_random, {"r2_task": r2_task, "r2_random": r2_random, **placed})
     else:  # the study's r2_additive (on its forced-token cells; natural states for E2 and under natural-cells), R^2_task beside
-        forced = "_forced" if cells and name != "natural-cells" else ""
+        forced = "" if natural else "_forced"
         additive, additive_random = at(f"p2.r2_additive{forced}"), at(f"p2.r2_additive{forced}_random")
         p2 = Reading(
             additive,
@@ -188,7 +183,7 @@ def claim_values(rows: list[dict], variant: str | None = None) -> dict[str, Read
     late_window = Reading(
         at("p3.tv_mean_beta", p3_place), {"tv_per_state_last_quarter": at("p3.tv_last_quarter", p3_place), **p3_placed}
     )
-    if name == "p3-late-window":
+    if protocol.p3 == "late-window":
         p3 = late_window
     else:  # the study's trajectory figure: task 0, its vectors from positions 40-59, the last quarter of its plotted 0-59 [ours]
         span = {

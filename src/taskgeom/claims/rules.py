@@ -44,7 +44,9 @@ _OPS = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b, "<": lambda a, b: 
 
 @dataclass(frozen=True)
 class Claim:
-    """One row of claims.json. ``passed`` is true only for status ``pass``; ``parts`` are the numbers
+    """One row of claims.json: ``id`` is ``<recipe>.<name>``, ``experiment`` the experiment that measured it
+    (``m1``, ``dual_modes``, ...) and ``recipe`` the recipe it was measured on (from the id when not given).
+    ``passed`` is true only for status ``pass``; ``parts`` are the numbers
     a ratio or share is made of (or None); ``reason`` says why an ``n/a`` claim does not apply.
     ``profile``: the profile measured, which the experiment stamps on the claims it returns (None
     until then). A claim judged over seeds (``over_seeds``) has ``seeds``, one row per seed ({seed, value, status,
@@ -73,8 +75,11 @@ class Claim:
     max: Optional[float] = None
     precondition: Optional[dict[str, Part]] = None
     caveat: Optional[str] = None
+    recipe: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.recipe is None:  # a claim's id is "<recipe>.<name>"
+            object.__setattr__(self, "recipe", self.id.partition(".")[0])
         if self.status not in STATUSES:
             raise ValueError(f"claim {self.id}: status must be one of {list(STATUSES)}, not {self.status!r}")
         if self.passed != (self.status == "pass"):
@@ -117,8 +122,10 @@ class Spec:
         """The claim ``{recipe}.{name}`` of one seed: checked against the threshold, or ``n/a`` with ``reason``."""
         claim_id = f"{recipe}.{self.name}"
         if reason is not None:
-            return not_applicable(claim_id, recipe, description, self.comparison, self.threshold, reason, parts)
-        return check(claim_id, recipe, description, value, self.comparison, self.threshold, parts)
+            return not_applicable(
+                claim_id, self.experiment, description, self.comparison, self.threshold, reason, parts
+            )
+        return check(claim_id, self.experiment, description, value, self.comparison, self.threshold, parts)
 
 
 def check(
@@ -257,6 +264,7 @@ def over_seeds(measured: Iterable[tuple[int, Claim]]) -> list[Claim]:
                 low,
                 high,
                 caveat=caveat,
+                recipe=first.recipe,
             )
         )
     return judged

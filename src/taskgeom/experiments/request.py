@@ -22,7 +22,7 @@ from taskgeom.settings.recipes import DEFAULT_PROFILE, Study, load_study
 @dataclass(frozen=True)
 class Request:
     """``taskgeom reproduce``'s options, parsed: ``recipes`` comma-separated as typed, ``only``
-    experiment or recipe names, ``settings`` the ``--set`` overrides, ``variant`` a data variant."""
+    experiment or recipe names, ``settings`` the ``--set`` overrides, ``data`` the name of a variant of the data (other runs)."""
 
     profile: str = DEFAULT_PROFILE
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -32,7 +32,7 @@ class Request:
     recipe_files: tuple[Path, ...] = ()
     grid: tuple[int, ...] | None = None
     settings: tuple[str, ...] = ()
-    variant: str | None = None
+    data: str | None = None
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,9 @@ def resolve(request: Request) -> Resolved:
         raise TaskgeomError(
             "--set train.seed: reproduce trains every setting on each seed of --seeds; say --seeds instead"
         )
-    if request.variant is not None:
-        recipes, settings = data_variant(request.variant, recipes, settings)
-    out = request.out or default_out(request.variant)
+    if request.data is not None:
+        recipes, settings = data_variant(request.data, recipes, settings)
+    out = request.out or default_out(request.data)
     studies, named = choose_studies(request.recipe_files, recipes, request.only, request.profile)
     chosen = {
         name: run for name, run in experiments.declared(studies, request.profile).items() if not named or name in named
@@ -63,9 +63,10 @@ def resolve(request: Request) -> Resolved:
     return Resolved(out, studies, chosen, settings)
 
 
-def default_out(variant: str | None) -> Path:
-    """The output folder when none is given: ``results``, or ``results-VARIANT`` for a data variant."""
-    return Path("results" if variant is None else f"results-{variant}")
+def default_out(data: str | None) -> Path:
+    """The output folder when none is given: ``results``, or ``results-VARIANT`` for the variant of
+    the data named ``data``."""
+    return Path("results" if data is None else f"results-{data}")
 
 
 def data_variant(name: str, recipes: str | None, settings: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:

@@ -48,7 +48,8 @@ from __future__ import annotations
 import pandas as pd
 
 from taskgeom.analysis.measures.shares import loss_window, share_of_gain
-from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS
+from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS, MEASURED_AGAIN, STORED_VARIANTS, protocol
+from taskgeom.analysis.protocol import Protocol
 from taskgeom.analysis.stored.ablations import Block, ablation_rows, block_places, find_blocks, v_block
 from taskgeom.analysis.stored.dual import EVAL_SEQUENCES
 from taskgeom.analysis.stored.m1 import READ_SITE_PREFIX
@@ -63,27 +64,18 @@ from taskgeom.report.geometry import claimed_by_layer
 from taskgeom.runs.folders import Run
 from taskgeom.settings.devices import torch_threads
 
-ABLATION_VARIANTS = ("centred-S", "s-with-mean", "probe-exact", "v-avoids-tokens", "v-searched-on-ood", "v-best-block")
-STORED_VARIANTS = (
-    "selected-place",
-    "site-mid",
-    "natural-cells",
-    "pooled-anova",
-    "p2-task-only",
-    "p3-late-window",
-    "per-sequence-r2",
-    "steer-at-read-site",
-)  # read from the stored analyses
+ABLATION_VARIANTS = MEASURED_AGAIN  # the dissociation's variants, measured again on each run
 SETS = ("major", "ood")  # the sets the dissociation's claims read
 
 
-def _centred_s_rows(run: StudyRun, n_seq: int, sets: dict, clean: dict) -> tuple[list[dict], str]:
-    """The S rows of ``centred-S`` as summary rows (``layer`` null), and the selected place in words."""
+def _centred_s_rows(run: StudyRun, n_seq: int, sets: dict, clean: dict, protocol: Protocol) -> tuple[list[dict], str]:
+    """The S rows of ``centred-S`` (``protocol``) as summary rows (``layer`` null), at the selected
+    place, and that place in words."""
     place = run.select_place(run.heldout("major", SELECTION_SEQUENCES, split="select"), n_random=0).best
     geometry = run.geometry(run.heldout("major", n_seq, split="geometry"), place)
     rows, window = [], loss_window(run.family)
     for name, sequences in sets.items():
-        with geometry.ablate(variant="centred-S"):
+        with geometry.ablate(protocol):
             ablated = run.loss(sequences, per_position=True)
         share = share_of_gain(ablated, clean[name], window)
         where = {"place": (None, place.site), "batch": "loss", "set": name}
@@ -108,17 +100,18 @@ def ablation_variants(
     mean = "mean over blocks"
     measured = {"protocol": (ablation_rows(run, blocks, sets, clean), mean)}
     for name in variants:
-        if name == "centred-S":
-            measured[name] = _centred_s_rows(run, n_seq, sets, clean)
-        elif name == "v-best-block":
+        chosen = BY_NAME[name].protocol
+        if chosen.s_probe == "centred":
+            measured[name] = _centred_s_rows(run, n_seq, sets, clean, chosen)
+        elif chosen.v_block == "best":
             best = v_block(run, blocks, n_seq)
             measured[name] = (
                 ablation_rows(run, blocks, sets, clean, v_block=best),
                 f"block {blocks[best].place.layer}",
             )
         else:
-            blocks_of_variant = find_blocks(run, geometries, steps=search_steps, variant=name)
-            measured[name] = (ablation_rows(run, blocks_of_variant, sets, clean, variant=name), mean)
+            searched = find_blocks(run, geometries, steps=search_steps, protocol=chosen)
+            measured[name] = (ablation_rows(run, searched, sets, clean, protocol=chosen), mean)
 
     k, recipe, rows, window = run.config.task.diversity, run.config.name, [], loss_window(run.family)
     for name, (variant_rows, where) in measured.items():
@@ -128,10 +121,8 @@ def ablation_variants(
             for metric, value in (("loss", clean[s][window].mean()), ("loss_first", clean[s][0]))
         ]
         table = pd.DataFrame([*variant_rows, *clean_rows]).assign(diversity=k, step=float("nan"))
-        prefixes = None if name == "protocol" else BY_NAME[name].claims
         for claim in ablation_claims(table, recipe, k):
-            short = claim.id.split(".", 1)[1]
-            if prefixes is None or short.startswith(prefixes):
+            if name == "protocol" or BY_NAME[name].moves(claim.id.split(".", 1)[1]):
                 rows.append(_variant_row(claim, name, where))
     return rows
 
@@ -142,25 +133,13 @@ def stored_variants(run: Run) -> list[dict]:
     recipe, rows = run.config.name, []
     m1 = stored_rows(run, "m1")
     if m1 is not None:
-        for name in (
-            "protocol",
-            "selected-place",
-            "site-mid",
-            "natural-cells",
-            "pooled-anova",
-            "p2-task-only",
-            "p3-late-window",
-        ):
-            values = claim_values(m1, None if name == "protocol" else name)
-            claims = retrieval_claims(values, recipe)
-            moved = {
-                "natural-cells": ("P0", "P1", "P2", "P2.vs_random"),
-                "pooled-anova": ("P0", "P1"),
-                "p2-task-only": ("P2", "P2.vs_random"),
-                "p3-late-window": ("P3",),
-            }.get(name)
-            if moved:
-                claims = [c for c in claims if c.id.split(".", 1)[1] in moved]
+        for name in ("protocol", *STORED_VARIANTS):  # those that move no P0-P3 claim give no row here
+            values = claim_values(m1, protocol(name))
+            claims = [
+                c
+                for c in retrieval_claims(values, recipe)
+                if name == "protocol" or BY_NAME[name].moves(c.id.split(".", 1)[1])
+            ]
             for claim in claims:
                 reading = values[claim.id.split(".", 1)[1]]
                 where = f"layer {reading.parts['layer']} {reading.parts['site']}"
@@ -186,10 +165,10 @@ def stored_variants(run: Run) -> list[dict]:
     return rows
 
 
-def _variant_row(claim, variant: str, place: str) -> dict:
+def _variant_row(claim, name: str, place: str) -> dict:
     return {
         "claim": claim.id,
-        "variant": variant,
+        "variant": name,
         "value": claim.value,
         "status": claim.status,
         "comparison": claim.comparison,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from taskgeom.report.manifest import read_json, read_manifest
+from taskgeom.report.manifest import read_claims, read_manifest
 from taskgeom.report.markdown import number
 
 MACHINE_KEYS = (
@@ -23,7 +23,7 @@ MACHINE_KEYS = (
 
 
 def _claims(out: Path) -> dict[str, dict]:
-    return {c["id"]: c for c in read_json(Path(out) / "claims.json", f"rerun `taskgeom reproduce --out {out}`")}
+    return {c["id"]: c for c in read_claims(Path(out))}
 
 
 def _spread(claim: dict) -> float:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from taskgeom.report.interactive import Evidence, evidence
-from taskgeom.report.manifest import figure_section, read_json, read_manifest, section
+from taskgeom.report.manifest import figure_section, read_claims, read_json, read_manifest, section
 from taskgeom.report.manifest import sections as section_titles
 from taskgeom.report.tables import run_config, write_analysis_table
 from taskgeom.runs.storage import atomic_write_text
@@ -253,7 +253,7 @@ def write_report(out: Path) -> None:
     out = Path(out)
     manifest = read_manifest(out)
     again = f"rerun `taskgeom reproduce --out {out}` (finished runs and analyses are reused)"
-    claims = read_json(out / "claims.json", again)
+    claims = read_claims(out)
     timings = read_json(out / "timings.json", again) if (out / "timings.json").is_file() else {}
     titles = section_titles(manifest)
     sections = {c["id"]: section(c["id"], manifest["claims"].get(c["id"], ""), manifest["sections"]) for c in claims}

@@ -17,7 +17,7 @@ import pandas as pd  # noqa: E402
 
 from taskgeom.errors import TaskgeomError  # noqa: E402
 from taskgeom.report.figures import save  # noqa: E402
-from taskgeom.report.manifest import read_json, read_manifest  # noqa: E402
+from taskgeom.report.manifest import read_claims, read_manifest  # noqa: E402
 from taskgeom.report.markdown import STATUS_TEXT, machine_line, number  # noqa: E402
 from taskgeom.report.verdicts import write_verdicts  # noqa: E402
 from taskgeom.runs.storage import atomic_write_text  # noqa: E402
@@ -44,7 +44,7 @@ def ladder_rows(named: dict[str, Path]) -> pd.DataFrame:
     rows = []
     for rung, folder in named.items():
         read_manifest(folder)  # a results folder of this version, or a clear error
-        for claim in read_json(folder / "claims.json", f"rerun `taskgeom reproduce --out {folder}`"):
+        for claim in read_claims(folder):
             common = {
                 "rung": rung,
                 "claim": claim["id"],

@@ -29,7 +29,11 @@ from taskgeom.settings import kernels
 from taskgeom.version import __version__
 
 MANIFEST = "reproduction.json"
-FORMAT = 4  # 2: the run directories used ("runs"); 3: seeds, the machine's kernels and the models' sha256; 4: the recipes' sections
+# 2: the run directories used ("runs"); 3: seeds, the machine's kernels and the models' sha256; 4: the recipes' sections;
+# 5: claims.json's rows carry their recipe and the experiment that measured them (format 4 wrote the recipe as "experiment")
+FORMAT = 5
+READABLE = (4, 5)  # a format-4 folder is read with its claims' rows completed (``read_claims``)
+CLAIMS = "claims.json"
 DUAL_EXPERIMENT = "dual_modes"
 DUAL_SECTION, OTHER_SECTION = "dual", "other"  # the sections beside the recipes'
 
@@ -167,13 +171,31 @@ def read_manifest(out: Path) -> dict:
             f"(taskgeom {__version__} writes {MANIFEST} beside claims.json); {again}"
         )
     data = read_json(path, again)
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    if not isinstance(data, dict) or data.get("format") not in READABLE:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise TaskgeomError(
-            f"{path} has format {found!r}, this taskgeom ({__version__}) reads format {FORMAT}; "
+            f"{path} has format {found!r}, this taskgeom ({__version__}) reads formats {', '.join(map(str, READABLE))}; "
             f"rerun `taskgeom reproduce --out {out}` (finished runs are reused)"
         )
     return data
+
+
+def read_claims(out: Path) -> list[dict]:
+    """The rows of results folder ``out``'s claims.json. A row written before the rows carried their
+    recipe (manifest format 4, whose rows name the recipe ``experiment``) is completed: its ``recipe``
+    from its id, its ``experiment`` from the manifest's {claim: experiment}."""
+    out = Path(out)
+    rows = read_json(out / CLAIMS, f"rerun `taskgeom reproduce --out {out}`")
+    if all("recipe" in row for row in rows):
+        return rows
+    manifest = out / MANIFEST
+    checked_by = read_json(manifest, "").get("claims", {}) if manifest.is_file() else {}
+    return [
+        row
+        if "recipe" in row
+        else {**row, "recipe": row["id"].partition(".")[0], "experiment": checked_by.get(row["id"])}
+        for row in rows
+    ]
 
 
 def sections(manifest: dict) -> dict[str, str]:

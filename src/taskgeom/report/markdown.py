@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from taskgeom.claims.rules import CAVEATS, caveat_marks
-from taskgeom.report.manifest import read_json, read_manifest
+from taskgeom.report.manifest import read_claims, read_manifest
 
 STATUS_TEXT = {"pass": "pass", "fail": "**FAIL**", "unstable": "*unstable*", "n/a": "n/a"}
 
@@ -53,7 +53,7 @@ def machine_line(manifest: dict) -> str:
 def claims_markdown(out: Path) -> str:
     """The Markdown text: a line on where it came from, the counts, the table, the unstable claims' parts."""
     manifest = read_manifest(out)
-    claims = read_json(Path(out) / "claims.json", f"rerun `taskgeom reproduce --out {out}`")
+    claims = read_claims(Path(out))
     tally = Counter(c["status"] for c in claims)
     commit = manifest.get("commit") or "unknown commit"
     lines = [

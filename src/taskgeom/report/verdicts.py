@@ -20,7 +20,7 @@ from matplotlib.textpath import TextToPath  # noqa: E402
 from taskgeom.claims.catalog import CLAIMS  # noqa: E402
 from taskgeom.claims.rules import CAVEATS, caveat_marks  # noqa: E402
 from taskgeom.report.figures import save  # noqa: E402
-from taskgeom.report.manifest import read_json, read_manifest  # noqa: E402
+from taskgeom.report.manifest import read_claims, read_manifest  # noqa: E402
 from taskgeom.report.markdown import number  # noqa: E402
 from taskgeom.runs.storage import atomic_write_text  # noqa: E402
 
@@ -46,7 +46,7 @@ def verdict_table(named: dict[str, Path]) -> pd.DataFrame:
     rows, recipes = [], {}
     for profile, folder in named.items():
         recipes.update(dict.fromkeys(read_manifest(folder).get("recipes") or []))
-        for claim in read_json(folder / "claims.json", f"rerun `taskgeom reproduce --out {folder}`"):
+        for claim in read_claims(folder):
             rows.append(
                 {
                     "claim": claim["id"],

@@ -36,6 +36,7 @@ from taskgeom.settings.fields import Int, PositiveInt, StrictModel
 
 DEFAULT_PROFILE = "quick"  # the profile every command reads when none is named: every recipe defines it
 RECIPE_DIR = Path(__file__).parents[1] / "configs"  # the package's configs/ folder
+SHARED_PROFILES = RECIPE_DIR / "shared" / "profiles.yaml"  # the profiles every recipe has, written once
 
 
 # ---- dotted overrides -----------------------------------------------------------------------
@@ -127,10 +128,15 @@ class Recipe:
         return profile
 
     def settings(self, profile: str = DEFAULT_PROFILE) -> dict:
-        """``base`` merged with ``profiles[profile]``, less its ``measure`` section."""
+        """``base`` merged with ``profiles[profile]``, less its ``measure`` section and ``about``."""
         settings = merge(self.base, self.profiles[self._known(profile)])
         settings.pop("measure", None)
+        settings.pop("about", None)
         return settings
+
+    def about(self, profile: str) -> str:
+        """What ``profile`` is, in words (its ``about``; "" when it has none)."""
+        return str(self.profiles[self._known(profile)].get("about", ""))
 
     def config(self, profile: str = DEFAULT_PROFILE, overrides: list[str] = ()) -> RunConfig:
         """The run config of ``profile`` with dotted ``overrides``."""
@@ -172,6 +178,12 @@ def _read_recipe(path: Path, content: bytes) -> Recipe:
         raise ConfigError(
             f"{path}: 'profiles' must be a mapping of profile names to settings, got {describe_value(profiles)}"
         )
+    shared = {
+        name: settings
+        for name, settings in shared_profiles().items()
+        if name not in profiles and settings.get("extends") in profiles
+    }
+    profiles = {**profiles, **shared}
     resolved = {str(name): _profile_settings(path, profiles, name) for name in profiles}
     measures = {}
     for name, settings in resolved.items():
@@ -209,12 +221,40 @@ def _profile_settings(path: Path, profiles: dict, profile: str, seen: tuple[str,
         return settings
     if not isinstance(parent, str):
         raise ConfigError(f"{path}: profiles.{profile}.extends must name another profile, got {describe_value(parent)}")
-    return merge(_profile_settings(path, profiles, parent, (*seen, profile)), settings)
+    inherited = _profile_settings(path, profiles, parent, (*seen, profile))
+    inherited.pop("about", None)  # what a profile is is its own
+    return merge(inherited, settings)
+
+
+@functools.lru_cache(maxsize=1)
+def shared_profiles() -> dict[str, dict]:
+    """The profiles every recipe has unless it defines one of the name (``SHARED_PROFILES``), each
+    extending one of the recipe's own."""
+    profiles = yaml.safe_load(SHARED_PROFILES.read_text(encoding="utf-8"))["profiles"]
+    return {str(name): dict(settings) for name, settings in profiles.items()}
 
 
 # ---- recipes by name, and their study sections ----------------------------------------------
 def recipe_names() -> list[str]:
     return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def common_profiles() -> dict[str, str]:
+    """{profile: what it is} of the profiles every shipped recipe defines, in the first recipe's
+    order: the choices of ``--profile``."""
+    recipes = [read_recipe(recipe_path(name)) for name in recipe_names()]
+    return {
+        name: recipes[0].about(name) for name in recipes[0].profiles if all(name in r.profiles for r in recipes[1:])
+    }
+
+
+def profiles_help(lead: str) -> str:
+    """``lead``, then each common profile and what it is: the help of a ``--profile`` option."""
+    return (
+        f"{lead}: "
+        + "; ".join(f"{name} ({about})" if about else name for name, about in common_profiles().items())
+        + "."
+    )
 
 
 def recipe_path(name_or_path: str | Path) -> Path:

@@ -49,7 +49,7 @@ from taskgeom.rng import generator
 
 BATCH_SIZE = PROTOCOL.search_batch  # sequences per search step, the protocol's; the caller's loss_fn draws them
 TOKEN_SHARE = PROTOCOL.token_share  # share of the token-effect variance the token subspace holds
-RANK_RTOL = PROTOCOL.span_rank_rtol  # [ours] singular values below this fraction of the largest are cut from a span
+RANK_CUT = PROTOCOL.rank_cut  # [ours] singular values below this fraction of the largest are cut from a span
 
 
 def token_subspace(nu: torch.Tensor, share: float = TOKEN_SHARE, centre: bool = True) -> torch.Tensor:
@@ -72,7 +72,7 @@ def token_subspace(nu: torch.Tensor, share: float = TOKEN_SHARE, centre: bool = 
     return vh[:m].T.to(nu.dtype)
 
 
-def avoid_basis(*bases: torch.Tensor, rtol: float = RANK_RTOL) -> torch.Tensor:
+def avoid_basis(*bases: torch.Tensor, rtol: float = RANK_CUT) -> torch.Tensor:
     """[D, m] orthonormal basis of the span of the given bases [D, k_i] (e.g. the task subspace S
     and the token subspace). The rank cut is explicit: directions whose singular value in the
     concatenation is below ``rtol`` times the largest are dropped, so overlapping bases count once."""

@@ -16,7 +16,7 @@ default cut-off (singular values below ``eps * max(rows, columns)`` of the large
 the exact double-precision fit is the variant ``probe-exact``), on one thread: in single precision
 the thread count moves W_task by about 1e-4 relative, and a stored number must not depend on it. S is the span of the rows of
 ``W_task`` (centred over the tasks when the family's ``TaskProbe.centred`` says so) at singular
-values above ``RANK_TOLERANCE`` of the largest. So the mean state lies in the intercept, never in
+values above ``RANK_CUT`` of the largest. So the mean state lies in the intercept, never in
 S, and S has rank K - 1 where ``pi`` sums to one.
 
 What varies by family is declared by the family (``TaskProbe``, its ``task_probe``).
@@ -46,9 +46,7 @@ SUMS_TO_ONE = (
 FIT_SHARE = (
     PROTOCOL.probe_fit_share
 )  # the share of the sequences the probe is fitted on (the study's validation_split 0.2)
-RANK_TOLERANCE = (
-    PROTOCOL.probe_rank_tolerance
-)  # S keeps the singular directions of W_task above this fraction of the largest
+RANK_CUT = PROTOCOL.rank_cut  # S keeps the singular directions of W_task above this fraction of the largest
 PROBE_SEQUENCES = (
     PROTOCOL.probe_sequences
 )  # the study's fit_n_samples = 5000 drawn in batches of 64: 79 batches, 5,056 major sequences
@@ -149,7 +147,7 @@ def fit_probe(data: ProbeData, spec: TaskProbe, gen: torch.Generator, exact: boo
     _, s, vh = torch.linalg.svd(w, full_matrices=False)
     if not s[0] > 0:
         raise AnalysisError("the probe's task weights are zero: no task subspace")
-    rank = int((s > RANK_TOLERANCE * s[0]).sum())
+    rank = int((s > RANK_CUT * s[0]).sum())
     return ProbeFit(
         weights.to(states.device),
         vh[:rank].T.to(states.device),

@@ -1,51 +1,73 @@
 """The earlier conventions of this project, kept computable by name (docs/protocol.md#variants).
 
-The claims are measured one way, the study's (docs/protocol.md); each ``Variant`` here names one earlier
-choice that the API (``variant="..."``) and ``taskgeom sensitivity`` can measure instead, on the
-same runs, so a reader sees how a verdict depends on it. No variant ever decides a claim.
+The claims are measured one way, the study's (``analysis.protocol.STUDY``); each ``Variant`` here is
+a named copy of that protocol with the fields it changes (``Variant.protocol``) and the reason it
+existed, so the API (``protocol=tg.protocol("...")``) and ``taskgeom sensitivity`` can measure it on
+the same runs and a reader sees how a verdict depends on it. A variant of the data changes no field:
+it trains other runs (``overrides``). No variant ever decides a claim.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
+from taskgeom.analysis.protocol import STUDY, Protocol
 from taskgeom.errors import AnalysisError
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One earlier convention: its ``name``, the ``claims`` (id prefixes) it can move, what it
-    ``changes`` from the protocol and ``why`` it existed. A variant of the data has ``overrides``: the
-    ``--set`` values that train its runs from the recipe (the same in every profile); one of the
-    measurement has none."""
+    """One earlier convention: its ``name``, the ``claims`` it can move (``moves``), the protocol's
+    ``fields`` it changes, what that means in words (``changes``) and ``why`` it existed. A variant of
+    the data has ``overrides``: the ``--set`` values that train its runs from the recipe (the same in
+    every profile); one of the measurement has ``fields``, and ``again`` when ``taskgeom sensitivity``
+    measures it again on each run (its searches and ablations are not stored) rather than reading
+    the stored analyses."""
 
     name: str
     claims: tuple[str, ...]
     changes: str
     why: str
     overrides: tuple[str, ...] = ()
+    fields: dict[str, Any] = field(default_factory=dict)
+    again: bool = False
+
+    def moves(self, claim: str) -> bool:
+        """Whether it can move the claim named ``claim`` (its id after the recipe: ``P2.vs_random``,
+        ``ablate_S_ood``): one of ``claims``, or ``claims`` names its family (``ablate_S`` for
+        ``ablate_S_major`` and ``ablate_S_ood``)."""
+        return any(claim == name or claim.startswith(f"{name}_") for name in self.claims)
+
+    @property
+    def protocol(self) -> Protocol:
+        """The study's protocol with this variant's ``fields``."""
+        return replace(STUDY, **self.fields)
 
 
 VARIANTS = (
     Variant(
         "selected-place",
-        ("P0", "P1", "P2", "P3", "steering", "projection_r2"),
+        ("P0", "P1", "P2", "P2.vs_random", "P3", "P3.shrinks", "steering", "projection_r2"),
         "the place (layer, site) of best R^2_task on a selection batch, both sites, instead of the fixed block at resid_post",
         "chose the layer by the data when the study's block did not exist at quick sizes",
+        fields={"place": "selected"},
     ),
     Variant(
         "site-mid",
-        ("P0", "P1", "P2", "P3", "steering", "projection_r2"),
+        ("P0", "P1", "P2", "P2.vs_random", "P3", "P3.shrinks", "steering", "projection_r2"),
         "every readout at resid_mid (after attention) instead of resid_post",
         "the specification once named both sites as candidates",
+        fields={"read_site": "resid_mid"},
     ),
     Variant(
         "natural-cells",
-        ("P0", "P1", "P2"),
+        ("P0", "P1", "P2", "P2.vs_random"),
         "P0-P2 of a token family on natural states: P0/P1 grouped by the token that occurred, the median over the late window of "
         "the layout at each position, and P2's r2_additive on the measurement batch, instead of the study's forced-token cells "
         "(P0/P1 at the last position it reads)",
         "our reading before the study's compute_hiddens_token_conditioned_coin was read",
+        fields={"cells": "natural"},
     ),
     Variant(
         "p3-late-window",
@@ -54,12 +76,14 @@ VARIANTS = (
         "task and the last quarter of the context, instead of the study's trajectory figure (task 0, vectors averaged over "
         "positions 40-59, the last quarter of its plotted positions 0-59)",
         "our reading before the study's traj_averaging_projection_plot was read",
+        fields={"p3": "late-window"},
     ),
     Variant(
         "pooled-anova",
         ("P0", "P1"),
         "P0/P1 pooled over the late window with no position term (the drift of mu_t counted as within-cell variance)",
         "our first reading of the two-way layout",
+        fields={"anova": "pooled"},
     ),
     Variant(
         "per-sequence-r2",
@@ -67,12 +91,15 @@ VARIANTS = (
         "projection R^2 of each sequence's own state over the late window, centred by mu_t + nu(x_t), "
         "regressed on the span of theta_(k, x_t)",
         "scored single states, as a probe would read them",
+        fields={"projection": "per-sequence"},
     ),
     Variant(
         "centred-S",
         ("ablate_S",),
         "S ablation h - P_S (h - mu_t) on the rank K-1 span of the task vectors, at the selected place",
         "the task subspace of the M1 geometry rather than a probe's row space",
+        fields={"s_probe": "centred"},
+        again=True,
     ),
     Variant(
         "s-with-mean",
@@ -80,6 +107,8 @@ VARIANTS = (
         "S of rank K from the minimum-norm probe with every posterior column beside the token one-hot and an intercept, "
         "over the late window: the task contrasts and about the mean state; V and the random controls avoid it",
         "the protocol before 2026-12-02, a misreading of the study's probe, which drops the redundant column of each one-hot group",
+        fields={"s_probe": "with-mean"},
+        again=True,
     ),
     Variant(
         "probe-exact",
@@ -87,31 +116,40 @@ VARIANTS = (
         "the S probe by an exact double-precision least-squares fit (the minimum-norm solution) instead of the study's "
         "_fit_ols, a single-precision pseudo-inverse at torch's default cut-off; V and the random controls avoid it",
         "our fit before the study's _fit_ols was read: the exact solution of the same regression",
+        fields={"s_probe": "exact"},
+        again=True,
     ),
     Variant(
         "v-avoids-tokens",
         ("ablate_V", "random_control"),
         "E1 and E2's V also kept out of the token subspace",
         "kept V from removing what the current token carries",
+        fields={"v_always_avoids_tokens": True},
+        again=True,
     ),
     Variant(
         "v-searched-on-ood",
         ("ablate_V",),
         "V searched on OOD sequences instead of minor (pool) sequences",
         "searched where the claim is read",
+        fields={"v_search_set": "ood"},
+        again=True,
     ),
     Variant(
         "v-best-block",
         ("ablate_V", "random_control"),
         "V read at the block where it removes the most OOD gain on a separate batch, not the mean over blocks",
         "one place per claim, as for M1",
+        fields={"v_block": "best"},
+        again=True,
     ),
     Variant(
         "p2-task-only",
-        ("P2",),
+        ("P2", "P2.vs_random"),
         "P2 as R^2_task, the token effect removed from the total (and P2.vs_random as R^2_task minus a random subspace's), "
         "instead of the study's r2_additive, where the token effect counts as explained",
         "our reading of P2 before the study's figure code was read (its plots='additive')",
+        fields={"p2": "task-only"},
     ),
     Variant(
         "steer-at-read-site",
@@ -119,6 +157,7 @@ VARIANTS = (
         "steering's vectors from the measurement batch's two-way layout (E1: its per-position task means; E2, E3: the late "
         "window's task effects), the edit written at resid_post, where they are read, on the measurement batch",
         "the specification once wrote the edit where the vectors are read; the study hooks the attention sub-block (resid_mid)",
+        fields={"steering_vectors": "read-place"},
     ),
     Variant(
         "e1-v6",
@@ -137,15 +176,17 @@ VARIANTS = (
 )
 
 BY_NAME = {v.name: v for v in VARIANTS}
-DATA_VARIANTS = tuple(
-    v.name for v in VARIANTS if v.overrides
-)  # train runs of their own: `taskgeom reproduce --variant`
+DATA_VARIANTS = tuple(v.name for v in VARIANTS if v.overrides)  # runs of their own: `taskgeom reproduce --variant`
+STORED_VARIANTS = tuple(v.name for v in VARIANTS if v.fields and not v.again)  # read from the stored analyses
+MEASURED_AGAIN = tuple(v.name for v in VARIANTS if v.again)  # measured again on each run by `taskgeom sensitivity`
 
 
-def variant(name: str | None) -> Variant | None:
-    """The variant called ``name`` (None: the study's protocol); an unknown name is an error that lists them."""
+def protocol(name: str | None = None) -> Protocol:
+    """The protocol of variant ``name`` (None or "protocol": the study's); an unknown name, or a variant
+    of the data (other runs, the same protocol), is an error that lists the variants of the measurement."""
     if name is None or name == "protocol":
-        return None
-    if name not in BY_NAME:
-        raise AnalysisError(f"unknown variant {name!r}: choose 'protocol' or one of {', '.join(BY_NAME)}")
-    return BY_NAME[name]
+        return STUDY
+    if name not in BY_NAME or BY_NAME[name].overrides:
+        measured = ", ".join(v.name for v in VARIANTS if not v.overrides)
+        raise AnalysisError(f"no variant of the measurement {name!r}: choose 'protocol' or one of {measured}")
+    return BY_NAME[name].protocol

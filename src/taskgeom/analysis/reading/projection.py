@@ -47,19 +47,20 @@ class ProjectionR2:
     """One projection R^2 measurement: ``values`` [J] the block-averaged R^2 of each OOD task's mean
     state (the protocol, or the linear-code reference) or [N * W] of each OOD state of the late window
     (the ``per-sequence-r2`` variant); ``n_tasks`` OOD tasks of ``per_task`` sequences; ``place``
-    (None for the reference); ``variant`` ("protocol", "reference", "per-sequence-r2")."""
+    (None for the reference); ``statistic``: "task-means" (the study's Fig. 4), "reference" (the
+    linear-code reference) or "per-sequence" (the variant's)."""
 
     values: torch.Tensor
     n_tasks: int
     per_task: int
     place: Place | None
-    variant: str
+    statistic: str
 
     def __repr__(self) -> str:
         low, high = self.quartiles[0], self.quartiles[-1]
         where = "" if self.place is None else f" at {self.place}"
         return (
-            f"ProjectionR2({self.variant}{where}: mean {self.mean:.4g} (SE {self.standard_error:.2g}), quartiles {low:.4g}-{high:.4g} over "
+            f"ProjectionR2({self.statistic}{where}: mean {self.mean:.4g} (SE {self.standard_error:.2g}), quartiles {low:.4g}-{high:.4g} over "
             f"{self.values.numel()} values; {self.n_tasks} OOD tasks x {self.per_task} sequences)"
         )
 
@@ -177,7 +178,7 @@ def measure(run: StudiedRun, ood: Sequences, major: Sequences, places: Sequence[
             n_tasks,
             per_task,
             Place(*at),
-            "protocol",
+            "task-means",
         )
         for at in places
     }

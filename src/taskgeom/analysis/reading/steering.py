@@ -63,7 +63,7 @@ WRITE_SITE = (
     PROTOCOL.steering_write_site
 )  # where the study writes the edit: the output of the block's attention sub-block
 RANK_CUT = (
-    PROTOCOL.steering_rank_cut
+    PROTOCOL.rank_cut
 )  # singular values of the task vectors kept above this fraction of the largest (the study's rank cut)
 KINDS = ("unsteered", "steered", "mode", "random")
 

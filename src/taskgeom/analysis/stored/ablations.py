@@ -32,17 +32,16 @@ import torch
 from taskgeom.analysis.geometry import Geometry
 from taskgeom.analysis.measures.shares import Share, loss_window, share_of_gain
 from taskgeom.analysis.measures.subspace import complement_basis, random_directions
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.protocol import STUDY, Protocol
 from taskgeom.analysis.stored.rows import row
 from taskgeom.analysis.study import Sequences, StudyRun
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.rng import generator
 
-N_RANDOM_CONTROLS = PROTOCOL.random_controls
-CONTROL_QUANTILE = PROTOCOL.control_quantile
-BLOCK_SITE = PROTOCOL.ablation_site
-S_VARIANTS = ("s-with-mean", "probe-exact")  # the variants of the probe's S itself (``Geometry.s_basis``)
+N_RANDOM_CONTROLS = STUDY.random_controls
+CONTROL_QUANTILE = STUDY.control_quantile
+BLOCK_SITE = STUDY.ablation_site
 
 
 def block_places(run: StudyRun) -> list[Place]:
@@ -66,17 +65,17 @@ class Block:
 
 
 def find_blocks(
-    run: StudyRun, geometries: Sequence[Geometry], *, rank: int = 1, steps: int = 200, variant: str | None = None
+    run: StudyRun, geometries: Sequence[Geometry], *, rank: int = 1, steps: int = 200, protocol: Protocol = STUDY
 ) -> list[Block]:
-    """V (the searches in lockstep) and the random controls at each geometry's place; ``variant``:
-    a section-8 variant of the search (``v-avoids-tokens``, ``v-searched-on-ood``) or None."""
-    found = run.orthogonal_search([(g, rank) for g in geometries], steps=steps, variant=variant)
+    """V (the searches in lockstep) and the random controls at each geometry's place, as ``protocol``
+    searches (what V avoids, the set it ascends on: ``StudyRun.orthogonal_search``)."""
+    found = run.orthogonal_search([(g, rank) for g in geometries], steps=steps, protocol=protocol)
     gen = generator(run.seed, 0, "dual-random")
     return [
         Block(
             g,
             v,
-            tuple(random_directions(complement_basis(g.avoid(variant)), rank, gen) for _ in range(N_RANDOM_CONTROLS)),
+            tuple(random_directions(complement_basis(g.avoid(protocol)), rank, gen) for _ in range(N_RANDOM_CONTROLS)),
         )
         for g, v in zip(geometries, found)
     ]
@@ -98,13 +97,12 @@ def ablation_rows(
     clean: dict[str, torch.Tensor],
     *,
     v_block: int | None = None,
-    variant: str | None = None,
+    protocol: Protocol = STUDY,
 ) -> list[dict]:
     """The per-block and summary rows (module docstring) on each set {name: sequences} of the
     ``loss`` split, whose clean per-prediction losses are ``clean`` {name: [P - 1]}; ``v_block``:
     the index of the block whose V and control rows are the summary (``v-best-block``), else the mean;
-    ``variant``: ``s-with-mean`` or ``probe-exact`` ablates that variant's S (``Geometry.s_basis``), any other the protocol's."""
-    s_variant = variant if variant in S_VARIANTS else None
+    ``protocol``: whose S is ablated (``Geometry.ablate``)."""
     window = loss_window(run.family)
     if not blocks:
         raise AnalysisError("the ablations need at least one block")
@@ -118,7 +116,7 @@ def ablation_rows(
         controls: list[tuple[float | None, Share]] = []
         for block in blocks:
             for label, edit in (
-                ("ablate_S", block.geometry.ablate(s_variant)),
+                ("ablate_S", block.geometry.ablate(protocol)),
                 ("ablate_V", run.ablate(block.v, block.place)),
             ):
                 with edit:

@@ -52,6 +52,7 @@ import torch
 from taskgeom.analysis.geometry import AdditiveR2, Alignment, Geometry
 from taskgeom.analysis.measures.properties import MeanAlignment, quantiles
 from taskgeom.analysis.measures.task_vectors import check_major_tasks
+from taskgeom.analysis.measures.variants import protocol as variant_protocol
 from taskgeom.analysis.reading.cells import P0_PER_CELL, ForcedCells
 from taskgeom.analysis.reading.steering import KINDS, STUDY_SEQUENCES, Steering, steering_place
 from taskgeom.analysis.reading.trajectory import Trajectory
@@ -298,7 +299,9 @@ def analyze(
         rows += cell_rows(run.forced_cells(places, per_cell=per_cell), run.cell_p2(places, n_random=n_random))
     steering = kept[place].steer("dirichlet", sequences=run.heldout("major", STUDY_SEQUENCES, split="steering"))
     rows += steering_rows(steering)
-    rows += steering_rows(kept[place].steer("dirichlet", variant="steer-at-read-site"), READ_SITE_PREFIX)
+    rows += steering_rows(
+        kept[place].steer("dirichlet", protocol=variant_protocol("steer-at-read-site")), READ_SITE_PREFIX
+    )
 
     p3 = kept[p3_place]
     return Result(
