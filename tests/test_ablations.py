@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from taskgeom.analysis.measures.task_probe import ProbeData, fit_probe, fit_rows, probe_basis_with_mean
+from taskgeom.analysis.measures.variants import protocol
 from taskgeom.analysis.stored.ablations import (
     N_RANDOM_CONTROLS,
     ablation_rows,
@@ -254,14 +255,14 @@ def measured(dice):
 
 def test_the_search_keeps_v_outside_the_probe_s_and_searches_on_minor_sequences(dice, measured):
     blocks, _ = measured
-    assert dice.search_set() == "minor" and dice.search_set("v-searched-on-ood") == "ood"
+    assert dice.search_set() == "minor" and dice.search_set(protocol("v-searched-on-ood")) == "ood"
     for block in blocks:
         assert block.place.site == "resid_mid" and block.geometry.probe.shape == (16, 3)
         assert block.geometry.avoided.shape[1] == 3  # E1: S only, no token directions
         assert (block.v.T.double() @ block.geometry.probe).abs().max() < 1e-5
         for control in block.controls:
             assert (control.T.double() @ block.geometry.probe).abs().max() < 1e-5
-        with_tokens = block.geometry.avoid("v-avoids-tokens")
+        with_tokens = block.geometry.avoid(protocol("v-avoids-tokens"))
         assert with_tokens.shape[1] == 3 + block.geometry.token_directions.shape[1]
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from taskgeom.analysis.measures.variants import protocol
 from taskgeom.cli import app
 from taskgeom.runs.folders import Run
 from taskgeom.settings.recipes import load_recipe
@@ -221,7 +222,7 @@ def test_the_claims_read_the_studys_block_and_each_variant_reads_its_own(trained
         & (table["site"] == "resid_post")
         & (table["position"] >= 18)
     ]
-    natural = claim_values(result.rows, "natural-cells")
+    natural = claim_values(result.rows, protocol("natural-cells"))
     assert (
         natural["P0"].value
         == at["p0.cell_r2"]
@@ -277,16 +278,20 @@ def test_the_claims_read_the_studys_block_and_each_variant_reads_its_own(trained
         ("pooled-anova", (1, "resid_post"), "p0.cell_r2_pooled"),
         ("v-best-block", (1, "resid_post"), "p0.cell_r2_forced"),
     ):
-        values = claim_values(result.rows, variant)
+        values = claim_values(result.rows, protocol(variant))
         assert values["P0"].value == (forced if p0.endswith("_forced") else measured)[(p0, *place)], variant
         assert (values["P3"].parts["layer"], values["P3"].parts["site"]) == tuple(place), variant
         assert values["P3"].value == trajectory[("p3.tv_trajectory", *place)], variant
     assert (
-        claim_values(result.rows, "pooled-anova")["P1"].value == measured[("p1.additive_share_pooled", 1, "resid_post")]
+        claim_values(result.rows, protocol("pooled-anova"))["P1"].value
+        == measured[("p1.additive_share_pooled", 1, "resid_post")]
     )
-    assert claim_values(result.rows, "p3-late-window")["P3"].value == measured[("p3.tv_mean_beta", 1, "resid_post")]
-    with pytest.raises(AnalysisError, match="unknown variant 'sideways'"):
-        claim_values(result.rows, "sideways")
+    assert (
+        claim_values(result.rows, protocol("p3-late-window"))["P3"].value
+        == measured[("p3.tv_mean_beta", 1, "resid_post")]
+    )
+    with pytest.raises(AnalysisError, match="no variant of the measurement 'sideways'"):
+        protocol("sideways")
 
 
 def test_analyze_e2_regression_run(tmp_path):

@@ -12,6 +12,7 @@ import torch
 from conftest import two_block_run
 from test_p2_additive import project_to_simplex, sum_to_one_fit
 
+from taskgeom.analysis.measures.variants import protocol as variant_protocol
 from taskgeom.analysis.study import StudyRun
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place, capture
@@ -215,7 +216,7 @@ def test_the_claims_read_the_forced_cells_and_the_variant_the_natural_ones(marko
     assert protocol["P2.vs_random"].value == pytest.approx(p2[place].value - float(p2[place].random.mean()))
     assert protocol["P0"].parts["position"] == 14 and protocol["P0"].parts["per_cell"] == PER_CELL
     assert protocol["P0"].parts["natural_late_median"] == geometry.p0
-    natural = claim_values(rows, "natural-cells")
+    natural = claim_values(rows, variant_protocol("natural-cells"))
     assert natural["P0"].value == geometry.p0 and natural["P1"].value == geometry.p1
     assert natural["P2"].value == geometry.p2_additive.value
     assert claim_values(natural_rows)["P0"].value == geometry.p0  # no cells (E2): its layout on natural states

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from taskgeom.analysis.measures.variants import protocol as variant_protocol
 from taskgeom.analysis.study import StudyRun
 from taskgeom.hooks import Place, capture
 from taskgeom.runs.folders import Run
@@ -110,7 +111,7 @@ def test_p2_reads_r2_additive_and_the_variant_reads_r2_task(markov):
         )
     ]
     rows += trajectory_rows(markov.trajectories([Place(1, "resid_post")], per_task=8), Place(1, "resid_post"))
-    protocol, earlier = claim_values(rows), claim_values(rows, "p2-task-only")
+    protocol, earlier = claim_values(rows), claim_values(rows, variant_protocol("p2-task-only"))
     assert protocol["P2"].value == pytest.approx(geometry.p2_additive.value, rel=1e-12)
     assert protocol["P2.vs_random"].value == pytest.approx(
         geometry.p2_additive.value - float(geometry.p2_additive.random.mean()), rel=1e-9

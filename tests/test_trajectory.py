@@ -12,6 +12,7 @@ import torch
 from conftest import two_block_run
 from test_p2_additive import project_to_simplex, sum_to_one_fit
 
+from taskgeom.analysis.measures.variants import protocol as variant_protocol
 from taskgeom.analysis.study import StudyRun
 from taskgeom.hooks import Place, capture
 
@@ -69,7 +70,7 @@ def test_the_claim_reads_the_trajectory_and_the_variant_the_late_window(dice):
 
     result = analyze(dice, n_sequences=48, n_random=0, per_cell=8)
     trajectory = dice.trajectories([result.p3_place])[result.p3_place]
-    protocol, earlier = claim_values(result.rows), claim_values(result.rows, "p3-late-window")
+    protocol, earlier = claim_values(result.rows), claim_values(result.rows, variant_protocol("p3-late-window"))
     assert protocol["P3"].value == trajectory.value
     assert (protocol["P3"].parts["first"], protocol["P3"].parts["last"], protocol["P3"].parts["estimation_first"]) == (
         0,

@@ -21,6 +21,7 @@ from taskgeom.analysis.measures.properties import KL_FLOOR
 from taskgeom.analysis.measures.task_vectors import late_window
 from taskgeom.analysis.measures.theory import theorem2
 from taskgeom.analysis.measures.transition import predict_generalising, reference_predictors, transition_statistic
+from taskgeom.analysis.measures.variants import protocol
 from taskgeom.analysis.stored.m1 import alignment_rows
 from taskgeom.claims.catalog import spec
 from taskgeom.claims.rules import check
@@ -525,13 +526,12 @@ def test_claim_values_read_each_claim_at_its_place_under_the_protocol_and_the_va
         "selected-place": ((1, "resid_mid"), (1, "resid_mid"), "_forced"),
         "site-mid": ((3, "resid_mid"), (2, "resid_mid"), "_forced"),
         "pooled-anova": (post, p3_post, "_pooled"),
-        "separator": (post, p3_post, "_forced"),
         "p2-task-only": (post, p3_post, "_forced"),
         "natural-cells": (post, p3_post, ""),
         "p3-late-window": (post, p3_post, "_forced"),
     }
     for variant, (place, p3, kind) in cases.items():
-        values = claim_values(rows, variant)
+        values = claim_values(rows, protocol(variant))  # None: the study's
         assert values["P0"].value == code(f"p0.cell_r2{kind}", *place), (
             variant
         )  # the forced cells, or the variant's reading
