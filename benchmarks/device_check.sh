@@ -12,6 +12,7 @@
 #   BUDGET      seconds the whole check may take (default 480); the analyses share what the tests and the
 #               training leave, and one that runs out is stopped and recorded as unfinished
 #   SEQUENCES   held-out sequences `taskgeom analyze` reads (default 512, its own default)
+#   MIN_SECONDS the least an analysis is given however little of BUDGET is left (default 10)
 #   EXTRA_SETS  more `--set` overrides for both runs, space-separated (the suite's CPU test shrinks
 #               the model with them: "model.n_layers=1 model.d_model=16 ...")
 #   PYTHON      the interpreter with taskgeom and pytest installed (default python)
@@ -26,6 +27,7 @@ BUDGET=${BUDGET:-480}
 SEQUENCES=${SEQUENCES:-512}
 EXTRA_SETS=${EXTRA_SETS:-}
 PYTHON=${PYTHON:-python}
+MIN_SECONDS=${MIN_SECONDS:-10}
 RECIPES=(e1 e3)
 
 mkdir -p "$OUT"
@@ -146,9 +148,9 @@ for recipe in "${RECIPES[@]}"; do
   write_json
 done
 
-# What is left of BUDGET, shared by the $1 runs still to analyse, less $2 seconds (at least 10 s).
-share() { awk -v b="$BUDGET" -v t0="$START" -v t="$EPOCHREALTIME" -v n="$1" -v r="$2" \
-  'BEGIN { s = int((b - (t - t0)) / n - r); print (s < 10 ? 10 : s) }'; }
+# What is left of BUDGET, shared by the $1 runs still to analyse, less $2 seconds (at least MIN_SECONDS).
+share() { awk -v b="$BUDGET" -v t0="$START" -v t="$EPOCHREALTIME" -v n="$1" -v r="$2" -v m="$MIN_SECONDS" \
+  'BEGIN { s = int((b - (t - t0)) / n - r); print (s < m ? m : s) }'; }
 # Run a command under a time limit; record its seconds and whether it finished (a stopped one is not a failure of the check).
 timed() {
   local recipe=$1 key=$2 limit=$3 rc=0 T=$EPOCHREALTIME seconds

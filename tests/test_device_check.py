@@ -29,14 +29,15 @@ TINY = [
 ]
 
 
-def check(out: Path, budget: int) -> tuple[dict, dict]:
-    """Run the script on the CPU into ``out`` within ``budget`` seconds; check what every check
-    writes, and return (timings, manifest)."""
+def check(out: Path, budget: int, least: int = 10) -> tuple[dict, dict]:
+    """Run the script on the CPU into ``out`` within ``budget`` seconds, each analysis given at least
+    ``least``; check what every check writes, and return (timings, manifest)."""
     env = os.environ | {
         "DEVICE": "cpu",
         "STEPS": "6",
         "SEQUENCES": "32",
         "BUDGET": str(budget),
+        "MIN_SECONDS": str(least),
         "EXTRA_SETS": " ".join(TINY),
         "PYTHON": sys.executable,
     }
@@ -94,11 +95,13 @@ def test_the_device_check_runs_end_to_end_on_the_cpu(tmp_path):
 
 
 def test_the_device_check_stops_an_analysis_at_its_budget_and_still_writes_everything(tmp_path):
-    """With no budget left, each command gets the 10 s floor: E3's analysis (half a minute here) is
-    stopped there and recorded as unfinished, and the check still succeeds."""
-    timings, _ = check(tmp_path / "check", budget=1)
+    """With no budget left, each command gets the floor, here 1 s: E3's analysis (its start-up
+    alone takes longer on any machine; its fixed-size parts 8-30 s) is stopped there and recorded as
+    unfinished, and the check still succeeds. (At the default 10 s floor a fast, quiet machine
+    finishes it: the floor is a setting, not a machine's speed.)"""
+    timings, _ = check(tmp_path / "check", budget=1, least=1)
     e3 = timings["runs"]["e3"]
-    assert e3["analyze_finished"] is False and 10 <= e3["analyze_s"] < 25
-    assert "timeout --kill-after=10 10 " in " ".join(
+    assert e3["analyze_finished"] is False and e3["analyze_s"] >= 1
+    assert "timeout --kill-after=10 1 " in " ".join(
         json.loads((tmp_path / "check" / "manifest.json").read_text())["commands"]
     )
