@@ -8,8 +8,8 @@ For each finished run directory (a reproduction's, at any profile), at one threa
   analysis (``analysis.stored.dual.analyze_dual``: projection R^2, the S and V ablations, probes,
   dual.json), each timed on a copy of the run, so the run itself is never written;
 - for an E4 run instead, its P0 as the study's variance.py measures it
-  (``extras.dyck_variance.study_p0``, 30 masks x 2,048 sequences per major task) and its prefix
-  probe as the study's run_prefix_probe (``extras.dyck_prefix.study_prefix_probe``, 10 masks x 32
+  (``studies.e4.variance.study_p0``, 30 masks x 2,048 sequences per major task) and its prefix
+  probe as the study's run_prefix_probe (``studies.e4.prefix.study_prefix_probe``, 10 masks x 32
   sequences per task of the pool, the probe and its shuffled-label control trained 2,000 epochs);
   neither writes anything. A reproduction reads P0 on the k = -1 run and the probe on the grid's top.
 
@@ -33,9 +33,9 @@ import torch
 from taskgeom.analysis.stored.dual import analyze_dual
 from taskgeom.analysis.study import StudyRun
 from taskgeom.experiments.m1 import analyze_one
-from taskgeom.extras.dyck_prefix import study_prefix_probe
-from taskgeom.extras.dyck_variance import study_p0
 from taskgeom.runs.folders import Run
+from taskgeom.studies.e4.prefix import study_prefix_probe
+from taskgeom.studies.e4.variance import study_p0
 from taskgeom.tasks.dyck import Dyck
 from taskgeom.training.train import train
 

@@ -1,4 +1,4 @@
-"""What ``--plan``'s ``timing.COST_PER_FLOP_SECOND`` is fitted on: for each stage of a reproduction's
+"""What ``--plan``'s costs (``timing.TRAIN_COST_PER_FLOP_SECOND``, each experiment's ``cost``) are fitted on: for each stage of a reproduction's
 ``timings.json`` that trains a run, analyses its dual modes or its M1 geometry, its CPU seconds per
 second of the run's training FLOPs (6 x parameters x tokens) at this machine's one-thread
 matrix-multiply rate (``timing.matmul_rate``, or ``--rate``), per recipe (min-max over its runs).

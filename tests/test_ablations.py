@@ -426,6 +426,8 @@ def test_sensitivity_measures_the_protocol_again_as_the_claims_did(tiny_reproduc
     import json
     import re
 
+    from conftest import SMOKE
+
     from taskgeom.experiments.sensitivity import sensitivity
 
     claims = {
@@ -440,7 +442,7 @@ def test_sensitivity_measures_the_protocol_again_as_the_claims_did(tiny_reproduc
     top = max(r.config.task.diversity for r in runs)
     compared = []
     for run in (r for r in runs if r.config.task.diversity == top):
-        table = sensitivity([run.path], ("s-with-mean",), threads=threads[run.path.name])
+        table = sensitivity([run.path], ("s-with-mean",), threads=threads[run.path.name], profile=SMOKE)
         for line in table[table["variant"] == "protocol"].itertuples():
             expected = claims[line.claim][run.config.train.seed]
             assert (line.value == expected) or (expected is None and np.isnan(line.value)), (
@@ -518,9 +520,11 @@ def test_the_transition_reads_the_training_mixture(dice):
     """The predictor transition's sequences are the study's ``mode="train"`` draw: tasks by the
     pool's prior, so the minors' share is p_minor (0.1; 1,024 sequences: a standard error of 0.009),
     and the same arguments give the same sequences."""
-    from taskgeom.analysis.stored.dual import TRANSITION_SEQUENCES
+    from taskgeom.analysis.protocol import STUDY
 
-    mixture = dice.heldout("mixture", TRANSITION_SEQUENCES, split="transition").batch
+    mixture = dice.heldout("mixture", STUDY.transition_sequences, split="transition").batch
     minor_share = float((mixture.task >= dice.pool.n_major).double().mean())
     assert dice.config.task.p_minor == 0.1 and 0.07 < minor_share < 0.13
-    assert torch.equal(mixture.tokens, dice.heldout("mixture", TRANSITION_SEQUENCES, split="transition").batch.tokens)
+    assert torch.equal(
+        mixture.tokens, dice.heldout("mixture", STUDY.transition_sequences, split="transition").batch.tokens
+    )

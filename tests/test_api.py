@@ -15,14 +15,25 @@ import nbformat
 import pandas as pd
 import pytest
 import torch
+from conftest import SMOKE
 
 import taskgeom as tg
-from taskgeom.analysis.reading.steering import KINDS, STUDY_SEQUENCES, steering_place
+from taskgeom.analysis.reading.steering import KINDS, steering_place
 from taskgeom.claims.m1 import steering_claim
 from taskgeom.errors import AnalysisError, TaskgeomError
 from taskgeom.hooks import capture, intervene
+from taskgeom.settings.recipes import load_measure, recipe_path
 
 ROOT = Path(__file__).resolve().parents[1]
+MEASURE = load_measure(recipe_path("e3"), SMOKE)  # what the tiny reproduction measures: its projection sizes
+SIZES = MEASURE.analysis_protocol  # and its sample sizes
+
+
+@pytest.fixture(autouse=True)
+def measured_as_stored():
+    """Every test measures under the tiny reproduction's protocol (the smoke profile's sample sizes)."""
+    with tg.measured_under(SIZES):
+        yield
 
 
 def study_cell() -> str:
@@ -62,6 +73,7 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
     imports = [node for node in ast.walk(ast.parse(code)) if isinstance(node, (ast.Import, ast.ImportFrom))]
     assert [ast.unparse(node) for node in imports] == ["import taskgeom as tg"]
     namespace = {"folder": folder}
+    assert tg.results(folder).protocol == SIZES  # the folder's protocol, under which this test measures
     exec(compile(code, "the study", "exec"), namespace)
     run, place, geometry, shares, r2, claims = (
         namespace[k] for k in ("run", "place", "geometry", "shares", "r2", "claims")
@@ -85,7 +97,7 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
         run.family, run.config.model.n_layers
     )  # the stored steering: the study's block, its own draws
     drawn = run.geometry(namespace["major"], steering_at).steer(
-        "dirichlet", sequences=run.heldout("major", STUDY_SEQUENCES, split="steering")
+        "dirichlet", sequences=run.heldout("major", SIZES.steering_sequences, split="steering")
     )
     stored_steering = claims.loc["e3.steering", "seeds"][0]
     assert stored_steering["value"] == steering_claim(drawn, "e3").value
@@ -125,9 +137,11 @@ def test_the_seven_step_study_is_twenty_lines_and_gives_the_stored_numbers(folde
 
 def test_projection_r2_and_its_variant_at_every_place_and_the_reference_are_the_stored_table(e3, folder):
     dual = stored(e3, "dual")
-    ood, major = e3.heldout_tasks("ood", 128, n_tasks=1024), e3.heldout_tasks("major", 128)  # the claims' 1,024 tasks
-    study_draw = e3.heldout_tasks("ood", 128, n_tasks=128)
-    geometry_ood = e3.heldout("ood", 256, split="geometry")
+    tasks, per_task = MEASURE.projection_sizes  # the claims' draw
+    ood, major = e3.heldout_tasks("ood", per_task, n_tasks=tasks), e3.heldout_tasks("major", per_task)
+    study_tasks, study_per_task = SIZES.projection_study_sizes
+    study_draw = e3.heldout_tasks("ood", study_per_task, n_tasks=study_tasks)
+    geometry_ood = e3.heldout("ood", SIZES.geometry_sequences, split="geometry")
     for place in e3.places():
         row = one(dual, "table.projection_r2", layer=place.layer, site=place.site)
         r2 = e3.projection_r2(ood, major, place)
@@ -140,11 +154,15 @@ def test_projection_r2_and_its_variant_at_every_place_and_the_reference_are_the_
             one(dual, "projection_r2", step=None)["site"],
         ):
             assert r2.standard_error == pytest.approx(one(dual, "projection_r2_se")["value"], rel=1e-12)
-            assert e3.projection_r2(study_draw, major, place).mean == pytest.approx(
+            study_major = e3.heldout_tasks("major", study_per_task)  # the study's draw, its per-task size
+            assert e3.projection_r2(study_draw, study_major, place).mean == pytest.approx(
                 one(dual, "projection_r2_study_draw")["value"], rel=1e-12
             )
         variant = e3.projection_r2(
-            geometry_ood, e3.heldout("major", 256, split="geometry"), place, protocol=tg.protocol("per-sequence-r2")
+            geometry_ood,
+            e3.heldout("major", SIZES.geometry_sequences, split="geometry"),
+            place,
+            protocol=tg.protocol("per-sequence-r2"),
         )
         assert variant.mean == pytest.approx(
             one(dual, "table.projection_r2_per_sequence", layer=place.layer, site=place.site)["value"], rel=1e-6
@@ -153,7 +171,7 @@ def test_projection_r2_and_its_variant_at_every_place_and_the_reference_are_the_
     assert reference.mean == pytest.approx(one(dual, "projection_r2_reference")["value"], rel=1e-12)
     claims = tg.results(folder).claims.set_index("id")
     parts = claims.loc["e3.projection_r2_drop", "seeds"][0]["parts"]
-    assert parts["k=-1.reference"] == pytest.approx(reference.mean, rel=1e-12) and parts["k=-1.ood_tasks"] == 1024
+    assert parts["k=-1.reference"] == pytest.approx(reference.mean, rel=1e-12) and parts["k=-1.ood_tasks"] == tasks
     with pytest.raises(AnalysisError, match="no variant of the measurement 'per-sequence'"):
         e3.projection_r2(ood, major, protocol=tg.protocol("per-sequence"))
     with pytest.raises(
@@ -166,7 +184,8 @@ def test_projection_r2_and_its_variant_at_every_place_and_the_reference_are_the_
 
 def test_the_orthogonal_search_gives_the_stored_ablated_losses(e3):
     dual = stored(e3, "dual")
-    major, ood = e3.heldout("major", 256, split="geometry"), e3.heldout("ood", 512, split="loss")
+    major = e3.heldout("major", SIZES.geometry_sequences, split="geometry")
+    ood = e3.heldout("ood", SIZES.eval_sequences, split="loss")
     geometries = list(e3.geometries(major, [(layer, "resid_mid") for layer in range(e3.config.model.n_layers)]))
     for geometry, v in zip(geometries, e3.orthogonal_search([(g, 1) for g in geometries])):
         assert v.shape == (geometry.basis.shape[0], 1) and (v.T.double() @ geometry.avoided.double()).abs().max() < 1e-5
@@ -344,7 +363,8 @@ def test_an_m1_file_of_an_earlier_row_version_is_not_read(folder, tmp_path):
 
 def test_the_run_at_each_kept_training_step_gives_the_stored_projection_across_training(e3):
     dual = stored(e3, "dual")
-    ood, major = e3.heldout_tasks("ood", 128, n_tasks=128), e3.heldout_tasks("major", 128)
+    study_tasks, per_task = SIZES.projection_study_sizes
+    ood, major = e3.heldout_tasks("ood", per_task, n_tasks=study_tasks), e3.heldout_tasks("major", per_task)
     snapshots = e3.snapshots()
     assert list(snapshots) == sorted(snapshots) and len(snapshots) >= 1
     for step, snapshot in snapshots.items():

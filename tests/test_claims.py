@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 import taskgeom.experiments
 from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN
 from taskgeom.claims.catalog import with_preconditions
+from taskgeom.claims.registry import Experiment
 from taskgeom.claims.rules import (
     NOT_BAYES_OPTIMAL,
     Claim,
@@ -304,7 +305,8 @@ def test_report_shows_status_parts_and_reason(tmp_path):
     unreliable = check(
         "d.V_ood", "e3", "% OOD gain removed", 80.0, ">=", 50.0, parts=gain_parts(clean=1.0, ablated=1.03, first=1.04)
     )
-    reproduce(tmp_path, "quick", {"fake": lambda ctx: ctx.claim(0, passing(), failing(), na(), unreliable)})
+    fake = Experiment("fake", (), lambda ctx: ctx.claim(0, passing(), failing(), na(), unreliable))
+    reproduce(tmp_path, "quick", {"fake": fake})
     page = (tmp_path / "report.html").read_text()
     assert "2 pass, 1 fail, 0 unstable, 1 n/a of 4 claims" in page
     assert "class='na'>n/a<div class=reason>fewer than 5 uncertain positions</div>" in page
@@ -320,7 +322,9 @@ def test_report_shows_status_parts_and_reason(tmp_path):
 @pytest.mark.parametrize(("claims", "code"), [([passing(), na()], 0), ([passing(), na(), failing()], 1)])
 def test_reproduce_prints_statuses_and_exits_on_failures_only(tmp_path, monkeypatch, claims, code):
     monkeypatch.setattr(
-        taskgeom.experiments, "declared", lambda studies, profile: {"fake": lambda ctx: ctx.claim(0, *claims)}
+        taskgeom.experiments,
+        "declared",
+        lambda studies, profile: {"fake": Experiment("fake", (), lambda ctx: ctx.claim(0, *claims))},
     )
     result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), "--device", "cpu"])
     assert result.exit_code == code, result.output
@@ -344,7 +348,9 @@ def test_reproduce_judges_each_claim_over_its_seeds(tmp_path, monkeypatch):
                 check("e1.P1", "e1", "additive share", 0.1 * seed, ">=", 0.9),
             )
 
-    monkeypatch.setattr(taskgeom.experiments, "declared", lambda studies, profile: {"fake": fake})
+    monkeypatch.setattr(
+        taskgeom.experiments, "declared", lambda studies, profile: {"fake": Experiment("fake", (), fake)}
+    )
     result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), "--device", "cpu", "--seeds", "3,4,5"])
     assert result.exit_code == 1, result.output
     assert re.search(r"^UNSTABLE +e1\.P0 +0\.95 >= 0\.9  seeds: 3=0\.95, 4=0\.5, 5=0\.97$", result.output, re.M), (

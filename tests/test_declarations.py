@@ -66,6 +66,7 @@ class Undeclared(Markov):
 
 def test_reproduce_refuses_a_family_without_what_its_experiments_read_before_training(monkeypatch, tmp_path):
     from taskgeom import experiments
+    from taskgeom.claims.registry import experiment
     from taskgeom.settings.config import ConfigError
     from taskgeom.settings.recipes import load_study
     from taskgeom.tasks import registry
@@ -82,9 +83,9 @@ def test_reproduce_refuses_a_family_without_what_its_experiments_read_before_tra
     with pytest.raises(
         ConfigError, match=r"experiment m1 reads what the 'markov' family \(recipe e3\) declares no steering_form"
     ):
-        experiments.reproduce(out, "quick", {"m1": experiments.m1}, studies=(load_study("e3"),))
+        experiments.reproduce(out, "quick", {"m1": experiment("m1")}, studies=(load_study("e3"),))
     with pytest.raises(ConfigError, match="declares no projection_window, task_probe"):
-        experiments.reproduce(out, "quick", {"dual_modes": experiments.dual_modes}, studies=(load_study("e3"),))
+        experiments.reproduce(out, "quick", {"dual_modes": experiment("dual_modes")}, studies=(load_study("e3"),))
     assert not out.exists()  # refused before anything was written or trained
 
 

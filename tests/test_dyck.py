@@ -314,9 +314,9 @@ def test_within_shares_are_zero_for_token_cells_of_the_embedding_and_one_for_a_s
     """At layer 0's input (token embedding, rotary positions add nothing) the state is a function
     of the current token, so (anything, token) cells hold no variance; one cell holds all of it."""
     from taskgeom.analysis.reading.states import collect
-    from taskgeom.extras.dyck import within_shares
     from taskgeom.models import Transformer
     from taskgeom.settings.config import ModelConfig
+    from taskgeom.studies.e4.experiment import within_shares
 
     fam = tasks.make("dyck", n_pairs=4)
     tokens = fam.sample_ood(32, 24, seed=1).tokens
@@ -334,7 +334,7 @@ def test_within_share_is_the_median_over_late_positions_of_each_position_s_layou
     """P0 per position (as for E1-E3): at each late position, SS_within / SS_total over the cells of
     the masked sequences there, by numpy; the claim's number is their median (positions with fewer
     than two masked sequences left out)."""
-    from taskgeom.extras.dyck import within_share
+    from taskgeom.studies.e4.experiment import within_share
 
     gen = torch.Generator().manual_seed(0)
     N, T, D = 60, 8, 5

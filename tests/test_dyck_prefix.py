@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from taskgeom.extras.dyck_prefix import SITE, PrefixProbe, ProbeSettings, collect_pool, prefix_classes, train_probe
-from taskgeom.extras.dyck_variance import bracket_masks
+from taskgeom.analysis.protocol import STUDY
 from taskgeom.settings.recipes import build_config
+from taskgeom.studies.e4.prefix import PrefixProbe, ProbeSettings, collect_pool, prefix_classes, train_probe
+from taskgeom.studies.e4.variance import bracket_masks
 
 N_MASKS, PER_MASK = 3, 8
 # Small enough to run in seconds, with a curriculum threshold that promotes lengths on the way
@@ -207,13 +208,13 @@ def test_the_probe_is_trained_as_the_study_s_by_hand(dyck_run):
     assert result.best_epoch <= result.epochs == SMALL.epochs and result.reached == max(
         pool
     )  # the curriculum brought every length in
-    assert SITE == "resid_mid"
+    assert STUDY.dyck_probe_site == "resid_mid"
 
 
 def test_a_distinct_sample_is_a_uniform_choice_without_repeats():
     """Each of the 380 ordered pairs of distinct values of range(20) comes up about equally often
     (k = 2, 19,000 draws: 50 expected, a standard deviation of about 7), no draw repeats a value."""
-    from taskgeom.extras.dyck_prefix import distinct_sample
+    from taskgeom.studies.e4.prefix import distinct_sample
 
     gen = torch.Generator().manual_seed(0)
     counts = {}

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from taskgeom.extras.dyck_variance import STREAM, bracket_masks, study_p0
 from taskgeom.rng import generator
 from taskgeom.settings.recipes import build_config
+from taskgeom.studies.e4.variance import STREAM, bracket_masks, study_p0
 
 N_MASKS, PER_MASK = 4, 24
 

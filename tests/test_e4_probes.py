@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 
+from taskgeom.analysis.protocol import STUDY
 from taskgeom.claims.catalog import spec
-from taskgeom.claims.e4 import weakest_probe
-from taskgeom.extras.dyck import MAX_BACK, prefix_probes, probe_batch, probe_rows, probe_targets
-from taskgeom.extras.dyck_figures import plot_prefix_probes
 from taskgeom.rng import generator
 from taskgeom.runs.folders import Run
 from taskgeom.settings.recipes import load_recipe
+from taskgeom.studies.e4.claims import weakest_probe
+from taskgeom.studies.e4.experiment import prefix_probes, probe_batch, probe_rows, probe_targets
+from taskgeom.studies.e4.figures import plot_prefix_probes
 
 torch.set_num_threads(1)
 
@@ -25,6 +26,9 @@ TINY = ["task.diversity=3", "model.n_layers=2", "model.d_model=16", "model.n_hea
 def run(tmp_path_factory):
     """The quick E4 recipe (10 pairs, 96 positions) with a tiny network and 3 + 8 pool tasks."""
     return Run(tmp_path_factory.mktemp("e4"), load_recipe("e4", "quick", TINY))
+
+
+MAX_BACK = STUDY.dyck_max_back
 
 
 def test_pool_probe_labels_match_a_recount_of_the_planted_string(run):

@@ -35,7 +35,7 @@ def test_a_second_reproduction_reads_each_seed_back_and_gives_the_same_claims(ti
     shutil.copytree(tiny_reproduction, copy)
     assert sorted(p.name for p in (copy / "analysis" / "e4").iterdir()) == [f"seed-{s}.json" for s in TINY_SEEDS]
     monkeypatch.setattr(
-        "taskgeom.extras.dyck.measure_rows", lambda *a: pytest.fail("measured a seed whose rows are stored")
+        "taskgeom.studies.e4.experiment.measure_rows", lambda *a: pytest.fail("measured a seed whose rows are stored")
     )
     _e4(copy)
     assert _claims(copy) == _claims(tiny_reproduction)
@@ -49,7 +49,7 @@ def test_rows_stored_under_another_key_are_measured_again(tiny_reproduction, tmp
     stored = json.loads(stale.read_text())
     stale.write_text(json.dumps({**stored, "version": stored["version"] - 1}))
     measured = []
-    from taskgeom.extras import dyck
+    from taskgeom.studies.e4 import experiment as dyck
 
     real = dyck.measure_rows
     monkeypatch.setattr(

@@ -143,7 +143,7 @@ def test_a_planted_cycle_is_found(tmp_path):
 # shares), reading a run (held-out splits, places and edits, states, steering, projection R^2), the
 # facade (a run and its geometry), the stored analyses (m1.json, dual.json). Above them the claims
 # (their rules and their catalog), then the report and the results facade, the experiments, the
-# recipes' own experiments (extras), and on top the command line and the package's facade. A module
+# recipes' own studies (studies/), and on top the command line and the package's facade. A module
 # imports only modules of its own layer or below.
 LAYERS = {
     "settings": 0.1,
@@ -163,7 +163,7 @@ LAYERS = {
     "report": 3,
     "results": 3,
     "experiments": 4,
-    "extras": 5,
+    "studies": 5,
     "cli": 6,
     "__main__": 6,
 }

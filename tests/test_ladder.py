@@ -16,6 +16,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from taskgeom.analysis.protocol import measured_under
 from taskgeom.cli import app
 from tests.conftest import SMOKE
 
@@ -219,7 +220,9 @@ def test_sensitivity_reads_the_m1_and_projection_variants_from_the_stored_analys
         for k in (-1, high)
         for c in [ctx.config("e1", (f"task.diversity={k}",), 0)]
     }
-    rows = pd.DataFrame(stored_variants(Run.open(run_dirs[-1])))
+    with measured_under(ctx.protocol):  # the rows are stored under the smoke profile's sample sizes
+        rows = pd.DataFrame(stored_variants(Run.open(run_dirs[-1])))
+        projection = pd.DataFrame(stored_variants(Run.open(run_dirs[high]))).set_index("variant")  # no m1.json
     protocol = rows[(rows["variant"] == "protocol") & rows["claim"].str.startswith("e1.P")].set_index("claim")
     assert sorted(protocol.index) == sorted(f"e1.{c}" for c in ("P0", "P1", "P2", "P2.vs_random", "P3", "P3.shrinks"))
     for claim, measured in protocol.iterrows():
@@ -231,13 +234,14 @@ def test_sensitivity_reads_the_m1_and_projection_variants_from_the_stored_analys
     assert sorted(rows[rows["variant"] == "pooled-anova"]["claim"]) == ["e1.P0", "e1.P1"]
     assert set(rows[rows["variant"] == "site-mid"]["place"]) == {"layer 0 resid_mid"}
     assert len(rows[rows["variant"] == "selected-place"]) == 6
-    projection = pd.DataFrame(stored_variants(Run.open(run_dirs[high]))).set_index("variant")  # k = high: no m1.json
     assert projection.loc["protocol", "value"] == pytest.approx(
         claims["e1.projection_r2_high_diversity"]["value"], rel=1e-12
     )
     assert {"protocol", "per-sequence-r2"} == set(projection.index)
 
-    result = CliRunner().invoke(app, ["sensitivity", str(run_dirs[-1]), "--variant", "pooled-anova"])
+    result = CliRunner().invoke(
+        app, ["sensitivity", str(run_dirs[-1]), "--variant", "pooled-anova", "--profile", SMOKE]
+    )
     assert result.exit_code == 0, result.output
     assert "pooled-anova" in result.output and "e1.P0" in result.output and "centred-S" not in result.output
 
@@ -255,7 +259,10 @@ def test_the_pinned_place_holds_the_claims_values_and_every_place_is_listed(tiny
         (high, "projection_r2", "e1.projection_r2_high_diversity"),
     ):
         config = ctx.config("e1", (f"task.diversity={k}",), 0)
-        rows = pd.DataFrame(place_choices(Run.open(tiny_reproduction / "runs" / f"{config.name}-{config.digest()}")))
+        with measured_under(ctx.protocol):  # the rows are stored under the smoke profile's sample sizes
+            rows = pd.DataFrame(
+                place_choices(Run.open(tiny_reproduction / "runs" / f"{config.name}-{config.digest()}"))
+            )
         mine = rows[rows["metric"] == metric]
         assert len(mine) == 2 * config.model.n_layers and mine["pinned"].sum() == 1  # every layer, both sites
         assert mine[mine["pinned"]]["value"].iloc[0] == pytest.approx(claims[claim][0], rel=1e-9)

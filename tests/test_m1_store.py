@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from taskgeom.analysis.stored import keys
 from taskgeom.analysis.stored import m1 as stored
 from taskgeom.analysis.stored.keys import FORMATS
 from taskgeom.analysis.study import StudyRun
@@ -100,7 +99,7 @@ def test_another_request_or_version_is_measured_again(analysed, monkeypatch):
     assert stored.load(study, **OPTIONS) is None
 
 
-def test_a_changed_protocol_choice_is_measured_again_with_no_number_bumped(analysed, monkeypatch):
+def test_a_changed_protocol_choice_is_measured_again_with_no_number_bumped(analysed):
     """Steering's write site moved in the protocol, every format number left alone: the stored M1
     result is not read back (its key holds the protocol's digest), so the next reproduction measures it."""
     from dataclasses import replace
@@ -111,10 +110,8 @@ def test_a_changed_protocol_choice_is_measured_again_with_no_number_bumped(analy
     assert stored.load(study, **OPTIONS) is not None
     moved = replace(protocol.STUDY, steering_write_site="resid_post")
     assert moved.digest() != protocol.STUDY.digest()
-    monkeypatch.setattr(protocol, "STUDY", moved)
-    monkeypatch.setattr(keys, "STUDY", moved)
-    assert stored.load(study, **OPTIONS) is None
-    monkeypatch.undo()
+    with protocol.measured_under(moved):
+        assert stored.load(study, **OPTIONS) is None
     assert stored.load(study, **OPTIONS) is not None
 
 

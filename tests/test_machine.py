@@ -139,11 +139,11 @@ def test_the_plan_counts_only_the_work_left(tiny_reproduction, tmp_path):
     FLOP-second (analyses scaled by the blocks)."""
     from conftest import SMOKE, TINY_SEEDS
 
+    from taskgeom.claims.registry import experiment
     from taskgeom.experiments.base import Context
     from taskgeom.experiments.executors import Executor
     from taskgeom.experiments.request import Request, resolve, work_left
-    from taskgeom.training.timing import COST_PER_FLOP_SECOND as cost
-    from taskgeom.training.timing import depth_factor
+    from taskgeom.training.timing import TRAIN_COST_PER_FLOP_SECOND, depth_factor
 
     def left(out):
         request = Request(SMOKE, TINY_SEEDS, out)
@@ -154,18 +154,20 @@ def test_the_plan_counts_only_the_work_left(tiny_reproduction, tmp_path):
         return work_left(ctx, resolved.experiments, rate=1e9)
 
     done = left(tiny_reproduction)
-    assert not done[["train", "dual", "m1"]].any().any() and done["e4"].sum() == 0
+    assert done.attrs["left"] == ["m1", "dual_modes", "e4"]
+    assert not done["train"].any() and not done[["m1", "dual_modes", "e4"]].any().any()
     assert (done["cpu_pool_s"] == 0).all() and (done["cpu_main_s"] == 0).all()
 
     fresh = left(tmp_path / "fresh")
     assert fresh["train"].all() and fresh["m1"].sum() == 3 * len(TINY_SEEDS)  # the k = -1 runs of E1, E2, E3
     e4 = fresh[fresh["e4"] > 0]  # E4's k = -1 run of each seed, one measurement each
     assert set(e4["recipe"]) == {"e4"} and set(e4["diversity"]) == {-1} and e4["e4"].sum() == len(TINY_SEEDS)
-    assert list(e4["cpu_main_s"]) == pytest.approx(list(cost["e4"] * depth_factor(1) * e4["flops"] / 1e9))
-    assert fresh["dual"].sum() == 2 * 3 * len(TINY_SEEDS)  # the sweep at quick: E1 and E3 on the grid -1, 4, 10
-    one = fresh[fresh["dual"] & ~fresh["m1"]].iloc[0]
+    assert list(e4["cpu_main_s"]) == pytest.approx(list(experiment("e4").cost * depth_factor(1) * e4["flops"] / 1e9))
+    assert fresh["dual_modes"].sum() == 2 * 3 * len(TINY_SEEDS)  # the sweep at quick: E1 and E3 on the grid -1, 4, 10
+    one = fresh[(fresh["dual_modes"] > 0) & (fresh["m1"] == 0)].iloc[0]
     depth = depth_factor(1)  # the smoke profile: one block
-    assert one["cpu_pool_s"] == pytest.approx((cost["train"] + cost["dual"] * depth) * one["flops"] / 1e9)
+    dual = experiment("dual_modes").cost
+    assert one["cpu_pool_s"] == pytest.approx((TRAIN_COST_PER_FLOP_SECOND + dual * depth) * one["flops"] / 1e9)
 
 
 def test_the_probe_counts_a_matrix_multiplys_flops_per_cpu_second_of_the_process(monkeypatch):

@@ -7,13 +7,13 @@ import torch
 from torch import nn
 
 from taskgeom.analysis.measures.orthogonal import (
-    BATCH_SIZE,
     avoid_basis,
     initial_coordinates,
     orthogonal_searches,
     token_subspace,
 )
 from taskgeom.analysis.measures.subspace import complement_basis
+from taskgeom.analysis.protocol import STUDY
 from taskgeom.analysis.reading.states import LayerStreams
 from taskgeom.models.transformer import HookPoint, Transformer
 from taskgeom.rng import generator
@@ -58,7 +58,7 @@ def planted():
 
     def loss_fn(m: nn.Module, step: int) -> torch.Tensor:
         seen.append(step)
-        h = torch.randn(BATCH_SIZE, T, D, generator=generator(0, step, "search"))
+        h = torch.randn(STUDY.search_batch, T, D, generator=generator(0, step, "search"))
         return ((m(h) - h @ target) ** 2).mean()
 
     return model, avoid, u, loss_fn, seen
@@ -202,7 +202,7 @@ def test_the_kept_direction_is_the_moving_average_of_the_raw_parameter_by_hand(p
     kept, best, smoothed, stale, losses = average, -float("inf"), None, 0, []
     for step in range(80):
         v = torch.linalg.qr(C.float() @ a)[0]
-        h = torch.randn(BATCH_SIZE, T, D, generator=generator(0, step, "search"))
+        h = torch.randn(STUDY.search_batch, T, D, generator=generator(0, step, "search"))
         loss = (((h - h @ v @ v.T) @ w - h @ w) ** 2).mean()
         opt.zero_grad()
         (-loss).backward()
@@ -246,7 +246,7 @@ def test_the_rank_curve_recovers_the_planted_dimensions():
             return self.state(h) @ W
 
     def loss_fn(m: nn.Module, step: int) -> torch.Tensor:
-        h = torch.randn(BATCH_SIZE, T, D, generator=generator(1, step, "rank"))
+        h = torch.randn(STUDY.search_batch, T, D, generator=generator(1, step, "rank"))
         return ((m(h) - h @ W) ** 2).sum(-1).mean()
 
     costs = []
@@ -282,7 +282,7 @@ def test_a_search_from_cached_layer_streams_equals_the_whole_model_search():
     torch.manual_seed(0)
     model = Transformer(ModelConfig(n_layers=3, d_model=16, n_heads=2, d_mlp=32, max_len=12), vocab_size=5).eval()
     family = make("dice", vocab_size=5, majors="prior")
-    batches = {step: family.sample_ood(BATCH_SIZE, 12, 0, step, "search") for step in range(15)}
+    batches = {step: family.sample_ood(STUDY.search_batch, 12, 0, step, "search") for step in range(15)}
     streams = {step: LayerStreams(model, batch.tokens) for step, batch in batches.items()}
     searches = [((layer, "resid_mid"), avoid_basis(torch.eye(16)[:, layer : layer + 2]), 2) for layer in range(3)]
 

@@ -263,9 +263,11 @@ def test_bad_executor_and_training_options_exit_2(tmp_path, options, message):
 def test_reproduce_takes_the_executor_options(tmp_path, monkeypatch, options, executor, device, tracker):
     """The options of `reproduce` reach the context every experiment receives."""
     import taskgeom.experiments
+    from taskgeom.claims.registry import Experiment
 
     seen = []
-    monkeypatch.setattr(taskgeom.experiments, "declared", lambda studies, profile: {"record": seen.append})
+    record = Experiment("record", (), seen.append)
+    monkeypatch.setattr(taskgeom.experiments, "declared", lambda studies, profile: {"record": record})
     result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), *options])
     assert result.exit_code == 0, result.output
     (ctx,) = seen

@@ -198,7 +198,7 @@ def test_pair_layout_reads_the_prediction_at_x():
 
 
 def test_late_means_average_the_last_half_of_the_examples():
-    from taskgeom.claims.e2 import late_means
+    from taskgeom.studies.e2.claims import late_means
 
     rows = [
         {"set": s, "position": i, "metric": "loss", "value": float(10 * i + (s == "ood"))}

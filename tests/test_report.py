@@ -19,7 +19,7 @@ import yaml
 from conftest import SMOKE, TINY_SEEDS
 from typer.testing import CliRunner
 
-from taskgeom.claims.catalog import CLAIMS
+from taskgeom.claims.catalog import specs
 from taskgeom.cli import app
 from taskgeom.report.manifest import read_claims
 
@@ -324,7 +324,7 @@ def test_compare_names_the_run_whose_bits_differ_and_the_claims_whose_verdict_di
 
 def test_each_claim_names_its_recipe_and_the_experiment_that_measured_it(tiny_reproduction):
     manifest = json.loads((tiny_reproduction / "reproduction.json").read_text())
-    experiments = {spec.experiment for spec in CLAIMS}
+    experiments = {spec.experiment for spec in specs()}
     for claim in _claims_file(tiny_reproduction):
         assert claim["recipe"] == claim["id"].split(".")[0] and claim["recipe"] in manifest["recipes"], claim["id"]
         assert claim["experiment"] == manifest["claims"][claim["id"]] and claim["experiment"] in experiments, claim[

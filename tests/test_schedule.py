@@ -8,6 +8,7 @@ import json
 import yaml
 from conftest import tiny_config
 
+from taskgeom.claims.registry import Experiment
 from taskgeom.experiments import Context, reproduce
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.schedule import TrainTask, phases, plan
@@ -35,10 +36,19 @@ def test_scheduled_runs_equal_runs_trained_alone_and_experiments_find_them_finis
     def second(ctx: Context) -> None:
         seen["second"] = ctx.trained(recipe, ("task.diversity=-1",))
 
-    first.runs = lambda ctx: [task for k in (-1, 1) for task in ctx.plans(recipe, (f"task.diversity={k}",))]
-    second.runs = lambda ctx: ctx.plans(recipe, ("task.diversity=-1",))  # shared with first: trained once
+    experiments = {
+        "first": Experiment(
+            "first",
+            (),
+            first,
+            lambda ctx: [task for k in (-1, 1) for task in ctx.plans(recipe, (f"task.diversity={k}",))],
+        ),
+        "second": Experiment(
+            "second", (), second, lambda ctx: ctx.plans(recipe, ("task.diversity=-1",))
+        ),  # shared with first: trained once
+    }
     out = tmp_path / "results"
-    reproduce(out, "quick", {"first": first, "second": second}, Executor(workers=2))
+    reproduce(out, "quick", experiments, Executor(workers=2))
 
     timings = json.loads((out / "timings.json").read_text())
     trained = [s for s in timings["stages"] if s["stage"].startswith("train")]

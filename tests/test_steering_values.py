@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from taskgeom.analysis.measures.variants import protocol
+from taskgeom.analysis.protocol import STUDY
 from taskgeom.analysis.reading.steering import (
     Steering,
     TokenReadout,
@@ -179,7 +180,7 @@ def test_each_steered_position_equals_its_own_pass_under_a_plain_hook(tmp_path, 
 
 
 @pytest.mark.parametrize("family", ["dice", "markov"])
-def test_the_protocol_steers_as_the_study_s_injection_by_hand(tmp_path, monkeypatch, family):
+def test_the_protocol_steers_as_the_study_s_injection_by_hand(tmp_path, family):
     """The study's ``intervene_averaging_injection``, step by step in plain loops: natural states at
     resid_post of 1,024 (here 64) sequences of each major task (split ``steering``); E1 per-position
     task means minus their mean over tasks, E3 the task means over positions 25-39 minus their mean,
@@ -187,14 +188,12 @@ def test_the_protocol_steers_as_the_study_s_injection_by_hand(tmp_path, monkeypa
     hook at resid_mid of the same block, one position per pass; KL(model || q_a) against the
     mixture of the major tasks' next-token laws. A change of the write site, the estimation window
     or the overwritten quantity changes these values."""
-    import taskgeom.analysis.geometry as geometry_module
-
-    monkeypatch.setattr(geometry_module, "ESTIMATION_PER_TASK", 64)
+    small = STUDY.changed({"steering_estimation_per_task": 64})
     run = study_run(tmp_path, family)
     place = steering_place(run.family, 4)
     major = run.heldout("major", N, split="measure")
     positions = (26, 29) if family == "dice" else (0, 27)
-    result = run.geometry(major, place).steer("dirichlet", positions=positions)
+    result = run.geometry(major, place).steer("dirichlet", positions=positions, protocol=small)
     assert result.place == (2, "resid_mid") and result.positions == positions
     a, tokens, task = result.a, major.batch.tokens, major.batch.task
     estimation = run.heldout_tasks("major", 64, split="steering")

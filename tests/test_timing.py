@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from taskgeom.claims.registry import Experiment
 from taskgeom.experiments import Context, reproduce
 from taskgeom.training.timing import Timings
 
@@ -52,7 +53,7 @@ def test_reproduce_writes_the_profile_of_each_experiment(tmp_path):
     def second(ctx: Context) -> None:
         ctx.timings.add(ctx.experiment, "a worker's run", 1.0, 0.5)
 
-    reproduce(tmp_path, "quick", {"first": first, "second": second})
+    reproduce(tmp_path, "quick", {"first": Experiment("first", (), first), "second": Experiment("second", (), second)})
     timings = json.loads((tmp_path / "timings.json").read_text())
     assert list(timings["experiments"]) == ["first", "second"]
     assert [(s["experiment"], s["stage"]) for s in timings["stages"]] == [

@@ -24,6 +24,7 @@ from taskgeom.analysis.measures.transition import predict_generalising, referenc
 from taskgeom.analysis.measures.variants import protocol
 from taskgeom.analysis.stored.m1 import alignment_rows
 from taskgeom.claims.catalog import spec
+from taskgeom.claims.registry import Experiment
 from taskgeom.claims.rules import check
 from taskgeom.cli import app
 from taskgeom.errors import EnvironmentRefused, TaskgeomError, TrainingDiverged
@@ -248,14 +249,14 @@ def _probe(site: str, layer: int, target: str, score: float, control: float, whi
 @pytest.mark.parametrize("e4_shares, status", [((0.3, 0.12), "pass"), ((0.3, 0.08), "fail")])
 def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monkeypatch, e4_shares, status):
     """e4.P0_failure = the median over brackets of E4's residual variance ratio at resid_mid of its
-    M1 block (block 1 of 2: the study's block 3 of 6; ``extras.dyck_variance``), divided by the
+    M1 block (block 1 of 2: the study's block 3 of 6; ``studies.e4.variance``), divided by the
     larger of E1's and E3's 1 - P0 (their M1 claims'); the earlier construction's ratio beside it
     (E4's share on natural states at resid_post, the smaller of its two groupings, over the larger
     reference share at theirs). e4.prefix_probe = the smallest over prefix lengths of the study's
     probe's accuracy minus its shuffled-label control's (block 1 of 2, the study's block 5 of 6), the
     earlier construction's value (the weakest linear probe at resid_post of the M1 block) beside it.
     Other layers and sites hold numbers that would give other answers."""
-    e4 = importlib.import_module("taskgeom.extras.dyck")
+    e4 = importlib.import_module("taskgeom.studies.e4.experiment")
     residual = torch.tensor(
         [[0.9, 0.9, 0.9, 0.9], [0.9, e4_shares[1] - 0.01, 0.01, e4_shares[1] + 0.01]], dtype=torch.float64
     )  # layer 1's median: e4_shares[1]
@@ -339,7 +340,7 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
     monkeypatch.setattr(e4, "plot_study_probe", lambda *a, **k: None)
 
     ctx = Context(tmp_path, "quick")
-    e4.e4(ctx, load_study("e4"), ("e1", "e3"))
+    e4.measure_study(ctx, load_study("e4"), ("e1", "e3"))
     claims = {c.id: c for _, c in ctx.measured}
     assert list(claims) == ["e4.P0_failure", "e4.prefix_probe"]
     p0 = claims["e4.P0_failure"]
@@ -441,7 +442,9 @@ def test_reproduce_exits_2_on_bad_input_before_writing(tmp_path, monkeypatch, op
 def test_reproduce_exit_code_says_what_stopped_it(tmp_path, monkeypatch, error, code):
     """The contract of issue 12: 2 bad input, 3 the environment refused, 1 the work ran and failed;
     one line naming the problem, no traceback."""
-    monkeypatch.setattr(taskgeom.experiments, "declared", lambda studies, profile: {"fake": _raiser(error)})
+    monkeypatch.setattr(
+        taskgeom.experiments, "declared", lambda studies, profile: {"fake": Experiment("fake", (), _raiser(error))}
+    )
     result = CliRunner().invoke(app, ["reproduce", "--out", str(tmp_path), "--device", "cpu"])
     assert result.exit_code == code, result.output
     assert str(error) in result.output and "Traceback" not in result.output

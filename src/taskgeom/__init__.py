@@ -17,7 +17,9 @@ The public API, ``import taskgeom as tg`` (docs/python-api.md walks through a st
 - ``tg.results(folder)`` -> ``tg.Results``: a reproduction's claims and every analysis row.
 - ``tg.STUDY``: the study's measurement protocol (a frozen ``tg.Protocol``); ``tg.protocol(name)``
   an earlier convention's copy of it (docs/protocol.md#variants), which ``steer``, ``ablate``,
-  ``projection_r2`` and ``orthogonal_search`` take as ``protocol=``.
+  ``projection_r2`` and ``orthogonal_search`` take as ``protocol=``; ``with tg.measured_under(p):``
+  measures under ``p`` (a results folder's ``tg.results(folder).protocol``: the smoke profile's
+  sample sizes).
 - ``tg.tasks``: the latent-task families (``tasks.make``).
 - ``tg.pin_kernels()``: torch's CPU kernels pinned as every ``taskgeom`` command pins them, so a
   session computes the published bits; call it first, before torch computes anything.
@@ -27,7 +29,7 @@ from taskgeom import tasks
 from taskgeom.analysis.geometry import Alignment, Geometry
 from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN, Share, share_of_gain
 from taskgeom.analysis.measures.variants import protocol
-from taskgeom.analysis.protocol import STUDY, Protocol
+from taskgeom.analysis.protocol import STUDY, Protocol, measured_under
 from taskgeom.analysis.reading.edits import Edit
 from taskgeom.analysis.reading.heldout import Split
 from taskgeom.analysis.reading.projection import ProjectionR2
@@ -59,6 +61,7 @@ __all__ = [
     "STUDY",
     "Protocol",
     "protocol",
+    "measured_under",
     "analyze_m1",
     "M1Result",
     "analyze_dual",

@@ -177,12 +177,12 @@ def _folder(path: Path, option: str) -> Path:
 
 
 def _note_undeclared(family_name: str, experiments: tuple[str, ...] | None = None) -> None:
-    """Say once what the analyses (``experiments``; None: every generic one) will read of the family
+    """Say once what the analyses (``experiments``; None: every registered one) will read of the family
     ``family_name`` that it declares none of: training goes on, those analyses will refuse it."""
-    from taskgeom.experiments import DECLARATIONS, undeclared
+    from taskgeom.experiments import undeclared
     from taskgeom.tasks.registry import family_class
 
-    missing = undeclared(family_class(family_name), DECLARATIONS if experiments is None else experiments)
+    missing = undeclared(family_class(family_name), experiments)
     if missing:
         readers = ", ".join(dict.fromkeys(missing.values()))
         typer.echo(
@@ -503,7 +503,7 @@ def reproduce(
         False,
         "--plan",
         help="Print the runs this reproduction reads (steps, parameters, tokens, "
-        "FLOPs), what is left of each (to train; dual and M1 analyses, E4's measurement not stored) and "
+        "FLOPs), what is left of each (to train; each experiment's stored measurements not stored yet) and "
         "the wall time that is estimated to take here; --csv for a table; then exit: nothing is trained or written.",
     ),
     csv: bool = typer.Option(
@@ -662,6 +662,11 @@ def sensitivity(
         "on it; 1, the thread count of a reproduction's sweep analyses (its --cpus-per-run, 1 with the default --workers), "
         "gives the protocol the values of its claims.json bit for bit.",
     ),
+    profile: str = typer.Option(
+        DEFAULT_PROFILE,
+        help="The profile the runs were reproduced at: what is measured again uses its sample sizes "
+        "(the smoke profile's are toy sizes; every other shipped profile keeps the study's).",
+    ),
 ) -> None:
     """For each claim it covers, its value and verdict under the study's protocol (docs/protocol.md) and under each applicable earlier convention (its variants, docs/protocol.md#variants), on the same runs: the
     M1 claims P0-P3 (runs at k = -1, from their m1.json), projection R^2 at each run's diversity
@@ -671,7 +676,7 @@ def sensitivity(
     from taskgeom.experiments.sensitivity import chosen_variants, place_summary, summarise
     from taskgeom.experiments.sensitivity import sensitivity as measure
 
-    table = measure(run_dirs, chosen_variants(tuple(variant or ())), places, threads)
+    table = measure(run_dirs, chosen_variants(tuple(variant or ())), places, threads, profile)
     if csv:
         typer.echo(table.to_csv(index=False), nl=False)
     elif places:

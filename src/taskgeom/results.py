@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pandas as pd
 
+from taskgeom.analysis.protocol import Protocol
 from taskgeom.analysis.study import StudyRun, open_run
 from taskgeom.errors import TaskgeomError
 from taskgeom.report.manifest import read_claims, read_manifest
 from taskgeom.report.tables import analysis_table, run_config
+from taskgeom.settings.recipes import load_measure, recipe_path
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,13 @@ class Results:
     claims: pd.DataFrame
     rows: pd.DataFrame
     runs: tuple[str, ...]
+
+    @property
+    def protocol(self) -> Protocol:
+        """The protocol its reproduction measured under: the study's, with the sample sizes its profile
+        sets (the smoke profile's); measure under it (``tg.measured_under``) to get its stored numbers."""
+        manifest = read_manifest(self.folder)
+        return load_measure(recipe_path(manifest["recipes"][0]), manifest["profile"]).analysis_protocol
 
     def run(self, recipe: str, diversity: int = -1, seed: int = 0) -> StudyRun:
         """The run of ``recipe`` at task diversity ``diversity`` trained on ``seed``, opened for study."""

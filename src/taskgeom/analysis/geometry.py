@@ -41,22 +41,18 @@ from taskgeom.analysis.measures.simplex import project_simplex
 from taskgeom.analysis.measures.subspace import direction_ablation, projection_r2, task_ablation
 from taskgeom.analysis.measures.task_probe import (
     PROBE_CHUNK,
-    PROBE_SEQUENCES,
     ProbeData,
     ProbeFit,
     fit_probe,
     probe_basis_with_mean,
 )
 from taskgeom.analysis.measures.task_vectors import fraction_window
-from taskgeom.analysis.protocol import STUDY, Protocol
+from taskgeom.analysis.protocol import Protocol, active
 from taskgeom.analysis.reading.cells import ForcedCells
 from taskgeom.analysis.reading.edits import Edit
 from taskgeom.analysis.reading.heldout import family_inputs
 from taskgeom.analysis.reading.sequences import Sequences, StudiedRun
 from taskgeom.analysis.reading.steering import (
-    ESTIMATION_PER_TASK,
-    STUDY_POSITIONS,
-    WRITE_SITE,
     Steering,
     SteeringForm,
     averaged_task_vectors,
@@ -68,6 +64,7 @@ from taskgeom.analysis.reading.steering import (
     span_basis,
     steer,
     study_form,
+    study_positions,
     subspace_edit,
     task_edit,
 )
@@ -336,7 +333,7 @@ class Geometry:
         positions: Sequence[int] | None = None,
         form: SteeringForm | None = None,
         sequences: Sequences | None = None,
-        protocol: Protocol = STUDY,
+        protocol: Protocol | None = None,
     ) -> Steering:
         """Steer major sequences toward points of the simplex, one position per forward pass
         (docs/protocol.md; ``analysis.reading.steering``): ``to`` a point [K] for every sequence,
@@ -346,11 +343,13 @@ class Geometry:
         ``form``: the edit (default the study's for this family: ``"task"``, per-position task
         vectors, for E1; ``"subspace"`` for the others); ``sequences``: the major sequences steered
         (default these). Under the protocol the vectors are estimated, as the study's injection
-        estimates them, from natural states at this place of ``ESTIMATION_PER_TASK`` sequences of each
-        major task (split ``steering``), and the edit is written at ``resid_mid`` of this block;
+        estimates them, from natural states at this place of ``steering_estimation_per_task`` sequences
+        of each major task (split ``steering``), and the edit is written at ``resid_mid`` of this block
+        (``protocol``: the active one when None);
         a ``protocol`` with ``steering_vectors="read-place"`` (the variant ``steer-at-read-site``): the
         earlier construction, the vectors from these sequences' two-way layout, written at this place.
         Random draws come from the run's seed."""
+        protocol = active() if protocol is None else protocol
         form = study_form(self.run.family) if form is None else form
         check_form(form)
         estimated = protocol.steering_vectors == "estimated"
@@ -368,13 +367,13 @@ class Geometry:
         else:
             a = simplex_point(to, N, K)
         sequence = torch.arange(N).repeat_interleave(points)
-        positions = clip_positions(STUDY_POSITIONS[form] if positions is None else positions, P)
+        positions = clip_positions(study_positions(form, protocol) if positions is None else positions, P)
         if estimated:
-            estimation = self.run.heldout_tasks("major", ESTIMATION_PER_TASK, split="steering")
+            estimation = self.run.heldout_tasks("major", protocol.steering_estimation_per_task, split="steering")
             states, task, write = (
                 self.run.cache(estimation, [self.place])[self.place],
                 estimation.batch.task,
-                Place(self.place.layer, WRITE_SITE),
+                Place(self.place.layer, protocol.steering_write_site),
             )
         else:
             states, task, write = self.states, self.sequences.batch.task, self.place
@@ -439,19 +438,21 @@ class Geometry:
         inputs = self.sequences.inputs
         return probe_basis_with_mean(self.states, self.sequences.alpha, inputs.current, inputs.vocab, self.window)
 
-    def s_basis(self, protocol: Protocol = STUDY) -> torch.Tensor:
+    def s_basis(self, protocol: Protocol | None = None) -> torch.Tensor:
         """[D, r] the ablations' S of ``protocol.s_probe``: the study's probe (``probe``), ``with-mean``
         (``probe_with_mean``) or ``exact`` (``task_probe_exact``); ``centred`` ablates the task vectors'
-        span (``ablate``) and leaves V's avoided S the study's."""
+        span (``ablate``) and leaves V's avoided S the study's (``protocol``: the active one when None)."""
+        protocol = active() if protocol is None else protocol
         if protocol.s_probe == "with-mean":
             return self.probe_with_mean
         return self.task_probe_exact.basis if protocol.s_probe == "exact" else self.probe
 
-    def ablate(self, protocol: Protocol = STUDY) -> Edit:
+    def ablate(self, protocol: Protocol | None = None) -> Edit:
         """The S ablation at this place on the analysed positions: ``h - h P_S`` with S the study's
         probe's (docs/protocol.md, "S ablation"), or that of ``protocol.s_probe`` (``s_basis``);
         ``s_probe="centred"`` (the variant ``centred-S``): ``h - P_S (h - mu_t)`` with S the span of
-        the task vectors (docs/protocol.md, "Variants")."""
+        the task vectors (docs/protocol.md, "Variants"); ``protocol``: the active one when None."""
+        protocol = active() if protocol is None else protocol
         if protocol.s_probe == "centred":
             change = task_ablation(self.fit.subspace)
         else:
@@ -496,10 +497,12 @@ class Geometry:
         the token subspace for families that say so (``TaskFamily.v_avoids_tokens``: E3)."""
         return self.avoid()
 
-    def avoid(self, protocol: Protocol = STUDY) -> torch.Tensor:
+    def avoid(self, protocol: Protocol | None = None) -> torch.Tensor:
         """[D, m] the span V avoids under ``protocol`` (the study's: ``avoided``): its S (``s_basis``),
         and the token subspace for the families that say so, or for every family under
-        ``v_always_avoids_tokens`` (the variant ``v-avoids-tokens``, docs/protocol.md#variants)."""
+        ``v_always_avoids_tokens`` (the variant ``v-avoids-tokens``, docs/protocol.md#variants);
+        ``protocol``: the active one when None."""
+        protocol = active() if protocol is None else protocol
         tokens = self.run.family.v_avoids_tokens or protocol.v_always_avoids_tokens
         s = self.s_basis(protocol).float()
         return avoid_basis(s, self.token_directions) if tokens else avoid_basis(s)
@@ -520,7 +523,7 @@ class ProbeInputs:
 
 
 def probe_inputs(run: StudiedRun) -> ProbeInputs:
-    """The regressors of the ablations' probe: ``PROBE_SEQUENCES`` major sequences of the ``probe``
+    """The regressors of the ablations' probe: the protocol's ``probe_sequences`` major sequences of the ``probe``
     split (the study's ``sample_mode="major"``, ``n_minor=-1``: no minor or anchoring sequences),
     the family's posterior, current tokens (E2: x_t) and the model's logits where its
     ``task_probe`` takes them, over its fit window, ``PROBE_CHUNK`` sequences a pass (the pool's
@@ -532,7 +535,7 @@ def probe_inputs(run: StudiedRun) -> ProbeInputs:
             f"the {family.name!r} family declares no task_probe (TaskFamily.task_probe: the regressors of the "
             "probe whose row space is the ablations' task subspace S; see docs/adding-a-family.md)"
         )
-    probe = run.heldout("major", PROBE_SEQUENCES, split="probe")
+    probe = run.heldout("major", active().probe_sequences, split="probe")
     pool = run.pool if spec.pool_posterior else run.pool.subset("major")
     chunks, pi, current, logits = [], [], [], []
     for rows in torch.arange(len(probe)).split(PROBE_CHUNK):

@@ -2,18 +2,24 @@
 blocks, windows, cell design, sample sizes, cut-offs, factors), with the study's settings as the
 defaults (docs/protocol.md says where each comes from).
 
-``STUDY`` is the protocol the analyses run under; the modules that measure read their choices from
-it, and every stored analysis is keyed by ``STUDY.digest()`` (``analysis.stored.keys``), so a changed
-choice is measured again by construction. A variant (``analysis.measures.variants``) is a named copy
-of ``STUDY`` with the fields it changes; the functions that can measure one take a ``protocol``.
-Memory-only sizes (chunks of a forward pass) are not choices and stay where they are used.
+``STUDY`` is the study's protocol. The analyses run under the ``active()`` one: ``STUDY`` unless a
+reproduction measures under a profile's (its ``measure: {protocol: {...}}`` section: the smoke
+profile's small samples, ``Protocol.changed``) inside ``measured_under``. The modules that measure
+read their choices from it when they measure, never at import, and every stored analysis is keyed by
+its ``digest()`` (``analysis.stored.keys``), so a changed choice is measured again by construction. A
+variant (``analysis.measures.variants``) is a named copy of the active protocol with the fields it
+changes; the functions that can measure one take a ``protocol``. Memory-only sizes (chunks of a
+forward pass) are not choices and stay where they are used.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterator
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,9 @@ class Protocol:
     sites: tuple[str, ...] = ("resid_mid", "resid_post")
     selection_sequences: int = 512
     # P0-P2 on the forced-token cells: the study's batch_size for P0/P1 (fig_task_vector_r2_combined.py)
+    # and for P2 (fig_averaging_r2_combined.py)
     cell_sequences: int = 1024
+    p2_cell_sequences: int = 256
     # P3 as the trajectory figure: its B, _ESTIM_POSITIONS, _PLOT_POSITIONS, _TASK_IDS
     trajectory_per_task: int = 1024
     trajectory_estimation: range = range(40, 60)
@@ -71,6 +79,8 @@ class Protocol:
     probe_sums_to_one: float = 1e-4
     # the dual analysis: evaluation sets, the OOD prior, the transition, Fig. 4's own draw
     eval_sequences: int = 512
+    geometry_sequences: int = 256  # the dual analysis' geometry batch (major and OOD) [ours]
+    search_steps: int = 200  # the orthogonal search's steps (the study's n_steps)
     loss_ood_tasks: int = 30
     prior_tasks: int = 2048
     transition_sequences: int = 1024
@@ -96,6 +106,7 @@ class Protocol:
     dyck_prefix_probe: PrefixProbeSettings = field(default_factory=PrefixProbeSettings)
     dyck_max_back: int = 7
     dyck_probe_sequences: int = 256
+    dyck_natural_p0_sequences: int = 1024  # [ours] the earlier P0 layouts (E4's bracket phase keeps a fraction)
     # the choices the variants change (analysis.measures.variants); the study's here
     place: str = "fixed"  # "fixed": the study's block; "selected": best R^2_task on the selection batch
     read_site: str | None = None  # None: each readout at its own site (the study's); a site: every readout there
@@ -121,7 +132,58 @@ class Protocol:
         text = json.dumps(asdict(self), sort_keys=True, default=lambda r: [r.start, r.stop, r.step])
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
+    def changed(self, changes: dict[str, Any]) -> "Protocol":
+        """A copy with ``changes`` {field: value} of its sample sizes (``SAMPLE_SIZES``), as a profile's
+        ``measure: {protocol: {...}}`` writes them (a mapping for the prefix probe's settings, a list
+        for a pair); ValueError naming a field that is no sample size or a value of the wrong kind."""
+        values = {}
+        for name, value in changes.items():
+            if name not in SAMPLE_SIZES:
+                raise ValueError(
+                    f"protocol field {name!r} is no sample size a profile may set; those are: {', '.join(SAMPLE_SIZES)}"
+                )
+            current = getattr(self, name)
+            if isinstance(current, PrefixProbeSettings) and isinstance(value, dict):
+                try:
+                    value = replace(current, **value)
+                except TypeError as err:
+                    raise ValueError(f"protocol field {name}: {err}") from None
+            elif isinstance(current, tuple) and isinstance(value, list):
+                value = tuple(value)
+            if type(value) is not type(current) or isinstance(value, tuple) and len(value) != len(current):
+                raise ValueError(f"protocol field {name}: {value!r} is not like {current!r}")
+            if any(size < 1 for size in (value if isinstance(value, tuple) else (value,)) if isinstance(size, int)):
+                raise ValueError(f"protocol field {name}: a sample size is at least 1, got {value!r}")
+            values[name] = value
+        return replace(self, **values)
 
+
+# The fields that are sample sizes (sequences, tasks, steps), read when the analyses measure: what a
+# profile may set (``Protocol.changed``), to measure the study's functions on fewer draws
+SAMPLE_SIZES = (
+    "cell_sequences",
+    "p2_cell_sequences",
+    "trajectory_per_task",
+    "steering_sequences",
+    "steering_estimation_per_task",
+    "probe_sequences",
+    "eval_sequences",
+    "geometry_sequences",
+    "search_steps",
+    "search_batch",
+    "loss_ood_tasks",
+    "prior_tasks",
+    "transition_sequences",
+    "projection_study_sizes",
+    "selection_sequences",
+    "dyck_p0_masks",
+    "dyck_p0_per_mask",
+    "dyck_probe_masks",
+    "dyck_probe_per_mask",
+    "dyck_probe_sequences",
+    "dyck_natural_p0_sequences",
+    "dyck_prefix_probe",
+)
 CHOICES: dict[str, tuple] = {  # the fields that name a construction, and the ones each may name
     "place": ("fixed", "selected"),
     "read_site": (None, "resid_mid", "resid_post"),
@@ -136,3 +198,19 @@ CHOICES: dict[str, tuple] = {  # the fields that name a construction, and the on
     "steering_vectors": ("estimated", "read-place"),
 }
 STUDY = Protocol()
+_ACTIVE: ContextVar[Protocol] = ContextVar("protocol", default=STUDY)
+
+
+def active() -> Protocol:
+    """The protocol the analyses measure under now: ``STUDY`` outside ``measured_under``."""
+    return _ACTIVE.get()
+
+
+@contextmanager
+def measured_under(protocol: Protocol) -> Iterator[Protocol]:
+    """Run the block's analyses under ``protocol`` (``active()`` returns it there)."""
+    token = _ACTIVE.set(protocol)
+    try:
+        yield protocol
+    finally:
+        _ACTIVE.reset(token)

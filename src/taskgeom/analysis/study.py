@@ -36,15 +36,13 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from taskgeom.analysis.geometry import AdditiveR2, Geometry, ProbeInputs, cell_p2, probe_inputs
-from taskgeom.analysis.measures.orthogonal import BATCH_SIZE, orthogonal_searches
+from taskgeom.analysis.measures.orthogonal import orthogonal_searches
 from taskgeom.analysis.measures.shares import loss_window
 from taskgeom.analysis.measures.subspace import direction_ablation
 from taskgeom.analysis.measures.task_vectors import fraction_window, late_window
-from taskgeom.analysis.protocol import STUDY, Protocol
+from taskgeom.analysis.protocol import Protocol, active
 from taskgeom.analysis.reading import projection, trajectory
 from taskgeom.analysis.reading.cells import (
-    P0_PER_CELL,
-    P2_PER_CELL,
     P2_STREAM,
     STREAM,
     ForcedCells,
@@ -64,14 +62,10 @@ from taskgeom.settings.config import RunConfig
 from taskgeom.settings.recipes import DEFAULT_PROFILE
 from taskgeom.tasks import Batch, TaskFamily, TaskPool
 
-DEFAULT_SITES = STUDY.sites
 SEARCH_STREAMS = {
     "minor": "dual-minor-search",
     "ood": "dual-ood-search",
 }  # the orthogonal search's fresh batch of each step
-SELECTION_SEQUENCES = (
-    STUDY.selection_sequences
-)  # the M1 analysis' selection batch: the selected-place variant chooses where it does
 
 
 @dataclass(frozen=True)
@@ -130,10 +124,11 @@ class StudyRun:
         return self.config.train.seed
 
     def places(self, sites: Sequence[str] | None = None, layers: Sequence[int] | None = None) -> list[Place]:
-        """Every (layer, site) of ``layers`` (all) and ``sites`` (those of DEFAULT_SITES the model has), in layer order."""
+        """Every (layer, site) of ``layers`` (all) and ``sites`` (those of the protocol's ``sites`` the
+        model has), in layer order."""
         n_layers = self.config.model.n_layers
         layers = range(n_layers) if layers is None else layers
-        sites = [s for s in DEFAULT_SITES if s in self.directory.sites] if sites is None else list(sites)
+        sites = [s for s in active().sites if s in self.directory.sites] if sites is None else list(sites)
         bad = [layer for layer in layers if not 0 <= layer < n_layers]
         if bad:
             raise AnalysisError(f"layers {bad} do not exist; the model has layers 0..{n_layers - 1}")
@@ -172,7 +167,7 @@ class StudyRun:
         major: Sequences,
         place: tuple[int, str] | None = None,
         *,
-        protocol: Protocol = STUDY,
+        protocol: Protocol | None = None,
     ) -> ProjectionR2:
         """Projection R^2 of the OOD tasks of ``ood`` on the major tasks of ``major`` as the study's
         Fig. 4 measures it (``analysis.reading.projection``; whole tasks from ``heldout_tasks``) at ``place``
@@ -180,12 +175,13 @@ class StudyRun:
         (a variant's, docs/protocol.md#variants): ``projection="per-sequence"`` (each OOD state of the
         late window, centred by mu_t + nu(x_t) and regressed on theta_(k, x_t), with the geometry
         fitted on ``major`` at the place), ``read_site`` (the same block at that site) or
-        ``place="selected"`` (the place of best R^2_task on the ``select`` split)."""
+        ``place="selected"`` (the place of best R^2_task on the ``select`` split); None: the active one."""
+        protocol = active() if protocol is None else protocol
         at = projection.place(self.family, self.config.model.n_layers) if place is None else Place(*place)
         if protocol.read_site is not None:
             at = Place(at.layer, protocol.read_site)
         if protocol.place == "selected":
-            at = self.select_place(self.heldout("major", SELECTION_SEQUENCES, split="select"), n_random=0).best
+            at = self.select_place(self.selection_batch(), n_random=0).best
         if protocol.projection == "per-sequence":
             values = self.geometry(major, at, n_random=0).projection_r2(ood, "token")
             return ProjectionR2(values, *projection.task_sizes(ood.batch), at, "per-sequence")
@@ -208,14 +204,16 @@ class StudyRun:
         places: Sequence[tuple[int, str]],
         *,
         position: int | None = None,
-        per_cell: int = P0_PER_CELL,
+        per_cell: int | None = None,
         stream: str = STREAM,
         tokens: torch.Tensor | None = None,
     ) -> ForcedCells:
         """The study's forced-token cells of the major tasks at ``position`` (default: the last its
         P0 and P1 read, T - 2), ``per_cell`` sequences each, their states at ``places``
         (``analysis.reading.cells``; a token family's); ``.layout(place)`` gives P0 and P1 there.
-        ``stream``: the random stream of the draws; ``tokens``: the values forced (default: those seen there)."""
+        ``stream``: the random stream of the draws; ``tokens``: the values forced (default: those seen there);
+        ``per_cell``: the protocol's ``cell_sequences`` when None."""
+        per_cell = active().cell_sequences if per_cell is None else per_cell
         T = self.config.task.seq_len
         position = T - 2 if position is None else position
         if not 0 <= position < T:
@@ -233,12 +231,13 @@ class StudyRun:
         )
 
     def cell_p2(
-        self, places: Sequence[tuple[int, str]], *, per_cell: int = P2_PER_CELL, n_random: int = 8
+        self, places: Sequence[tuple[int, str]], *, per_cell: int | None = None, n_random: int = 8
     ) -> dict[Place, AdditiveR2]:
         """{place: P2 as the study's averaging R^2 measures it} on forced-token cells of ``per_cell``
-        sequences (``analysis.geometry.cell_p2``), drawn at every position of the family's
-        ``vector_window`` and ``p2_window``; the values forced at every position are those seen at
-        any of them (the study assumes each position sees them all)."""
+        sequences (the protocol's ``p2_cell_sequences`` when None; ``analysis.geometry.cell_p2``), drawn
+        at every position of the family's ``vector_window`` and ``p2_window``; the values forced at every
+        position are those seen at any of them (the study assumes each position sees them all)."""
+        per_cell = active().p2_cell_sequences if per_cell is None else per_cell
         T, family, majors = self.config.task.seq_len, self.family, self.pool.subset("major")
         windows = [fraction_window(T, family.vector_window), fraction_window(T, family.p2_window)]
         positions = sorted({p for w in windows for p in range(w.start, w.stop)})
@@ -252,10 +251,12 @@ class StudyRun:
         return {Place(*place): cell_p2(self, cells, Place(*place), n_random) for place in places}
 
     def trajectories(
-        self, places: Sequence[tuple[int, str]], *, per_task: int = trajectory.PER_TASK
+        self, places: Sequence[tuple[int, str]], *, per_task: int | None = None
     ) -> dict[Place, Trajectory]:
         """{place: P3 as the study's trajectory figure computes it} (``analysis.reading.trajectory``)
-        on ``per_task`` natural sequences of each major task (split ``trajectory``), one streamed pass."""
+        on ``per_task`` natural sequences of each major task (the protocol's ``trajectory_per_task``
+        when None; split ``trajectory``), one streamed pass."""
+        per_task = active().trajectory_per_task if per_task is None else per_task
         sequences = self.heldout_tasks("major", per_task, split="trajectory")
         return {
             Place(layer, site): trajectory.trajectory(sequences.inputs.select(h), sequences.batch.task, sequences.alpha)
@@ -334,23 +335,30 @@ class StudyRun:
         """The ablation h <- h - V V^T h of orthonormal directions: [D, r] at ``place`` on the analysed positions."""
         return Edit(self, Place(*place), direction_ablation(directions), self.analysed_positions)
 
-    def search_set(self, protocol: Protocol = STUDY) -> Kind:
+    def search_set(self, protocol: Protocol | None = None) -> Kind:
         """The sequences the orthogonal search ascends on (docs/protocol.md): ``protocol.v_search_set``'s
-        (the study's minor, pool, sequences), OOD ones when the pool has no minors (k = -1)."""
-        return "ood" if not self.pool.n_minor else protocol.v_search_set
+        (the active protocol's when None; the study's minor, pool, sequences), OOD ones when the pool
+        has no minors (k = -1)."""
+        return "ood" if not self.pool.n_minor else (active() if protocol is None else protocol).v_search_set
+
+    def selection_batch(self) -> Sequences:
+        """The M1 and dual analyses' selection batch (the protocol's ``selection_sequences`` major
+        sequences, split ``select``): the selected-place variant chooses where it does."""
+        return self.heldout("major", active().selection_sequences, split="select")
 
     def _search_loss(self, kind: Kind):
         """loss_fn(step, site) of ``orthogonal_searches``: the training loss of batch ``step`` of
-        the search stream of ``kind`` (``BATCH_SIZE`` fresh minor or OOD sequences) run from
-        ``site`` on; searches in lockstep share each step's draw and prefix."""
+        the search stream of ``kind`` (the protocol's ``search_batch`` fresh minor or OOD sequences) run
+        from ``site`` on; searches in lockstep share each step's draw and prefix."""
         family, T, seed, stream = self.family, self.config.task.seq_len, self.seed, SEARCH_STREAMS[kind]
+        size = active().search_batch
 
         @functools.lru_cache(maxsize=1)
         def search_batch(step: int) -> tuple[Batch, LayerStreams]:
             batch = (
-                family.sample_ood(BATCH_SIZE, T, seed, step, stream)
+                family.sample_ood(size, T, seed, step, stream)
                 if kind == "ood"
-                else family.sample(self.pool, BATCH_SIZE, T, seed, step, stream, "minor")
+                else family.sample(self.pool, size, T, seed, step, stream, "minor")
             )
             return batch, LayerStreams(self.model, batch.tokens)
 
@@ -364,15 +372,18 @@ class StudyRun:
         self,
         searches: Sequence[tuple[Geometry, int]],
         *,
-        steps: int = 200,
-        protocol: Protocol = STUDY,
+        steps: int | None = None,
+        protocol: Protocol | None = None,
         avoid: Callable[[Geometry], torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """V: [D, r] for each ``(geometry, rank r)``: directions outside ``geometry.avoid(protocol)``
         (the study's: the probe's S, and the token subspace for E3; or ``avoid(geometry)`` when
         given) whose ablation at the geometry's place raises the loss of fresh sequences of
         ``search_set(protocol)`` most (docs/protocol.md); the searches run in lockstep, each giving
-        what it would alone."""
+        what it would alone; ``steps``: the protocol's ``search_steps`` when None; ``protocol``: the
+        active one when None."""
+        protocol = active() if protocol is None else protocol
+        steps = protocol.search_steps if steps is None else steps
         avoid = avoid or (lambda geometry: geometry.avoid(protocol))
         results = orthogonal_searches(
             self.model,

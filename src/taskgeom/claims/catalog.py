@@ -1,6 +1,5 @@
-"""Every claim of the study in one table, gathered from the module of the experiment that measures
-it (``claims.bayes_optimum``, ``claims.m1``, ``claims.dual_modes``, and the recipes' own
-``claims.e2``, ``claims.e4``), where each claim's spec, description, reading and judgement live.
+"""Every claim of the study in one table, gathered from the registered experiments
+(``claims.registry``), each of which owns its claims' specs, reading and judgement.
 A claim's id is its recipe's name, a dot, then its name (``e1.P0``). The thresholds are ours,
 fixed before measuring and the same for every family; docs/protocol.md#thresholds is generated
 from this table (``thresholds_table``) and a test holds the page to it.
@@ -11,29 +10,33 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable
 
-from taskgeom.claims import bayes_optimum, dual_modes, e2, e4, m1
+from taskgeom.claims import m1
+from taskgeom.claims.registry import experiments
 from taskgeom.claims.rules import Claim, Spec
 
-CLAIMS: tuple[Spec, ...] = (*bayes_optimum.SPECS, *m1.SPECS, *dual_modes.SPECS, *e2.SPECS, *e4.SPECS)
 # The claims of the M1 geometry (per recipe), read on the k = -1 run whose ``bayes_optimal`` is their precondition
-M1_CLAIMS: tuple[str, ...] = tuple(claim.name for claim in CLAIMS if claim.experiment == "m1")
+M1_CLAIMS: tuple[str, ...] = tuple(claim.name for claim in m1.SPECS)
+
+
+def specs() -> tuple[Spec, ...]:
+    """Every claim of the registered experiments, in their order."""
+    return tuple(spec for experiment in experiments().values() for spec in experiment.claims)
 
 
 def spec(experiment: str, name: str) -> Spec:
     """The claim ``name`` that ``experiment`` measures (``spec("m1", "P0")``)."""
-    for claim in CLAIMS:
+    for claim in specs():
         if (claim.experiment, claim.name) == (experiment, name):
             return claim
     raise KeyError(f"no claim {name!r} of experiment {experiment!r} in the catalog")
 
 
-def evidence(experiment: str) -> dict[str, tuple[str, ...]]:
-    """{figure kind: the names of the claims it shows} for ``experiment``'s claims, in the catalog's order."""
+def evidence(claims: tuple[Spec, ...]) -> dict[str, tuple[str, ...]]:
+    """{figure kind: the names of the claims it shows} for ``claims`` (an experiment's), in their order."""
     shown: dict[str, tuple[str, ...]] = {}
-    for claim in CLAIMS:
-        if claim.experiment == experiment:
-            for figure in claim.figures:
-                shown[figure] = (*shown.get(figure, ()), claim.name)
+    for claim in claims:
+        for figure in claim.figures:
+            shown[figure] = (*shown.get(figure, ()), claim.name)
     return shown
 
 
@@ -66,6 +69,6 @@ def thresholds_table() -> str:
     lines = ["| claim | experiment | measured on | quantity | passes when | figures |", "|---|---|---|---|---|---|"]
     lines += [
         f"| `{c.name}` | {c.experiment} | {c.recipes} | {cell(c.quantity)} | {c.comparison} {c.threshold:g} | {', '.join(c.figures)} |"
-        for c in CLAIMS
+        for c in specs()
     ]
     return "\n".join(lines)

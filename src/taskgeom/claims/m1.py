@@ -17,7 +17,7 @@ import math
 from typing import NamedTuple
 
 from taskgeom.analysis.measures.properties import too_few_uncertain
-from taskgeom.analysis.protocol import STUDY, Protocol
+from taskgeom.analysis.protocol import Protocol, active
 from taskgeom.analysis.reading.steering import KINDS, Steering
 from taskgeom.analysis.stored.m1 import Result
 from taskgeom.claims.rules import Claim, Spec
@@ -113,7 +113,7 @@ class Reading(NamedTuple):
     reason: str | None = None
 
 
-def claim_values(rows: list[dict], protocol: Protocol = STUDY) -> dict[str, Reading]:
+def claim_values(rows: list[dict], protocol: Protocol | None = None) -> dict[str, Reading]:
     """{name of a P0-P3 claim: Reading} from a run's m1.json ``rows`` as ``protocol`` reads them (the
     study's, or a variant's, ``analysis.measures.variants``): ``place="selected"`` reads every claim at
     the place of best R^2_task on the selection batch; ``read_site`` at that site of the protocol's
@@ -123,6 +123,7 @@ def claim_values(rows: list[dict], protocol: Protocol = STUDY) -> dict[str, Read
     paired layout's late-window median); ``p2="task-only"`` reads R^2_task; ``p3="late-window"`` the
     two-way layout's P3. Fields these claims do not read change nothing (the variants of the data
     are other runs: pass their rows). AnalysisError when the rows lack a value."""
+    protocol = active() if protocol is None else protocol
     place, p3_place = _place(rows, "place.m1", "measure"), _place(rows, "place.p3", "measure")
     if protocol.read_site is not None:
         place, p3_place = Place(place.layer, protocol.read_site), Place(p3_place.layer, protocol.read_site)

@@ -1,44 +1,46 @@
-"""The experiments behind ``taskgeom reproduce``: the generic ones (``EXPERIMENTS``, in order), run on
-every recipe whose ``study`` section declares them, then each recipe's own (``run: module:function``);
-each adds claims and figures. ``reproduce`` trains the runs they need (``planned_runs``), runs them
-on one ``base.Context`` and writes what they produced."""
+"""The experiments behind ``taskgeom reproduce``: every registered experiment
+(``claims.registry``: the generic ones, the recipes' own studies, a plugin's) that a recipe's
+``study`` section declares, in the registry's order; each adds claims and figures. ``reproduce``
+trains the runs they need (``planned_runs``), runs them on one ``base.Context`` and writes what
+they produced."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Iterable
 
 from taskgeom.analysis.measures.task_vectors import check_major_tasks
+from taskgeom.analysis.protocol import measured_under
 from taskgeom.claims.catalog import with_preconditions
+from taskgeom.claims.registry import Experiment
+from taskgeom.claims.registry import experiments as registered
 from taskgeom.claims.rules import over_seeds
 from taskgeom.errors import ResultsLockedError
-from taskgeom.experiments.base import Context, Experiment, Extra, shipped_studies
-from taskgeom.experiments.bayes_optimum import bayes_optimum
-from taskgeom.experiments.dual_modes import dual_modes
+from taskgeom.experiments.base import Context, shipped_studies
 from taskgeom.experiments.executors import Executor
-from taskgeom.experiments.m1 import m1
 from taskgeom.experiments.schedule import TrainTask, train_all
 from taskgeom.progress import console
 from taskgeom.report.manifest import MANIFEST, manifest
 from taskgeom.runs.storage import atomic_write_json, exclusive_lock
 from taskgeom.settings.config import ConfigError
-from taskgeom.settings.recipes import Study, experiment_function
+from taskgeom.settings.recipes import Study
 from taskgeom.tasks import TaskFamily
 from taskgeom.tasks.registry import family_class
 
-EXPERIMENTS = {"bayes_optimum": bayes_optimum, "m1": m1, "dual_modes": dual_modes}
-# What each generic experiment's analyses read of a run's family (``TaskFamily``'s declarations,
-# docs/adding-a-family.md): steering's edit; Fig. 4's block of positions and the S probe's regressors.
-DECLARATIONS = {"m1": ("steering_form",), "dual_modes": ("projection_window", "task_probe")}
+
+def declarations() -> dict[str, tuple[str, ...]]:
+    """{experiment: the family declarations its analyses read} (``Experiment.reads``), for those that read any."""
+    return {name: experiment.reads for name, experiment in registered().items() if experiment.reads}
 
 
-def undeclared(family: type[TaskFamily], experiments: Iterable[str] = DECLARATIONS) -> dict[str, str]:
-    """{declaration: the experiment that reads it} for what ``experiments`` read that ``family`` declares none of."""
+def undeclared(family: type[TaskFamily], experiments: Iterable[str] | None = None) -> dict[str, str]:
+    """{declaration: the experiment that reads it} for what ``experiments`` (by default every
+    registered one) read that ``family`` declares none of."""
+    reads = declarations()
     return {
         name: experiment
-        for experiment in experiments
-        for name in DECLARATIONS.get(experiment, ())
+        for experiment in (reads if experiments is None else experiments)
+        for name in reads.get(experiment, ())
         if getattr(family, name) is None
     }
 
@@ -63,30 +65,21 @@ def check_declarations(tasks: Iterable[TrainTask], experiment: str) -> None:
 
 
 def declared(studies: tuple[Study, ...], profile: str) -> dict[str, Experiment]:
-    """The experiments ``studies`` declare at ``profile``: the generic ones any of them takes part in,
-    in EXPERIMENTS' order, then the studies' own in theirs; ConfigError for an unknown name or a
-    ``run`` that cannot be loaded, and for two studies' experiments of one name."""
-    generic = {name: entry for study in studies for name, entry in study.experiments.items() if entry.run is None}
-    unknown = sorted(set(generic) - set(EXPERIMENTS))
+    """The registered experiments ``studies`` take part in at ``profile``, in the registry's order;
+    ConfigError for a name no experiment is registered under."""
+    known = registered()
+    unknown = sorted({name for study in studies for name in study.experiments} - set(known))
     if unknown:
         owners = sorted(study.name for study in studies if set(study.experiments) & set(unknown))
         raise ConfigError(
-            f"recipes {owners}: unknown experiments {unknown}; generic ones: {list(EXPERIMENTS)} "
-            "(an experiment of a recipe's own names its function with run: module:function)"
+            f"recipes {owners}: unknown experiments {unknown}; registered: {list(known)} "
+            "(an experiment from another package joins through the entry-point group taskgeom.experiments)"
         )
-    chosen: dict[str, Experiment] = {
-        name: run for name, run in EXPERIMENTS.items() if any(study.takes_part(name, profile) for study in studies)
+    return {
+        name: experiment
+        for name, experiment in known.items()
+        if any(study.takes_part(name, profile) for study in studies)
     }
-    for study in studies:
-        for name, entry in study.experiments.items():
-            if entry.run is None or not study.takes_part(name, profile):
-                continue
-            if name in chosen:
-                raise ConfigError(
-                    f"recipe {study.name}: experiment {name!r} is declared by another recipe too; give it a name of its own"
-                )
-            chosen[name] = Extra(experiment_function(entry.run), study, entry.options)
-    return chosen
 
 
 def _declared(ctx: Context) -> dict[str, Experiment]:
@@ -98,7 +91,7 @@ def runs_by_experiment(ctx: Context, experiments: dict[str, Experiment] | None =
     """{experiment: the runs it declares for ``ctx`` (its ``runs``)} for the experiments (by default
     those ``ctx``'s studies declare), in order."""
     experiments = _declared(ctx) if experiments is None else experiments
-    return {name: getattr(experiment, "runs", lambda _: [])(ctx) for name, experiment in experiments.items()}
+    return {name: experiment.runs(ctx) for name, experiment in experiments.items()}
 
 
 def planned_runs(ctx: Context, experiments: dict[str, Experiment] | None = None) -> list[TrainTask]:
@@ -147,6 +140,7 @@ def reproduce(
         None if diversities is None else tuple(diversities),
     )
     experiments = _declared(ctx) if experiments is None else experiments
+    protocol = ctx.protocol  # the profile's sample sizes, checked before anything is written or trained
     planned = runs_by_experiment(ctx, experiments)
     for name, runs in planned.items():  # before anything is written or trained
         check_declarations(runs, name)
@@ -163,13 +157,13 @@ def reproduce(
         ):  # one schedule: every run trained first, together
             console.log("[bold]training[/bold] every run the experiments need")
             ctx.experiment = "schedule"
-            with ctx.timings.experiment("schedule"):
+            with ctx.timings.experiment("schedule"), measured_under(protocol):
                 train_all(tasks, executor, ctx.timings)
         for name, experiment in experiments.items():
             console.log(f"experiment [bold]{name}[/bold]")
             ctx.experiment = name
             first = len(ctx.measured)
-            with ctx.timings.experiment(name):
+            with ctx.timings.experiment(name), measured_under(protocol):
                 experiment(ctx)
             ctx.made_by |= {claim.id: name for _, claim in ctx.measured[first:]}
         ctx.claims = over_seeds(with_preconditions(ctx.measured))
@@ -201,25 +195,16 @@ def reproduce(
                 ctx.runs_root,
                 sections,
                 ctx.diversities,
-                _evidence_modules(experiments),
             ),
         )
         write_report(ctx.out)
     return ctx
 
 
-def _evidence_modules(experiments: dict[str, Experiment]) -> list[str]:
-    """The modules of the studies' own experiments that give the report interactive evidence
-    (an ``evidence(table)`` function), in order."""
-    modules = dict.fromkeys(extra.function.__module__ for extra in experiments.values() if isinstance(extra, Extra))
-    return [name for name in modules if hasattr(importlib.import_module(name), "evidence")]
-
-
 __all__ = [
     "Context",
-    "DECLARATIONS",
-    "EXPERIMENTS",
     "check_declarations",
+    "declarations",
     "declared",
     "planned_runs",
     "reproduce",

@@ -1,22 +1,30 @@
 """Shared pieces of the experiments: the output folder, training runs on demand, collecting
-claims and figures (``Context``), and an experiment of a study's own (``Extra``); the ``reproduce``
-driver above them is the package's (``taskgeom.experiments``)."""
+claims and figures (``Context``); the experiments themselves are registered (``claims.registry``)
+and the ``reproduce`` driver above them is the package's (``taskgeom.experiments``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, ContextManager
+from typing import ContextManager
 
 import torch
 
+from taskgeom.analysis.protocol import STUDY, Protocol
 from taskgeom.claims.rules import Claim
 from taskgeom.experiments.executors import Executor
 from taskgeom.experiments.schedule import TrainTask
 from taskgeom.progress import step_bar
 from taskgeom.runs.folders import Run
-from taskgeom.settings.config import RunConfig
-from taskgeom.settings.recipes import DEFAULT_PROFILE, Study, load_recipe, load_study, recipe_names
+from taskgeom.settings.config import ConfigError, RunConfig
+from taskgeom.settings.recipes import (
+    DEFAULT_PROFILE,
+    Study,
+    load_measure,
+    load_recipe,
+    load_study,
+    recipe_names,
+)
 from taskgeom.training.memory import check_training_fits
 from taskgeom.training.timing import Timings
 from taskgeom.training.train import train
@@ -79,6 +87,19 @@ class Context:
         """Record ``claims`` as measured on the runs of training seed ``seed``, stamped with this profile."""
         self.measured.extend((seed, replace(claim, profile=self.profile)) for claim in claims)
 
+    @property
+    def protocol(self) -> Protocol:
+        """The protocol the analyses measure under: the study's, with the sample sizes the profile's
+        ``measure: {protocol: ...}`` sets (``MeasureSettings.analysis_protocol``), the same in every
+        recipe measured."""
+        found = {study.name: load_measure(study.path, self.profile).analysis_protocol for study in self.studies}
+        if len(set(found.values())) > 1:
+            raise ConfigError(
+                f"the recipes' profiles {self.profile!r} set different sample sizes of the protocol ({sorted(found)}); "
+                "give them one measure: protocol: section"
+            )
+        return next(iter(found.values()), STUDY)
+
     def taking_part(self, experiment: str) -> tuple[Study, ...]:
         """The studies (recipes) that declare ``experiment`` at this profile, in their order."""
         return tuple(study for study in self.studies if study.takes_part(experiment, self.profile))
@@ -125,31 +146,3 @@ class Context:
 def shipped_studies() -> tuple[Study, ...]:
     """The study sections of the shipped recipes, by name."""
     return tuple(load_study(name) for name in recipe_names())
-
-
-Experiment = Callable[
-    [Context], None
-]  # may carry ``runs(ctx) -> list[TrainTask]``: the runs it needs, for the schedule
-
-
-@dataclass(frozen=True)
-class Extra:
-    """An experiment of one study's own (``run: module:function`` in its recipe), as an Experiment:
-    ``function(ctx, study, **options)``, and its ``runs`` likewise."""
-
-    function: Callable
-    study: Study
-    options: dict
-
-    def __call__(self, ctx: Context) -> None:
-        self.function(ctx, self.study, **self.options)
-
-    def runs(self, ctx: Context) -> list[TrainTask]:
-        runs = getattr(self.function, "runs", None)
-        return [] if runs is None else runs(ctx, self.study, **self.options)
-
-    def left(self, ctx: Context) -> list[str] | None:
-        """For ``--plan``: one run name per unit of its own measurement not yet stored (its function's
-        ``left``); None when it declares no ``left`` (it stores nothing to resume from)."""
-        left = getattr(self.function, "left", None)
-        return None if left is None else left(ctx, self.study, **self.options)

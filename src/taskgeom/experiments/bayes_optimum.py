@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from taskgeom.claims.bayes_optimum import bayes_optimal
+from taskgeom.claims.bayes_optimum import SPECS, bayes_optimal
+from taskgeom.claims.registry import Experiment
 from taskgeom.experiments.base import Context
+from taskgeom.experiments.schedule import TrainTask
 from taskgeom.report.figures import plot_loss_by_position
 from taskgeom.training.evaluate import evaluate_run
 
@@ -33,8 +35,11 @@ def bayes_optimum(ctx: Context) -> None:
                 )
 
 
-bayes_optimum.runs = lambda ctx: [
-    task
-    for study in ctx.taking_part("bayes_optimum")  # for the schedule
-    for task in ctx.plans(study.name, ("task.diversity=-1",))
-]
+def runs(ctx: Context) -> list[TrainTask]:
+    """The k = -1 runs of every recipe that takes part, on every seed."""
+    return [
+        task for study in ctx.taking_part("bayes_optimum") for task in ctx.plans(study.name, ("task.diversity=-1",))
+    ]
+
+
+EXPERIMENT = Experiment("bayes_optimum", SPECS, bayes_optimum, runs)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from taskgeom.analysis.stored.rows import FIELDS, by_step
 from taskgeom.claims.catalog import evidence
-from taskgeom.claims.dual_modes import claims
+from taskgeom.claims.dual_modes import SPECS, claims
+from taskgeom.claims.registry import Experiment
 from taskgeom.experiments.base import Context
-from taskgeom.experiments.schedule import TrainTask
+from taskgeom.experiments.schedule import TrainTask, analysed
 from taskgeom.experiments.sweep import Job, job_seconds, run_sweep
 from taskgeom.report.dual import (
     plot_dissociation,
@@ -41,7 +42,7 @@ def grid(ctx: Context) -> tuple[list[int], tuple[str, ...]]:
     return (next(iter(grids.values())) if grids else []), recipes
 
 
-DUAL_EVIDENCE = evidence("dual_modes")
+DUAL_EVIDENCE = evidence(SPECS)
 
 
 def _each_recipe(ctx: Context, *claims: str) -> tuple[str, ...]:
@@ -72,6 +73,7 @@ def runs(ctx: Context) -> list[TrainTask]:
             config.train.threads or ctx.executor.threads,
             analyse=True,
             projection_sizes=job.measure().projection_sizes,
+            protocol=job.protocol(),
         )
         for job in _jobs(ctx)
         for config in [job.config()]
@@ -152,4 +154,13 @@ def dual_modes(ctx: Context) -> None:
         )
 
 
-dual_modes.runs = runs
+def left(ctx: Context) -> list[str]:
+    """For ``--plan``: the sweep's runs whose dual analysis is not stored under its key."""
+    return [task.name for task in runs(ctx) if task.analyse and not analysed(task.path, task.protocol)]
+
+
+# cost [measured], CPU seconds per flop-second of the run's training (``Experiment.cost``): 2.0-2.3 (E3) and
+# 2.9-4.0 (E1) on the quick three-seed reproduction at 6c99fae (benchmarks/plan_costs.py, 2-core AMD EPYC)
+EXPERIMENT = Experiment(
+    "dual_modes", SPECS, dual_modes, runs, left=left, cost=3.8, on_pool=True, reads=("projection_window", "task_probe")
+)

@@ -17,11 +17,15 @@ from taskgeom.analysis.reading.steering import KINDS
 from taskgeom.analysis.stored.m1 import Result, analyze, load, write
 from taskgeom.analysis.study import StudyRun
 from taskgeom.claims.catalog import evidence
-from taskgeom.claims.m1 import claim_values, claims
+from taskgeom.claims.m1 import SPECS, claim_values, claims
+from taskgeom.claims.registry import Experiment
+from taskgeom.errors import TaskgeomError
 from taskgeom.experiments.base import Context
+from taskgeom.experiments.schedule import TrainTask
 from taskgeom.report.geometry import FIGURES, plot_retrieval
+from taskgeom.runs.folders import Run
 
-M1_EVIDENCE = evidence("m1")
+M1_EVIDENCE = evidence(SPECS)
 
 _CAPTIONS = {
     "simplex": "{E}: fitted task coefficients beta_t (solid) and the exact posterior alpha_t (dashed) in the simplex for two "
@@ -74,9 +78,28 @@ def stored_or_analyzed(run: StudyRun, stage: Callable[[str], ContextManager] = l
     return result
 
 
-m1.runs = lambda ctx: [
-    task for study in ctx.taking_part("m1") for task in ctx.plans(study.name, ("task.diversity=-1",))
-]  # for the schedule
+def runs(ctx: Context) -> list[TrainTask]:
+    """The k = -1 runs of every recipe that takes part, on every seed."""
+    return [task for study in ctx.taking_part("m1") for task in ctx.plans(study.name, ("task.diversity=-1",))]
+
+
+def left(ctx: Context) -> list[str]:
+    """For ``--plan``: the runs whose M1 result is not stored (not trained yet, no current result, or a
+    damaged one, which the reproduction reports and measures again)."""
+
+    def missing(task: TrainTask) -> bool:
+        try:
+            return not (task.path / "model.safetensors").exists() or load(StudyRun(Run.open(task.path))) is None
+        except TaskgeomError:
+            return True
+
+    return [task.name for task in runs(ctx) if missing(task)]
+
+
+# cost [measured], CPU seconds per flop-second of the run's training (``Experiment.cost``): 0.37-0.38 (E2),
+# 1.14-1.16 (E3), 2.2-2.4 (E1) on the quick three-seed reproduction at 6c99fae (benchmarks/plan_costs.py,
+# 2-core AMD EPYC); where families differ, the largest family's is taken
+EXPERIMENT = Experiment("m1", SPECS, m1, runs, left=left, cost=2.3, reads=("steering_form",))
 
 
 def analyze_one(

@@ -13,8 +13,10 @@ import pandas as pd
 
 from taskgeom import experiments
 from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS
+from taskgeom.claims.registry import Experiment
+from taskgeom.claims.registry import experiments as registered
 from taskgeom.errors import TaskgeomError
-from taskgeom.experiments.base import Context, Experiment, Extra, shipped_studies
+from taskgeom.experiments.base import Context, shipped_studies
 from taskgeom.experiments.executors import Executor
 from taskgeom.settings.recipes import DEFAULT_PROFILE, Study, load_study
 
@@ -110,7 +112,7 @@ def choose_studies(
     wanted = None if recipes is None else [r.strip() for r in recipes.split(",") if r.strip()]
     if wanted is not None and (not wanted or set(wanted) - set(names)):
         raise TaskgeomError(f"--recipes: unknown recipes {sorted(set(wanted) - set(names))}; available: {names}")
-    known = set(experiments.EXPERIMENTS) | {name for study in everything for name in study.experiments}
+    known = set(registered()) | {name for study in everything for name in study.experiments}
     unknown = sorted(set(only) - set(names) - known)
     if unknown:
         raise TaskgeomError(
@@ -159,11 +161,10 @@ def plan_text(request: Request, executor: Executor, device: str, tracker: str, c
         f"{shown.to_string(index=False)}\n"
         f"{len(table)} runs, {table['steps'].sum():,} steps, {table['tokens'].sum():.3g} tokens, "
         f"{table['flops'].sum():.3g} training FLOPs (6 x parameters x tokens)\n"
-        f"left (a reproduction reads back what is stored): {table['train'].sum()} runs to train, "
-        f"{table['dual'].sum()} dual analyses, {table['m1'].sum()} M1 analyses"
-        f"{''.join(f', {name.upper()} on {table[name].sum()} seeds' for name in table.attrs['own'])}\n"
-        f"estimated wall time here: {wall / 60:.0f} min on {workers} worker(s) (training and dual analyses "
-        f"{(wall - main) / 60:.0f} min, then the M1 analyses and E4 in this process {main / 60:.0f} min; {cpu_model()}, "
+        f"left (a reproduction reads back what is stored): {table['train'].sum()} runs to train"
+        f"{''.join(f', {table[name].sum()} units of {name}' for name in table.attrs['left'])}\n"
+        f"estimated wall time here: {wall / 60:.0f} min on {workers} worker(s) (training and the pool's analyses "
+        f"{(wall - main) / 60:.0f} min, then the other analyses in this process {main / 60:.0f} min; {cpu_model()}, "
         f"{usable_cores()} usable cores, matrix-multiply probe {rate / 1e9:.0f} GFLOP/s a thread); each kind's cost per "
         f"training FLOP fitted on one quick reproduction (a 2-core AVX2 EPYC), deeper models scaled by their blocks: "
         f"it errs long there, and on another CPU it may be off by a half\n"
@@ -172,51 +173,33 @@ def plan_text(request: Request, executor: Executor, device: str, tracker: str, c
 
 def work_left(ctx: Context, chosen: dict[str, Experiment], rate: float) -> pd.DataFrame:
     """``schedule.plan_table``'s row of every run the experiments ``chosen`` read, with what is left of
-    it: ``train`` (not trained yet), ``dual`` (the sweep's runs: the dual analysis not stored under its
-    version and sizes), ``m1`` (the m1 experiment's runs: the M1 result not stored for its request),
-    and a column per study's own experiment that says what of it is left (``Extra.left``; ``e4``: the
-    k = -1 run of each seed whose measurement is not stored; their names in ``attrs["own"]``); and the CPU seconds estimated here for
-    them at the probe's ``rate`` (``timing.COST_PER_FLOP_SECOND``; analyses scaled by
-    ``depth_factor``): ``cpu_pool_s`` on the schedule's pool, ``cpu_main_s`` in this process."""
-    from taskgeom.analysis.stored.m1 import load as load_m1
-    from taskgeom.analysis.study import StudyRun
-    from taskgeom.experiments.schedule import analysed, plan_table
-    from taskgeom.runs.folders import Run
-    from taskgeom.training.timing import COST_PER_FLOP_SECOND as cost
-    from taskgeom.training.timing import depth_factor
+    it: ``train`` (not trained yet) and a column per experiment that stores its measurement, the
+    number of its units left on that run (``Experiment.left``: the dual sweep's analyses, the M1
+    results, E4's seeds; their names in ``attrs["left"]``); and the CPU seconds estimated here for
+    them at the probe's ``rate`` (``timing.TRAIN_COST_PER_FLOP_SECOND`` and each experiment's
+    ``cost``; analyses scaled by ``depth_factor``): ``cpu_pool_s`` on the schedule's pool,
+    ``cpu_main_s`` in this process."""
+    from taskgeom.analysis.protocol import measured_under
+    from taskgeom.experiments.schedule import plan_table
+    from taskgeom.training.timing import TRAIN_COST_PER_FLOP_SECOND, depth_factor
 
     by_experiment = experiments.runs_by_experiment(ctx, chosen)
-    table = plan_table([task for tasks in by_experiment.values() for task in tasks])
-    trained = {
-        task.name: (task.path / "model.safetensors").exists() for tasks in by_experiment.values() for task in tasks
-    }
-
-    def m1_left(task) -> bool:
-        try:
-            return not trained[task.name] or load_m1(StudyRun(Run.open(task.path))) is None
-        except TaskgeomError:  # a damaged run directory or stored result: the reproduction says so, and measures it
-            return True
-
-    dual = {task.name for task in by_experiment.get("dual_modes", []) if task.analyse and not analysed(task.path)}
-    m1 = {task.name for task in by_experiment.get("m1", []) if m1_left(task)}
-    own = {
-        name: left
-        for name, experiment in chosen.items()
-        if isinstance(experiment, Extra) and (left := experiment.left(ctx)) is not None
-    }
+    tasks = [task for tasks in by_experiment.values() for task in tasks]
+    table = plan_table(tasks)
+    trained = {task.name: (task.path / "model.safetensors").exists() for task in tasks}
+    with measured_under(ctx.protocol):  # stored results are keyed by the profile's protocol
+        left = {name: experiment.left(ctx) for name, experiment in chosen.items() if experiment.left is not None}
     table["train"] = ~table["run"].map(trained)
-    table["dual"], table["m1"] = table["run"].isin(dual), table["run"].isin(m1)
     flop_s = table["flops"] / rate
-    depth = table["run"].map(
-        {task.name: depth_factor(task.config.model.n_layers) for tasks in by_experiment.values() for task in tasks}
-    )
-    table["cpu_pool_s"] = flop_s * (cost["train"] * table["train"] + cost["dual"] * depth * table["dual"])
-    table["cpu_main_s"] = flop_s * cost["m1"] * depth * table["m1"]
-    for name, runs in own.items():  # a study's own measurement, one unit per listed run (E4: each seed's k = -1 run)
+    depth = table["run"].map({task.name: depth_factor(task.config.model.n_layers) for task in tasks})
+    table["cpu_pool_s"] = flop_s * TRAIN_COST_PER_FLOP_SECOND * table["train"]
+    table["cpu_main_s"] = 0.0
+    for name, runs in left.items():  # one unit per listed run
+        experiment = chosen[name]
         table[name] = table["run"].map(runs.count)
-        table["cpu_main_s"] += flop_s * cost.get(name, 0.0) * depth * table[name]
+        table["cpu_pool_s" if experiment.on_pool else "cpu_main_s"] += flop_s * experiment.cost * depth * table[name]
     table = table[[c for c in table.columns if not c.startswith("cpu_")] + ["cpu_pool_s", "cpu_main_s"]]
-    table.attrs["own"] = list(own)
+    table.attrs["left"] = list(left)
     return table
 
 

@@ -17,13 +17,14 @@ gives it, as in the sweep.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
 import pandas as pd
 import torch
 
+from taskgeom.analysis.protocol import STUDY, Protocol, measured_under
 from taskgeom.errors import RunDirError
 from taskgeom.experiments.executors import Executor, execute
 from taskgeom.progress import console, job_bar
@@ -40,7 +41,7 @@ class TrainTask:
     """One run to train: its config, run root, device, tracker and the torch thread count it trains
     with (its config's ``train.threads`` when set); ``analyse``: then measure its dual modes
     (``analysis.stored.dual``) with that thread count, projection R^2 at ``projection_sizes`` (OOD tasks,
-    sequences per task: its recipe's profile's)."""
+    sequences per task: its recipe's profile's), under ``protocol`` (its profile's sample sizes)."""
 
     config: RunConfig
     root: str
@@ -49,6 +50,7 @@ class TrainTask:
     threads: int
     analyse: bool = False
     projection_sizes: tuple[int, int] = MeasureSettings().projection_sizes
+    protocol: Protocol = STUDY
 
     @property
     def name(self) -> str:
@@ -104,40 +106,46 @@ def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float
             lambda: train(Run.create(task.config, task.root), device=task.device, tracker=task.tracker),
         )
     if unit.analysis_threads:
-        seconds["analyse"] = _with_threads(
-            unit.analysis_threads,
-            lambda: (
-                load_dual(run := Run.open(task.path), task.projection_sizes)
-                or analyze_dual(StudyRun(run), projection_sizes=task.projection_sizes)
-            ),
-        )
+        with measured_under(task.protocol):
+            seconds["analyse"] = _with_threads(
+                unit.analysis_threads,
+                lambda: (
+                    load_dual(run := Run.open(task.path), task.projection_sizes)
+                    or analyze_dual(StudyRun(run), projection_sizes=task.projection_sizes)
+                ),
+            )
     return seconds
 
 
-def analysed(path: Path) -> bool:
-    """Whether the run at ``path`` has a current dual analysis; a damaged run directory counts as
-    not analysed (its experiment reports it)."""
+def analysed(path: Path, protocol: Protocol = STUDY) -> bool:
+    """Whether the run at ``path`` has a dual analysis current under ``protocol``; a damaged run
+    directory counts as not analysed (its experiment reports it)."""
     from taskgeom.analysis.stored.dual import load_dual
 
     try:
-        return (path / "model.safetensors").exists() and load_dual(Run.open(path)) is not None
+        with measured_under(protocol):
+            return (path / "model.safetensors").exists() and load_dual(Run.open(path)) is not None
     except RunDirError:
         return False
 
 
 def plan(tasks: list[TrainTask]) -> list[Unit]:
     """One unit per run with work left: trained with the thread count of the first task naming it,
-    analysed with that of the first task asking for the analysis. The most expensive first."""
+    analysed as the first task asking for the analysis asks (its thread count, projection sizes and
+    protocol). The most expensive first."""
     first: dict[str, TrainTask] = {}
-    analysis: dict[str, int] = {}
+    analysis: dict[str, TrainTask] = {}
     for task in tasks:
         first.setdefault(task.name, task)
         if task.analyse:
-            analysis.setdefault(task.name, task.threads)
+            analysis.setdefault(task.name, task)
     units = []
     for name, task in first.items():
+        asked = analysis.get(name)
+        if asked is not None:
+            task = replace(task, analyse=True, projection_sizes=asked.projection_sizes, protocol=asked.protocol)
         train_threads = 0 if (task.path / "model.safetensors").exists() else task.threads
-        analysis_threads = analysis.get(name, 0) if name in analysis and not analysed(task.path) else 0
+        analysis_threads = asked.threads if asked is not None and not analysed(task.path, asked.protocol) else 0
         if train_threads or analysis_threads:
             units.append(Unit(task, train_threads, analysis_threads))
     return sorted(units, key=lambda u: -u.cost())

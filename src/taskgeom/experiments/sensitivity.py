@@ -49,12 +49,11 @@ import pandas as pd
 
 from taskgeom.analysis.measures.shares import loss_window, share_of_gain
 from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS, MEASURED_AGAIN, STORED_VARIANTS, protocol
-from taskgeom.analysis.protocol import Protocol
+from taskgeom.analysis.protocol import STUDY, Protocol, active, measured_under
 from taskgeom.analysis.stored.ablations import Block, ablation_rows, block_places, find_blocks, v_block
-from taskgeom.analysis.stored.dual import EVAL_SEQUENCES
 from taskgeom.analysis.stored.m1 import READ_SITE_PREFIX
 from taskgeom.analysis.stored.rows import row, stored_rows
-from taskgeom.analysis.study import SELECTION_SEQUENCES, StudyRun
+from taskgeom.analysis.study import StudyRun
 from taskgeom.claims.catalog import spec
 from taskgeom.claims.dual_modes import ablation_claims
 from taskgeom.claims.m1 import claim_values, retrieval_claims, stored_steering
@@ -62,7 +61,9 @@ from taskgeom.claims.rules import verdict
 from taskgeom.errors import AnalysisError, TaskgeomError
 from taskgeom.report.geometry import claimed_by_layer
 from taskgeom.runs.folders import Run
+from taskgeom.settings.config import ConfigError
 from taskgeom.settings.devices import torch_threads
+from taskgeom.settings.recipes import DEFAULT_PROFILE, load_measure, recipe_path
 
 ABLATION_VARIANTS = MEASURED_AGAIN  # the dissociation's variants, measured again on each run
 SETS = ("major", "ood")  # the sets the dissociation's claims read
@@ -71,7 +72,7 @@ SETS = ("major", "ood")  # the sets the dissociation's claims read
 def _centred_s_rows(run: StudyRun, n_seq: int, sets: dict, clean: dict, protocol: Protocol) -> tuple[list[dict], str]:
     """The S rows of ``centred-S`` (``protocol``) as summary rows (``layer`` null), at the selected
     place, and that place in words."""
-    place = run.select_place(run.heldout("major", SELECTION_SEQUENCES, split="select"), n_random=0).best
+    place = run.select_place(run.selection_batch(), n_random=0).best
     geometry = run.geometry(run.heldout("major", n_seq, split="geometry"), place)
     rows, window = [], loss_window(run.family)
     for name, sequences in sets.items():
@@ -87,14 +88,21 @@ def _centred_s_rows(run: StudyRun, n_seq: int, sets: dict, clean: dict, protocol
 
 
 def ablation_variants(
-    run: StudyRun, variants: tuple[str, ...] = ABLATION_VARIANTS, *, n_seq: int = 256, search_steps: int = 200
+    run: StudyRun,
+    variants: tuple[str, ...] = ABLATION_VARIANTS,
+    *,
+    n_seq: int | None = None,
+    search_steps: int | None = None,
 ) -> list[dict]:
-    """The dissociation's claims under the protocol and each of ``variants`` on ``run`` (module docstring)."""
+    """The dissociation's claims under the protocol and each of ``variants`` on ``run`` (module
+    docstring); ``n_seq`` and ``search_steps``: the active protocol's ``geometry_sequences`` and
+    ``search_steps`` when None."""
+    n_seq = active().geometry_sequences if n_seq is None else n_seq
     unknown = [v for v in variants if v not in ABLATION_VARIANTS]
     if unknown:
         raise AnalysisError(f"sensitivity measures the ablation variants {list(ABLATION_VARIANTS)}, not {unknown}")
     geometries = list(run.geometries(run.heldout("major", n_seq, split="geometry"), block_places(run)))
-    sets = {name: run.heldout(name, EVAL_SEQUENCES, split="loss") for name in SETS}
+    sets = {name: run.heldout(name, active().eval_sequences, split="loss") for name in SETS}
     clean = {name: run.loss(sequences, per_position=True) for name, sequences in sets.items()}
     blocks: list[Block] = find_blocks(run, geometries, steps=search_steps)
     mean = "mean over blocks"
@@ -272,22 +280,37 @@ def chosen_variants(asked: tuple[str, ...] = ()) -> tuple[str, ...]:
     return chosen
 
 
-def sensitivity(run_dirs: list, variants: tuple[str, ...], places: bool = False, threads: int = 1) -> pd.DataFrame:
+def profile_protocol(run: Run, profile: str) -> Protocol:
+    """The protocol ``run`` was reproduced under at ``profile``: its recipe's sample sizes there (the
+    study's for a run of no recipe found here at the default profile)."""
+    try:
+        return load_measure(recipe_path(run.config.name), profile).analysis_protocol
+    except ConfigError:
+        if profile == DEFAULT_PROFILE:
+            return STUDY
+        raise
+
+
+def sensitivity(
+    run_dirs: list, variants: tuple[str, ...], places: bool = False, threads: int = 1, profile: str = DEFAULT_PROFILE
+) -> pd.DataFrame:
     """Every run's rows, with its run, recipe, diversity and seed: under the protocol and each of
     ``variants`` (``stored_variants``, and ``ablation_variants`` measured again with ``threads`` torch
-    threads, 0: as torch has it), or with ``places`` the place-dependent values at every layer and
-    site (``place_choices``)."""
+    threads, 0: as torch has it, at the sample sizes of ``profile`` in the run's recipe: those its
+    reproduction measured with), or with ``places`` the place-dependent values at every layer and site
+    (``place_choices``)."""
     ablations = tuple(v for v in variants if v in ABLATION_VARIANTS)
     rows = []
     for run_dir in run_dirs:
         run = Run.open(run_dir)
-        if places:
-            measured = place_choices(run)
-        else:
-            measured = [r for r in stored_variants(run) if r["variant"] in ("protocol", *variants)]
-            if ablations:
-                with torch_threads(threads):
-                    measured += ablation_variants(StudyRun(run), ablations)
+        with measured_under(profile_protocol(run, profile)):  # what its stored rows are keyed by
+            if places:
+                measured = place_choices(run)
+            else:
+                measured = [r for r in stored_variants(run) if r["variant"] in ("protocol", *variants)]
+                if ablations:
+                    with torch_threads(threads):
+                        measured += ablation_variants(StudyRun(run), ablations)
         rows += [
             {
                 "run": run.path.name,

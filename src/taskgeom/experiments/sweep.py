@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 
 from taskgeom.analysis.measures.task_vectors import check_major_tasks
+from taskgeom.analysis.protocol import Protocol, measured_under
 from taskgeom.analysis.stored.rows import by_step
 from taskgeom.errors import RunLockedError, TaskgeomError
 from taskgeom.experiments.executors import Executor, execute
@@ -56,6 +57,10 @@ class Job:
     def measure(self) -> MeasureSettings:
         """What the profile of the job's recipe measures (the sizes of projection R^2)."""
         return load_measure(recipe_path(self.recipe), self.profile)
+
+    def protocol(self) -> Protocol:
+        """The protocol its analysis measures under: the study's, with its profile's sample sizes."""
+        return self.measure().analysis_protocol
 
     def for_ray(self, gpus_per_run: float) -> "Job":
         """This job as a Ray task runs it: its root (and its recipe, when that is a file) as
@@ -100,7 +105,8 @@ def run_job(job: Job, threads: int = 0) -> list[dict]:
         train(run, device=job.device, tracker=job.tracker)
         trained = clock.lap()
         sizes = job.measure().projection_sizes
-        rows = load_dual(run, sizes) or analyze_dual(StudyRun(run), projection_sizes=sizes)
+        with measured_under(job.protocol()):
+            rows = load_dual(run, sizes) or analyze_dual(StudyRun(run), projection_sizes=sizes)
         analysed = clock.lap()
         seconds = {
             "train_wall_s": trained[0],

@@ -8,7 +8,6 @@ the claims it supports, and either a Plotly figure (as JSON) or a table (a DataF
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -16,11 +15,13 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
+from taskgeom.claims import dual_modes, m1
 from taskgeom.claims.catalog import evidence
+from taskgeom.claims.registry import experiments
 from taskgeom.report.manifest import DUAL_EXPERIMENT
 
 # The claims each kind of figure is evidence for, as names after the recipe (``e1.`` + ``P0``)
-M1_EVIDENCE, DUAL_EVIDENCE = evidence("m1"), evidence("dual_modes")
+M1_EVIDENCE, DUAL_EVIDENCE = evidence(m1.SPECS), evidence(dual_modes.SPECS)
 
 COLORS = qualitative.Plotly  # '#rrggbb' strings
 _LAYOUT = {"template": "plotly_white", "height": 380, "margin": {"l": 60, "r": 20, "t": 50, "b": 50}}
@@ -372,8 +373,8 @@ def _dual(table: pd.DataFrame) -> list[Evidence]:
 
 def evidence(table: pd.DataFrame, manifest: dict) -> list[Evidence]:
     """Every interactive figure and sortable table the long table supports, in section order: M1's
-    per recipe, then those of the recipes' own experiments (``manifest["evidence"]``: modules with an
-    ``evidence(table)``), then the dual modes'."""
+    per recipe, then those of the other registered experiments the reproduction ran (their
+    ``Experiment.evidence``), then the dual modes'."""
     recipes = [
         recipe for recipe in manifest["sections"] if ((table["analysis"] == "m1") & (table["recipe"] == recipe)).any()
     ]
@@ -386,7 +387,11 @@ def evidence(table: pd.DataFrame, manifest: dict) -> list[Evidence]:
         for recipe in recipes
     }
     pieces = [piece for recipe in recipes for piece in _m1(table, recipe, own[recipe])]
-    extras = [
-        piece for module in manifest.get("evidence", []) for piece in importlib.import_module(module).evidence(table)
+    known = experiments()
+    own_pieces = [
+        piece
+        for name in manifest["experiments"]
+        if name not in ("m1", DUAL_EXPERIMENT) and name in known and known[name].evidence is not None
+        for piece in known[name].evidence(table)
     ]
-    return pieces + extras + _dual(table)
+    return pieces + own_pieces + _dual(table)

@@ -1,10 +1,10 @@
 """``reproduction.json``: what a reproduction was (profile, settings, machine) and how its figures
 and claims are organised, so that ``taskgeom report`` can rebuild the page from the files alone.
 
-Format: {"format": 4, "taskgeom": version, "commit": the git commit or None, "profile", "seeds": [training seeds], "overrides": [...],
+Format: {"format": 6, "taskgeom": version, "commit": the git commit or None, "profile", "seeds": [training seeds], "overrides": [...],
 "recipes": [the recipes measured], "sections": {recipe: its report section's title}, "grid",
-"device", "executor", "machine": {...}, "experiments": [names in order], "evidence": [modules of the
-recipes' own experiments that give interactive evidence], "runs": [the run directories it used],
+"device", "executor", "machine": {...}, "experiments": [the registered experiments' names, in order;
+the report asks each for its interactive evidence], "runs": [the run directories it used],
 "models": {run directory: sha256 of its model.safetensors}, "claims": {id: experiment that checked
 it}, "figures": [{"path", "pdf", "caption", "experiment", "claims": [ids]}]}.
 
@@ -31,8 +31,8 @@ from taskgeom.version import __version__
 MANIFEST = "reproduction.json"
 # 2: the run directories used ("runs"); 3: seeds, the machine's kernels and the models' sha256; 4: the recipes' sections;
 # 5: claims.json's rows carry their recipe and the experiment that measured them (format 4 wrote the recipe as "experiment")
-FORMAT = 5
-READABLE = (4, 5)  # a format-4 folder is read with its claims' rows completed (``read_claims``)
+FORMAT = 6  # 6: no "evidence" (the registered experiments give theirs)
+READABLE = (4, 5, 6)  # a format-4 folder is read with its claims' rows completed (``read_claims``)
 CLAIMS = "claims.json"
 DUAL_EXPERIMENT = "dual_modes"
 DUAL_SECTION, OTHER_SECTION = "dual", "other"  # the sections beside the recipes'
@@ -125,7 +125,6 @@ def manifest(
     runs_root: Path,
     sections: dict[str, str],
     grid: tuple[int, ...] | None = None,
-    evidence: list[str] = (),
 ) -> dict:
     """The manifest of one reproduction (see the module docstring for the fields)."""
     models = {name: file_sha256(Path(runs_root) / name / "model.safetensors") for name in runs}
@@ -143,7 +142,6 @@ def manifest(
         "executor": executor,
         "machine": machine(),
         "experiments": experiments,
-        "evidence": list(evidence),
         "runs": runs,
         "models": models,
         "claims": claims,

@@ -17,7 +17,7 @@ from matplotlib.font_manager import FontProperties  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 from matplotlib.textpath import TextToPath  # noqa: E402
 
-from taskgeom.claims.catalog import CLAIMS  # noqa: E402
+from taskgeom.claims.catalog import specs  # noqa: E402
 from taskgeom.claims.rules import CAVEATS, caveat_marks  # noqa: E402
 from taskgeom.report.figures import save  # noqa: E402
 from taskgeom.report.manifest import read_claims, read_manifest  # noqa: E402
@@ -61,7 +61,7 @@ def verdict_table(named: dict[str, Path]) -> pd.DataFrame:
             )
     table = pd.DataFrame(rows, columns=COLUMNS)
     recipes.update(dict.fromkeys(table["recipe"]))
-    names = {**dict.fromkeys(spec.name for spec in CLAIMS), **dict.fromkeys(table["claim"].str.split(".", n=1).str[1])}
+    names = {**dict.fromkeys(spec.name for spec in specs()), **dict.fromkeys(table["claim"].str.split(".", n=1).str[1])}
     rank = {
         "recipe": list(recipes).index,
         "claim": lambda claim: list(names).index(claim.split(".", 1)[1]),

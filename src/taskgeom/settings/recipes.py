@@ -9,28 +9,26 @@ and the recipe's ``study`` section declares what ``taskgeom reproduce`` measures
 ```yaml
 study:
   section: "E4: planted Dyck"            # its section of the report
-  experiments:                           # in order; a generic experiment by name, or one of its own
+  experiments:                           # registered experiments by name (taskgeom.claims.registry)
     m1: {}                               # M1's geometry on its k = -1 runs
     dual_modes: {profiles: [paper]}      # the diversity sweep, at these profiles only
-    e4: {run: "taskgeom.extras.dyck:e4", options: {references: [e1, e3]}}
+    e4: {options: {references: [e1, e3]}}  # E4's own study, with what it reads of other recipes
 ```
 
-An experiment of its own (``run: module:function``) is called as ``function(ctx, study,
-**options)`` and may carry ``function.runs(ctx, study, **options)`` (the runs it needs, for the schedule)
-and its module an ``evidence(table)`` (its interactive figures in the report)."""
+An experiment reads the ``options`` of each recipe that takes part in it (``Study.options``)."""
 
 from __future__ import annotations
 
 import copy
 import functools
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
+from taskgeom.analysis.protocol import STUDY, Protocol
 from taskgeom.settings.config import ConfigError, RunConfig, describe_validation, describe_value
 from taskgeom.settings.fields import Int, PositiveInt, StrictModel
 
@@ -89,7 +87,9 @@ def build_config(raw: dict, overrides: list[str] = ()) -> RunConfig:
 class MeasureSettings(StrictModel):
     """What a profile measures beside its runs' settings (a profile's ``measure:`` section, inherited
     through ``extends``): the diversity grid of the dual-mode sweep (the claims read its lowest and
-    highest k) and the sizes of the study's Fig. 4 statistic (docs/protocol.md, "Projection R^2")."""
+    highest k), the sizes of the study's Fig. 4 statistic (docs/protocol.md, "Projection R^2") and the
+    analyses' sample sizes it changes from the study's (``protocol``: fields of
+    ``taskgeom.analysis.protocol.Protocol``'s ``SAMPLE_SIZES``, checked when a reproduction reads them)."""
 
     grid: list[Int] = Field(
         default_factory=lambda: [-1, 4, 10], min_length=2, description="diversities k of the dual-mode sweep"
@@ -102,6 +102,22 @@ class MeasureSettings(StrictModel):
     projection_per_task: PositiveInt = Field(
         128, description="sequences per OOD task and per major task's mean (the study's 128)"
     )
+
+    protocol: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the analyses' sample sizes this profile changes from the study's protocol (the smoke profile's)",
+    )
+
+    @field_validator("protocol")
+    @classmethod
+    def _sample_sizes(cls, value: dict[str, Any]) -> dict[str, Any]:
+        STUDY.changed(value)  # ValueError naming a field that is no sample size, or a wrong value
+        return value
+
+    @property
+    def analysis_protocol(self) -> Protocol:
+        """The protocol the analyses measure under at this profile: the study's with ``protocol``'s sizes."""
+        return STUDY.changed(self.protocol)
 
     @property
     def projection_sizes(self) -> tuple[int, int]:
@@ -276,13 +292,8 @@ def load_recipe(name_or_path: str | Path, profile: str = DEFAULT_PROFILE, overri
 
 
 class ExperimentEntry(StrictModel):
-    run: str | None = Field(
-        None,
-        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
-        description="module:function of an experiment of the recipe's own",
-    )
     profiles: list[str] | None = Field(None, description="only at these profiles; all when left out")
-    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of an experiment of its own")
+    options: dict[str, Any] = Field(default_factory=dict, description="what the experiment reads of this recipe")
 
 
 class StudySection(StrictModel):
@@ -306,6 +317,10 @@ class Study:
         entry = self.experiments.get(experiment)
         return entry is not None and (entry.profiles is None or profile in entry.profiles)
 
+    def options(self, experiment: str) -> dict[str, Any]:
+        """What ``experiment`` reads of this recipe (its entry's ``options``)."""
+        return dict(self.experiments[experiment].options)
+
 
 def load_study(name_or_path: str | Path) -> Study:
     """The study section of a recipe; ConfigError naming the file when it has none or a wrong one."""
@@ -322,12 +337,3 @@ def load_study(name_or_path: str | Path) -> Study:
     except ValidationError as err:
         raise ConfigError(f"{path}: {describe_validation(err, ('study',))}") from None
     return Study(path.stem, path, study.section, study.experiments, tuple(recipe.profiles))
-
-
-def experiment_function(reference: str) -> Callable:
-    """The function ``module:function`` names; ConfigError when it cannot be imported."""
-    module, name = reference.split(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"experiment {reference!r} cannot be loaded: {type(err).__name__}: {err}") from None

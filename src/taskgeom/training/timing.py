@@ -82,16 +82,12 @@ class Timings:
 
 # ---- what a plan will take on this machine ---------------------------------------------------------
 
-# [measured] CPU seconds of each kind of work per second its run's training FLOPs (6 x parameters x
-# tokens) take at one thread's float32 matrix-multiply rate (``matmul_rate``):
-# ``python benchmarks/plan_costs.py RESULTS --rate 79`` on the quick three-seed reproduction at 6c99fae of
-# a fresh clone on a 2-core AMD EPYC (kernels pinned to AVX2; the probe 79 GFLOP/s a thread; its folder
-# is not published): training 1.7-2.2 for every run; a dual analysis 2.0-2.3 (E3) and 2.9-4.0 (E1); an
-# M1 analysis 0.37-0.38 (E2), 1.14-1.16 (E3), 2.2-2.4 (E1). E4's own measurement of one seed (its P0 and
-# the prefix probe, one thread: 112.6 + 93.4 s on the quick runs, docs/benchmarks.md, at e32f717 and
-# 15d3dd0) per flop-second of its k = -1 run (46.9): 4.4, without its linear probes and natural-state
-# P0 (20-35 CPU-s a seed at 6c99fae). Where families differ, the largest family's is taken.
-COST_PER_FLOP_SECOND = {"train": 2.1, "dual": 3.8, "m1": 2.3, "e4": 4.4}
+# [measured] CPU seconds of training per second its FLOPs (6 x parameters x tokens) take at one thread's
+# float32 matrix-multiply rate (``matmul_rate``): 1.7-2.2 for every run of the quick three-seed
+# reproduction at 6c99fae of a fresh clone on a 2-core AMD EPYC (kernels pinned to AVX2; the probe 79
+# GFLOP/s a thread), ``python benchmarks/plan_costs.py RESULTS --rate 79``. Each experiment's analyses
+# state theirs per flop-second of the run they read (``claims.registry.Experiment.cost``).
+TRAIN_COST_PER_FLOP_SECOND = 2.1
 
 
 def depth_factor(n_layers: int) -> float:
@@ -104,7 +100,7 @@ def depth_factor(n_layers: int) -> float:
 
 def matmul_rate(seconds: float = 0.5, n: int = 512) -> float:
     """FLOP/s of torch's float32 ``n x n`` matrix multiply on one thread, for about ``seconds`` of
-    wall time (the probe that scales ``COST_PER_FLOP_SECOND`` to this machine). Per CPU second of this
+    wall time (the probe that scales the costs per flop-second to this machine). Per CPU second of this
     process, so that a machine busy with other work reads its own speed, not its load."""
     import torch
 

@@ -18,7 +18,7 @@ The protocol (the study's; our own choices marked **[ours]**):
 - **Steps.** Each of at most ``steps`` (200) steps evaluates ``loss_fn(step, site)`` -- the loss on
   a fresh batch, batch ``step`` of the caller's search stream of minor/OOD sequences -- under the
   ablation at ``site`` and takes one Adam step (lr 0.01) of gradient *ascent* on it, the gradient
-  of A clipped to norm 1.0. The caller sizes the batch: ``BATCH_SIZE`` (32) sequences is the
+  of A clipped to norm 1.0. The caller sizes the batch: the protocol's ``search_batch`` (32) sequences is the
   protocol's. Model parameters are frozen during the search and their ``requires_grad`` flags
   restored afterwards, even on error; the model's train/eval mode is left as the caller set it.
 - **Kept direction.** As the study's ``optimal_orth.py`` keeps it: the exponential moving average
@@ -47,7 +47,6 @@ from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place, intervene
 from taskgeom.rng import generator
 
-BATCH_SIZE = PROTOCOL.search_batch  # sequences per search step, the protocol's; the caller's loss_fn draws them
 TOKEN_SHARE = PROTOCOL.token_share  # share of the token-effect variance the token subspace holds
 RANK_CUT = PROTOCOL.rank_cut  # [ours] singular values below this fraction of the largest are cut from a span
 
@@ -185,7 +184,7 @@ def orthogonal_searches(
     the dual analysis). One result per search, in order.
 
     loss_fn(step, site) -> scalar tensor: the model's loss on a fresh batch, batch ``step`` of the
-    caller's search stream (``BATCH_SIZE`` minor/OOD sequences), with the search's ablation in
+    caller's search stream (the protocol's ``search_batch`` minor/OOD sequences), with the search's ablation in
     place at ``site``. The searches run in lockstep: at each step every search still running
     evaluates batch ``step`` in turn, so a caller can draw each batch, and run the unedited blocks
     before each site's layer (``states.LayerStreams``), once for all of them. A search's result is

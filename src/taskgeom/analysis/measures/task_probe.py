@@ -5,7 +5,7 @@ an intercept of the states over the fit window,
     h ~ pi W_task + onehot(x_t) W_tok [+ logits_t W_logit] [+ onehot(t) W_pos] + b
                      (E2: x_t W_x in place of the one-hot term)
 
-with ``pi`` the pool's exact posterior restricted to the K major tasks, on ``PROBE_SEQUENCES``
+with ``pi`` the pool's exact posterior restricted to the K major tasks, on the protocol's ``probe_sequences``
 major sequences (the study's ``sample_mode="major"``, ``n_minor=-1``: no minor or anchoring
 sequences). Every group of regressors that sums to one drops its last column (the dummy-variable
 trap): the token and position one-hots always, ``pi`` when it sums to one on the fitted states
@@ -47,9 +47,6 @@ FIT_SHARE = (
     PROTOCOL.probe_fit_share
 )  # the share of the sequences the probe is fitted on (the study's validation_split 0.2)
 RANK_CUT = PROTOCOL.rank_cut  # S keeps the singular directions of W_task above this fraction of the largest
-PROBE_SEQUENCES = (
-    PROTOCOL.probe_sequences
-)  # the study's fit_n_samples = 5000 drawn in batches of 64: 79 batches, 5,056 major sequences
 PROBE_CHUNK = 250  # sequences a pass while collecting them (the pool posterior of 1,000 tasks is large)
 
 

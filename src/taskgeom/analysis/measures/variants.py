@@ -1,7 +1,7 @@
 """The earlier conventions of this project, kept computable by name (docs/protocol.md#variants).
 
-The claims are measured one way, the study's (``analysis.protocol.STUDY``); each ``Variant`` here is
-a named copy of that protocol with the fields it changes (``Variant.protocol``) and the reason it
+The claims are measured one way, the study's (``analysis.protocol.STUDY``, or the active protocol
+with a profile's sample sizes); each ``Variant`` here is a named copy of that protocol with the fields it changes (``Variant.protocol``) and the reason it
 existed, so the API (``protocol=tg.protocol("...")``) and ``taskgeom sensitivity`` can measure it on
 the same runs and a reader sees how a verdict depends on it. A variant of the data changes no field:
 it trains other runs (``overrides``). No variant ever decides a claim.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from taskgeom.analysis.protocol import STUDY, Protocol
+from taskgeom.analysis.protocol import Protocol, active
 from taskgeom.errors import AnalysisError
 
 
@@ -41,8 +41,8 @@ class Variant:
 
     @property
     def protocol(self) -> Protocol:
-        """The study's protocol with this variant's ``fields``."""
-        return replace(STUDY, **self.fields)
+        """The active protocol (the study's, or a profile's sample sizes) with this variant's ``fields``."""
+        return replace(active(), **self.fields)
 
 
 VARIANTS = (
@@ -182,10 +182,11 @@ MEASURED_AGAIN = tuple(v.name for v in VARIANTS if v.again)  # measured again on
 
 
 def protocol(name: str | None = None) -> Protocol:
-    """The protocol of variant ``name`` (None or "protocol": the study's); an unknown name, or a variant
-    of the data (other runs, the same protocol), is an error that lists the variants of the measurement."""
+    """The protocol of variant ``name`` (None or "protocol": the active one, ``STUDY`` unless a profile
+    set its sample sizes); an unknown name, or a variant of the data (other runs, the same protocol), is
+    an error that lists the variants of the measurement."""
     if name is None or name == "protocol":
-        return STUDY
+        return active()
     if name not in BY_NAME or BY_NAME[name].overrides:
         measured = ", ".join(v.name for v in VARIANTS if not v.overrides)
         raise AnalysisError(f"no variant of the measurement {name!r}: choose 'protocol' or one of {measured}")

@@ -16,15 +16,12 @@ from typing import Sequence
 import torch
 
 from taskgeom.analysis.measures.anova import TwoWay, two_way
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.analysis.reading.states import stream_layers
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.rng import generator
 from taskgeom.tasks import TaskPool, TokenFamily
 
-P0_PER_CELL = PROTOCOL.cell_sequences  # the study's batch_size for P0/P1 (fig_task_vector_r2_combined.py)
-P2_PER_CELL = 256  # and for P2 (fig_averaging_r2_combined.py)
 STREAM, P2_STREAM = "m1-cells", "m1-cells-p2"  # the draws of P0/P1's cells and of P2's
 
 

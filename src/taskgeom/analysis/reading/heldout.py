@@ -12,7 +12,7 @@ split                     sets (stream)            used for
 ``geometry``              major (dual-geometry),   the task subspace of dual.json and its projection
                           ood (dual-geometry-ood)  R^2, V's probes
 ``loss``                  major, minor (dual),     losses and ablations of dual.json (the OOD
-                          ood (dual-ood)           sequences from ``LOSS_OOD_TASKS`` tasks)
+                          ood (dual-ood)           sequences from ``loss_ood_tasks`` tasks)
 ``search-select``         ood (dual-ood-search-    choosing the layer of V
                           select)
 ``prior``                 ood (dual-prior)         the OOD prediction map that d0 is estimated from
@@ -41,7 +41,7 @@ from typing import Callable, Literal, get_args
 import torch
 
 from taskgeom.analysis.measures.properties import Fit, stability, stability_linear
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.protocol import active
 from taskgeom.analysis.reading.steering import PredictionReadout, Readout, TokenReadout
 from taskgeom.errors import AnalysisError
 from taskgeom.rng import generator
@@ -98,9 +98,8 @@ PAIRED = (
     Split.GEOMETRY,
     Split.PROBE,
 )  # E2's major sequences of these are paired over tasks
-LOSS_OOD_TASKS = (
-    PROTOCOL.loss_ood_tasks
-)  # the study's n_ood: the OOD sequences of the ``loss`` split come from 30 OOD tasks drawn once
+# The protocol's ``loss_ood_tasks`` (``active()``), the study's n_ood: the OOD sequences of the ``loss``
+# split come from 30 OOD tasks drawn once
 
 
 def stream(split: "Split | str", kind: str) -> str:
@@ -123,7 +122,7 @@ def sample(
     if n < 1:
         raise AnalysisError(f"the number of sequences must be at least 1, got {n}")
     if kind == "ood":
-        return family.sample_ood(n, seq_len, seed, 0, name, LOSS_OOD_TASKS if split is Split.LOSS else None)
+        return family.sample_ood(n, seq_len, seed, 0, name, active().loss_ood_tasks if split is Split.LOSS else None)
     if kind == "minor" and not pool.n_minor:
         raise AnalysisError("this run's pool has no minor tasks (task.diversity = -1)")
     if kind == "major" and split in PAIRED:

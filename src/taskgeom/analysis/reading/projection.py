@@ -29,7 +29,6 @@ from typing import Iterator, Sequence
 import torch
 
 from taskgeom.analysis.measures.properties import quantiles
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.analysis.reading.sequences import Sequences, StudiedRun
 from taskgeom.analysis.reading.states import stream_layers
 from taskgeom.errors import AnalysisError
@@ -37,9 +36,6 @@ from taskgeom.hooks import Place
 from taskgeom.tasks import Batch, TaskFamily
 
 CHUNK = 512  # sequences per forward pass or estimate while the task means are summed
-STUDY_SIZES = (
-    PROTOCOL.projection_study_sizes
-)  # (OOD tasks, sequences per task): the study's draw, written beside the claims' larger one
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,13 @@ comes to what the mixture ``a`` of the major tasks predicts there.
   sum_j a_j theta_j(p)`` with k the sequence's true task and ``theta_j(p)`` the mean state of task j
   at p minus the mean over tasks (``position_task_vectors``); ``"subspace"`` (E2, E3,
   ``subspace_edit``): ``h' = h - (h - mu_p) P_S + sum_j a_j theta_j`` with theta the averaging
-  estimate over ``STUDY_ESTIMATION`` (``averaged_task_vectors``), P_S the projector on their span
+  estimate over the protocol's ``steering_estimation`` (``averaged_task_vectors``), P_S the projector on their span
   (``span_basis``) and mu_p the mean over the tasks of each task's mean state at p. The vectors
   come from natural states of whole major tasks at the read place (``resid_post``), the edit is
-  written at ``WRITE_SITE`` of the same block (the study hooks the attention sub-block, whose
+  written at the protocol's ``steering_write_site`` of the same block (the study hooks the attention sub-block, whose
   output is ``resid_mid``); the variant ``steer-at-read-site`` writes at the read place with the
   two-way layout's late-window task effects (the earlier construction).
-- **Positions** (``STUDY_POSITIONS``): E1 25-39, E2 and E3 0-39 (E2: examples, edited where y_i
+- **Positions** (``study_positions``): E1 25-39, E2 and E3 0-39 (E2: examples, edited where y_i
   is read), clipped to the context: a position beyond the last is moved to the last, so a short
   context keeps at least its last position **[ours]** (``clip_positions``).
 - **Readouts** per (sequence, point), over its edited positions: the mean KL(model || q_a) with
@@ -38,7 +38,7 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.protocol import Protocol, active
 from taskgeom.analysis.reading.states import LayerStreams
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place, intervene
@@ -47,24 +47,13 @@ from taskgeom.tasks import Batch, TaskFamily, TokenFamily
 Change = Callable[[torch.Tensor], torch.Tensor]
 SteeringForm = Literal["task", "subspace"]
 FORMS: tuple[str, ...] = ("task", "subspace")
-STUDY_POSITIONS: dict[str, range] = {
-    "task": PROTOCOL.steering_task_positions,
-    "subspace": PROTOCOL.steering_subspace_positions,
-}
-STUDY_SPAN = PROTOCOL.steering_span  # the study edits positions below 40
-STUDY_ESTIMATION = (
-    PROTOCOL.steering_estimation
-)  # the positions whose natural states give the subspace form's task vectors
-ESTIMATION_PER_TASK = (
-    PROTOCOL.steering_estimation_per_task
-)  # natural sequences of each major task the vectors are estimated on (the study's estimation_B)
-STUDY_SEQUENCES = PROTOCOL.steering_sequences  # sequences steered, drawn from the major mixture (the study's B)
-WRITE_SITE = (
-    PROTOCOL.steering_write_site
-)  # where the study writes the edit: the output of the block's attention sub-block
-RANK_CUT = (
-    PROTOCOL.rank_cut
-)  # singular values of the task vectors kept above this fraction of the largest (the study's rank cut)
+# The protocol's choices steering reads (``active()``): steering_task_positions and
+# steering_subspace_positions, the positions each form edits (``study_positions``); steering_span, the
+# study edits positions below 40; steering_estimation, the positions whose natural states give the
+# subspace form's task vectors; steering_estimation_per_task, the natural sequences of each major task
+# they are estimated on (the study's estimation_B); steering_sequences, the sequences steered, drawn from
+# the major mixture (the study's B); steering_write_site, where the study writes the edit (the output of
+# the block's attention sub-block); rank_cut, the study's rank cut of the task vectors' span.
 KINDS = ("unsteered", "steered", "mode", "random")
 
 
@@ -83,8 +72,14 @@ def study_form(family: TaskFamily) -> SteeringForm:
 def steering_place(family: TaskFamily, n_layers: int) -> Place:
     """Where steering reads its vectors (docs/protocol.md): the M1 claims' place, the family's
     ``m1_block`` (E1, E3 block 3 of 6; E2 10 of 16) at the same relative depth, ``resid_post``; the
-    protocol writes the edit at ``WRITE_SITE`` of the same block."""
+    protocol writes the edit at its ``steering_write_site`` of the same block."""
     return Place.at_depth(*family.m1_block, n_layers)
+
+
+def study_positions(form: str, protocol: Protocol | None = None) -> range:
+    """The positions the study edits with ``form`` under ``protocol`` (the active one when None)."""
+    protocol = active() if protocol is None else protocol
+    return {"task": protocol.steering_task_positions, "subspace": protocol.steering_subspace_positions}[form]
 
 
 def clip_positions(span: Sequence[int], n_positions: int) -> tuple[int, ...]:
@@ -97,11 +92,12 @@ def clip_positions(span: Sequence[int], n_positions: int) -> tuple[int, ...]:
 
 def estimation_positions(n_positions: int) -> tuple[int, ...]:
     """The subspace form's estimation positions in a context of ``n_positions`` analysed positions:
-    ``STUDY_ESTIMATION`` where it fits, else the same fractions of the study's edited span 0-39
-    (E2 at 16 examples: 10-15) **[ours]**."""
-    if max(STUDY_ESTIMATION) < n_positions:
-        return tuple(STUDY_ESTIMATION)
-    return tuple(sorted({min(p * n_positions // STUDY_SPAN, n_positions - 1) for p in STUDY_ESTIMATION}))
+    the protocol's ``steering_estimation`` where it fits, else the same fractions of the study's
+    edited span 0-39 (E2 at 16 examples: 10-15) **[ours]**."""
+    estimation, span = active().steering_estimation, active().steering_span
+    if max(estimation) < n_positions:
+        return tuple(estimation)
+    return tuple(sorted({min(p * n_positions // span, n_positions - 1) for p in estimation}))
 
 
 def averaged_task_vectors(
@@ -116,9 +112,10 @@ def averaged_task_vectors(
     return theta - theta.mean(0), means.mean(0)
 
 
-def span_basis(theta: torch.Tensor, cut: float = RANK_CUT) -> torch.Tensor:
+def span_basis(theta: torch.Tensor, cut: float | None = None) -> torch.Tensor:
     """[D, r] orthonormal basis of the span of theta: [K, D] from its SVD, the directions whose
-    singular value exceeds ``cut`` times the largest (the study's rank cut)."""
+    singular value exceeds ``cut`` (the protocol's ``rank_cut`` when None) times the largest."""
+    cut = active().rank_cut if cut is None else cut
     _, singular, vh = torch.linalg.svd(theta.double(), full_matrices=False)
     return vh[: int((singular > cut * singular[0]).sum())].T
 

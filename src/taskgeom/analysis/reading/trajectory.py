@@ -21,7 +21,6 @@ from taskgeom.analysis.measures.simplex import project_simplex, sum_to_one_fit
 from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.analysis.reading.steering import averaged_task_vectors
 
-PER_TASK = PROTOCOL.trajectory_per_task  # natural sequences of each major task (the script's B)
 STUDY_ESTIMATION = PROTOCOL.trajectory_estimation  # _ESTIM_POSITIONS, every family
 STUDY_PLOTTED = PROTOCOL.trajectory_plotted  # _PLOT_POSITIONS
 STUDY_TASKS = PROTOCOL.trajectory_tasks  # _TASK_IDS: the tasks whose sequences are shown

@@ -65,10 +65,16 @@ class Block:
 
 
 def find_blocks(
-    run: StudyRun, geometries: Sequence[Geometry], *, rank: int = 1, steps: int = 200, protocol: Protocol = STUDY
+    run: StudyRun,
+    geometries: Sequence[Geometry],
+    *,
+    rank: int = 1,
+    steps: int | None = None,
+    protocol: Protocol | None = None,
 ) -> list[Block]:
-    """V (the searches in lockstep) and the random controls at each geometry's place, as ``protocol``
-    searches (what V avoids, the set it ascends on: ``StudyRun.orthogonal_search``)."""
+    """V (the searches in lockstep, ``steps`` each: the protocol's ``search_steps`` when None) and the
+    random controls at each geometry's place, as ``protocol`` (the active one when None) searches
+    (what V avoids, the set it ascends on: ``StudyRun.orthogonal_search``)."""
     found = run.orthogonal_search([(g, rank) for g in geometries], steps=steps, protocol=protocol)
     gen = generator(run.seed, 0, "dual-random")
     return [
@@ -97,12 +103,12 @@ def ablation_rows(
     clean: dict[str, torch.Tensor],
     *,
     v_block: int | None = None,
-    protocol: Protocol = STUDY,
+    protocol: Protocol | None = None,
 ) -> list[dict]:
     """The per-block and summary rows (module docstring) on each set {name: sequences} of the
     ``loss`` split, whose clean per-prediction losses are ``clean`` {name: [P - 1]}; ``v_block``:
     the index of the block whose V and control rows are the summary (``v-best-block``), else the mean;
-    ``protocol``: whose S is ablated (``Geometry.ablate``)."""
+    ``protocol``: whose S is ablated (``Geometry.ablate``; the active one when None)."""
     window = loss_window(run.family)
     if not blocks:
         raise AnalysisError("the ablations need at least one block")
@@ -173,7 +179,7 @@ def rank_rows(
     ood: Sequences,
     clean: torch.Tensor,
     *,
-    steps: int = 200,
+    steps: int | None = None,
 ) -> list[dict]:
     """The rank curve: the share of OOD gain removed by V of rank r (searched afresh for r other
     than the blocks' own rank) at each block, and its mean over blocks (``layer`` None)."""

@@ -16,7 +16,7 @@ objects of ``analysis.study``, so each stored number is what they return. Where 
   (``projection.place``): ``projection_r2`` (band: the interquartile range over OOD tasks) with its
   standard error over tasks ``projection_r2_se``, beside the linear-code reference
   ``projection_r2_reference`` (null, with the reason, for a family without ``ood_estimate``). The
-  study's own draw (``projection.STUDY_SIZES``, 128 tasks of 128 sequences; batch
+  study's own draw (the protocol's ``projection_study_sizes``, 128 tasks of 128 sequences; batch
   ``projection_study``) is ``projection_r2_study_draw`` (and its ``_se``) of the final model, and
   ``projection_r2`` with a ``step`` of the final model and of each kept snapshot.
   The variant ``per-sequence-r2`` (each late OOD state of the ``geometry`` split, centred by
@@ -58,11 +58,11 @@ from taskgeom.analysis.measures.subspace import complement_basis
 from taskgeom.analysis.measures.task_vectors import late_window
 from taskgeom.analysis.measures.theory import clr, participation_ratio, theorem2
 from taskgeom.analysis.measures.transition import reference_predictors, transition_statistic
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.protocol import active
 from taskgeom.analysis.reading import projection
 from taskgeom.analysis.stored.ablations import ablation_rows, block_places, find_blocks, rank_rows
 from taskgeom.analysis.stored.rows import row, stamped, stored_rows
-from taskgeom.analysis.study import SELECTION_SEQUENCES, Sequences, StudyRun
+from taskgeom.analysis.study import Sequences, StudyRun
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.runs.folders import Run
@@ -70,14 +70,11 @@ from taskgeom.runs.storage import atomic_write_json
 from taskgeom.settings.recipes import MeasureSettings
 from taskgeom.tasks import TokenFamily
 
-PRIOR_TASKS = PROTOCOL.prior_tasks  # OOD tasks whose predictions sample the OOD prediction map (d0)
-TRANSITION_SEQUENCES = (
-    PROTOCOL.transition_sequences
-)  # the study's num_samples of the predictor transition (fig_kl_transition_combined.py)
+# The protocol's sample sizes read here (``active()``): prior_tasks, the OOD tasks whose predictions sample
+# the OOD prediction map (d0); transition_sequences, the study's num_samples of the predictor transition
+# (fig_kl_transition_combined.py); eval_sequences, the study's evaluation sets (n_samples_eval = 500 drawn
+# in batches of 64, so 8 batches, 512 sequences); geometry_sequences and search_steps; projection_study_sizes
 REFERENCE_CHUNK = 256  # sequences whose Bayes predictors are computed at once
-EVAL_SEQUENCES = (
-    PROTOCOL.eval_sequences
-)  # the study's evaluation sets: n_samples_eval = 500 drawn in batches of 64, so 8 batches, 512 sequences
 
 
 def quartiles(x: torch.Tensor) -> list[float]:
@@ -86,9 +83,11 @@ def quartiles(x: torch.Tensor) -> list[float]:
     return [float(low), float(high)]
 
 
-def loss_sets(run: StudyRun, n: int = EVAL_SEQUENCES) -> dict[str, Sequences]:
-    """The ``loss`` split's sequences, ``n`` of each set (the study's 512): major, minor (if the pool
-    has minors) and ood (from the study's 30 OOD tasks, ``heldout.LOSS_OOD_TASKS``)."""
+def loss_sets(run: StudyRun, n: int | None = None) -> dict[str, Sequences]:
+    """The ``loss`` split's sequences, ``n`` of each set (the protocol's ``eval_sequences`` when None,
+    the study's 512): major, minor (if the pool has minors) and ood (from the study's 30 OOD tasks,
+    the protocol's ``loss_ood_tasks``)."""
+    n = active().eval_sequences if n is None else n
     kinds = ("major", "minor", "ood") if run.pool.n_minor else ("major", "ood")
     return {kind: run.heldout(kind, n, split="loss") for kind in kinds}
 
@@ -96,19 +95,22 @@ def loss_sets(run: StudyRun, n: int = EVAL_SEQUENCES) -> dict[str, Sequences]:
 def analyze_dual(
     run: StudyRun,
     *,
-    n_seq: int = 256,
+    n_seq: int | None = None,
     rank: int = 1,
-    search_steps: int = 200,
+    search_steps: int | None = None,
     projection_sizes: tuple[int, int] = MeasureSettings().projection_sizes,
 ) -> list[dict]:
     """All section-5 measurements of a finished run (``n_seq`` sequences per geometry batch, the
-    study's ``EVAL_SEQUENCES`` per evaluation set, V of ``rank`` directions found in ``search_steps``
-    steps, projection R^2 on ``projection_sizes`` = (OOD tasks, sequences per task)); writes
+    protocol's ``eval_sequences`` per evaluation set, V of ``rank`` directions found in ``search_steps``
+    steps, projection R^2 on ``projection_sizes`` = (OOD tasks, sequences per task); ``n_seq`` and
+    ``search_steps``: the protocol's ``geometry_sequences`` and ``search_steps`` when None); writes
     ``analysis/dual.json`` and returns its rows."""
+    n_seq = active().geometry_sequences if n_seq is None else n_seq
+    search_steps = active().search_steps if search_steps is None else search_steps
     family, cfg = run.family, run.config
     n_layers = cfg.model.n_layers
     all_sites = run.places()
-    selection = run.select_place(run.heldout("major", SELECTION_SEQUENCES, split="select"), all_sites, n_random=0)
+    selection = run.select_place(run.selection_batch(), all_sites, n_random=0)
     place = selection.best
     rows = [row("place_selected", 1.0, place=place, batch="select", set="major")]
     if selection.runner_up is not None:
@@ -153,7 +155,7 @@ def analyze_dual(
     rows += ablation_rows(run, blocks, sets, clean)
 
     prior = (
-        family.predict_ood(run.heldout("ood", PRIOR_TASKS, split="prior").batch.tokens)[:, -1]
+        family.predict_ood(run.heldout("ood", active().prior_tasks, split="prior").batch.tokens)[:, -1]
         if family.reads_tokens
         else None
     )
@@ -218,7 +220,7 @@ def projection_rows(
                 row("projection_r2_per_sequence", per_sequence.mean(), quartiles(per_sequence), place=site, **at),
             ]
     # the study's own draw (128 OOD tasks of 128 sequences), at the final model and across training
-    study_sizes = projection.STUDY_SIZES
+    study_sizes = active().projection_study_sizes
     drawn = tasks["ood"] if study_sizes == sizes else run.heldout_tasks("ood", study_sizes[1], n_tasks=study_sizes[0])
     study_major = tasks["major"] if study_sizes[1] == per_task else run.heldout_tasks("major", study_sizes[1])
     study = {"batch": "projection_study", "set": "ood"}
@@ -280,7 +282,7 @@ def token_prediction_rows(
     """Theorem 2 (at the last layer's resid_post, where the readout is the final norm and
     unembedding) on the OOD sequences whose states h_ood: [N, T, D] there ``readout`` was fitted
     beside (prior: [2048, V] OOD-optimal predictions over OOD tasks), and the predictor transition
-    over the checkpoints {step: run at that step} on ``TRANSITION_SEQUENCES`` sequences of the
+    over the checkpoints {step: run at that step} on the protocol's ``transition_sequences`` sequences of the
     training mixture (``measures.transition``)."""
     family, pool, model, tokens = run.family, run.pool, run.model, ood.batch.tokens
     subspace, t, place = readout.fit.subspace, tokens.shape[1] - 1, readout.place
@@ -305,7 +307,9 @@ def token_prediction_rows(
     rows.append(
         row("theorem2_share_bound_holds", (theory["distance"] >= theory["bound"]).double().mean(), set="ood", **where)
     )
-    mixture = run.heldout("mixture", TRANSITION_SEQUENCES, split="transition").batch.tokens  # the study's mode="train"
+    mixture = run.heldout(
+        "mixture", active().transition_sequences, split="transition"
+    ).batch.tokens  # the study's mode="train"
     by_chunk = [
         reference_predictors(family, chunk, pool, run.config.task.p_minor) for chunk in mixture.split(REFERENCE_CHUNK)
     ]

@@ -7,7 +7,7 @@ The code is guarded too: ``code_fingerprint`` digests the source of the modules 
 (their syntax trees, without docstrings and comments, so a reworded docstring or a reformatting is
 no change), and the test suite holds it against the fingerprint committed beside the format number
 (tests/stored_fingerprints.json). Changing a measurement's code fails that test until one of two
-things is done: bump the analysis's format number in ``FORMATS`` (its stored results are measured
+things is done: bump the analysis's format number (``FORMATS``, or its ``register`` call; its stored results are measured
 again), or, when no stored number can move, record the new fingerprint. (The history of the
 format numbers is in CHANGELOG.md.)
 """
@@ -19,14 +19,15 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-from taskgeom.analysis.protocol import STUDY
+from taskgeom.analysis.protocol import active
 
-FORMATS = {"m1": 12, "dual": 12, "e4": 1}
+# The generic analyses' format numbers; a study's own stored analysis joins with ``register``
+FORMATS = {"m1": 12, "dual": 12}
 # the module each analysis starts from; its code is every module of MEASURING it imports, transitively
-ENTRY = {"m1": "taskgeom.analysis.stored.m1", "dual": "taskgeom.analysis.stored.dual", "e4": "taskgeom.extras.dyck"}
+ENTRY = {"m1": "taskgeom.analysis.stored.m1", "dual": "taskgeom.analysis.stored.dual"}
 MEASURING = (
     "taskgeom.analysis",
-    "taskgeom.extras",
+    "taskgeom.studies",
     "taskgeom.tasks",
     "taskgeom.models",
     "taskgeom.hooks",
@@ -34,9 +35,17 @@ MEASURING = (
 )
 
 
+def register(analysis: str, number: int, entry: str) -> None:
+    """A stored analysis of a study's own: its name, format number and the module it starts from
+    (called by that module as it is imported); ValueError when the name is taken by another."""
+    if analysis in FORMATS and (FORMATS[analysis], ENTRY[analysis]) != (number, entry):
+        raise ValueError(f"stored analysis {analysis!r} is registered twice: by {ENTRY[analysis]} and by {entry}")
+    FORMATS[analysis], ENTRY[analysis] = number, entry
+
+
 def key(analysis: str) -> dict[str, int | str]:
     """{"version": the format number, "protocol": the protocol's digest} of ``analysis`` as measured now."""
-    return {"version": FORMATS[analysis], "protocol": STUDY.digest()}
+    return {"version": FORMATS[analysis], "protocol": active().digest()}
 
 
 def is_current(stored: dict, analysis: str, as_text: bool = False) -> bool:

@@ -53,12 +53,13 @@ from taskgeom.analysis.geometry import AdditiveR2, Alignment, Geometry
 from taskgeom.analysis.measures.properties import MeanAlignment, quantiles
 from taskgeom.analysis.measures.task_vectors import check_major_tasks
 from taskgeom.analysis.measures.variants import protocol as variant_protocol
-from taskgeom.analysis.reading.cells import P0_PER_CELL, ForcedCells
-from taskgeom.analysis.reading.steering import KINDS, STUDY_SEQUENCES, Steering, steering_place
+from taskgeom.analysis.protocol import active
+from taskgeom.analysis.reading.cells import ForcedCells
+from taskgeom.analysis.reading.steering import KINDS, Steering, steering_place
 from taskgeom.analysis.reading.trajectory import Trajectory
 from taskgeom.analysis.stored.keys import is_current, key
 from taskgeom.analysis.stored.rows import row, stamped, stored_rows
-from taskgeom.analysis.study import DEFAULT_SITES, StudyRun
+from taskgeom.analysis.study import StudyRun
 from taskgeom.errors import AnalysisError, CheckpointError
 from taskgeom.hooks import Place
 from taskgeom.runs.storage import atomic_write_json, load_tensors, save_tensors
@@ -108,19 +109,21 @@ def check_request(
     run: StudyRun,
     layers: tuple[int, ...] | None = None,
     sites: tuple[str, ...] | None = None,
-    n_sequences: int = 512,
+    n_sequences: int | None = None,
     window: float = 0.25,
-    per_cell: int = P0_PER_CELL,
+    per_cell: int | None = None,
 ) -> list[Place]:
     """The places to analyse; AnalysisError (before any work) for what the run cannot give.
-    layers: None for all; sites: those measured (None: those of DEFAULT_SITES the model has); both
+    layers: None for all; sites: those measured (None: those of the protocol's ``sites`` the model has); both
     must include the claims' places (``claim_places``); window: the late fraction of positions
     where the claims read P0-P3 (the task vectors' window is the family's ``vector_window``);
-    per_cell: sequences a forced-token cell."""
+    per_cell: sequences a forced-token cell (the protocol's ``cell_sequences`` when None)."""
+    per_cell = active().cell_sequences if per_cell is None else per_cell
+    n_sequences = active().selection_sequences if n_sequences is None else n_sequences
     n_layers = run.config.model.n_layers
     if layers is not None and not layers:
         raise AnalysisError(f"layers (none) do not exist; the model has layers 0..{n_layers - 1}")
-    sites = sites or tuple(s for s in DEFAULT_SITES if s in run.directory.sites)
+    sites = sites or tuple(s for s in active().sites if s in run.directory.sites)
     places = run.places(sites, layers)
     missing = [tuple(p) for p in dict.fromkeys(claim_places(run)) if p not in places]
     if missing:
@@ -255,17 +258,20 @@ def analyze(
     *,
     layers: tuple[int, ...] | None = None,
     sites: tuple[str, ...] | None = None,
-    n_sequences: int = 512,
+    n_sequences: int | None = None,
     window: float = 0.25,
     n_random: int = 8,
-    per_cell: int = P0_PER_CELL,
+    per_cell: int | None = None,
 ) -> Result:
     """The M1 geometry of a finished run (options: ``check_request``; ``n_random``: P2's random
     subspaces; ``per_cell``: sequences a forced-token cell, ``StudyRun.forced_cells``, for P0 and P1
     of a token family); RunDirError if unfinished, AnalysisError for a bad request. Steering is measured at
     the claims' block (``analysis.reading.steering.steering_place``) as the study's injection does,
-    on ``STUDY_SEQUENCES`` sequences of the ``steering`` split, and as the variant
-    ``steer-at-read-site`` on the measurement batch."""
+    on the protocol's ``steering_sequences`` sequences of the ``steering`` split, and as the variant
+    ``steer-at-read-site`` on the measurement batch; ``per_cell``: the protocol's ``cell_sequences``
+    when None."""
+    per_cell = active().cell_sequences if per_cell is None else per_cell
+    n_sequences = active().selection_sequences if n_sequences is None else n_sequences
     places = check_request(run, layers, sites, n_sequences, window, per_cell)
     request = analysis_request(places, n_sequences, window, n_random, per_cell)
     place, p3_place = claim_places(run)
@@ -297,7 +303,8 @@ def analyze(
     rows += trajectory_rows(run.trajectories(places), p3_place)
     if isinstance(run.family, TokenFamily):
         rows += cell_rows(run.forced_cells(places, per_cell=per_cell), run.cell_p2(places, n_random=n_random))
-    steering = kept[place].steer("dirichlet", sequences=run.heldout("major", STUDY_SEQUENCES, split="steering"))
+    steered = run.heldout("major", active().steering_sequences, split="steering")
+    steering = kept[place].steer("dirichlet", sequences=steered)
     rows += steering_rows(steering)
     rows += steering_rows(
         kept[place].steer("dirichlet", protocol=variant_protocol("steer-at-read-site")), READ_SITE_PREFIX
@@ -466,15 +473,17 @@ def load(
     *,
     layers: tuple[int, ...] | None = None,
     sites: tuple[str, ...] | None = None,
-    n_sequences: int = 512,
+    n_sequences: int | None = None,
     window: float = 0.25,
     n_random: int = 8,
-    per_cell: int = P0_PER_CELL,
+    per_cell: int | None = None,
 ) -> Result | None:
     """The ``Result`` that ``analyze`` with these options gave, as ``write`` stored it, or None when the
     run has none: no file, another key (``keys.key``: format number, protocol), another request, or an m1.json written
     since (by another analysis). CheckpointError naming the file when it is damaged or not a stored M1
     result."""
+    per_cell = active().cell_sequences if per_cell is None else per_cell
+    n_sequences = active().selection_sequences if n_sequences is None else n_sequences
     path = run.path / "analysis" / RESULT_FILE
     rows = stored_rows(run, "m1")
     if rows is None or not path.exists():

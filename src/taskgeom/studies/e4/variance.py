@@ -18,16 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.protocol import active
 from taskgeom.analysis.reading.states import collect
 from taskgeom.rng import generator
 from taskgeom.runs.folders import Run
 from taskgeom.tasks.dyck import Dyck
 
-N_MASKS = PROTOCOL.dyck_p0_masks  # fig_dyck_combined.py: --n-masks
-PER_MASK = PROTOCOL.dyck_p0_per_mask  # fig_dyck_combined.py: --batch-size, sequences per (task, mask)
-PREFIX_K = PROTOCOL.dyck_p0_prefix_k  # fig_dyck_combined.py: --prefix-k
-SITE = PROTOCOL.dyck_p0_site  # variance.py hooks model.layers[l].attn_block
+# The protocol's (``active()``): dyck_p0_masks, fig_dyck_combined.py's --n-masks; dyck_p0_per_mask, its
+# --batch-size, sequences per (task, mask); dyck_p0_prefix_k, its --prefix-k; dyck_p0_site, where
+# variance.py hooks model.layers[l].attn_block
 STREAM = "p0-masks"
 
 
@@ -72,10 +71,10 @@ def bracket_moments(
     family: Dyck, model: torch.nn.Module, words: torch.Tensor, masks: torch.Tensor, per_mask: int, gen: torch.Generator
 ) -> BracketMoments:
     """The states' moments over ``per_mask`` sequences per (task, mask) for words: [K, 2n] and
-    masks: [M, T] (``bracket_masks``), at every layer's ``SITE``."""
+    masks: [M, T] (``bracket_masks``), at every layer's protocol site (``dyck_p0_site``)."""
     positions = bracket_positions(masks)
     n_layers, K, (M, T), J = model.cfg.n_layers, words.shape[0], masks.shape, positions.shape[1]
-    sites = [(layer, SITE) for layer in range(n_layers)]
+    sites = [(layer, active().dyck_p0_site) for layer in range(n_layers)]
     sums = torch.zeros(n_layers, K, J, model.cfg.d_model, dtype=torch.float64)
     squares = torch.zeros(n_layers, K, J, dtype=torch.float64)
     for k in range(K):
@@ -98,9 +97,11 @@ def prefix_cells(words: torch.Tensor, j: int, prefix_k: int) -> list[list[int]]:
     return list(cells.values())
 
 
-def residual_ratio(moments: BracketMoments, words: torch.Tensor, prefix_k: int = PREFIX_K) -> torch.Tensor:
-    """[L, J] float64: 1 - R^2 of the prefix cells at each layer and bracket index j, the study's
+def residual_ratio(moments: BracketMoments, words: torch.Tensor, prefix_k: int | None = None) -> torch.Tensor:
+    """[L, J] float64: 1 - R^2 of the prefix cells (of ``prefix_k`` brackets, the protocol's
+    ``dyck_p0_prefix_k`` when None) at each layer and bracket index j, the study's
     ``_compute_dyck_r2`` (eps 1e-10 in the denominator)."""
+    prefix_k = active().dyck_p0_prefix_k if prefix_k is None else prefix_k
     means, variances, n = moments.means, moments.variances, moments.count
     ratio = torch.empty(means.shape[0], means.shape[2], dtype=torch.float64)
     for j in range(means.shape[2]):
@@ -116,9 +117,13 @@ def residual_ratio(moments: BracketMoments, words: torch.Tensor, prefix_k: int =
     return ratio
 
 
-def study_p0(run: Run, n_masks: int = N_MASKS, per_mask: int = PER_MASK) -> torch.Tensor:
+def study_p0(run: Run, n_masks: int | None = None, per_mask: int | None = None) -> torch.Tensor:
     """[L, J] the residual variance ratio of ``run``'s major tasks (``residual_ratio``) at every
-    layer's ``SITE``, the masks and the noise drawn from the run's seed."""
+    layer's protocol site, on ``n_masks`` masks x ``per_mask`` sequences (the protocol's when None),
+    the masks and the noise drawn from the run's seed."""
+    protocol = active()
+    n_masks = protocol.dyck_p0_masks if n_masks is None else n_masks
+    per_mask = protocol.dyck_p0_per_mask if per_mask is None else per_mask
     family, cfg = run.family, run.config
     gen = generator(cfg.train.seed, 0, STREAM)
     masks = bracket_masks(family, n_masks, cfg.task.seq_len, gen)

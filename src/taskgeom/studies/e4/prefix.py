@@ -16,7 +16,7 @@ early stop when the mean is at most 6e-3; the best mean validation loss kept. Th
 each length's validation accuracy.
 
 The control [ours]: the same probe, data and draws with the labels shuffled within each length's
-pool; the claim reads the smallest over lengths of accuracy minus the control's (``claims.e4``).
+pool; the claim reads the smallest over lengths of accuracy minus the control's (``studies.e4.claims``).
 """
 
 from __future__ import annotations
@@ -27,30 +27,29 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
 from taskgeom.analysis.protocol import PrefixProbeSettings as ProbeSettings
+from taskgeom.analysis.protocol import active as active_protocol
 from taskgeom.analysis.reading.states import collect
-from taskgeom.extras.dyck_variance import bracket_masks
 from taskgeom.hooks import Place
 from taskgeom.rng import generator
 from taskgeom.runs.folders import Run
+from taskgeom.studies.e4.variance import bracket_masks
 from taskgeom.tasks.dyck import Dyck
 
-N_MASKS = PROTOCOL.dyck_probe_masks  # fig_dyck_combined.py: --probe-masks
-PER_MASK = PROTOCOL.dyck_probe_per_mask  # --probe-batch: sequences per (task, mask)
-MAX_PREFIX = PROTOCOL.dyck_probe_max_prefix  # --target-length
-PROBE_BLOCK = PROTOCOL.dyck_probe_block  # --layer 5 of the study's 6 blocks, placed by relative depth (Place.at_depth)
-SITE = PROTOCOL.dyck_probe_site  # _data.py hooks model.layers[layer].attn_block
+# The protocol's (``active_protocol()``): dyck_probe_masks, fig_dyck_combined.py's --probe-masks;
+# dyck_probe_per_mask, its --probe-batch (sequences per (task, mask)); dyck_probe_max_prefix, its
+# --target-length; dyck_probe_block, its --layer 5 of the study's 6 blocks, placed by relative depth
+# (Place.at_depth); dyck_probe_site, where _data.py hooks model.layers[layer].attn_block; and
+# dyck_prefix_probe, the probe's training settings
 TASK_CHUNK = 128  # tasks per forward pass (memory only)
-
-
-STUDY = PROTOCOL.dyck_prefix_probe
 Data = dict[int, tuple[torch.Tensor, torch.Tensor]]  # {length l: (states [N, D], labels [N] long)}
 
 
-def prefix_classes(words: torch.Tensor, max_prefix: int = MAX_PREFIX) -> dict[int, dict[tuple[int, ...], int]]:
-    """{l: {prefix: class}} for l = 1..max_prefix: the distinct first-l brackets of words: [K, 2n],
-    numbered in order of first appearance (``build_prefix_datasets``)."""
+def prefix_classes(words: torch.Tensor, max_prefix: int | None = None) -> dict[int, dict[tuple[int, ...], int]]:
+    """{l: {prefix: class}} for l = 1..max_prefix (the protocol's ``dyck_probe_max_prefix`` when None):
+    the distinct first-l brackets of words: [K, 2n], numbered in order of first appearance
+    (``build_prefix_datasets``)."""
+    max_prefix = active_protocol().dyck_probe_max_prefix if max_prefix is None else max_prefix
     classes: dict[int, dict[tuple[int, ...], int]] = {}
     for length in range(1, max_prefix + 1):
         seen: dict[tuple[int, ...], int] = {}
@@ -68,11 +67,14 @@ def collect_pool(
     per_mask: int,
     layer: int,
     gen: torch.Generator,
-    max_prefix: int = MAX_PREFIX,
+    max_prefix: int | None = None,
 ) -> Data:
-    """The pool: {l: (states [N, D] at (layer, SITE), labels [N])} over every (mask, task) and its
-    ``per_mask`` sequences, at the positions where l brackets are placed (the last position left out),
-    for the lengths with at least two classes that some mask reaches."""
+    """The pool: {l: (states [N, D] at (layer, the protocol's ``dyck_probe_site``), labels [N])} over
+    every (mask, task) and its ``per_mask`` sequences, at the positions where l brackets are placed
+    (the last position left out), for the lengths l <= max_prefix (the protocol's when None) with at
+    least two classes that some mask reaches."""
+    max_prefix = active_protocol().dyck_probe_max_prefix if max_prefix is None else max_prefix
+    site = active_protocol().dyck_probe_site
     classes = prefix_classes(words, max_prefix)
     lengths = [length for length in range(1, max_prefix + 1) if len(classes[length]) >= 2]
     labels = {length: torch.tensor([classes[length][tuple(w[:length])] for w in words.tolist()]) for length in lengths}
@@ -91,7 +93,7 @@ def collect_pool(
             tokens = family.plant(
                 words[tasks].repeat_interleave(per_mask, 0), mask.expand(n, -1), noise[tasks].reshape(n, T)
             )
-            h = collect(model, tokens[:, :read], [(layer, SITE)], batch_size=1024)[(layer, SITE)]  # [n, read, D]
+            h = collect(model, tokens[:, :read], [(layer, site)], batch_size=1024)[(layer, site)]  # [n, read, D]
             for length in lengths:
                 at = h[:, positions[length]]  # [n, P, D]: task-major, then sequence, then position
                 parts[length][0].append(at.reshape(-1, at.shape[-1]))
@@ -187,11 +189,12 @@ class ProbeResult:
 
 
 def train_probe(
-    pool: Data, n_classes: dict[int, int], d_model: int, gen: torch.Generator, settings: ProbeSettings = STUDY
+    pool: Data, n_classes: dict[int, int], d_model: int, gen: torch.Generator, settings: ProbeSettings | None = None
 ) -> ProbeResult:
-    """The study's ``train_prefix_probe`` on pool (``collect_pool``), after its validation split; the
-    probe's initial weights and every draw from ``gen``."""
-    s = settings
+    """The study's ``train_prefix_probe`` on pool (``collect_pool``), after its validation split, with
+    ``settings`` (the protocol's ``dyck_prefix_probe`` when None); the probe's initial weights and every
+    draw from ``gen``."""
+    s = active_protocol().dyck_prefix_probe if settings is None else settings
     lengths = sorted(pool)
     pool, validation = _split(pool, s.samples_per_class, gen)
     sizes = draw_sizes(pool, s.samples_per_class)  # the pool does not change between redraws
@@ -248,15 +251,19 @@ def shuffled(pool: Data, gen: torch.Generator) -> Data:
 
 
 def probe_layer(run: Run) -> int:
-    """The block the study's probe reads at this model's depth (its block 5 of 6)."""
-    return Place.at_depth(*PROBE_BLOCK, run.config.model.n_layers).layer
+    """The block the study's probe reads at this model's depth (its block 5 of 6: ``dyck_probe_block``)."""
+    return Place.at_depth(*active_protocol().dyck_probe_block, run.config.model.n_layers).layer
 
 
 def study_prefix_probe(
-    run: Run, n_masks: int = N_MASKS, per_mask: int = PER_MASK, settings: ProbeSettings = STUDY
+    run: Run, n_masks: int | None = None, per_mask: int | None = None, settings: ProbeSettings | None = None
 ) -> dict[str, ProbeResult]:
     """{"probe": the study's prefix probe on ``run`` (its whole pool), "control": the same on shuffled
-    labels}; masks, sequences, splits, draws and initial weights from the run's seed (two streams)."""
+    labels}, on ``n_masks`` masks x ``per_mask`` sequences with ``settings`` (the protocol's when None);
+    masks, sequences, splits, draws and initial weights from the run's seed (two streams)."""
+    protocol = active_protocol()
+    n_masks = protocol.dyck_probe_masks if n_masks is None else n_masks
+    per_mask = protocol.dyck_probe_per_mask if per_mask is None else per_mask
     cfg = run.config
     gen = generator(cfg.train.seed, 0, "prefix-probe")
     words = run.pool.params

@@ -1,9 +1,9 @@
 """E4's own claims, planted Dyck (docs/concepts.md#e4-where-the-geometry-ends): P0 fails where E1 and
 E3 satisfy it (``P0_failure``), and a probe recovers the earlier bracket prefix from the hidden
 states (``prefix_probe``). Both read the study's measurements (docs/protocol.md, "E4"): P0 at
-``P0_SITE`` of each model's M1 block, where the study's variance.py reads it; the prefix probe as its
-``run_prefix_probe`` (block 5 of 6, ``resid_mid``); ``extras.dyck``, ``extras.dyck_variance`` and
-``extras.dyck_prefix`` measure what they read."""
+the protocol's ``dyck_p0_site`` of each model's M1 block, where the study's variance.py reads it; the prefix probe as its
+``run_prefix_probe`` (block 5 of 6, ``resid_mid``); ``studies.e4.experiment``, ``studies.e4.variance`` and
+``studies.e4.prefix`` measure what they read."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
+from taskgeom.analysis.protocol import active
 from taskgeom.claims.rules import Claim, Spec
 
 SPECS: tuple[Spec, ...] = (
@@ -36,14 +37,13 @@ SPECS: tuple[Spec, ...] = (
     ),
 )
 CLAIM_SITE = "resid_post"  # the site of the M1 block the earlier linear probes and their figures read
-P0_SITE = "resid_mid"  # the site the study's variance.py reads (its hook on attn_block)
 
 
 def p0_failure(
     recipe: str, residual: Sequence[float], layer: int, references: dict[str, float], natural_cells: float
 ) -> Claim:
     """E4's P0 failure on one seed: ``residual`` E4's residual variance ratio per bracket index at
-    ``P0_SITE`` of its M1 block ``layer`` (``extras.dyck_variance``), its median over the brackets
+    the protocol's ``dyck_p0_site`` of its M1 block ``layer`` (``studies.e4.variance``), its median over the brackets
     [ours] divided by the largest of ``references`` {recipe: 1 - P0 as its M1 claim reads it};
     ``natural_cells``, the earlier construction's ratio (``natural_cells_ratio``), written beside."""
     e4_share = statistics.median(residual)
@@ -52,14 +52,14 @@ def p0_failure(
     return SPECS[0].judge(
         recipe,
         f"E4's residual variance ratio (1 - R^2 of cells of the tasks sharing the last three planted brackets, at bracket j's own "
-        f"position, the study's variance.py) at its M1 block ({P0_SITE}), median over the brackets, divided by the larger of "
+        f"position, the study's variance.py) at its M1 block ({active().dyck_p0_site}), median over the brackets, divided by the larger of "
         f"{of_references} 1 - P0 (the study's forced-token cells); k = -1",
         e4_share / reference_share,
         {
             "e4_share": e4_share,
             "reference_share": reference_share,
             "layer": layer,
-            "site": P0_SITE,
+            "site": active().dyck_p0_site,
             "brackets": len(residual),
             **{f"{ref}_share": share for ref, share in references.items()},
             "natural_cells_ratio": natural_cells,

@@ -5,7 +5,7 @@ Where (docs/protocol.md, "E4"): the claims read ``resid_post`` of each model's M
 study's block 3 of 6 at the same relative depth, ``Place.at_depth`` of the family's ``m1_block``),
 one place, never the minimum over blocks; the tables keep every layer at both sites.
 
-P0's claim reads the study's own measurement (``extras.dyck_variance``: the residual variance ratio of
+P0's claim reads the study's own measurement (``studies.e4.variance``: the residual variance ratio of
 cells of the tasks sharing the last three planted brackets, at each bracket's own position, at
 ``resid_mid``) against E1's and E3's 1 - P0 as their M1 claims read it (``reference_within``). The
 earlier construction stays measured beside it (``natural_cells_ratio`` in the claim's parts): there
@@ -19,7 +19,7 @@ due [ours]. Once all brackets are placed E4 emits iid noise, a one-task E1 where
 trivially; both E4 numbers over every sequence of the late window are kept in
 ``analysis/e4.json`` too.
 
-The prefix probe's claim reads the study's own probe (``extras.dyck_prefix``) on the model at the top
+The prefix probe's claim reads the study's own probe (``studies.e4.prefix``) on the model at the top
 of the diversity grid: a 2-D projection and an MLP per prefix length, trained to name the first l
 brackets of the task's string from the state at the study's block 5 of 6 (``resid_mid``), against
 the same probe on shuffled labels [ours]. The earlier construction stays measured beside it (the
@@ -43,38 +43,38 @@ import torch
 from taskgeom.analysis.measures.anova import two_way
 from taskgeom.analysis.measures.linear_probes import Kind, linear_probe
 from taskgeom.analysis.measures.task_vectors import late_window
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.protocol import active
 from taskgeom.analysis.reading.states import collect
 from taskgeom.analysis.stored.keys import key as stored_key
+from taskgeom.analysis.stored.keys import register as register_format
 from taskgeom.analysis.study import StudyRun
-from taskgeom.claims.e4 import CLAIM_SITE, P0_SITE, natural_cells_ratio, p0_failure, prefix_probe, weakest_probe
 from taskgeom.claims.m1 import claim_values
 from taskgeom.errors import TaskgeomError
 from taskgeom.experiments.base import Context
 from taskgeom.experiments.m1 import stored_or_analyzed
-from taskgeom.extras.dyck_figures import plot_p0_comparison, plot_p0_positions, plot_prefix_probes, plot_study_probe
-from taskgeom.extras.dyck_prefix import SITE as PROBE_SITE
-from taskgeom.extras.dyck_prefix import probe_layer, study_prefix_probe
-from taskgeom.extras.dyck_variance import study_p0
+from taskgeom.experiments.schedule import TrainTask
 from taskgeom.hooks import Place
 from taskgeom.report.interactive import Evidence, lines
 from taskgeom.report.manifest import read_json
 from taskgeom.runs.folders import Run
 from taskgeom.runs.storage import atomic_write_json
 from taskgeom.settings.recipes import Study, load_measure
+from taskgeom.studies.e4.claims import CLAIM_SITE, natural_cells_ratio, p0_failure, prefix_probe, weakest_probe
+from taskgeom.studies.e4.figures import plot_p0_comparison, plot_p0_positions, plot_prefix_probes, plot_study_probe
+from taskgeom.studies.e4.prefix import probe_layer, study_prefix_probe
+from taskgeom.studies.e4.variance import study_p0
 from taskgeom.tasks import Batch
 from taskgeom.tasks.dyck import Dyck
 
-MAX_BACK = PROTOCOL.dyck_max_back  # probes for the planted bracket j back, j = 1..MAX_BACK
-N_SEQUENCES = PROTOCOL.dyck_probe_sequences  # sequences per probe analysis
-P0_SEQUENCES = (
-    1024  # sequences of the P0 layouts [ours]: E4's bracket phase keeps a fraction of them at each late position
-)
+register_format("e4", 1, __name__)  # one seed's stored measurement (``measure``): its format number
+# The protocol's (``active()``): dyck_max_back, the probes for the planted bracket j back, j = 1..max;
+# dyck_probe_sequences, sequences per probe analysis; dyck_natural_p0_sequences, those of the P0 layouts
+# on natural states [ours] (E4's bracket phase keeps a fraction of them at each late position)
 # The recipes whose P0 E4 is set beside (the recipe's ``options: {references: [...]}``): token
 # families; E2 would need its token factor binned, since x_t is continuous there.
 REFERENCES = ("e1", "e3")
 # Sites measured at every layer, for P0 and for the probes (the tables); the claims and the figures
-# read claims.e4.CLAIM_SITE of the M1 block (docs/protocol.md, "E4").
+# read studies.e4.claims.CLAIM_SITE of the M1 block (docs/protocol.md, "E4").
 P0_SITES = ("resid_mid", "resid_post")
 PROBE_SITES = P0_SITES
 ProbeSet = Literal["pool", "ood"]
@@ -117,7 +117,8 @@ def _layer_states(run: Run, tokens: torch.Tensor, model: torch.nn.Module) -> dic
 
 
 def _major_batch(run: Run):
-    return run.family.sample(run.pool, P0_SEQUENCES, run.config.task.seq_len, run.config.train.seed, 0, "p0", "major")
+    n = active().dyck_natural_p0_sequences
+    return run.family.sample(run.pool, n, run.config.task.seq_len, run.config.train.seed, 0, "p0", "major")
 
 
 def _late(tokens: torch.Tensor) -> torch.Tensor:
@@ -168,10 +169,11 @@ def dyck_p0(run: Run) -> dict[str, dict[str, list[float]]]:
     }
 
 
-def probe_batch(run: Run, which: ProbeSet, n_sequences: int = N_SEQUENCES, stream: str = MEASURE_STREAM) -> Batch:
+def probe_batch(run: Run, which: ProbeSet, n_sequences: int | None = None, stream: str = MEASURE_STREAM) -> Batch:
     """The sequences the probes read: ``pool`` draws tasks from the pool prior (in-distribution, as
     the study probes); ``ood`` draws a fresh string per sequence (no memorised string can stand in
     for the prefix)."""
+    n_sequences = active().dyck_probe_sequences if n_sequences is None else n_sequences
     family, cfg = run.family, run.config
     if which == "pool":
         return family.sample(run.pool, n_sequences, cfg.task.seq_len, cfg.train.seed, 0, stream, "all")
@@ -182,12 +184,13 @@ def probe_batch(run: Run, which: ProbeSet, n_sequences: int = N_SEQUENCES, strea
 
 def probe_targets(family: Dyck, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[Kind, torch.Tensor]]]:
     """The probed positions and labels for tokens: [N, T]. mask: [N, T] bool, true where at least
-    MAX_BACK brackets are placed and more are still due; targets: {name: (kind, [N, T] labels)},
+    ``dyck_max_back`` brackets are placed and more are still due; targets: {name: (kind, [N, T] labels)},
     ``back_j`` the planted bracket j back (0 = "(", 1 = ")") and ``depth``."""
     count = family.bracket_count(tokens)
-    mask = (count >= MAX_BACK) & (count < family.length)
+    max_back = active().dyck_max_back
+    mask = (count >= max_back) & (count < family.length)
     targets: dict[str, tuple[Kind, torch.Tensor]] = {
-        f"back_{j}": ("classification", family.planted(tokens, j)) for j in range(1, MAX_BACK + 1)
+        f"back_{j}": ("classification", family.planted(tokens, j)) for j in range(1, max_back + 1)
     }
     targets["depth"] = ("regression", family.depth(tokens).double())
     return mask, targets
@@ -224,7 +227,7 @@ def probe_rows(
 
 
 def prefix_probes(
-    run: Run, model: torch.nn.Module, which: ProbeSet, n_sequences: int = N_SEQUENCES, stream: str = MEASURE_STREAM
+    run: Run, model: torch.nn.Module, which: ProbeSet, n_sequences: int | None = None, stream: str = MEASURE_STREAM
 ) -> list[dict]:
     """Probes for the planted bracket j back (accuracy) and the depth (R^2) on ``which`` sequences
     (``probe_batch``), from the embedding (layer 0's ``resid_pre``) and from PROBE_SITES of every
@@ -241,17 +244,32 @@ def probe_diversity(ctx: Context, study: Study) -> int:
     return max(ctx.diversities or load_measure(study.path, ctx.profile).grid)
 
 
-def runs(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> list:
-    """The runs ``e4`` trains or reads, for the schedule: the study's at k = -1 and at the probes' k
-    (``probe_diversity``), and the references at k = -1, each on every seed."""
+def references(study: Study) -> tuple[str, ...]:
+    """The recipes whose k = -1 runs ``study``'s P0 is set beside (its ``options: {references: [...]}``)."""
+    return tuple(study.options("e4").get("references", REFERENCES))
+
+
+def runs(ctx: Context) -> list[TrainTask]:
+    """The runs ``e4`` trains or reads, for the schedule, for every recipe taking part: its own at k = -1
+    and at the probes' k (``probe_diversity``), and its references at k = -1, each on every seed."""
     return [
-        *ctx.plans(study.name, ("task.diversity=-1",)),
-        *ctx.plans(study.name, (f"task.diversity={probe_diversity(ctx, study)}",)),
-        *(task for name in references for task in ctx.plans(name, ("task.diversity=-1",))),
+        task
+        for study in ctx.taking_part("e4")
+        for task in (
+            *ctx.plans(study.name, ("task.diversity=-1",)),
+            *ctx.plans(study.name, (f"task.diversity={probe_diversity(ctx, study)}",)),
+            *(task for name in references(study) for task in ctx.plans(name, ("task.diversity=-1",))),
+        )
     ]
 
 
-def e4(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> None:
+def e4(ctx: Context) -> None:
+    """E4's claims on the runs of every recipe taking part (``measure_study``)."""
+    for study in ctx.taking_part("e4"):
+        measure_study(ctx, study, references(study))
+
+
+def measure_study(ctx: Context, study: Study, references: Sequence[str]) -> None:
     """E4's claims on ``study``'s runs against ``references`` (every seed), one seed's figures, and
     every row in the folder's ``analysis/{study}.json``."""
     tables: dict[str, list[dict]] = {name: [] for name in TABLES}
@@ -293,7 +311,7 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int, div
             accuracy["control"],
             reached,
             probe_layer(diverse),
-            PROBE_SITE,
+            active().dyck_probe_site,
             diversity,
             weakest_probe(rows["probes"], claim_layer(diverse))["gain"],
         ),
@@ -337,10 +355,14 @@ def seed_file(ctx: Context, name: str, references: Sequence[str], seed: int, div
     return ctx.out / "analysis" / name / f"seed-{seed}.json", key
 
 
-def left(ctx: Context, study: Study, references: Sequence[str] = REFERENCES) -> list[str]:
-    """For ``--plan``: the k = -1 run of every seed whose measurement ``measure`` has not stored."""
-    diversity = probe_diversity(ctx, study)
-    files = [seed_file(ctx, study.name, references, seed, diversity) for seed in ctx.seeds]
+def left(ctx: Context) -> list[str]:
+    """For ``--plan``: the k = -1 run of every seed, of every recipe taking part, whose measurement
+    ``measure`` has not stored."""
+    files = [
+        seed_file(ctx, study.name, references(study), seed, probe_diversity(ctx, study))
+        for study in ctx.taking_part("e4")
+        for seed in ctx.seeds
+    ]
     return [key["runs"][0] for path, key in files if stored_seed(path, key) is None]
 
 
@@ -395,7 +417,13 @@ def measure_rows(
         for layer, share in enumerate(shares)
     ]
     bracket_rows = [
-        {"site": P0_SITE, "layer": layer, "bracket": j, "metric": "p0.residual_ratio", "value": float(value)}
+        {
+            "site": active().dyck_p0_site,
+            "layer": layer,
+            "bracket": j,
+            "metric": "p0.residual_ratio",
+            "value": float(value),
+        }
         for layer, ratios in enumerate(residual)
         for j, value in enumerate(ratios)
     ]
@@ -404,7 +432,7 @@ def measure_rows(
     study_probe_rows = [
         {
             "probe": name,
-            "site": PROBE_SITE,
+            "site": active().dyck_probe_site,
             "layer": at_probe,
             "length": length,
             "metric": f"prefix_probe.{metric}",
@@ -443,11 +471,11 @@ def plot(
         ctx.figure(
             "p0_bracket_positions.png",
             f"E4's P0 as the study's variance.py measures it: the residual variance ratio (1 - R^2 of cells of the tasks sharing the "
-            f"last three planted brackets) at each block's {P0_SITE}, at bracket j's own position, against j, k = -1; dotted: "
+            f"last three planted brackets) at each block's {active().dyck_p0_site}, at bracket j's own position, against j, k = -1; dotted: "
             f"{' and '.join(references_within)}'s 1 - P0 (the study's forced-token cells, their M1 block) (seed {seed})",
             (f"{name}.P0_failure",),
         ),
-        site=P0_SITE,
+        site=active().dyck_p0_site,
     )
     shares = claim_site_shares(measured["p0"])
     series = {f"{ref.upper()} (task, token)": shares[ref] for ref in references}
@@ -473,12 +501,12 @@ def plot(
         reached,
         ctx.figure(
             "prefix_probe_accuracy.png",
-            f"E4: the study's prefix probe (its run_prefix_probe: a 2-D projection and an MLP per length, block {at} {PROBE_SITE}): validation "
+            f"E4: the study's prefix probe (its run_prefix_probe: a 2-D projection and an MLP per length, block {at} {active().dyck_probe_site}): validation "
             f"accuracy of the first l brackets of the task's string against l; dotted: the same probe on shuffled labels; shaded: the "
             f"lengths past the curriculum's reach (l = {reached}), whose heads were never trained; k = {diversity} (seed {seed})",
             (f"{name}.prefix_probe",),
         ),
-        site=PROBE_SITE,
+        site=active().dyck_probe_site,
     )
     last = max(row["layer"] for row in measured["probes_untrained"])
     untrained = [r for r in measured["probes_untrained"] if r["site"] == CLAIM_SITE and r["layer"] == last]
@@ -495,10 +523,6 @@ def plot(
         f"E4: linear probes for the planted bracket prefix at {CLAIM_SITE}, k = {diversity}",
         site=CLAIM_SITE,
     )
-
-
-e4.runs = runs
-e4.left = left  # for --plan
 
 
 def evidence(table: pd.DataFrame) -> list[Evidence]:
@@ -519,7 +543,7 @@ def _evidence(table: pd.DataFrame, e4: str) -> list[Evidence]:
     return [
         Evidence(
             f"{e4}-p0-brackets",
-            f"Residual variance ratio per bracket index and layer ({P0_SITE}; the study's variance.py)",
+            f"Residual variance ratio per bracket index and layer ({active().dyck_p0_site}; the study's variance.py)",
             e4,
             (f"{e4}.P0_failure",),
             figure=lines(

@@ -1,18 +1,26 @@
-"""E2, in-context linear regression at k = -1: its claims (``claims.e2``) on every seed's run and
-one seed's per-example squared error against the dMMSE and ridge predictors."""
+"""E2, in-context linear regression at k = -1: its claims (``studies.e2.claims``) on every seed's run and
+one seed's per-example squared error against the dMMSE and ridge predictors, for every recipe that
+takes part in the experiment ``e2``."""
 
 from __future__ import annotations
 
 import pandas as pd
 
-from taskgeom.claims.e2 import NAMES, claims, late_means
 from taskgeom.experiments.base import Context
+from taskgeom.experiments.schedule import TrainTask
 from taskgeom.report.figures import plot_loss_by_position
 from taskgeom.settings.recipes import Study
+from taskgeom.studies.e2.claims import NAMES, claims, late_means
 from taskgeom.training.evaluate import evaluate_run
 
 
-def e2(ctx: Context, study: Study) -> None:
+def e2(ctx: Context) -> None:
+    """E2's claims on the k = -1 runs of every recipe taking part (every seed), and one seed's figure."""
+    for study in ctx.taking_part("e2"):
+        measure(ctx, study)
+
+
+def measure(ctx: Context, study: Study) -> None:
     """E2's claims on the k = -1 runs of ``study`` (every seed), and one seed's figure."""
     name, shown = study.name, study.name.upper()
     for seed in ctx.seeds:
@@ -35,4 +43,6 @@ def e2(ctx: Context, study: Study) -> None:
             )
 
 
-e2.runs = lambda ctx, study: ctx.plans(study.name, ("task.diversity=-1",))  # for the schedule
+def runs(ctx: Context) -> list[TrainTask]:
+    """The k = -1 runs of every recipe taking part, on every seed."""
+    return [task for study in ctx.taking_part("e2") for task in ctx.plans(study.name, ("task.diversity=-1",))]
