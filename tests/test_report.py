@@ -19,7 +19,7 @@ import yaml
 from conftest import SMOKE, TINY_SEEDS
 from typer.testing import CliRunner
 
-from taskgeom.claims.catalog import specs
+from taskgeom.claims.catalog import spec, specs
 from taskgeom.cli import app
 from taskgeom.report.manifest import read_claims
 
@@ -322,14 +322,19 @@ def test_compare_names_the_run_whose_bits_differ_and_the_claims_whose_verdict_di
     )
 
 
-def test_each_claim_names_its_recipe_and_the_experiment_that_measured_it(tiny_reproduction):
+def test_each_claim_names_its_recipe_the_experiment_that_measured_it_and_its_one_description(tiny_reproduction):
+    """A claim's description is its catalog entry's, the text the thresholds table prints: one text per claim."""
     manifest = json.loads((tiny_reproduction / "reproduction.json").read_text())
     experiments = {spec.experiment for spec in specs()}
-    for claim in _claims_file(tiny_reproduction):
+    claims = _claims_file(tiny_reproduction)
+    for claim in claims:
         assert claim["recipe"] == claim["id"].split(".")[0] and claim["recipe"] in manifest["recipes"], claim["id"]
         assert claim["experiment"] == manifest["claims"][claim["id"]] and claim["experiment"] in experiments, claim[
             "id"
         ]
+        entry = spec(claim["experiment"], claim["id"].split(".", 1)[1])
+        assert claim["description"] == entry.description, claim["id"]
+    assert len(claims) > 40
 
 
 def test_a_folder_whose_claims_name_their_recipe_experiment_is_read_as_today_s(tiny_reproduction, tmp_path):

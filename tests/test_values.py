@@ -360,6 +360,8 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
     probe = claims["e4.prefix_probe"]
     assert probe.value == pytest.approx(0.2, rel=1e-12) and probe.status == "pass"
     assert probe.parts == {
+        "lengths": "2..4",
+        "diversity": 10,
         "length": 3,
         "accuracy": 0.6,
         "control": 0.4,

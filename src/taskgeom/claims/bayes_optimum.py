@@ -10,7 +10,8 @@ SPECS: tuple[Spec, ...] = (
         "bayes_optimal",
         "bayes_optimum",
         "E1, E3 (k = -1)",
-        "excess loss over the ID-Bayes predictor on held-out major-task sequences (nats/token, mean over positions)",
+        "excess loss over the ID-Bayes predictor on held-out major-task sequences (nats/token, mean over "
+        "positions), k = -1",
         "<=",
         0.02,
         ("loss_by_position",),
@@ -20,9 +21,4 @@ SPECS: tuple[Spec, ...] = (
 
 def bayes_optimal(recipe: str, excess: float) -> Claim:
     """The claim of one k = -1 run of ``recipe`` from its mean ``excess`` loss over the ID-Bayes predictor."""
-    return SPECS[0].judge(
-        recipe,
-        "excess loss over the ID-Bayes predictor on held-out major-task sequences (nats/token, mean over "
-        "positions), k = -1",
-        excess,
-    )
+    return SPECS[0].judge(recipe, excess)

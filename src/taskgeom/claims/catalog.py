@@ -68,7 +68,7 @@ def thresholds_table() -> str:
 
     lines = ["| claim | experiment | measured on | quantity | passes when | figures |", "|---|---|---|---|---|---|"]
     lines += [
-        f"| `{c.name}` | {c.experiment} | {c.recipes} | {cell(c.quantity)} | {c.comparison} {c.threshold:g} | {', '.join(c.figures)} |"
+        f"| `{c.name}` | {c.experiment} | {c.recipes} | {cell(c.description)} | {c.comparison} {c.threshold:g} | {', '.join(c.figures)} |"
         for c in specs()
     ]
     return "\n".join(lines)

@@ -24,13 +24,13 @@ from taskgeom.analysis.stored.rows import by_step
 from taskgeom.claims.rules import Claim, Spec, gain_parts
 
 _RECIPES = "E1, E3 (the highest k of the grid)"
-_SHARE = "% of the {target} in-context gain removed by ablating {what}, mean over blocks"
+_SHARE = "% of the {target} in-context gain removed by ablating {what}, mean over blocks, at the highest k of the grid"
 SPECS: tuple[Spec, ...] = (
     Spec(
         "projection_r2_high_diversity",
         "dual_modes",
         _RECIPES,
-        "projection R^2 of OOD task means onto the major task means (Fig. 4)",
+        "projection R^2 of OOD task means onto the major task means (the study's Fig. 4) at the highest k of the grid",
         "<",
         0.2,
         ("projection",),
@@ -39,7 +39,8 @@ SPECS: tuple[Spec, ...] = (
         "projection_r2_drop",
         "dual_modes",
         _RECIPES,
-        "projection R^2 at k = -1 minus at the highest k",
+        "projection R^2 of OOD task means onto the major task means (the study's Fig. 4) at k = -1 minus at the "
+        "highest k of the grid",
         ">=",
         0.4,
         ("projection",),
@@ -84,8 +85,8 @@ SPECS: tuple[Spec, ...] = (
         "random_control",
         "dual_modes",
         _RECIPES,
-        "largest over blocks of the 75th percentile of the % of OOD gain removed by "
-        "random same-rank directions (the study's random band)",
+        "largest over blocks of the 75th percentile of the % of OOD in-context gain removed by the protocol's random "
+        "same-rank directions (5 at the study's sizes; the study's random band), at the highest k of the grid",
         "<",
         10.0,
         ("dissociation",),
@@ -94,7 +95,7 @@ SPECS: tuple[Spec, ...] = (
         "transition_memorising",
         "dual_modes",
         "E1, E3 (k = -1)",
-        "log(KL_mem / KL_gen) of the final model (negative: memorising)",
+        "log(KL_mem / KL_gen) of the final model at k = -1 (negative: memorising)",
         "<",
         0.0,
         ("transition",),
@@ -103,7 +104,7 @@ SPECS: tuple[Spec, ...] = (
         "transition_generalising",
         "dual_modes",
         "E1, E3 (the highest k)",
-        "log(KL_mem / KL_gen) of the final model (positive: generalising)",
+        "log(KL_mem / KL_gen) of the final model at the highest k of the grid (positive: generalising)",
         ">",
         0.0,
         ("transition",),
@@ -235,17 +236,16 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int) -> list[Claim]:
     """The dual-mode claims of ``recipe`` from the sweep rows of one seed (its runs at every k)."""
     made = []
 
-    def claim(name, description, value, parts=None):
-        made.append(_SPEC[name].judge(recipe, description, value, parts))
+    def claim(name, value, parts):
+        made.append(_SPEC[name].judge(recipe, value, parts))
 
     r2_high, r2_low = _value(rows, "projection_r2", high, "ood"), _value(rows, "projection_r2", low, "ood")
     se_high, se_low = _value(rows, "projection_r2_se", high, "ood"), _value(rows, "projection_r2_se", low, "ood")
-    what = "projection R^2 of OOD task means onto the major task means (the study's Fig. 4)"
     claim(
         "projection_r2_high_diversity",
-        f"{what} at k = {high}",
         r2_high,
         {
+            "diversity": high,
             **projection_parts(rows, high),
             "within_2se": _near(r2_high, _SPEC["projection_r2_high_diversity"].threshold, se_high),
         },
@@ -253,7 +253,6 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int) -> list[Claim]:
     se_drop = math.hypot(se_low, se_high)  # in quadrature: an upper bound, as both runs read the same OOD tasks
     claim(
         "projection_r2_drop",
-        f"{what} at k = {low} minus at k = {high}",
         r2_low - r2_high,
         {
             **{f"k={low}.{name}": v for name, v in projection_parts(rows, low).items()},
@@ -265,24 +264,17 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int) -> list[Claim]:
     made += ablation_claims(rows, recipe, high)
     if len(rows) and rows["metric"].str.startswith("transition_").any():  # token families only
         final = by_step(rows).sort_values("step").groupby("diversity").last()
-        for name, k, word in (
-            ("transition_memorising", low, "negative: memorising"),
-            ("transition_generalising", high, "positive: generalising"),
-        ):
+        for name, k in (("transition_memorising", low), ("transition_generalising", high)):
             parts = (
                 {
+                    "diversity": k,
                     "kl_to_memorising": final.loc[k, "kl_to_memorising"],
                     "kl_to_generalising": final.loc[k, "kl_to_generalising"],
                 }
                 if k in final.index
                 else None
             )
-            claim(
-                name,
-                f"log(KL_mem / KL_gen) of the final model at k = {k} ({word})",
-                final["log_ratio"].get(k, float("nan")),
-                parts,
-            )
+            claim(name, final["log_ratio"].get(k, float("nan")), parts)
     return with_ood_mode(made, rows, recipe, high)
 
 
@@ -293,11 +285,11 @@ def ablation_claims(rows: pd.DataFrame, recipe: str, high: int) -> list[Claim]:
     summary's losses and gain, each block's share and their mean."""
     made = []
     for ablation, target, spared in (("ablate_S", "major", "ood"), ("ablate_V", "ood", "major")):
-        what = "task subspace S" if ablation == "ablate_S" else "orthogonal directions V"
         for set_name in (target, spared):
             metric = f"gain_removed_{ablation}"
             value = _value(rows, metric, high, set_name, summary=True)
             parts = {
+                "diversity": high,
                 **gain_parts(
                     _value(rows, "loss", high, set_name),
                     _value(rows, f"loss_{ablation}", high, set_name, summary=True),
@@ -306,16 +298,13 @@ def ablation_claims(rows: pd.DataFrame, recipe: str, high: int) -> list[Claim]:
                 **_per_block(rows, metric, high, set_name),
                 "block_mean": value,
             }
-            description = (
-                f"% of {set_name} in-context gain removed by ablating the {what}, mean over blocks (k = {high})"
-            )
             made.append(
-                _SPEC[f"{ablation}_{set_name}"].judge(
-                    recipe, description, value, parts, _reason(rows, metric, high, set_name)
-                )
+                _SPEC[f"{ablation}_{set_name}"].judge(recipe, value, parts, _reason(rows, metric, high, set_name))
             )
     value = _value(rows, "gain_removed_random", high, "ood", summary=True)
     parts = {
+        "diversity": high,
+        "random_controls": N_RANDOM_CONTROLS,
         "ood_block_max": value,
         **_per_block(rows, "gain_removed_random", high, "ood", "ood_"),
         "major_block_max": _value(rows, "gain_removed_random", high, "major", summary=True),
@@ -323,8 +312,6 @@ def ablation_claims(rows: pd.DataFrame, recipe: str, high: int) -> list[Claim]:
     made.append(
         _SPEC["random_control"].judge(
             recipe,
-            f"largest over blocks of the 75th percentile of the % of OOD in-context gain removed by "
-            f"{N_RANDOM_CONTROLS} random same-rank directions (k = {high})",
             value,
             parts,
             _reason(rows, "gain_removed_random", high, "ood"),

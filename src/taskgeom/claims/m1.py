@@ -30,13 +30,16 @@ from taskgeom.hooks import Place
 STEERING_FACTOR = {"kl": 3.0, "rmse": 2.0}
 
 _RECIPES = "E1, E2, E3 (k = -1)"
+_WHERE = "at the study's block at the same relative depth, resid_post (layer and site in the parts)"
 SPECS: tuple[Spec, ...] = (
     Spec(
         "P0",
         "m1",
         _RECIPES,
         "P0, stability: cell-means R^2 of (task, current token) on the study's forced-token cells at the last "
-        "position it reads (E2: of its paired layout, median over the late window)",
+        "position it reads, T - 2 (per task and token value seen there, fresh prefixes of the task with that token "
+        "written at the position; the natural late-window median in the parts); E2: R^2 of a per-task intercept and "
+        f"per-task linear map of x_t at each position, median over the last quarter of positions; {_WHERE}",
         ">=",
         0.9,
         ("layers",),
@@ -45,7 +48,8 @@ SPECS: tuple[Spec, ...] = (
         "P1",
         "m1",
         _RECIPES,
-        "P1, decoupling: additive share of the variance P0's model explains, on P0's cells",
+        "P1, decoupling: the additive (task + current token, no interaction; E2: task + linear map of x_t) share "
+        f"of the variance P0's model explains, on P0's cells (E2: at P0's positions); {_WHERE}",
         ">=",
         0.9,
         ("layers",),
@@ -54,9 +58,11 @@ SPECS: tuple[Spec, ...] = (
         "P2",
         "m1",
         _RECIPES,
-        "P2, interpolation: r2_additive, the share of the variance of h_t about its per-position mean that the "
-        "token effect and the task simplex explain (E3 after the next LayerNorm; E2: a linear map of x_t), mean over the last ten of "
-        "the study's evaluation positions; E1, E3 on its forced-token cells",
+        "P2, interpolation: r2_additive, the share of the variance of h_t about its per-position mean explained by "
+        "nu(x_t) and the simplex fit of h_t - mu_t - nu(x_t) on the task vectors (E3 after the next block's "
+        "LayerNorm where one follows; E2: a per-position linear map of x_t), mean over the last ten of the study's "
+        "evaluation positions, E1 and E3 on its forced-token cells (theta and nu from the cells of the task "
+        f"vectors' window); {_WHERE}",
         ">=",
         0.8,
         ("layers", "positions"),
@@ -65,7 +71,7 @@ SPECS: tuple[Spec, ...] = (
         "P2.vs_random",
         "m1",
         _RECIPES,
-        "P2's r2_additive minus that of a random subspace of equal dimension",
+        f"P2's r2_additive minus that of the same fit on a random subspace of equal dimension; {_WHERE}",
         ">=",
         0.3,
         ("layers",),
@@ -74,8 +80,10 @@ SPECS: tuple[Spec, ...] = (
         "P3",
         "m1",
         _RECIPES,
-        "P3, alignment: TV between task 0's mean beta_t (task vectors from positions 40-59) and its mean "
-        "posterior alpha_t, last quarter of the study's plotted positions 0-59",
+        "P3, alignment: TV between the mean of beta_t over task 0's sequences (projected onto the simplex; beta the "
+        "sum-to-one fit of h_t - mu_t on the averaged task vectors of positions 40-59, the token effect kept) and "
+        "their mean posterior alpha_t, the study's trajectory figure, mean over the last quarter of its plotted "
+        f"positions 0-59; {_WHERE}",
         "<=",
         0.1,
         ("simplex",),
@@ -84,8 +92,9 @@ SPECS: tuple[Spec, ...] = (
         "P3.shrinks",
         "m1",
         _RECIPES,
-        "P3's TV over the last quarter of the uncertain positions divided by that over their first "
-        "quarter (n/a with fewer than 5 uncertain positions)",
+        "P3 on the per-task mean curves: mean TV(mean beta_t, mean alpha_t) over the last quarter of the positions "
+        "where the mean posterior is uncertain (median over tasks of its largest weight < 0.99) divided by that over "
+        "their first quarter (n/a with fewer than 5 uncertain positions)",
         "<",
         1.0,
         ("simplex",),
@@ -94,8 +103,9 @@ SPECS: tuple[Spec, ...] = (
         "steering",
         "m1",
         _RECIPES,
-        "steering: max(3 x steered / unsteered, steered / mode task) of the mean KL(model || q_a) over "
-        "target points (E2: RMSE to y_a, factor 2); <= 1: steered at most a third (E2: half) of unsteered and below the mode task's",
+        "steering: max(3 x steered / unsteered, steered / mode task) of the mean KL(model || q_a) over the target "
+        "points a ~ Dirichlet(1), one position per forward pass (E2: RMSE of the model's y to y_a, factor 2); <= 1: "
+        "steered at most a third (E2: half) of unsteered and below the mode task's; the study's place (in the parts)",
         "<=",
         1.0,
         ("steering",),
@@ -219,56 +229,14 @@ def _place(rows: list[dict], label: str, batch: str) -> Place:
 def claims(result: Result) -> list[Claim]:
     """The M1 claims of one analysed run, read at the study's blocks on the measurement batch."""
     return [
-        *retrieval_claims(claim_values(result.rows), result.experiment, result.effect),
+        *retrieval_claims(claim_values(result.rows), result.experiment),
         steering_claim(result.steering, result.experiment),
     ]
 
 
-def retrieval_claims(values: dict[str, Reading], e: str, effect: str = "current token") -> list[Claim]:
-    """The claims P0-P3 of recipe ``e`` from ``claim_values`` (the protocol's, or a variant's) of
-    one run; ``effect``: the token-effect model in words."""
-    where = (
-        "at the study's block at the same relative depth, resid_post (docs/protocol.md); layer and site in the parts"
-    )
-    if effect == "current token":
-        p0 = "P0: cell-means R^2 of (task, current token)"
-        p2 = (
-            "P2: r2_additive, the share of the variance of h_t about its per-position mean explained by nu(x_t) and the simplex fit of "
-            "h_t - mu_t - nu(x_t) on the task vectors (E3 after the next block's LayerNorm where one follows), mean over the last "
-            "ten of the study's evaluation positions, on its forced-token cells (256 sequences a cell; theta and nu from the cells "
-            "of the task vectors' window)"
-        )
-    else:
-        p0 = f"P0: R^2 of a per-task intercept and per-task {effect}"
-        p2 = (
-            "P2: r2_additive, the share of the variance of h_t - mu_t explained by the task simplex plus a per-position linear map "
-            "of x_t, mean over the last ten of the study's evaluation examples"
-        )
-    if effect == "current token":
-        late = (
-            "on the study's forced-token cells at the last position it reads, T - 2 (per task and token value seen there, fresh "
-            "prefixes of the task with that token written at the position; the natural late-window median in the parts)"
-        )
-    else:
-        late = "at each position, median over the last quarter of positions"
-    shrink_description = (
-        "P3: on the per-task mean curves, mean TV(mean beta_t, mean alpha_t) over the last quarter of the positions "
-        "where the mean posterior is uncertain (median over tasks of its largest weight < 0.99) divided by that over their first quarter"
-    )
-    descriptions = {
-        "P0": f"{p0}, {late} ({where})",
-        "P1": f"P1: additive (task + {effect}, no interaction) share of the variance P0's model explains, {late} ({where})",
-        "P2": f"{p2} ({where})",
-        "P2.vs_random": f"P2: r2_additive minus that of the same fit on a random subspace of equal dimension ({where})",
-        "P3": "P3: TV between the mean of beta_t over task 0's sequences (projected onto the simplex; beta the sum-to-one fit of "
-        "h_t - mu_t on the averaged task vectors of positions 40-59, the token effect kept) and their mean posterior alpha_t, "
-        f"the study's trajectory figure, mean over the last quarter of its plotted positions 0-59 ({where}; E2: block 9 of 16)",
-        "P3.shrinks": shrink_description,
-    }
-    return [
-        _SPEC[name].judge(e, description, values[name].value, values[name].parts, values[name].reason)
-        for name, description in descriptions.items()
-    ]
+def retrieval_claims(values: dict[str, Reading], e: str) -> list[Claim]:
+    """The claims P0-P3 of recipe ``e`` from ``claim_values`` (the protocol's, or a variant's) of one run."""
+    return [_SPEC[name].judge(e, reading.value, reading.parts, reading.reason) for name, reading in values.items()]
 
 
 def steering_value(means: dict[str, float], measure: str) -> float:
@@ -294,14 +262,10 @@ def stored_steering(rows: list[dict], prefix: str = "steering") -> tuple[float, 
 
 def steering_claim(steering: Steering, e: str) -> Claim:
     """The steering claim of one run (docs/protocol.md) from its ``Steering``."""
-    factor = STEERING_FACTOR[steering.measure]
     means = {kind: steering.mean(kind) for kind in KINDS}
     value = steering_value(means, steering.measure)
     return _SPEC["steering"].judge(
         e,
-        f"steering: max({factor:g} x steered / unsteered, steered / mode task) of the mean {steering.label} over the target points "
-        f"a ~ Dirichlet(1), one position per forward pass (<= 1: steered at most 1/{factor:g} of unsteered and below the mode task's); "
-        f"the study's place",
         value,
         {
             **means,

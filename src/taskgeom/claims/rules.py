@@ -99,14 +99,15 @@ class Claim:
 @dataclass(frozen=True)
 class Spec:
     """One claim: ``name`` (its id after the recipe), the ``experiment`` that measures it, the
-    ``recipes`` it is measured for (in words), the ``quantity`` compared (in words), ``comparison``
-    and ``threshold``, and the kinds of figure that show it (``figures``: an M1 or dual-mode figure
-    kind, else a figure's file stem)."""
+    ``recipes`` it is measured for (in words), its one ``description`` (the quantity compared, in
+    words: what the thresholds table prints and every claim judged by it carries; the diversity,
+    place and sizes a seed read are in its parts), ``comparison`` and ``threshold``, and the kinds of
+    figure that show it (``figures``: an M1 or dual-mode figure kind, else a figure's file stem)."""
 
     name: str
     experiment: str
     recipes: str
-    quantity: str
+    description: str
     comparison: Comparison
     threshold: float
     figures: tuple[str, ...] = ()
@@ -114,7 +115,6 @@ class Spec:
     def judge(
         self,
         recipe: str,
-        description: str,
         value: float,
         parts: Optional[dict[str, Part]] = None,
         reason: Optional[str] = None,
@@ -123,9 +123,9 @@ class Spec:
         claim_id = f"{recipe}.{self.name}"
         if reason is not None:
             return not_applicable(
-                claim_id, self.experiment, description, self.comparison, self.threshold, reason, parts
+                claim_id, self.experiment, self.description, self.comparison, self.threshold, reason, parts
             )
-        return check(claim_id, self.experiment, description, value, self.comparison, self.threshold, parts)
+        return check(claim_id, self.experiment, self.description, value, self.comparison, self.threshold, parts)
 
 
 def check(

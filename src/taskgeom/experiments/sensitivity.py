@@ -156,7 +156,7 @@ def stored_variants(run: Run) -> list[dict]:
             stored = stored_steering(m1, prefix)
             if stored is not None:
                 written = next(r for r in m1 if r["metric"].startswith(f"{prefix}."))
-                claim = spec("m1", "steering").judge(recipe, f"{prefix} readouts", stored[0], stored[1])
+                claim = spec("m1", "steering").judge(recipe, stored[0], stored[1])
                 rows.append(_variant_row(claim, name, f"layer {written['layer']} {written['site']}"))
     dual = stored_rows(run, "dual")
     if dual is not None:
@@ -168,7 +168,7 @@ def stored_variants(run: Run) -> list[dict]:
         for name, metric in (("protocol", "projection_r2"), ("per-sequence-r2", "projection_r2_per_sequence")):
             if metric in final:
                 r = final[metric]
-                claim = spec("dual_modes", "projection_r2_high_diversity").judge(recipe, metric, r["value"])
+                claim = spec("dual_modes", "projection_r2_high_diversity").judge(recipe, r["value"])
                 rows.append(_variant_row(claim, name, f"layer {r['layer']} {r['site']}"))
     return rows
 

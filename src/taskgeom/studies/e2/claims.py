@@ -20,7 +20,7 @@ SPECS: tuple[Spec, ...] = (
         "bayes_optimal",
         "e2",
         _RECIPES,
-        "model MSE / dMMSE MSE - 1 on held-out major-task prompts, last half of the examples",
+        "model MSE / dMMSE MSE - 1 on held-out major-task prompts, last half of the examples, k = -1",
         "<=",
         0.10,
         ("mse_by_example",),
@@ -29,8 +29,8 @@ SPECS: tuple[Spec, ...] = (
         "ood_between",
         "e2",
         _RECIPES,
-        "|g - 1/2|, g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts: the "
-        "model's error between dMMSE's and ridge's",
+        "|g - 1/2| for g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the "
+        "examples, k = -1 (<= 1/2: the model's error lies between dMMSE's and ridge's)",
         "<=",
         0.5,
         ("mse_by_example",),
@@ -39,7 +39,8 @@ SPECS: tuple[Spec, ...] = (
         "ood_near_dmmse",
         "e2",
         _RECIPES,
-        "g (above): closer to dMMSE than to ridge at low diversity",
+        "g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, "
+        "k = -1 (<= 1/2: closer to dMMSE than to ridge at low diversity)",
         "<=",
         0.5,
         ("mse_by_example",),
@@ -63,22 +64,9 @@ def claims(means: pd.DataFrame, e: str = "e2") -> list[Claim]:
     return [
         bayes_optimal.judge(
             e,
-            "model MSE / dMMSE MSE - 1 on held-out major-task prompts, last half of the examples, k = -1",
             major["loss"] / major["bayes_id_loss"] - 1,
             {"mse_model": major["loss"], "mse_dmmse": major["bayes_id_loss"]},
         ),
-        between.judge(
-            e,
-            "|g - 1/2| for g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
-            "(<= 1/2: the model's error lies between dMMSE's and ridge's)",
-            abs(g - 0.5),
-            parts,
-        ),
-        near.judge(
-            e,
-            "g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
-            "(<= 1/2: closer to dMMSE than to ridge at low diversity)",
-            g,
-            parts,
-        ),
+        between.judge(e, abs(g - 0.5), parts),
+        near.judge(e, g, parts),
     ]

@@ -19,8 +19,10 @@ SPECS: tuple[Spec, ...] = (
         "P0_failure",
         "e4",
         "E4 (k = -1)",
-        "E4's residual variance ratio at its M1 block (median over brackets) divided by the larger "
-        "of E1's and E3's 1 - P0",
+        "E4's residual variance ratio (1 - R^2 of cells of the tasks sharing the last three planted brackets, at "
+        "bracket j's own position, the study's variance.py) at its M1 block (the protocol's dyck_p0_site), median "
+        "over the brackets, divided by the larger of the reference recipes' (E1's and E3's) 1 - P0 (the study's "
+        "forced-token cells); k = -1",
         ">=",
         3.0,
         ("p0_bracket_positions", "p0_across_families"),
@@ -29,8 +31,10 @@ SPECS: tuple[Spec, ...] = (
         "prefix_probe",
         "e4",
         "E4 (the highest k of the grid)",
-        "smallest over prefix lengths of the study's prefix probe's validation "
-        "accuracy minus the same probe's on shuffled labels",
+        "smallest over the prefix lengths l (those with two classes, 2..7 at the study's sizes; in the parts) of the "
+        "study's prefix probe's validation accuracy (2-D projection + MLP, the first l brackets of the task's string) "
+        "minus the same probe's on shuffled labels, at the study's block at the same relative depth (5 of 6), "
+        "resid_mid (layer and site in the parts), in-distribution sequences, at the highest k of the grid",
         ">=",
         0.10,
         ("prefix_probe_accuracy", "prefix_probes"),
@@ -48,12 +52,8 @@ def p0_failure(
     ``natural_cells``, the earlier construction's ratio (``natural_cells_ratio``), written beside."""
     e4_share = statistics.median(residual)
     reference_share = max(references.values())
-    of_references = " and ".join(f"{ref.upper()}'s" for ref in references)  # E1's and E3's
     return SPECS[0].judge(
         recipe,
-        f"E4's residual variance ratio (1 - R^2 of cells of the tasks sharing the last three planted brackets, at bracket j's own "
-        f"position, the study's variance.py) at its M1 block ({active().dyck_p0_site}), median over the brackets, divided by the larger of "
-        f"{of_references} 1 - P0 (the study's forced-token cells); k = -1",
         e4_share / reference_share,
         {
             "e4_share": e4_share,
@@ -95,11 +95,10 @@ def prefix_probe(
     weakest = min(gains, key=lambda length: _nan_smallest(gains[length]))
     return SPECS[1].judge(
         recipe,
-        f"smallest over prefix lengths l = {min(gains)}..{max(gains)} of the study's prefix probe's validation accuracy (2-D "
-        f"projection + MLP, the first l brackets of the task's string) minus the same probe's on shuffled labels, at block {layer} "
-        f"({site}), in-distribution sequences, k = {diversity}",
         gains[weakest],
         {
+            "lengths": f"{min(gains)}..{max(gains)}",
+            "diversity": diversity,
             "length": weakest,
             "accuracy": accuracy[weakest],
             "control": control[weakest],
