@@ -11,8 +11,8 @@ import torch
 
 from taskgeom.analysis.measures.task_probe import ProbeData, fit_probe, fit_rows, probe_basis_with_mean
 from taskgeom.analysis.measures.variants import protocol
+from taskgeom.analysis.protocol import STUDY
 from taskgeom.analysis.stored.ablations import (
-    N_RANDOM_CONTROLS,
     ablation_rows,
     block_places,
     control_statistic,
@@ -330,7 +330,7 @@ def test_the_random_control_is_the_study_s_band_by_hand(dice, measured):
         ]
         stored = [
             ood[(ood["metric"] == f"gain_removed_random_draw{i}") & (ood["layer"] == layer)]["value"].iloc[0]
-            for i in range(N_RANDOM_CONTROLS)
+            for i in range(STUDY.random_controls)
         ]
         np.testing.assert_allclose(stored, shares, rtol=1e-4, atol=1e-4)
         bands.append(float(np.percentile(shares, 75)))  # signed: the 4th smallest of 5
@@ -520,8 +520,6 @@ def test_the_transition_reads_the_training_mixture(dice):
     """The predictor transition's sequences are the study's ``mode="train"`` draw: tasks by the
     pool's prior, so the minors' share is p_minor (0.1; 1,024 sequences: a standard error of 0.009),
     and the same arguments give the same sequences."""
-    from taskgeom.analysis.protocol import STUDY
-
     mixture = dice.heldout("mixture", STUDY.transition_sequences, split="transition").batch
     minor_share = float((mixture.task >= dice.pool.n_major).double().mean())
     assert dice.config.task.p_minor == 0.1 and 0.07 < minor_share < 0.13

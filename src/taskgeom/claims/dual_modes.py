@@ -19,7 +19,6 @@ from dataclasses import replace
 import pandas as pd
 
 from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN
-from taskgeom.analysis.stored.ablations import N_RANDOM_CONTROLS
 from taskgeom.analysis.stored.rows import by_step
 from taskgeom.claims.rules import Claim, Spec, gain_parts
 
@@ -304,7 +303,6 @@ def ablation_claims(rows: pd.DataFrame, recipe: str, high: int) -> list[Claim]:
     value = _value(rows, "gain_removed_random", high, "ood", summary=True)
     parts = {
         "diversity": high,
-        "random_controls": N_RANDOM_CONTROLS,
         "ood_block_max": value,
         **_per_block(rows, "gain_removed_random", high, "ood", "ood_"),
         "major_block_max": _value(rows, "gain_removed_random", high, "major", summary=True),

@@ -4,7 +4,7 @@ ablation", "Orthogonal search", "Shares of in-context gain", "Random control"), 
 
 At each block's ``resid_mid`` (``block_places``): S is the probe's (``Geometry.probe``, fitted
 there on the ``geometry`` split), V the orthogonal search's (rank 1, on minor sequences), and
-``N_RANDOM_CONTROLS`` random directions of V's rank are drawn inside the complement V lives in.
+the protocol's ``random_controls`` random directions of V's rank are drawn inside the complement V lives in.
 Each is ablated at that block alone and measured on the ``loss`` split (major, minor, OOD):
 
 - per block (``layer`` the block): ``loss_ablate_S``, ``gain_removed_ablate_S``, the same for V,
@@ -32,28 +32,26 @@ import torch
 from taskgeom.analysis.geometry import Geometry
 from taskgeom.analysis.measures.shares import Share, loss_window, share_of_gain
 from taskgeom.analysis.measures.subspace import complement_basis, random_directions
-from taskgeom.analysis.protocol import STUDY, Protocol
+from taskgeom.analysis.protocol import Protocol, active
 from taskgeom.analysis.stored.rows import row
 from taskgeom.analysis.study import Sequences, StudyRun
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.rng import generator
 
-N_RANDOM_CONTROLS = STUDY.random_controls
-CONTROL_QUANTILE = STUDY.control_quantile
-BLOCK_SITE = STUDY.ablation_site
 
-
-def block_places(run: StudyRun) -> list[Place]:
-    """Where the ablations and the search act: resid_mid (else resid_post) of every block."""
-    site = BLOCK_SITE if BLOCK_SITE in run.directory.sites else "resid_post"
+def block_places(run: StudyRun, protocol: Protocol | None = None) -> list[Place]:
+    """Where the ablations and the search act: the protocol's ``ablation_site`` (resid_mid; else
+    resid_post where the run captures no such site) of every block."""
+    chosen = (protocol or active()).ablation_site
+    site = chosen if chosen in run.directory.sites else "resid_post"
     return [Place(layer, site) for layer in range(run.config.model.n_layers)]
 
 
 @dataclass(frozen=True)
 class Block:
     """One block's ablations: ``geometry`` at its place (S: ``geometry.probe``), V: [D, r] and the
-    random controls: ``N_RANDOM_CONTROLS`` x [D, r] inside the complement V was searched in."""
+    random controls: the protocol's ``random_controls`` x [D, r] inside the complement V was searched in."""
 
     geometry: Geometry
     v: torch.Tensor
@@ -76,24 +74,25 @@ def find_blocks(
     random controls at each geometry's place, as ``protocol`` (the active one when None) searches
     (what V avoids, the set it ascends on: ``StudyRun.orthogonal_search``)."""
     found = run.orthogonal_search([(g, rank) for g in geometries], steps=steps, protocol=protocol)
-    gen = generator(run.seed, 0, "dual-random")
+    gen, draws = generator(run.seed, 0, "dual-random"), (protocol or active()).random_controls
     return [
         Block(
             g,
             v,
-            tuple(random_directions(complement_basis(g.avoid(protocol)), rank, gen) for _ in range(N_RANDOM_CONTROLS)),
+            tuple(random_directions(complement_basis(g.avoid(protocol)), rank, gen) for _ in range(draws)),
         )
         for g, v in zip(geometries, found)
     ]
 
 
-def control_statistic(values: Sequence[float | None]) -> float | None:
-    """The random control of one set at one block: the ``CONTROL_QUANTILE`` quantile (linear
+def control_statistic(values: Sequence[float | None], protocol: Protocol | None = None) -> float | None:
+    """The random control of one set at one block: the protocol's ``control_quantile`` (linear
     interpolation) of the signed shares over the draws (the study's ``trial_stats`` q75); None when
     a share is None (no gain to remove)."""
     if any(v is None for v in values):
         return None
-    return float(torch.quantile(torch.tensor(values, dtype=torch.float64), CONTROL_QUANTILE))
+    quantile = (protocol or active()).control_quantile
+    return float(torch.quantile(torch.tensor(values, dtype=torch.float64), quantile))
 
 
 def ablation_rows(
@@ -145,7 +144,7 @@ def ablation_rows(
                     row(f"gain_removed_random_draw{i}", draws[-1].value, place=block.place, share=draws[-1], **where)
                 )
             values = [d.value for d in draws]
-            controls.append((control_statistic(values), draws[0]))
+            controls.append((control_statistic(values, protocol), draws[0]))
             band = None if None in values else [min(values), max(values)]
             rows.append(row("gain_removed_random", controls[-1][0], band, place=block.place, share=draws[0], **where))
         for label, losses in ablated.items():
