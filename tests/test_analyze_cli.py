@@ -169,6 +169,25 @@ def test_bad_requests_exit_2_before_any_work(trained, tmp_path, args, message):
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in written} == before
 
 
+def test_analyze_measures_at_the_sample_sizes_of_the_profile_it_is_given(trained, tmp_path):
+    """``--profile smoke`` measures under the smoke profile's protocol (its ``measure:`` sample sizes), the
+    default under the study's: the stored rows are keyed by that protocol's digest."""
+    import json
+    import shutil
+
+    from taskgeom.analysis.protocol import STUDY
+    from taskgeom.settings.recipes import load_measure, recipe_path
+
+    smoke = load_measure(recipe_path("e1"), "smoke").analysis_protocol
+    assert smoke != STUDY
+    copy = tmp_path / trained.path.name
+    shutil.copytree(trained.path, copy)
+    for profile, expected in (("smoke", smoke), ("quick", STUDY)):
+        assert invoke(str(copy), "--sequences", "48", "--profile", profile).exit_code == 0
+        rows = json.loads((copy / "analysis" / "m1.json").read_text())
+        assert {r["protocol"] for r in rows} == {expected.digest()}, profile
+
+
 def test_missing_run_directory_exits_2(tmp_path):
     result = invoke(str(tmp_path / "nowhere"))
     assert result.exit_code == 2

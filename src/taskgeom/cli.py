@@ -393,7 +393,11 @@ def analyze(
     recipe: Optional[str] = typer.Option(
         None, help="Hugging Face directory only: the recipe of the task the model learnt (model section ignored)."
     ),
-    profile: str = typer.Option(DEFAULT_PROFILE, help="Hugging Face directory only: the recipe's profile."),
+    profile: str = typer.Option(
+        DEFAULT_PROFILE,
+        help="The recipe's profile whose measure: sample sizes the analysis uses (quick: the study's sizes; smoke: "
+        "toy ones); for a Hugging Face directory also the recipe's settings.",
+    ),
     set_: Optional[List[str]] = typer.Option(
         None, "--set", help="Hugging Face directory only: dotted override of the recipe, repeatable."
     ),
@@ -406,14 +410,17 @@ def analyze(
     where causal steering is measured too, one position per forward pass. P0-P2 on a selection batch
     give the selected-place variant. Writes analysis/m1.json (tidy rows), analysis/m1.safetensors (the rest of the
     result, which a reproduction reads back for the same request) and figures/m1_*.png."""
+    from taskgeom.analysis.protocol import measured_under
     from taskgeom.analysis.study import open_run
     from taskgeom.experiments.m1 import analyze_one
+    from taskgeom.experiments.sensitivity import profile_protocol
 
     if out is not None:
         _folder(out, "--out")
     run = open_run(run_dir, recipe, profile, set_ or [], out)
     _check_analysis_memory(run.config, sequences)
-    typer.echo(analyze_one(run, tuple(layer) if layer else None, tuple(site) if site else None, sequences))
+    with measured_under(profile_protocol(run, profile)):
+        typer.echo(analyze_one(run, tuple(layer) if layer else None, tuple(site) if site else None, sequences))
 
 
 def _check_analysis_memory(settings, sequences: int) -> None:
