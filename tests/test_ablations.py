@@ -243,6 +243,17 @@ def dice(tmp_path_factory) -> StudyRun:
     return tiny_run(tmp_path_factory, "dice")
 
 
+def test_the_probe_inputs_follow_the_active_protocol_s_probe_size(dice):
+    """The probe's sequences are collected once per size the protocol asks, never a size another protocol asked."""
+    from dataclasses import replace
+
+    from taskgeom.analysis.protocol import measured_under
+
+    for size in (64, 96, 64):
+        with measured_under(replace(STUDY, probe_sequences=size)):
+            assert sum(len(chunk) for chunk in dice.probe_inputs.chunks) == size
+
+
 @pytest.fixture(scope="module")
 def measured(dice):
     """(blocks, rows) of the ablations of the tiny dice run, with a short search."""

@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import planted_paths
 
-from taskgeom.analysis.measures.properties import KL_FLOOR, alignment, interpolation, shrinkage, stability
+from taskgeom.analysis.measures.properties import alignment, interpolation, shrinkage, stability
+from taskgeom.analysis.protocol import STUDY
 from taskgeom.analysis.reading.states import collect, stream_layers
 from taskgeom.hooks import capture
 from taskgeom.models import SITES, Transformer
@@ -96,7 +97,7 @@ def test_alignment_closed_forms():
     alpha = torch.tensor([[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]])
     tv, kl = alignment(beta, alpha)
     assert tv[0, 0] == pytest.approx(0.5) and tv[0, 1] == pytest.approx(0.0, abs=1e-12)
-    smooth = lambda b: (b + KL_FLOOR / 3) / (1 + KL_FLOOR)  # noqa: E731
+    smooth = lambda b: (b + STUDY.kl_floor / 3) / (1 + STUDY.kl_floor)  # noqa: E731
     expected = 0.5 * math.log(0.5 / smooth(1.0)) + 0.5 * math.log(0.5 / smooth(0.0))
     assert kl[0, 0] == pytest.approx(expected, rel=1e-9)
 
@@ -155,7 +156,7 @@ def test_shrinkage_compares_quarters_of_the_uncertain_positions_or_is_not_applic
     assert result.tv_last == pytest.approx(float(tv[:, [12, 15]].mean()))
 
     alpha[:, uncertain[4:]] = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
-    assert shrinkage(tv, alpha).reason is not None  # 4 < MIN_UNCERTAIN_POSITIONS
+    assert shrinkage(tv, alpha).reason is not None  # 4 < the protocol's min_uncertain_positions
 
 
 # ---------------------------------------------------------------- the study's protocol: P0/P1 per position, P3 on mean beta

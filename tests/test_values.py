@@ -17,11 +17,11 @@ from typer.testing import CliRunner
 
 import taskgeom.experiments
 from taskgeom.analysis.geometry import Alignment
-from taskgeom.analysis.measures.properties import KL_FLOOR
 from taskgeom.analysis.measures.task_vectors import late_window
 from taskgeom.analysis.measures.theory import theorem2
 from taskgeom.analysis.measures.transition import predict_generalising, reference_predictors, transition_statistic
 from taskgeom.analysis.measures.variants import protocol
+from taskgeom.analysis.protocol import STUDY
 from taskgeom.analysis.stored.m1 import alignment_rows
 from taskgeom.claims.catalog import spec
 from taskgeom.claims.registry import Experiment
@@ -59,7 +59,7 @@ def test_p3_rows_are_medians_and_quartiles_over_the_stated_positions_and_sequenc
     rows, shrink = alignment_rows((1, "resid_mid"), p3, task), p3.shrinkage
     b, al = beta.float().double().numpy(), alpha.numpy()
     tv = np.array([[0.5 * sum(abs(b[n, t, k] - al[n, t, k]) for k in range(K)) for t in range(T)] for n in range(N)])
-    smooth = (b + KL_FLOOR / K) / (1 + KL_FLOOR)
+    smooth = (b + STUDY.kl_floor / K) / (1 + STUDY.kl_floor)
     kl = np.array(
         [
             [

@@ -381,8 +381,8 @@ class Geometry:
             theta = position_task_vectors(states[:, list(positions)], task, K)  # [K, P', D]
             edits = {p: task_edit(theta[:, i], steered.batch.task[sequence], a) for i, p in enumerate(positions)}
         elif estimated:
-            theta, mu = averaged_task_vectors(states, task, K, estimation_positions(P))
-            basis = span_basis(theta)
+            theta, mu = averaged_task_vectors(states, task, K, estimation_positions(P, protocol))
+            basis = span_basis(theta, protocol.rank_cut)
             edits = {p: subspace_edit(theta, basis, mu[p], a) for p in positions}
         else:
             edits = {p: subspace_edit(self.task_vectors, self.basis, self.mu[p], a) for p in positions}

@@ -92,6 +92,7 @@ class StudyRun:
             self.model = model
         self._edits: list[Edit] = []
         self._streams: weakref.WeakKeyDictionary[Sequences, LayerStreams] = weakref.WeakKeyDictionary()
+        self._probe_inputs: dict[int, ProbeInputs] = {}
 
     @cached_property
     def model(self) -> torch.nn.Module:
@@ -193,11 +194,14 @@ class StudyRun:
         AnalysisError naming why for a family without one."""
         return projection.reference(self.family, ood.batch, major.batch)
 
-    @cached_property
+    @property
     def probe_inputs(self) -> ProbeInputs:
-        """The ablations' probe sequences and their regressors, collected once for every place
-        (``analysis.geometry.probe_inputs``)."""
-        return probe_inputs(self)
+        """The ablations' probe sequences and their regressors (``analysis.geometry.probe_inputs``),
+        collected once for every place at each size the active protocol's ``probe_sequences`` asks."""
+        size = active().probe_sequences
+        if size not in self._probe_inputs:
+            self._probe_inputs[size] = probe_inputs(self)
+        return self._probe_inputs[size]
 
     def forced_cells(
         self,
@@ -346,12 +350,12 @@ class StudyRun:
         sequences, split ``select``): the selected-place variant chooses where it does."""
         return self.heldout("major", active().selection_sequences, split="select")
 
-    def _search_loss(self, kind: Kind):
+    def _search_loss(self, kind: Kind, protocol: Protocol):
         """loss_fn(step, site) of ``orthogonal_searches``: the training loss of batch ``step`` of
         the search stream of ``kind`` (the protocol's ``search_batch`` fresh minor or OOD sequences) run
         from ``site`` on; searches in lockstep share each step's draw and prefix."""
         family, T, seed, stream = self.family, self.config.task.seq_len, self.seed, SEARCH_STREAMS[kind]
-        size = active().search_batch
+        size = protocol.search_batch
 
         @functools.lru_cache(maxsize=1)
         def search_batch(step: int) -> tuple[Batch, LayerStreams]:
@@ -387,7 +391,7 @@ class StudyRun:
         avoid = avoid or (lambda geometry: geometry.avoid(protocol))
         results = orthogonal_searches(
             self.model,
-            self._search_loss(self.search_set(protocol)),
+            self._search_loss(self.search_set(protocol), protocol),
             [(g.place, avoid(g), rank) for g, rank in searches],
             steps=steps,
             seed=self.seed,

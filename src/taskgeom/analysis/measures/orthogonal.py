@@ -42,21 +42,19 @@ import torch
 from torch import nn
 
 from taskgeom.analysis.measures.subspace import complement_basis, direction_ablation
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.protocol import active
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place, intervene
 from taskgeom.rng import generator
 
-TOKEN_SHARE = PROTOCOL.token_share  # share of the token-effect variance the token subspace holds
-RANK_CUT = PROTOCOL.rank_cut  # [ours] singular values below this fraction of the largest are cut from a span
 
-
-def token_subspace(nu: torch.Tensor, share: float = TOKEN_SHARE, centre: bool = True) -> torch.Tensor:
-    """[D, m] orthonormal directions holding ``share`` of the variance of the token effects
+def token_subspace(nu: torch.Tensor, share: float | None = None, centre: bool = True) -> torch.Tensor:
+    """[D, m] orthonormal directions holding ``share`` (the protocol's ``token_share`` when None) of the variance of the token effects
     nu: [V, D], rows centred first; m is the fewest principal directions whose variance reaches the
     share. For E2, nu is the linear map A: [d, D] and the effect of x_t is ``x_t A``: pass
     ``centre=False`` **[ours]**, so that its row space is used uncentred (the covariance of x A for
     isotropic x is A^T A; centring the rows would drop the direction of their mean)."""
+    share = active().token_share if share is None else share
     if not 0 < share <= 1:
         raise AnalysisError(f"share must lie in (0, 1], got {share}")
     x = nu.double()
@@ -71,10 +69,11 @@ def token_subspace(nu: torch.Tensor, share: float = TOKEN_SHARE, centre: bool = 
     return vh[:m].T.to(nu.dtype)
 
 
-def avoid_basis(*bases: torch.Tensor, rtol: float = RANK_CUT) -> torch.Tensor:
+def avoid_basis(*bases: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
     """[D, m] orthonormal basis of the span of the given bases [D, k_i] (e.g. the task subspace S
     and the token subspace). The rank cut is explicit: directions whose singular value in the
-    concatenation is below ``rtol`` times the largest are dropped, so overlapping bases count once."""
+    concatenation is below ``rtol`` (the protocol's ``rank_cut`` when None) times the largest are dropped, so
+    overlapping bases count once."""
     if not bases:
         raise AnalysisError("avoid_basis needs at least one basis [D, k]")
     widths = {b.shape[0] for b in bases}
@@ -86,6 +85,7 @@ def avoid_basis(*bases: torch.Tensor, rtol: float = RANK_CUT) -> torch.Tensor:
     if joined.shape[1] == 0:
         return bases[0].new_zeros(bases[0].shape[0], 0)
     u, s, _ = torch.linalg.svd(joined, full_matrices=False)
+    rtol = active().rank_cut if rtol is None else rtol
     rank = int((s > s.max() * rtol).sum()) if s.max() > 0 else 0
     return u[:, :rank].to(bases[0].dtype)
 

@@ -45,9 +45,7 @@ from taskgeom.analysis.measures.anova import (
 )
 from taskgeom.analysis.measures.simplex import project_simplex, residual_r2, simplex_lstsq, sum_to_one_fit
 from taskgeom.analysis.measures.task_vectors import TaskSubspace, position_means, task_subspace, token_conditioned
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
-
-KL_FLOOR = PROTOCOL.kl_floor  # [ours] beta is mixed with this much of the uniform law before KL(alpha || beta)
+from taskgeom.analysis.protocol import active
 
 
 @dataclass(frozen=True)
@@ -241,13 +239,14 @@ def additive_r2(y: torch.Tensor, task_part: torch.Tensor, x: torch.Tensor, windo
 def alignment(beta: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """P3: (TV, KL(alpha || beta)), each [N, T], for beta, alpha: [N, T, K] on the simplex.
 
-    beta is mixed with KL_FLOOR of the uniform law first, so KL stays finite when the projected
+    beta is mixed with the protocol's ``kl_floor`` [ours] of the uniform law first, so KL stays finite when the projected
     fit puts exactly zero on a task.
     """
     beta, alpha = beta.double(), alpha.double()
     tv = 0.5 * (beta - alpha).abs().sum(-1)
     K = beta.shape[-1]
-    smooth = (beta + KL_FLOOR / K) / (1 + KL_FLOOR)
+    floor = active().kl_floor
+    smooth = (beta + floor / K) / (1 + floor)
     kl = torch.special.xlogy(alpha, alpha).sum(-1) - (alpha * smooth.log()).sum(-1)
     return tv, kl
 
@@ -282,14 +281,6 @@ def mean_alignment(raw: torch.Tensor, alpha: torch.Tensor, task: torch.Tensor, n
     return MeanAlignment(beta, target, 0.5 * (beta - target).abs().sum(-1))
 
 
-UNCERTAIN_BELOW = (
-    PROTOCOL.uncertain_below
-)  # a position is uncertain while the median largest posterior weight is below this
-MIN_UNCERTAIN_POSITIONS = (
-    PROTOCOL.min_uncertain_positions
-)  # fewer uncertain positions than this: P3.shrinks is not applicable
-
-
 @dataclass(frozen=True)
 class Shrinkage:
     """P3.shrinks: mean TV over the first and the last quarter of the uncertain positions
@@ -302,23 +293,27 @@ class Shrinkage:
 
 
 def too_few_uncertain(count: int) -> str | None:
-    """Why P3.shrinks does not apply with ``count`` uncertain positions (None when it does)."""
-    if count >= MIN_UNCERTAIN_POSITIONS:
+    """Why P3.shrinks does not apply with ``count`` uncertain positions (None when it does): fewer
+    than the protocol's ``min_uncertain_positions``."""
+    protocol = active()
+    if count >= protocol.min_uncertain_positions:
         return None
     return (
-        f"the posterior is uncertain (median max alpha_t < {UNCERTAIN_BELOW}) at {count} position(s) only, "
-        f"fewer than {MIN_UNCERTAIN_POSITIONS}"
+        f"the posterior is uncertain (median max alpha_t < {protocol.uncertain_below}) at {count} position(s) only, "
+        f"fewer than {protocol.min_uncertain_positions}"
     )
 
 
 def shrinkage(tv: torch.Tensor, alpha: torch.Tensor) -> Shrinkage:
     """Compare the TV [N, T] early and late among the positions at which the posterior alpha:
-    [N, T, K] is still uncertain (median over the N rows of max_k alpha_t below UNCERTAIN_BELOW).
+    [N, T, K] is still uncertain (median over the N rows of max_k alpha_t below the protocol's
+    ``uncertain_below``).
     **[ours]** The median makes "uncertain" a property of the position, so both quarters average
     the same rows. The claim passes P3's mean curves (``MeanAlignment``: one row per task, the
     mean posterior's largest weight deciding), so it asks whether the task-mean beta
     approaches the task-mean posterior while that posterior is still moving."""
-    uncertain = torch.nonzero(alpha.double().amax(-1).median(0).values < UNCERTAIN_BELOW).flatten().tolist()
+    below = active().uncertain_below
+    uncertain = torch.nonzero(alpha.double().amax(-1).median(0).values < below).flatten().tolist()
     if (reason := too_few_uncertain(len(uncertain))) is not None:
         return Shrinkage(uncertain, float("nan"), float("nan"), reason)
     quarter = max(1, round(len(uncertain) / 4))

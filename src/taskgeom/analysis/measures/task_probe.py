@@ -9,14 +9,14 @@ with ``pi`` the pool's exact posterior restricted to the K major tasks, on the p
 major sequences (the study's ``sample_mode="major"``, ``n_minor=-1``: no minor or anchoring
 sequences). Every group of regressors that sums to one drops its last column (the dummy-variable
 trap): the token and position one-hots always, ``pi`` when it sums to one on the fitted states
-(within ``SUMS_TO_ONE``), and its row of ``W_task`` is then zero. The fit uses the first
-``FIT_SHARE`` of a seeded permutation of the sequences and is the study's ``_fit_ols``: the
+(within the protocol's ``probe_sums_to_one``), and its row of ``W_task`` is then zero. The fit uses the first
+``probe_fit_share`` (the study's validation_split 0.2) of a seeded permutation of the sequences and is the study's ``_fit_ols``: the
 single-precision pseudo-inverse of the design with the intercept as its last column, at torch's
 default cut-off (singular values below ``eps * max(rows, columns)`` of the largest are dropped;
 the exact double-precision fit is the variant ``probe-exact``), on one thread: in single precision
 the thread count moves W_task by about 1e-4 relative, and a stored number must not depend on it. S is the span of the rows of
 ``W_task`` (centred over the tasks when the family's ``TaskProbe.centred`` says so) at singular
-values above ``RANK_CUT`` of the largest. So the mean state lies in the intercept, never in
+values above the protocol's ``rank_cut`` of the largest. So the mean state lies in the intercept, never in
 S, and S has rank K - 1 where ``pi`` sums to one.
 
 What varies by family is declared by the family (``TaskProbe``, its ``task_probe``).
@@ -35,18 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.protocol import active
 from taskgeom.errors import AnalysisError
 from taskgeom.settings.devices import torch_threads
 from taskgeom.tasks.base import TaskProbe
 
-SUMS_TO_ONE = (
-    PROTOCOL.probe_sums_to_one
-)  # pi sums to one (its last column is dropped) when every row is this close to 1
-FIT_SHARE = (
-    PROTOCOL.probe_fit_share
-)  # the share of the sequences the probe is fitted on (the study's validation_split 0.2)
-RANK_CUT = PROTOCOL.rank_cut  # S keeps the singular directions of W_task above this fraction of the largest
 PROBE_CHUNK = 250  # sequences a pass while collecting them (the pool posterior of 1,000 tasks is large)
 
 
@@ -92,7 +85,7 @@ def probe_design(
     first, without its last column when ``dropped``."""
     N, P, K = pi.shape
     flat_pi = pi.reshape(-1, K).double()
-    dropped = K > 1 and bool(((flat_pi.sum(-1) - 1).abs() < SUMS_TO_ONE).all())
+    dropped = K > 1 and bool(((flat_pi.sum(-1) - 1).abs() < active().probe_sums_to_one).all())
     parts = [flat_pi[:, :-1] if dropped else flat_pi]
     parts.append(
         one_hot_dropped(current.flatten(), vocab) if vocab is not None else current.reshape(N * P, -1).double()
@@ -106,8 +99,8 @@ def probe_design(
 
 
 def fit_rows(n_sequences: int, gen: torch.Generator) -> torch.Tensor:
-    """[M] the sequences the probe is fitted on: the first FIT_SHARE of a permutation drawn from ``gen``."""
-    return torch.randperm(n_sequences, generator=gen)[: int(n_sequences * FIT_SHARE)]
+    """[M] the sequences the probe is fitted on: the first ``probe_fit_share`` of a permutation drawn from ``gen``."""
+    return torch.randperm(n_sequences, generator=gen)[: int(n_sequences * active().probe_fit_share)]
 
 
 def fit_probe(data: ProbeData, spec: TaskProbe, gen: torch.Generator, exact: bool = False) -> ProbeFit:
@@ -144,7 +137,7 @@ def fit_probe(data: ProbeData, spec: TaskProbe, gen: torch.Generator, exact: boo
     _, s, vh = torch.linalg.svd(w, full_matrices=False)
     if not s[0] > 0:
         raise AnalysisError("the probe's task weights are zero: no task subspace")
-    rank = int((s > RANK_CUT * s[0]).sum())
+    rank = int((s > active().rank_cut * s[0]).sum())  # S keeps the directions above the protocol's cut
     return ProbeFit(
         weights.to(states.device),
         vh[:rank].T.to(states.device),

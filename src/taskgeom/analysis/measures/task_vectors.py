@@ -6,7 +6,7 @@ families, the token-conditioned vectors ``theta_{k,a}`` with a rank-(K - 1) basi
 
 Rank cut-off: the vectors sum to zero over k, so they span at most K - 1 dimensions; the basis is
 the K - 1 leading left singular vectors of theta^T, and the subspace is refused (ValueError) when
-the (K - 1)-th singular value is below RANK_CUT times the first (AnalysisError). Rounding noise in the
+the (K - 1)-th singular value is below the protocol's ``rank_cut`` times the first (AnalysisError). Rounding noise in the
 zero-sum direction (about 1e-7 of the first singular value for float32 states) therefore never
 enters the basis.
 """
@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.protocol import active
 from taskgeom.errors import AnalysisError
 
-RANK_CUT = PROTOCOL.rank_cut
 MIN_MAJOR_TASKS = 2  # K - 1 >= 1: fewer major tasks span no task subspace
 
 
@@ -36,10 +35,10 @@ def check_major_tasks(n_major: int, what: str) -> None:
 def rank_basis(vectors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(basis [..., D, K-1], ok [...]) for centred vectors: [..., K, D]: the K - 1 leading left
     singular vectors of vectors^T in float64; ok is false where the (K - 1)-th singular value is
-    below RANK_CUT times the first (the vectors span fewer than K - 1 dimensions)."""
+    below the protocol's ``rank_cut`` times the first (the vectors span fewer than K - 1 dimensions)."""
     u, s, _ = torch.linalg.svd(vectors.double().transpose(-1, -2), full_matrices=False)
     rank = vectors.shape[-2] - 1
-    ok = s[..., rank - 1] > RANK_CUT * s[..., 0]
+    ok = s[..., rank - 1] > active().rank_cut * s[..., 0]
     return u[..., :rank], ok
 
 

@@ -5,7 +5,7 @@ plus one "new task" component with the continuous prior, whose evidence is the p
 chain (``family.log_marginal_ood``) and whose prediction is the OOD-optimal learner. The new task
 takes prior weight ``p_new`` (the pool's minor mass, the study's p_minor) and each major
 (1 - p_new) / K. As the study's ``_kl_model_to_ref`` (``coin_kl.py``, ``kl_divergence.py``): KL from
-the model's next-token distribution to each predictor's, both clamped below at ``EPS``, averaged
+the model's next-token distribution to each predictor's, both clamped below at the protocol's ``transition_eps`` (the study's clamp), averaged
 over the predictions 0..T-2 of each sequence and then over sequences (of the training mixture:
 ``heldout`` split ``transition``); the statistic is the natural log of their ratio.
 """
@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.protocol import active
 from taskgeom.tasks import TaskFamily, TaskPool
 
 
@@ -33,14 +33,12 @@ def predict_generalising(family: TaskFamily, tokens: torch.Tensor, pool: TaskPoo
     return family.mix_predictive(tokens, majors, weights[..., :-1]) + weights[..., -1:] * family.predict_ood(tokens)
 
 
-EPS = PROTOCOL.transition_eps  # the study's clamp of both distributions
-
-
 def kl_to_model(reference: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Mean KL(model || reference) over sequences and positions 0..T-2 (the study's direction); reference:
     [B, T, V] probs, logits: [B, T, V] the model's."""
-    p = torch.softmax(logits.double(), dim=-1)[:, :-1].clamp_min(EPS)
-    q = reference[:, :-1].clamp_min(EPS)
+    eps = active().transition_eps
+    p = torch.softmax(logits.double(), dim=-1)[:, :-1].clamp_min(eps)
+    q = reference[:, :-1].clamp_min(eps)
     return (p * (p.log() - q.log())).sum(-1).mean()
 
 

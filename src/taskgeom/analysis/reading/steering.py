@@ -90,11 +90,12 @@ def clip_positions(span: Sequence[int], n_positions: int) -> tuple[int, ...]:
     return tuple(sorted({min(int(p), n_positions - 1) for p in span}))
 
 
-def estimation_positions(n_positions: int) -> tuple[int, ...]:
+def estimation_positions(n_positions: int, protocol: Protocol | None = None) -> tuple[int, ...]:
     """The subspace form's estimation positions in a context of ``n_positions`` analysed positions:
-    the protocol's ``steering_estimation`` where it fits, else the same fractions of the study's
-    edited span 0-39 (E2 at 16 examples: 10-15) **[ours]**."""
-    estimation, span = active().steering_estimation, active().steering_span
+    the ``protocol``'s (the active one's when None) ``steering_estimation`` where it fits, else the
+    same fractions of the study's edited span 0-39 (E2 at 16 examples: 10-15) **[ours]**."""
+    protocol = active() if protocol is None else protocol
+    estimation, span = protocol.steering_estimation, protocol.steering_span
     if max(estimation) < n_positions:
         return tuple(estimation)
     return tuple(sorted({min(p * n_positions // span, n_positions - 1) for p in estimation}))
