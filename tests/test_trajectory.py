@@ -57,11 +57,12 @@ def test_p3_is_the_study_s_trajectory_by_hand(dice):
 
 
 def test_a_short_context_takes_the_same_fractions():
-    from taskgeom.analysis.reading.trajectory import STUDY_ESTIMATION, STUDY_PLOTTED, study_positions
+    from taskgeom.analysis.protocol import STUDY
+    from taskgeom.analysis.reading.trajectory import study_positions
 
-    assert study_positions(STUDY_ESTIMATION, 64) == tuple(range(40, 60))
-    assert study_positions(STUDY_PLOTTED, 16) == tuple(range(16))
-    assert study_positions(STUDY_ESTIMATION, 16) == tuple(range(10, 16))  # E2 at 16 examples
+    assert study_positions(STUDY.trajectory_estimation, 64) == tuple(range(40, 60))
+    assert study_positions(STUDY.trajectory_plotted, 16) == tuple(range(16))
+    assert study_positions(STUDY.trajectory_estimation, 16) == tuple(range(10, 16))  # E2 at 16 examples
 
 
 def test_the_claim_reads_the_trajectory_and_the_variant_the_late_window(dice):

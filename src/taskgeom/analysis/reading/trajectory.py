@@ -18,12 +18,8 @@ from typing import Sequence
 import torch
 
 from taskgeom.analysis.measures.simplex import project_simplex, sum_to_one_fit
-from taskgeom.analysis.protocol import STUDY as PROTOCOL
+from taskgeom.analysis.protocol import active
 from taskgeom.analysis.reading.steering import averaged_task_vectors
-
-STUDY_ESTIMATION = PROTOCOL.trajectory_estimation  # _ESTIM_POSITIONS, every family
-STUDY_PLOTTED = PROTOCOL.trajectory_plotted  # _PLOT_POSITIONS
-STUDY_TASKS = PROTOCOL.trajectory_tasks  # _TASK_IDS: the tasks whose sequences are shown
 
 
 @dataclass(frozen=True)
@@ -58,20 +54,26 @@ class Trajectory:
 
 
 def study_positions(span: range, n_positions: int) -> tuple[int, ...]:
-    """The positions of ``span`` (of the study's plotted span 0-59) in a context of ``n_positions``:
-    as they are where the plotted span fits, else the same fractions of it."""
-    if max(STUDY_PLOTTED) < n_positions:
+    """The positions of ``span`` (of the protocol's plotted span, the study's 0-59) in a context of
+    ``n_positions``: as they are where the plotted span fits, else the same fractions of it."""
+    plotted = active().trajectory_plotted
+    if max(plotted) < n_positions:
         return tuple(span)
-    return tuple(sorted({p * n_positions // len(STUDY_PLOTTED) for p in span}))
+    return tuple(sorted({p * n_positions // len(plotted) for p in span}))
 
 
 def trajectory(
-    h: torch.Tensor, task: torch.Tensor, alpha: torch.Tensor, tasks: Sequence[int] = STUDY_TASKS
+    h: torch.Tensor, task: torch.Tensor, alpha: torch.Tensor, tasks: Sequence[int] | None = None
 ) -> Trajectory:
     """P3's trajectory (module docstring) of natural major states h: [N, P, D] of sequences of
-    task: [N] with exact posterior alpha: [N, P, K]."""
+    task: [N] with exact posterior alpha: [N, P, K]; ``tasks``: the protocol's ``trajectory_tasks``
+    (the study's _TASK_IDS, task 0) when None; its positions the protocol's ``trajectory_estimation``
+    and ``trajectory_plotted`` (the study's _ESTIM_POSITIONS 40-59 and _PLOT_POSITIONS 0-59)."""
+    protocol = active()
+    tasks = protocol.trajectory_tasks if tasks is None else tasks
     K, P = alpha.shape[-1], h.shape[1]
-    estimation, plotted = study_positions(STUDY_ESTIMATION, P), study_positions(STUDY_PLOTTED, P)
+    estimation = study_positions(protocol.trajectory_estimation, P)
+    plotted = study_positions(protocol.trajectory_plotted, P)
     theta, mu = averaged_task_vectors(h, task, K, estimation)
     betas, alphas = [], []
     for k in tasks:
