@@ -1,7 +1,7 @@
 """The claims of the dual modes across task diversity (docs/concepts.md#m2-the-nearly-orthogonal-subspace),
 for the recipes that declare ``dual_modes`` (E1 and E3; E2 at paper): each claim's spec, how its
-value is read from one seed's sweep rows (the runs' ``analysis/dual.json`` rows at every k), its
-description and its judgement (``claims``; ``ablation_claims``, which ``taskgeom sensitivity``
+value is read from one seed's sweep rows (the runs' ``analysis/dual.json`` rows at every k) and its
+judgement (``claims``; ``ablation_claims``, which ``taskgeom sensitivity``
 reads too). Projection R^2 claims read the study's Fig. 4 statistic, with its place, task counts,
 interquartile range, linear-code reference and the ``per-sequence-r2`` variant in their parts
 (``projection_parts``); every share of in-context gain carries its parts (clean, ablated and

@@ -2,8 +2,8 @@
 P0-P3 and causal steering, each measured on a recipe's k = -1 run (E1, E2, E3), whose
 ``bayes_optimal`` claim is their precondition. Here is each claim's spec (threshold, figures),
 how its value is read from a run's ``analysis/m1.json`` rows (``claim_values``, under the protocol
-or a named variant, so the claims and ``taskgeom sensitivity`` read one function), its description
-and its judgement (``claims``).
+or a named variant, so the claims and ``taskgeom sensitivity`` read one function) and its judgement
+(``claims``).
 
 **The place** (docs/protocol.md): the claims read the study's block at the same relative depth,
 ``resid_post`` (the rows' ``place.m1`` and ``place.p3``); the parts name the layer and site each

@@ -10,9 +10,9 @@ before measuring: ``pass`` when every seed that applies passes, ``fail`` when ev
 ``unstable`` when they disagree, ``n/a`` when no seed applies. Its ``value`` is then the median
 over the seeds that apply, beside their minimum, maximum and each seed's own value, status and parts.
 
-A ``Spec`` is one claim of the catalog (its name, threshold and comparison); the module of the
-experiment that measures it (``claims.m1``, ``claims.dual_modes``, ...) describes, reads and judges
-it with ``Spec.judge``. A claim carries no profile until the experiment that returns it stamps one.
+A ``Spec`` is one claim of the catalog (its name, its one description, threshold and comparison); the
+module of the experiment that measures it (``claims.m1``, ``claims.dual_modes``, ...) reads its value
+and parts and judges it with ``Spec.judge``. A claim carries no profile until the experiment that returns it stamps one.
 """
 
 from __future__ import annotations
