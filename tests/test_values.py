@@ -298,10 +298,22 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
     ]
     study_probe = {
         "probe": SimpleNamespace(
-            accuracy={2: 0.95, 3: 0.6, 4: 0.7}, loss={2: 0.1, 3: 0.9, 4: 0.8}, best_epoch=1990, epochs=2000, reached=4
+            accuracy={2: 0.95, 3: 0.6, 4: 0.7},
+            loss={2: 0.1, 3: 0.9, 4: 0.8},
+            best_epoch=1990,
+            epochs=2000,
+            reached=4,
+            kept_lengths=(2, 3, 4),
+            chance={2: 0.5, 3: 0.3, 4: 0.25},
         ),
         "control": SimpleNamespace(
-            accuracy={2: 0.7, 3: 0.4, 4: 0.25}, loss={2: 0.6, 3: 1.1, 4: 1.4}, best_epoch=10, epochs=2000, reached=3
+            accuracy={2: 0.7, 3: 0.4, 4: 0.25},
+            loss={2: 0.6, 3: 1.1, 4: 1.4},
+            best_epoch=10,
+            epochs=2000,
+            reached=3,
+            kept_lengths=(2,),
+            chance={2: 0.5, 3: 0.3, 4: 0.25},
         ),
     }  # l = 3 the weakest: 0.2
     trained, untrained = object(), object()

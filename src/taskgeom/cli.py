@@ -20,7 +20,7 @@ import typer
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
-from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS, MEASURED_AGAIN, STORED_VARIANTS
+from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS, JUDGED_VARIANTS, MEASURED_AGAIN, STORED_VARIANTS
 from taskgeom.errors import EnvironmentRefused, TaskgeomError, TrainingDiverged
 from taskgeom.settings.recipes import DEFAULT_PROFILE, profiles_help
 
@@ -617,6 +617,31 @@ def compare(
     typer.echo(text, nl=False)
     if verdicts_differ:
         raise typer.Exit(1)
+
+
+@app.command()
+def rejudge(
+    results: Path = typer.Argument(..., help="A finished results folder written by `taskgeom reproduce`."),
+    variant: str = typer.Option(
+        ...,
+        "--variant",
+        help=f"The claims' forms to judge under (docs: Protocol, Variants): {', '.join(JUDGED_VARIANTS)}.",
+    ),
+    out: Optional[Path] = typer.Option(
+        None, help="Folder to write claims.json, the manifest, figures and report.html to. Default: RESULTS-VARIANT."
+    ),
+) -> None:
+    """Judge a finished reproduction's claims again under a variant of the claims' forms, from its
+    stored analyses (nothing is trained or measured, its runs are read where they are and not
+    written; seconds), into OUT; `taskgeom compare RESULTS OUT` then lists each claim before and after.
+    Refuses, before writing anything, a variant of the measurement or the data, and a folder whose
+    runs or analyses are not all stored under this taskgeom's protocol."""
+    from taskgeom.experiments.request import rejudge as judge_again
+
+    results = _results(results)
+    target = out or results.with_name(f"{results.name}-{variant}")
+    ctx = judge_again(results, _folder(target, "--out"), variant)
+    typer.echo(ctx.out)
 
 
 @app.command()

@@ -120,6 +120,13 @@ class Protocol:
     v_search_set: str = "minor"  # V ascended on minor sequences, or "ood"
     v_block: str = "mean"  # V's share the mean over blocks, or "best" (one block, chosen on a separate batch)
     steering_vectors: str = "estimated"  # the study's injection, or "read-place" (the measured layout, written there)
+    # how three claims are judged from what is stored (``JUDGED``: read when a claim is judged, never when
+    # measuring, so kept out of the digest); docs/protocol.md#claim-forms-under-the-rule
+    drop_form: str = "absolute"  # projection_r2_drop: r2(k=-1) - r2(k_top), or "share" of r2(k=-1)
+    p2_random_form: str = "difference"  # P2.vs_random: r2_additive minus the random subspace's, or "partial"
+    ood_between_form: str = "g-interval"  # e2.ood_between: |g - 1/2|, or "segment" (each end with a 10% tolerance)
+    p3_shrinks_form: str = "mean-curves"  # P3.shrinks: on P3's per-task mean curves, or "trajectory" (what P3 reads)
+    prefix_probe_form: str = "all-lengths"  # e4.prefix_probe: every length, or "trained-lengths" (the kept probe's)
 
     def __post_init__(self) -> None:
         for name, allowed in CHOICES.items():
@@ -127,9 +134,10 @@ class Protocol:
                 raise ValueError(f"protocol field {name}={getattr(self, name)!r}: choose one of {list(allowed)}")
 
     def digest(self) -> str:
-        """12 hex digits of the sha256 of every field (ranges as [start, stop, step]): what a stored
-        result measured under this protocol is keyed by."""
-        text = json.dumps(asdict(self), sort_keys=True, default=lambda r: [r.start, r.stop, r.step])
+        """12 hex digits of the sha256 of every field but the claims' forms (``JUDGED``; ranges as
+        [start, stop, step]): what a stored result measured under this protocol is keyed by."""
+        measured = {name: value for name, value in asdict(self).items() if name not in JUDGED}
+        text = json.dumps(measured, sort_keys=True, default=lambda r: [r.start, r.stop, r.step])
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     def changed(self, changes: dict[str, Any]) -> "Protocol":
@@ -196,7 +204,14 @@ CHOICES: dict[str, tuple] = {  # the fields that name a construction, and the on
     "v_search_set": ("minor", "ood"),
     "v_block": ("mean", "best"),
     "steering_vectors": ("estimated", "read-place"),
+    "drop_form": ("absolute", "share"),
+    "p2_random_form": ("difference", "partial"),
+    "ood_between_form": ("g-interval", "segment"),
+    "p3_shrinks_form": ("mean-curves", "trajectory"),
+    "prefix_probe_form": ("all-lengths", "trained-lengths"),
 }
+# The fields read only where a claim is judged from stored rows: a stored result does not depend on them
+JUDGED = ("drop_form", "p2_random_form", "ood_between_form", "p3_shrinks_form", "prefix_probe_form")
 STUDY = Protocol()
 _ACTIVE: ContextVar[Protocol] = ContextVar("protocol", default=STUDY)
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 import pandas as pd
 
 from taskgeom.analysis.measures.shares import MIN_RELIABLE_GAIN
+from taskgeom.analysis.protocol import active
 from taskgeom.analysis.stored.rows import by_step
 from taskgeom.claims.rules import Claim, Spec, gain_parts
 
@@ -231,6 +232,20 @@ def projection_parts(rows: pd.DataFrame, diversity: int) -> dict:
     return {**parts, "reference": reference["value"], "reference_iqr_low": ref_low, "reference_iqr_high": ref_high}
 
 
+def projection_drop(r2_low: float, r2_high: float, se_low: float, se_high: float) -> tuple[float, float, str | None]:
+    """(value, its standard error, why it does not apply or None) of ``projection_r2_drop`` from projection
+    R^2 at k = -1 (``r2_low``) and at the highest k, with their standard errors, in the active protocol's
+    ``drop_form``: "absolute", r2_low - r2_high; "share", (r2_low - r2_high) / r2_low, the share of the
+    start that is lost (range [0, 1] whatever the start; n/a when the start is within two standard
+    errors of 0), its error to first order. Both ends read the same OOD tasks, so the errors are added
+    in quadrature as an upper bound."""
+    if active().drop_form == "absolute":
+        return r2_low - r2_high, math.hypot(se_low, se_high), None
+    if not r2_low > 2 * se_low:
+        return math.nan, math.nan, f"no start to lose: R^2 at k = -1 ({r2_low:.3g}) is within 2 se ({se_low:.3g}) of 0"
+    return 1 - r2_high / r2_low, math.hypot(se_high / r2_low, r2_high * se_low / r2_low**2), None
+
+
 def claims(rows: pd.DataFrame, recipe: str, low: int, high: int) -> list[Claim]:
     """The dual-mode claims of ``recipe`` from the sweep rows of one seed (its runs at every k)."""
     made = []
@@ -249,16 +264,20 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int) -> list[Claim]:
             "within_2se": _near(r2_high, _SPEC["projection_r2_high_diversity"].threshold, se_high),
         },
     )
-    se_drop = math.hypot(se_low, se_high)  # in quadrature: an upper bound, as both runs read the same OOD tasks
-    claim(
-        "projection_r2_drop",
-        r2_low - r2_high,
-        {
-            **{f"k={low}.{name}": v for name, v in projection_parts(rows, low).items()},
-            **{f"k={high}.{name}": v for name, v in projection_parts(rows, high).items()},
-            "se": se_drop,
-            "within_2se": _near(r2_low - r2_high, _SPEC["projection_r2_drop"].threshold, se_drop),
-        },
+    value, se_drop, reason = projection_drop(r2_low, r2_high, se_low, se_high)
+    made.append(
+        _SPEC["projection_r2_drop"].judge(
+            recipe,
+            value,
+            {
+                **{f"k={low}.{name}": v for name, v in projection_parts(rows, low).items()},
+                **{f"k={high}.{name}": v for name, v in projection_parts(rows, high).items()},
+                **({} if active().drop_form == "absolute" else {"drop": r2_low - r2_high}),
+                "se": se_drop,
+                "within_2se": _near(value, _SPEC["projection_r2_drop"].threshold, se_drop),
+            },
+            reason,
+        )
     )
     made += ablation_claims(rows, recipe, high)
     if len(rows) and rows["metric"].str.startswith("transition_").any():  # token families only

@@ -16,7 +16,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from taskgeom.analysis.measures.properties import too_few_uncertain
+import torch
+
+from taskgeom.analysis.measures.properties import too_few_uncertain, uncertain_quarters
 from taskgeom.analysis.protocol import Protocol, active
 from taskgeom.analysis.reading.steering import KINDS, Steering
 from taskgeom.analysis.stored.m1 import Result
@@ -175,7 +177,7 @@ def claim_values(rows: list[dict], protocol: Protocol | None = None) -> dict[str
         p1 = Reading(at("p1.additive_share_forced"), {**beside, "natural_late_median": at("p1.additive_share")})
     if protocol.p2 == "task-only":  # the earlier quantity: R^2_task, the token effect removed from the total
         p2 = Reading(r2_task, placed)
-        vs_random = Reading(r2_task - r2_random, {"r2_task": r2_task, "r2_random": r2_random, **placed})
+        vs_random = beyond_random(r2_task, r2_random, protocol, {"r2_task": r2_task, "r2_random": r2_random, **placed})
     else:  # the study's r2_additive (on its forced-token cells; natural states for E2 and under natural-cells), R^2_task beside
         forced = "" if natural else "_forced"
         additive, additive_random = at(f"p2.r2_additive{forced}"), at(f"p2.r2_additive{forced}_random")
@@ -188,8 +190,11 @@ def claim_values(rows: list[dict], protocol: Protocol | None = None) -> dict[str
                 "post_layernorm": bool(at("p2.post_layernorm")),
             },
         )
-        vs_random = Reading(
-            additive - additive_random, {"r2_additive": additive, "r2_additive_random": additive_random, **placed}
+        vs_random = beyond_random(
+            additive,
+            additive_random,
+            protocol,
+            {"r2_additive": additive, "r2_additive_random": additive_random, **placed},
         )
     late_window = Reading(
         at("p3.tv_mean_beta", p3_place), {"tv_per_state_last_quarter": at("p3.tv_last_quarter", p3_place), **p3_placed}
@@ -204,18 +209,74 @@ def claim_values(rows: list[dict], protocol: Protocol | None = None) -> dict[str
         p3 = Reading(
             at("p3.tv_trajectory", p3_place), {**span, "late_window_all_tasks": late_window.value, **p3_placed}
         )
-    count = int(at("p3.uncertain_positions", p3_place))
-    first, last = at("p3.tv_first_uncertain", p3_place), at("p3.tv_last_uncertain", p3_place)
-    shrink_parts = {"tv_first": first, "tv_last": last, "uncertain_positions": count, **p3_placed}
-    reason = too_few_uncertain(count)
+    if protocol.p3_shrinks_form == "trajectory":
+        shrinks = trajectory_shrinks(rows, p3_place, p3_placed)
+    else:
+        count = int(at("p3.uncertain_positions", p3_place))
+        first, last = at("p3.tv_first_uncertain", p3_place), at("p3.tv_last_uncertain", p3_place)
+        reason = too_few_uncertain(count)
+        shrinks = Reading(
+            math.nan if reason else last / first,
+            {"tv_first": first, "tv_last": last, "uncertain_positions": count, **p3_placed},
+            reason,
+        )
     return {
         "P0": p0,
         "P1": p1,
         "P2": p2,
         "P2.vs_random": vs_random,
         "P3": p3,
-        "P3.shrinks": Reading(math.nan if reason else last / first, shrink_parts, reason),
+        "P3.shrinks": shrinks,
     }
+
+
+def trajectory_shrinks(rows: list[dict], place: Place, placed: dict) -> Reading:
+    """P3.shrinks on the trajectory P3 reads (the ``trajectory`` form): among its plotted positions
+    where the shown task's mean posterior is uncertain (``uncertain_quarters``), the mean TV over the
+    last quarter over that over the first, the first floored at P3's threshold (a start already within
+    P3's tolerance leaves nothing measurable to shrink); n/a with too few uncertain positions."""
+    curves: dict[str, dict[tuple[int, int], float]] = {"p3.tv_trajectory": {}, "p3.trajectory_alpha_max": {}}
+    for r in rows:
+        if r["metric"] in curves and r["batch"] == "trajectory" and r["position"] is not None:
+            if (r["layer"], r["site"]) == tuple(place):
+                curves[r["metric"]][(r["task"], r["position"])] = r["value"]
+    cells = sorted(curves["p3.tv_trajectory"])
+    if not cells or set(cells) != set(curves["p3.trajectory_alpha_max"]):
+        raise AnalysisError(
+            "the m1.json rows hold no trajectory posterior (p3.trajectory_alpha_max); analyse the run again"
+        )
+    tasks, positions = sorted({k for k, _ in cells}), sorted({t for _, t in cells})
+    tv, top = (
+        torch.tensor([[curves[metric][(k, t)] for t in positions] for k in tasks], dtype=torch.float64)
+        for metric in curves
+    )
+    found = uncertain_quarters(tv, top)
+    floor = _SPEC["P3"].threshold
+    parts = {
+        "tv_first": found.tv_first,
+        "tv_last": found.tv_last,
+        "start_floor": floor,
+        "uncertain_positions": len(found.positions),
+        "first_uncertain": positions[found.positions[0]] if found.positions else None,
+        "last_uncertain": positions[found.positions[-1]] if found.positions else None,
+        **placed,
+    }
+    if found.reason:
+        return Reading(math.nan, parts, found.reason)
+    return Reading(found.tv_last / max(found.tv_first, floor), parts)
+
+
+def beyond_random(r2: float, r2_random: float, protocol: Protocol, parts: dict) -> Reading:
+    """P2.vs_random from P2's R^2 and the same fit's on a random subspace of equal dimension (``parts``
+    beside them), in ``protocol.p2_random_form``: "difference", r2 - r2_random (its ceiling is
+    1 - r2_random); "partial", (r2 - r2_random) / (1 - r2_random), the coefficient of partial
+    determination of the task simplex beyond the random subspace (range [0, 1] whatever the baseline;
+    n/a when the random subspace leaves nothing to explain)."""
+    if protocol.p2_random_form == "difference":
+        return Reading(r2 - r2_random, parts)
+    if not r2_random < 1:
+        return Reading(math.nan, parts, f"the random subspace leaves nothing to explain (its R^2 is {r2_random:.4g})")
+    return Reading((r2 - r2_random) / (1 - r2_random), {**parts, "difference": r2 - r2_random})
 
 
 def _place(rows: list[dict], label: str, batch: str) -> Place:

@@ -114,6 +114,7 @@ def reproduce(
     seeds: tuple[int, ...] = (0,),
     studies: tuple[Study, ...] | None = None,
     diversities: tuple[int, ...] | None = None,
+    forms: dict | None = None,
 ) -> Context:
     """Train every run the experiments declare (``runs``) for every seed of ``seeds`` on
     ``executor``'s local pool first (``schedule``), then run each experiment (their sweeps on
@@ -123,7 +124,8 @@ def reproduce(
     ``timings.json``, ``reproduction.json``, the tables and ``report.html``. ``experiments``: by
     default those the studies declare at ``profile`` (``declared``). One reproduction writes a
     folder at a time: a second one into ``out`` is refused (``ResultsLockedError``, exit code 3)
-    before it trains or writes anything, so the manifests always come whole from one process."""
+    before it trains or writes anything, so the manifests always come whole from one process.
+    ``forms``: the claims' forms to judge under (``protocol.JUDGED`` fields; ``request.rejudge``)."""
     from taskgeom.report.html import write_report
 
     if not seeds or len(set(seeds)) != len(seeds):
@@ -138,6 +140,7 @@ def reproduce(
         tuple(overrides),
         shipped_studies() if studies is None else tuple(studies),
         None if diversities is None else tuple(diversities),
+        forms=dict(forms or {}),
     )
     experiments = _declared(ctx) if experiments is None else experiments
     protocol = ctx.protocol  # the profile's sample sizes, checked before anything is written or trained
@@ -195,6 +198,7 @@ def reproduce(
                 ctx.runs_root,
                 sections,
                 ctx.diversities,
+                ctx.forms,
             ),
         )
         write_report(ctx.out)

@@ -66,6 +66,9 @@ class Context:
     experiment: str = ""  # the experiment running now
     made_by: dict[str, str] = field(default_factory=dict)  # claim id -> the experiment that checked it
     used: dict[str, None] = field(default_factory=dict)  # the run directories (names) the experiments used, in order
+    forms: dict = field(
+        default_factory=dict
+    )  # the claims' forms (``protocol.JUDGED`` fields) judged under, if not the study's
 
     def stage(self, name: str) -> ContextManager[None]:
         """Time a block as stage ``name`` of the current experiment."""
@@ -98,7 +101,7 @@ class Context:
                 f"the recipes' profiles {self.profile!r} set different sample sizes of the protocol ({sorted(found)}); "
                 "give them one measure: protocol: section"
             )
-        return next(iter(found.values()), STUDY)
+        return replace(next(iter(found.values()), STUDY), **self.forms)
 
     def taking_part(self, experiment: str) -> tuple[Study, ...]:
         """The studies (recipes) that declare ``experiment`` at this profile, in their order."""

@@ -2,7 +2,8 @@
 runs: the recipes (the shipped ones and ``--recipe`` files, narrowed by ``--recipes`` and
 ``--only``), the experiments, a data variant's recipes and settings; then either its plan
 (``plan_text``: the runs it reads, what is left of each and the time that would take here) or the reproduction
-itself (``run``)."""
+itself (``run``); or a finished reproduction's claims judged again under other claim forms
+(``rejudge``)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from pathlib import Path
 import pandas as pd
 
 from taskgeom import experiments
-from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS
+from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS, JUDGED_VARIANTS
 from taskgeom.claims.registry import Experiment
 from taskgeom.claims.registry import experiments as registered
 from taskgeom.errors import TaskgeomError
 from taskgeom.experiments.base import Context, shipped_studies
 from taskgeom.experiments.executors import Executor
+from taskgeom.report.manifest import read_manifest
 from taskgeom.settings.recipes import DEFAULT_PROFILE, Study, load_study
 
 
@@ -218,4 +220,49 @@ def run(request: Request, executor: Executor, device: str, tracker: str) -> Cont
         tuple(request.seeds),
         resolved.studies,
         request.grid,
+    )
+
+
+def rejudge(results: Path, out: Path, variant: str) -> Context:
+    """The claims of the finished reproduction in ``results`` judged again under the claims' forms of
+    the judged variant ``variant`` (``variants.JUDGED_VARIANTS``), from its stored analyses, into
+    ``out`` (claims.json, the manifest with its ``forms``, figures and report; ``taskgeom compare
+    RESULTS OUT`` sets them side by side). Its profile, seeds, settings, recipes and grid are the
+    manifest's; ``out/runs`` and E4's stored seeds are links to ``results``' (nothing is left to
+    train or measure there: only the evaluations every reproduction computes again are written
+    through them, the same bytes). TaskgeomError, before anything is
+    written, naming a variant that is not a judged one, or the runs and analyses that are missing."""
+    if variant not in JUDGED_VARIANTS:
+        raise TaskgeomError(
+            f"{variant!r} is no variant of the claims' forms; `taskgeom rejudge` takes {', '.join(JUDGED_VARIANTS)} "
+            "(the variants of the measurement are `taskgeom sensitivity`'s)"
+        )
+    results, out = Path(results).resolve(), Path(out)
+    found = read_manifest(results)
+    if out.exists() and any(out.iterdir()):
+        raise TaskgeomError(f"--out {out} is not empty; judge again into a new folder")
+    studies = tuple(study for study in shipped_studies() if study.name in found["recipes"])
+    chosen = {name: registered()[name] for name in found["experiments"]}
+    settings = {
+        "profile": found["profile"],
+        "seeds": tuple(found["seeds"]),
+        "overrides": tuple(found["overrides"]),
+        "studies": studies,
+        "diversities": None if found.get("grid") is None else tuple(found["grid"]),
+    }
+    source = Context(results, executor=Executor(workers=1), **settings)
+    table = work_left(source, chosen, rate=1.0)
+    missing = table[table["train"] | (table[table.attrs["left"]].sum(axis=1) > 0)]["run"].tolist()
+    if missing:
+        raise TaskgeomError(
+            f"{results} lacks the stored runs or analyses of {', '.join(missing)} (under this taskgeom's protocol); "
+            f"`taskgeom reproduce --out {results}` measures them, then judge again"
+        )
+    (out / "analysis").mkdir(parents=True, exist_ok=True)
+    (out / "runs").symlink_to(results / "runs", target_is_directory=True)
+    for stored in (results / "analysis").iterdir():
+        if stored.is_dir():
+            (out / "analysis" / stored.name).symlink_to(stored, target_is_directory=True)
+    return experiments.reproduce(
+        out, executor=source.executor, experiments=chosen, forms=BY_NAME[variant].fields, **settings
     )

@@ -125,10 +125,13 @@ def manifest(
     runs_root: Path,
     sections: dict[str, str],
     grid: tuple[int, ...] | None = None,
+    forms: dict | None = None,
 ) -> dict:
-    """The manifest of one reproduction (see the module docstring for the fields)."""
+    """The manifest of one reproduction (see the module docstring for the fields); ``forms``: the
+    claims' forms it was judged under where they are not the study's (``taskgeom rejudge``)."""
     models = {name: file_sha256(Path(runs_root) / name / "model.safetensors") for name in runs}
     return {
+        **({"forms": forms} if forms else {}),
         "format": FORMAT,
         "taskgeom": __version__,
         "commit": source_commit(),

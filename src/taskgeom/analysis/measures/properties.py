@@ -312,8 +312,15 @@ def shrinkage(tv: torch.Tensor, alpha: torch.Tensor) -> Shrinkage:
     the same rows. The claim passes P3's mean curves (``MeanAlignment``: one row per task, the
     mean posterior's largest weight deciding), so it asks whether the task-mean beta
     approaches the task-mean posterior while that posterior is still moving."""
+    return uncertain_quarters(tv, alpha.double().amax(-1))
+
+
+def uncertain_quarters(tv: torch.Tensor, top: torch.Tensor) -> Shrinkage:
+    """``shrinkage`` from the TV [N, T] and the posterior's largest weight top: [N, T] (max_k alpha_t):
+    the positions whose median over the N rows of ``top`` is below the protocol's ``uncertain_below``,
+    and the mean TV over the first and the last quarter of them."""
     below = active().uncertain_below
-    uncertain = torch.nonzero(alpha.double().amax(-1).median(0).values < below).flatten().tolist()
+    uncertain = torch.nonzero(top.double().median(0).values < below).flatten().tolist()
     if (reason := too_few_uncertain(len(uncertain))) is not None:
         return Shrinkage(uncertain, float("nan"), float("nan"), reason)
     quarter = max(1, round(len(uncertain) / 4))

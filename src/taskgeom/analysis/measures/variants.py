@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from taskgeom.analysis.protocol import Protocol, active
+from taskgeom.analysis.protocol import JUDGED, Protocol, active
 from taskgeom.errors import AnalysisError
 
 
@@ -38,6 +38,12 @@ class Variant:
         ``ablate_S_ood``): one of ``claims``, or ``claims`` names its family (``ablate_S`` for
         ``ablate_S_major`` and ``ablate_S_ood``)."""
         return any(claim == name or claim.startswith(f"{name}_") for name in self.claims)
+
+    @property
+    def judged(self) -> bool:
+        """Whether it changes only how claims are judged from stored rows (``protocol.JUDGED``): the same
+        stored analyses, judged again (``taskgeom rejudge``)."""
+        return bool(self.fields) and set(self.fields) <= set(JUDGED)
 
     @property
     def protocol(self) -> Protocol:
@@ -160,6 +166,47 @@ VARIANTS = (
         fields={"steering_vectors": "read-place"},
     ),
     Variant(
+        "drop-as-share",
+        ("projection_r2_drop",),
+        "projection_r2_drop as the share of its start lost, (r2(k=-1) - r2(k_top)) / r2(k=-1), n/a when the start is within "
+        "2 se of 0, instead of the absolute drop (which cannot exceed its start)",
+        "the form the rule decides (docs/protocol.md, claim forms), judged beside the published form until it is published",
+        fields={"drop_form": "share"},
+    ),
+    Variant(
+        "p2-vs-random-partial",
+        ("P2.vs_random",),
+        "P2.vs_random as the partial R^2 beyond the random subspace, (r2 - r2_random) / (1 - r2_random), instead of the "
+        "difference (whose ceiling is 1 - r2_random)",
+        "the form the rule decides, judged beside the published form until it is published",
+        fields={"p2_random_form": "partial"},
+    ),
+    Variant(
+        "ood-between-segment",
+        ("ood_between",),
+        "e2.ood_between as max(MSE_model / MSE_dMMSE - 1, 1 - MSE_model / MSE_ridge) <= 0.1 (between ridge and dMMSE with "
+        "bayes_optimal's tolerance at each end) instead of |g - 1/2| <= 1/2 (which puts the ideal, dMMSE, on its boundary)",
+        "the form the rule decides, judged beside the published form until it is published",
+        fields={"ood_between_form": "segment"},
+    ),
+    Variant(
+        "p3-shrinks-on-trajectory",
+        ("P3.shrinks",),
+        "P3.shrinks on the trajectory P3 reads (task 0's mean beta against its mean posterior at the plotted positions where "
+        "that posterior is uncertain), the late TV over the early TV floored at P3's 0.1, instead of P3's per-task mean curves",
+        "the form the rule decides, judged beside the published form until it is published",
+        fields={"p3_shrinks_form": "trajectory"},
+    ),
+    Variant(
+        "prefix-trained-lengths",
+        ("prefix_probe",),
+        "e4.prefix_probe read only at the lengths whose head the kept probe had trained, each against the control's accuracy "
+        "where its kept snapshot trained the length, else the chance level (a length above 0.9 chance not read), instead of "
+        "every length 1-7 against the control",
+        "the form the rule decides, judged beside the published form until it is published",
+        fields={"prefix_probe_form": "trained-lengths"},
+    ),
+    Variant(
         "e1-v6",
         ("e1",),
         "E1 at V = 6 faces with near-disjoint majors (the earlier default recipe)",
@@ -177,7 +224,12 @@ VARIANTS = (
 
 BY_NAME = {v.name: v for v in VARIANTS}
 DATA_VARIANTS = tuple(v.name for v in VARIANTS if v.overrides)  # runs of their own: `taskgeom reproduce --variant`
-STORED_VARIANTS = tuple(v.name for v in VARIANTS if v.fields and not v.again)  # read from the stored analyses
+STORED_VARIANTS = tuple(
+    v.name for v in VARIANTS if v.fields and not v.again and not v.judged
+)  # read from the stored analyses
+JUDGED_VARIANTS = tuple(
+    v.name for v in VARIANTS if v.judged
+)  # a reproduction's claims judged again: `taskgeom rejudge`
 MEASURED_AGAIN = tuple(v.name for v in VARIANTS if v.again)  # measured again on each run by `taskgeom sensitivity`
 
 

@@ -233,7 +233,8 @@ def trajectory_rows(trajectories: dict[Place, Trajectory], p3_place: Place) -> l
     ``p3.tv_trajectory`` at every place (the claim's reading, the mean over the last quarter of the
     plotted positions) with ``p3.trajectory_first`` and ``p3.trajectory_last`` (the plotted span) and
     ``p3.trajectory_estimation_first`` / ``_last`` (the task vectors' positions); at P3's place also
-    per plotted position and per shown task."""
+    per plotted position and per shown task, with ``p3.trajectory_alpha_max``, the largest weight of
+    the task's mean posterior (where P3.shrinks' trajectory form finds the uncertain positions)."""
     rows = []
     for place, found in trajectories.items():
         where = {"place": place, "batch": "trajectory", "set": "major"}
@@ -245,9 +246,11 @@ def trajectory_rows(trajectories: dict[Place, Trajectory], p3_place: Place) -> l
             row("p3.trajectory_estimation_last", found.estimation[-1], **where),
         ]
         if place == p3_place:
+            top = found.alpha.amax(-1)  # [tasks, P'] the mean posterior's largest weight
             rows += [
-                row("p3.tv_trajectory", value, position=t, task=k, **where)
-                for k, curve in zip(found.tasks, found.tv.tolist())
+                row(metric, value, position=t, task=k, **where)
+                for metric, curves in (("p3.tv_trajectory", found.tv), ("p3.trajectory_alpha_max", top))
+                for k, curve in zip(found.tasks, curves.tolist())
                 for t, value in zip(found.positions, curve)
             ]
     return rows

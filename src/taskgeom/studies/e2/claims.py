@@ -10,8 +10,11 @@ dMMSE, 1 at ridge), lies in [0, 1], checked as ``|g - 1/2| <= 1/2``; ``e2.ood_ne
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 
+from taskgeom.analysis.protocol import active
 from taskgeom.claims.rules import Claim, Spec
 
 _RECIPES = "E2 (k = -1)"
@@ -55,18 +58,32 @@ def late_means(table: pd.DataFrame, n_examples: int) -> pd.DataFrame:
     return late.groupby(["set", "metric"])["value"].mean().unstack()
 
 
+def between(mse_model: float, mse_dmmse: float, mse_ridge: float) -> tuple[float, float, dict]:
+    """(value, threshold, parts) of ``ood_between`` from the three OOD errors, in the active protocol's
+    ``ood_between_form``: "g-interval", |g - 1/2| <= 1/2 (g in [0, 1]); "segment",
+    max(MSE_model / MSE_dMMSE - 1, 1 - MSE_model / MSE_ridge) <= 0.1, the model's error between ridge's
+    and dMMSE's with ``bayes_optimal``'s tolerance at each end (0 at either ideal, <= 0 inside)."""
+    g = (mse_dmmse - mse_model) / (mse_dmmse - mse_ridge)
+    parts = {"mse_model": mse_model, "mse_dmmse": mse_dmmse, "mse_ridge": mse_ridge}
+    if active().ood_between_form == "g-interval":
+        return abs(g - 0.5), SPECS[1].threshold, parts
+    above, below = mse_model / mse_dmmse - 1, 1 - mse_model / mse_ridge
+    return max(above, below), SPECS[0].threshold, {**parts, "g": g, "above_dmmse": above, "below_ridge": below}
+
+
 def claims(means: pd.DataFrame, e: str = "e2") -> list[Claim]:
     """The claims of recipe ``e`` from one run's late means (``late_means``)."""
     major, ood = means.loc["major"], means.loc["ood"]
     g = (ood["bayes_id_loss"] - ood["loss"]) / (ood["bayes_id_loss"] - ood["bayes_ood_loss"])
     parts = {"mse_model": ood["loss"], "mse_dmmse": ood["bayes_id_loss"], "mse_ridge": ood["bayes_ood_loss"]}
-    bayes_optimal, between, near = SPECS
+    bayes_optimal, on_segment, near = SPECS
+    value, threshold, between_parts = between(ood["loss"], ood["bayes_id_loss"], ood["bayes_ood_loss"])
     return [
         bayes_optimal.judge(
             e,
             major["loss"] / major["bayes_id_loss"] - 1,
             {"mse_model": major["loss"], "mse_dmmse": major["bayes_id_loss"]},
         ),
-        between.judge(e, abs(g - 0.5), parts),
+        replace(on_segment, threshold=threshold).judge(e, value, between_parts),
         near.judge(e, g, parts),
     ]

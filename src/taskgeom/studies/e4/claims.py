@@ -85,27 +85,51 @@ def prefix_probe(
     site: str,
     diversity: int,
     linear_gain: float,
+    lengths: dict[str, dict[int, tuple[bool, float]]],
 ) -> Claim:
     """The prefix probe's claim on one seed: the smallest over prefix lengths l of the study's probe's
     validation ``accuracy`` {l: accuracy} minus ``control``'s (the same probe on shuffled labels
     [ours]), at (``layer``, ``site``); ``reached``, the longest length its curriculum trained, and
     ``linear_gain``, the earlier construction's value (the weakest linear probe's score minus its
-    control, ``weakest_probe``), written beside."""
-    gains = {length: accuracy[length] - control[length] for length in accuracy}
+    control, ``weakest_probe``), written beside. Under the protocol's ``prefix_probe_form``
+    "trained-lengths" only the lengths whose head the kept probe had trained are read (``lengths``
+    {probe or control: {l: (trained at the kept snapshot, chance level)}}), each against the control's
+    accuracy where its kept snapshot trained l, else the chance level; a length whose chance level
+    exceeds 0.9 is not read (its gap cannot reach 0.1)."""
+    parts = {
+        "diversity": diversity,
+        "curriculum_reached": reached,
+        "layer": layer,
+        "site": site,
+        "linear_probe_gain": linear_gain,
+    }
+    if active().prefix_probe_form == "trained-lengths":
+        trained = [length for length, (yes, _) in sorted(lengths["probe"].items()) if yes]
+        crowded = [length for length in trained if lengths["probe"][length][1] > 1 - SPECS[1].threshold]
+        read = [length for length in trained if length not in crowded]
+        baseline = {
+            length: control[length] if lengths["control"][length][0] else lengths["probe"][length][1] for length in read
+        }
+        parts |= {
+            "lengths_trained": ",".join(map(str, trained)),
+            "lengths_not_read_chance_above_0.9": ",".join(map(str, crowded)),
+            "controls_at_chance": ",".join(str(n) for n in read if not lengths["control"][n][0]),
+        }
+        if not read:
+            return SPECS[1].judge(recipe, math.nan, parts, "the kept probe trained no length whose gap can reach 0.1")
+    else:
+        read, baseline = sorted(accuracy), control
+    gains = {length: accuracy[length] - baseline[length] for length in read}
     weakest = min(gains, key=lambda length: _nan_smallest(gains[length]))
     return SPECS[1].judge(
         recipe,
         gains[weakest],
         {
             "lengths": f"{min(gains)}..{max(gains)}",
-            "diversity": diversity,
             "length": weakest,
             "accuracy": accuracy[weakest],
-            "control": control[weakest],
-            "curriculum_reached": reached,
-            "layer": layer,
-            "site": site,
-            "linear_probe_gain": linear_gain,
+            "control": baseline[weakest],
+            **parts,
         },
     )
 

@@ -66,7 +66,7 @@ from taskgeom.studies.e4.variance import study_p0
 from taskgeom.tasks import Batch
 from taskgeom.tasks.dyck import Dyck
 
-register_format("e4", 1, __name__)  # one seed's stored measurement (``measure``): its format number
+register_format("e4", 2, __name__)  # one seed's stored measurement (``measure``): its format number
 # The protocol's (``active()``): dyck_max_back, the probes for the planted bracket j back, j = 1..max;
 # dyck_probe_sequences, sequences per probe analysis; dyck_natural_p0_sequences, those of the P0 layouts
 # on natural states [ours] (E4's bracket phase keeps a fraction of them at each late position)
@@ -314,6 +314,7 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int, div
             active().dyck_probe_site,
             diversity,
             weakest_probe(rows["probes"], claim_layer(diverse))["gain"],
+            study_probe_lengths(rows["prefix_probe"]),
         ),
     )
     return rows
@@ -326,6 +327,16 @@ def claim_site_shares(p0_rows: list[dict]) -> dict[str, list[float]]:
         if row["site"] == CLAIM_SITE:
             shares.setdefault(row["series"], []).append(row["value"])
     return shares
+
+
+def study_probe_lengths(rows: list[dict]) -> dict[str, dict[int, tuple[bool, float]]]:
+    """{"probe" | "control": {length: (whether the kept snapshot had trained its head, its chance
+    level)}} from the ``prefix_probe`` table's rows of one seed."""
+    found: dict[str, dict[int, tuple[bool, float]]] = {}
+    for row in rows:
+        if row["metric"] == "prefix_probe.accuracy":
+            found.setdefault(row["probe"], {})[row["length"]] = (row["trained_at_kept"], row["chance"])
+    return found
 
 
 def study_probe_readings(rows: list[dict]) -> tuple[dict[str, dict[int, float]], int, int]:
@@ -440,6 +451,8 @@ def measure_rows(
             "best_epoch": result.best_epoch,
             "epochs": result.epochs,
             "reached": result.reached,
+            "trained_at_kept": length in result.kept_lengths,
+            "chance": result.chance[length],
         }
         for name, result in study_probe.items()
         for metric, values in (("accuracy", result.accuracy), ("loss", result.loss))

@@ -179,13 +179,18 @@ def _evaluate(probe: PrefixProbe, validation: Data, lengths: list[int]) -> tuple
 @dataclass(frozen=True)
 class ProbeResult:
     """Validation accuracy and cross-entropy per length of the kept probe, the epoch it was kept at,
-    the epochs run and the longest length the curriculum reached (a longer one's head is untrained)."""
+    the epochs run, the longest length the curriculum reached (a longer one's head is untrained),
+    the lengths in training at the kept snapshot's epoch (``kept_lengths``: the heads the kept probe
+    had trained) and each length's chance level (the largest class share of its validation labels:
+    what a label-blind predictor reaches)."""
 
     accuracy: dict[int, float]
     loss: dict[int, float]
     best_epoch: int
     epochs: int
     reached: int
+    kept_lengths: tuple[int, ...]
+    chance: dict[int, float]
 
 
 def train_probe(
@@ -211,7 +216,7 @@ def train_probe(
     )
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=s.epochs, eta_min=s.lr * 0.01)
     active = min(2, len(lengths))
-    best_loss, best_epoch, best_state = float("inf"), 0, None
+    best_loss, best_epoch, best_state, best_active = float("inf"), 0, None, active
     epoch = 0
     for epoch in range(s.epochs):
         current = lengths[:active]
@@ -234,6 +239,7 @@ def train_probe(
         mean_loss = sum(loss.values()) / len(loss)
         if mean_loss < best_loss:
             best_loss, best_epoch, best_state = mean_loss, epoch + 1, copy.deepcopy(probe.state_dict())
+            best_active = active
         if active < len(lengths) and max(loss.values()) <= s.curriculum_threshold:
             active += 1
             if active == len(lengths):  # every length in: the kept probe is chosen again from here
@@ -242,7 +248,17 @@ def train_probe(
             break
     if best_state is not None:
         probe.load_state_dict(best_state)
-    return ProbeResult(*_evaluate(probe, validation, lengths), best_epoch, epoch + 1, lengths[active - 1])
+    else:  # nothing kept since the reset: the probe as it ends, with every length trained
+        best_active = active
+    chance = {length: float(torch.bincount(y).max()) / len(y) for length, (_, y) in validation.items()}
+    return ProbeResult(
+        *_evaluate(probe, validation, lengths),
+        best_epoch,
+        epoch + 1,
+        lengths[active - 1],
+        tuple(lengths[:best_active]),
+        chance,
+    )
 
 
 def shuffled(pool: Data, gen: torch.Generator) -> Data:
