@@ -277,6 +277,27 @@ def test_the_search_keeps_v_outside_the_probe_s_and_searches_on_minor_sequences(
         assert with_tokens.shape[1] == 3 + block.geometry.token_directions.shape[1]
 
 
+def test_the_eval_ood_search_draws_its_batches_from_the_evaluation_sets_ood_tasks(dice):
+    """``v-searched-on-eval-ood`` (the study's default target): every step's batch is drawn from the 30
+    tasks of the evaluation set's OOD sequences, exactly, at every k; batches differ between steps."""
+    from taskgeom.analysis.reading.heldout import stream
+
+    chosen = protocol("v-searched-on-eval-ood")
+    evaluated = dice.heldout("ood", 256, split="loss").batch.params
+    tasks = torch.unique(evaluated, dim=0)
+    assert dice.search_set(chosen) == "eval-ood" and len(tasks) == chosen.loss_ood_tasks
+    assert torch.equal(
+        torch.unique(dice.family.ood_task_params(chosen.loss_ood_tasks, dice.seed, 0, stream("loss", "ood")), dim=0),
+        tasks,
+    )
+    first, second = (
+        dice.family.sample_among(tasks, 64, 12, dice.seed, step, "dual-eval-ood-search") for step in (0, 1)
+    )
+    for batch in (first, second):
+        assert all(any(torch.equal(row, task) for task in tasks) for row in batch.params)
+    assert not torch.equal(first.tokens, second.tokens)
+
+
 def test_e3_s_v_avoids_the_token_directions_too(tmp_path_factory):
     run = tiny_run(tmp_path_factory, "markov")
     geometries = list(run.geometries(run.heldout("major", 64, split="geometry"), block_places(run)))

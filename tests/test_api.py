@@ -187,7 +187,9 @@ def test_the_orthogonal_search_gives_the_stored_ablated_losses(e3):
     major = e3.heldout("major", SIZES.geometry_sequences, split="geometry")
     ood = e3.heldout("ood", SIZES.eval_sequences, split="loss")
     geometries = list(e3.geometries(major, [(layer, "resid_mid") for layer in range(e3.config.model.n_layers)]))
-    for geometry, v in zip(geometries, e3.orthogonal_search([(g, 1) for g in geometries])):
+    for geometry, search in zip(geometries, e3.orthogonal_search([(g, 1) for g in geometries])):
+        v = search.directions
+        assert 0 <= search.best_step < search.steps <= SIZES.search_steps and len(search.losses) == search.steps
         assert v.shape == (geometry.basis.shape[0], 1) and (v.T.double() @ geometry.avoided.double()).abs().max() < 1e-5
         # E3's V avoids the probe's S (the K - 1 = 2 task contrasts at k = -1) and the tokens
         assert geometry.avoided.shape[1] == 2 + geometry.token_directions.shape[1]

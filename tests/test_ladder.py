@@ -16,7 +16,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from taskgeom.analysis.protocol import measured_under
+from taskgeom.analysis.protocol import STUDY, measured_under
 from taskgeom.cli import app
 from tests.conftest import SMOKE
 
@@ -189,6 +189,7 @@ def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the
         "centred-S": ["ablate_S_major", "ablate_S_ood"],
         "v-avoids-tokens": ["ablate_V_major", "ablate_V_ood", "random_control"],
         "v-searched-on-ood": ["ablate_V_major", "ablate_V_ood"],
+        "v-searched-on-eval-ood": ["ablate_V_major", "ablate_V_ood"],
         "v-best-block": ["ablate_V_major", "ablate_V_ood", "random_control"],
         "s-with-mean": ["ablate_S_major", "ablate_S_ood", "ablate_V_major", "ablate_V_ood", "random_control"],
         "probe-exact": ["ablate_S_major", "ablate_S_ood", "ablate_V_major", "ablate_V_ood", "random_control"],
@@ -197,6 +198,9 @@ def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the
     for claim in best.index:
         assert best.loc[claim, "value"] == pytest.approx(protocol.loc[claim, "value"], rel=1e-12, nan_ok=True)
     assert set(best["place"]) == {"block 0"} and set(protocol["place"]) == {"mean over blocks"}
+    for text in protocol["v_search"]:  # the one block's V search: steps run / best step
+        run_steps, best_step = map(int, text.removeprefix("0: ").split("/"))
+        assert 0 <= best_step < run_steps <= STUDY.search_steps
 
     result = CliRunner().invoke(app, ["sensitivity", str(run_dir), "--variant", "centred-S"])
     assert result.exit_code == 0, result.output

@@ -117,7 +117,9 @@ class Protocol:
     projection: str = "task-means"  # Fig. 4's task means, or "per-sequence" (each late OOD state)
     s_probe: str = "study"  # the study's _fit_ols probe, or "exact", "with-mean", "centred" (docs/protocol.md#variants)
     v_always_avoids_tokens: bool = False  # V kept out of the token subspace for every family, not only E3
-    v_search_set: str = "minor"  # V ascended on minor sequences, or "ood"
+    v_search_set: str = (
+        "minor"  # V ascended on minor sequences, "ood" (fresh tasks) or "eval-ood" (the evaluation set's tasks)
+    )
     v_block: str = "mean"  # V's share the mean over blocks, or "best" (one block, chosen on a separate batch)
     steering_vectors: str = "estimated"  # the study's injection, or "read-place" (the measured layout, written there)
     # how three claims are judged from what is stored (``JUDGED``: read when a claim is judged, never when
@@ -201,7 +203,7 @@ CHOICES: dict[str, tuple] = {  # the fields that name a construction, and the on
     "p3": ("trajectory", "late-window"),
     "projection": ("task-means", "per-sequence"),
     "s_probe": ("study", "exact", "with-mean", "centred"),
-    "v_search_set": ("minor", "ood"),
+    "v_search_set": ("minor", "ood", "eval-ood"),
     "v_block": ("mean", "best"),
     "steering_vectors": ("estimated", "read-place"),
     "drop_form": ("absolute", "share"),

@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from taskgeom.analysis.geometry import AdditiveR2, Geometry, ProbeInputs, cell_p2, probe_inputs
-from taskgeom.analysis.measures.orthogonal import orthogonal_searches
+from taskgeom.analysis.measures.orthogonal import SearchResult, orthogonal_searches
 from taskgeom.analysis.measures.shares import loss_window
 from taskgeom.analysis.measures.subspace import direction_ablation
 from taskgeom.analysis.measures.task_vectors import fraction_window, late_window
@@ -51,6 +51,7 @@ from taskgeom.analysis.reading.cells import (
 )
 from taskgeom.analysis.reading.edits import Edit
 from taskgeom.analysis.reading.heldout import Kind, Split, sample, sample_tasks, unsupported
+from taskgeom.analysis.reading.heldout import stream as heldout_stream
 from taskgeom.analysis.reading.projection import ProjectionR2
 from taskgeom.analysis.reading.sequences import Sequences
 from taskgeom.analysis.reading.states import LayerStreams, stream_layers
@@ -65,6 +66,7 @@ from taskgeom.tasks import Batch, TaskFamily, TaskPool
 SEARCH_STREAMS = {
     "minor": "dual-minor-search",
     "ood": "dual-ood-search",
+    "eval-ood": "dual-eval-ood-search",
 }  # the orthogonal search's fresh batch of each step
 
 
@@ -339,31 +341,36 @@ class StudyRun:
         """The ablation h <- h - V V^T h of orthonormal directions: [D, r] at ``place`` on the analysed positions."""
         return Edit(self, Place(*place), direction_ablation(directions), self.analysed_positions)
 
-    def search_set(self, protocol: Protocol | None = None) -> Kind:
+    def search_set(self, protocol: Protocol | None = None) -> str:
         """The sequences the orthogonal search ascends on (docs/protocol.md): ``protocol.v_search_set``'s
-        (the active protocol's when None; the study's minor, pool, sequences), OOD ones when the pool
-        has no minors (k = -1)."""
-        return "ood" if not self.pool.n_minor else (active() if protocol is None else protocol).v_search_set
+        (the active protocol's when None): minor (pool) sequences, OOD ones when the pool has no minors
+        (k = -1); fresh OOD tasks ("ood"); or the evaluation set's OOD tasks ("eval-ood", at every k)."""
+        chosen = (active() if protocol is None else protocol).v_search_set
+        return "ood" if chosen == "minor" and not self.pool.n_minor else chosen
 
     def selection_batch(self) -> Sequences:
         """The M1 and dual analyses' selection batch (the protocol's ``selection_sequences`` major
         sequences, split ``select``): the selected-place variant chooses where it does."""
         return self.heldout("major", active().selection_sequences, split="select")
 
-    def _search_loss(self, kind: Kind, protocol: Protocol):
+    def _search_loss(self, kind: str, protocol: Protocol):
         """loss_fn(step, site) of ``orthogonal_searches``: the training loss of batch ``step`` of
-        the search stream of ``kind`` (the protocol's ``search_batch`` fresh minor or OOD sequences) run
+        the search stream of ``kind`` (the protocol's ``search_batch`` fresh minor sequences, OOD ones of
+        fresh tasks, or of the evaluation set's ``loss_ood_tasks`` OOD tasks, each uniform among them) run
         from ``site`` on; searches in lockstep share each step's draw and prefix."""
         family, T, seed, stream = self.family, self.config.task.seq_len, self.seed, SEARCH_STREAMS[kind]
         size = protocol.search_batch
+        if kind == "eval-ood":  # the tasks the evaluation set's OOD sequences are drawn from
+            evaluated = family.ood_task_params(protocol.loss_ood_tasks, seed, 0, heldout_stream("loss", "ood"))
 
         @functools.lru_cache(maxsize=1)
         def search_batch(step: int) -> tuple[Batch, LayerStreams]:
-            batch = (
-                family.sample_ood(size, T, seed, step, stream)
-                if kind == "ood"
-                else family.sample(self.pool, size, T, seed, step, stream, "minor")
-            )
+            if kind == "eval-ood":
+                batch = family.sample_among(evaluated, size, T, seed, step, stream)
+            elif kind == "ood":
+                batch = family.sample_ood(size, T, seed, step, stream)
+            else:
+                batch = family.sample(self.pool, size, T, seed, step, stream, "minor")
             return batch, LayerStreams(self.model, batch.tokens)
 
         def search_loss(step: int, site) -> torch.Tensor:
@@ -379,8 +386,9 @@ class StudyRun:
         steps: int | None = None,
         protocol: Protocol | None = None,
         avoid: Callable[[Geometry], torch.Tensor] | None = None,
-    ) -> list[torch.Tensor]:
-        """V: [D, r] for each ``(geometry, rank r)``: directions outside ``geometry.avoid(protocol)``
+    ) -> list[SearchResult]:
+        """V (``SearchResult.directions``: [D, r], with the steps run and the best step) for each
+        ``(geometry, rank r)``: directions outside ``geometry.avoid(protocol)``
         (the study's: the probe's S, and the token subspace for E3; or ``avoid(geometry)`` when
         given) whose ablation at the geometry's place raises the loss of fresh sequences of
         ``search_set(protocol)`` most (docs/protocol.md); the searches run in lockstep, each giving
@@ -397,7 +405,7 @@ class StudyRun:
             seed=self.seed,
             positions=self.analysed_positions,
         )
-        return [result.directions for result in results]
+        return results
 
     def snapshots(self) -> dict[int, "StudyRun"]:
         """{step: this run with the weights kept at that training step}, in step order."""

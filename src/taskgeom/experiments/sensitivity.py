@@ -106,23 +106,24 @@ def ablation_variants(
     clean = {name: run.loss(sequences, per_position=True) for name, sequences in sets.items()}
     blocks: list[Block] = find_blocks(run, geometries, steps=search_steps)
     mean = "mean over blocks"
-    measured = {"protocol": (ablation_rows(run, blocks, sets, clean), mean)}
+    measured = {"protocol": (ablation_rows(run, blocks, sets, clean), mean, blocks)}
     for name in variants:
         chosen = BY_NAME[name].protocol
         if chosen.s_probe == "centred":
-            measured[name] = _centred_s_rows(run, n_seq, sets, clean, chosen)
+            measured[name] = (*_centred_s_rows(run, n_seq, sets, clean, chosen), None)
         elif chosen.v_block == "best":
             best = v_block(run, blocks, n_seq)
             measured[name] = (
                 ablation_rows(run, blocks, sets, clean, v_block=best),
                 f"block {blocks[best].place.layer}",
+                blocks,
             )
         else:
             searched = find_blocks(run, geometries, steps=search_steps, protocol=chosen)
-            measured[name] = (ablation_rows(run, searched, sets, clean, protocol=chosen), mean)
+            measured[name] = (ablation_rows(run, searched, sets, clean, protocol=chosen), mean, searched)
 
     k, recipe, rows, window = run.config.task.diversity, run.config.name, [], loss_window(run.family)
-    for name, (variant_rows, where) in measured.items():
+    for name, (variant_rows, where, searched) in measured.items():
         clean_rows = [
             row(metric, value, batch="loss", set=s)
             for s in SETS
@@ -131,8 +132,16 @@ def ablation_variants(
         table = pd.DataFrame([*variant_rows, *clean_rows]).assign(diversity=k, step=float("nan"))
         for claim in ablation_claims(table, recipe, k):
             if name == "protocol" or BY_NAME[name].moves(claim.id.split(".", 1)[1]):
-                rows.append(_variant_row(claim, name, where))
+                rows.append({**_variant_row(claim, name, where), "v_search": _search_text(searched)})
     return rows
+
+
+def _search_text(blocks: list[Block] | None) -> str | None:
+    """Each block's V search as "layer: steps run/best step" (the kept V is the average of the raw
+    iterate at the best step, 0-based), or None where no V was searched."""
+    if blocks is None:
+        return None
+    return ", ".join(f"{b.place.layer}: {b.search.steps}/{b.search.best_step}" for b in blocks)
 
 
 def stored_variants(run: Run) -> list[dict]:
@@ -174,6 +183,7 @@ def stored_variants(run: Run) -> list[dict]:
 
 
 def _variant_row(claim, name: str, place: str) -> dict:
+    """One claim under one variant: its value, status, threshold, where it was read and its parts."""
     return {
         "claim": claim.id,
         "variant": name,
@@ -183,6 +193,7 @@ def _variant_row(claim, name: str, place: str) -> dict:
         "threshold": claim.threshold,
         "reason": claim.reason,
         "place": place,
+        "parts": claim.parts,
     }
 
 

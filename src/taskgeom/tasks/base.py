@@ -309,6 +309,19 @@ class TaskFamily(ABC):
             params = self.sample_params(n_tasks, gen)[torch.randint(0, n_tasks, (batch_size,), generator=gen)]
         return self.make_batch(params, torch.full((batch_size,), -1, dtype=torch.long), seq_len, gen)
 
+    def ood_task_params(self, n_tasks: int, seed: int = 0, step: int = 0, stream: str = "ood") -> torch.Tensor:
+        """[n_tasks, ...] the fresh tasks ``sample_ood(..., seed, step, stream, n_tasks)`` draws (its first draw)."""
+        return self.sample_params(n_tasks, generator(seed, step, stream))
+
+    def sample_among(
+        self, params: torch.Tensor, batch_size: int, seq_len: int, seed: int = 0, step: int = 0, stream: str = "ood"
+    ) -> Batch:
+        """Sequences whose task is uniform among the given tasks params: [J, ...] (task = -1: not in the pool)."""
+        _check_sizes(batch_size, seq_len)
+        gen = generator(seed, step, stream)
+        chosen = params[torch.randint(0, params.shape[0], (batch_size,), generator=gen)]
+        return self.make_batch(chosen, torch.full((batch_size,), -1, dtype=torch.long), seq_len, gen)
+
     def sample_ood_tasks(
         self, n_tasks: int, per_task: int, seq_len: int, seed: int = 0, step: int = 0, stream: str = "ood-tasks"
     ) -> Batch:

@@ -142,6 +142,16 @@ VARIANTS = (
         again=True,
     ),
     Variant(
+        "v-searched-on-eval-ood",
+        ("ablate_V",),
+        "V searched, at every k, on fresh sequences of the evaluation set's 30 OOD tasks (each step's batch uniform among "
+        "them), as the study's optimal_orth.py does by default (opt_target='ood', the evaluation sampler), instead of minor "
+        "(pool) sequences",
+        "the study's default target, decided for the protocol (docs/protocol.md, the V search), measured beside it until published",
+        fields={"v_search_set": "eval-ood"},
+        again=True,
+    ),
+    Variant(
         "v-best-block",
         ("ablate_V", "random_control"),
         "V read at the block where it removes the most OOD gain on a separate batch, not the mean over blocks",

@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 
 from taskgeom.analysis.geometry import Geometry
+from taskgeom.analysis.measures.orthogonal import SearchResult
 from taskgeom.analysis.measures.shares import Share, loss_window, share_of_gain
 from taskgeom.analysis.measures.subspace import complement_basis, random_directions
 from taskgeom.analysis.protocol import Protocol, active
@@ -51,11 +52,13 @@ def block_places(run: StudyRun, protocol: Protocol | None = None) -> list[Place]
 @dataclass(frozen=True)
 class Block:
     """One block's ablations: ``geometry`` at its place (S: ``geometry.probe``), V: [D, r] and the
-    random controls: the protocol's ``random_controls`` x [D, r] inside the complement V was searched in."""
+    random controls: the protocol's ``random_controls`` x [D, r] inside the complement V was searched in;
+    ``search``: V's search (its steps run and best step)."""
 
     geometry: Geometry
     v: torch.Tensor
     controls: tuple[torch.Tensor, ...]
+    search: SearchResult | None = None
 
     @property
     def place(self) -> Place:
@@ -78,10 +81,11 @@ def find_blocks(
     return [
         Block(
             g,
-            v,
+            search.directions,
             tuple(random_directions(complement_basis(g.avoid(protocol)), rank, gen) for _ in range(draws)),
+            search,
         )
-        for g, v in zip(geometries, found)
+        for g, search in zip(geometries, found)
     ]
 
 
@@ -185,7 +189,7 @@ def rank_rows(
     own = blocks[0].v.shape[1]
     others = [r for r in ranks if r != own]
     searched = iter(run.orthogonal_search([(b.geometry, r) for b in blocks for r in others], steps=steps))
-    found = {(i, r): next(searched) for i in range(len(blocks)) for r in others}
+    found = {(i, r): next(searched).directions for i in range(len(blocks)) for r in others}
     where, window = {"batch": "loss", "set": "ood"}, loss_window(run.family)
     rows = []
     for r in ranks:
