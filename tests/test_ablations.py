@@ -277,9 +277,9 @@ def test_the_search_keeps_v_outside_the_probe_s_and_searches_on_minor_sequences(
         assert with_tokens.shape[1] == 3 + block.geometry.token_directions.shape[1]
 
 
-def test_the_eval_ood_search_draws_its_batches_from_the_evaluation_sets_ood_tasks(dice):
-    """``v-searched-on-eval-ood`` (the study's default target): every step's batch is drawn from the 30
-    tasks of the evaluation set's OOD sequences, exactly, at every k; batches differ between steps."""
+def test_the_eval_ood_search_draws_its_batches_from_the_evaluation_sets_ood_tasks(dice, monkeypatch):
+    """``v-searched-on-eval-ood`` (the study's default target): the search's every step draws its batch
+    from the 30 tasks of the evaluation set's OOD sequences, exactly; batches differ between steps."""
     from taskgeom.analysis.reading.heldout import stream
 
     chosen = protocol("v-searched-on-eval-ood")
@@ -290,12 +290,19 @@ def test_the_eval_ood_search_draws_its_batches_from_the_evaluation_sets_ood_task
         torch.unique(dice.family.ood_task_params(chosen.loss_ood_tasks, dice.seed, 0, stream("loss", "ood")), dim=0),
         tasks,
     )
-    first, second = (
-        dice.family.sample_among(tasks, 64, 12, dice.seed, step, "dual-eval-ood-search") for step in (0, 1)
-    )
-    for batch in (first, second):
+    drawn, sample_among = [], dice.family.sample_among
+
+    def spy(params, *args):
+        drawn.append(sample_among(params, *args))
+        return drawn[-1]
+
+    monkeypatch.setattr(dice.family, "sample_among", spy)
+    geometry = next(iter(dice.geometries(dice.heldout("major", 64, split="geometry"), block_places(dice)[:1])))
+    (search,) = dice.orthogonal_search([(geometry, 1)], steps=3, protocol=chosen)
+    assert search.steps == 3 and len(drawn) == 3 and len({batch.tokens.sum().item() for batch in drawn}) > 1
+    for batch in drawn:
+        assert len(batch.task) == chosen.search_batch
         assert all(any(torch.equal(row, task) for task in tasks) for row in batch.params)
-    assert not torch.equal(first.tokens, second.tokens)
 
 
 def test_e3_s_v_avoids_the_token_directions_too(tmp_path_factory):

@@ -167,6 +167,25 @@ def test_ood_between_segment_passes_both_ideals_and_fails_a_predictor_outside():
         assert between(mse(2 * dmmse), *ends)[0] > 0.5
 
 
+@pytest.mark.parametrize("variant", JUDGED_VARIANTS)
+def test_each_judged_variant_moves_only_its_claims(tiny_reproduction, tmp_path, variant):
+    """Every judged variant on the smoke reproduction's stored analyses (the rows each form reads
+    are there: the trajectory's posterior, the prefix probe's kept lengths): only the claims it names
+    can move, each judged with its form's description, and the manifest records the form."""
+    from taskgeom.experiments.request import rejudge
+
+    out = tmp_path / variant
+    rejudge(tiny_reproduction, out, variant)
+    old = {c["id"]: c for c in json.loads((tiny_reproduction / "claims.json").read_text())}
+    new = {c["id"]: c for c in json.loads((out / "claims.json").read_text())}
+    assert old.keys() == new.keys()
+    moved = [key for key in old if old[key]["seeds"] != new[key]["seeds"]]
+    assert all(BY_NAME[variant].moves(key.split(".", 1)[1]) for key in moved), moved
+    named = [key for key in new if BY_NAME[variant].moves(key.split(".", 1)[1])]
+    assert named and all(new[key]["description"] != old[key]["description"] for key in named)
+    assert json.loads((out / "reproduction.json").read_text())["forms"] == BY_NAME[variant].fields
+
+
 def test_rejudge_judges_a_reproduction_again_under_one_form_and_moves_only_its_claim(tiny_reproduction, tmp_path):
     """``taskgeom rejudge`` on the smoke reproduction: under ``p2-vs-random-partial`` only the
     P2.vs_random claims move (each seed's value the partial R^2 of its stored parts), every other
@@ -292,7 +311,27 @@ def test_prefix_probe_trained_lengths_ideal_passes_null_fails(informative):
             assert probe.kept_lengths == (1, 2, 3, 4) and claim.status == "pass"
             two = {"probe": {n: (n <= 2, 0.5) for n in lengths["probe"]}, "control": lengths["control"]}
             early = prefix_probe("e4", probe.accuracy, control.accuracy, 2, 1, "resid_mid", 10, 0.0, two)
-            assert early.parts["lengths"] == "1..2" and early.parts["lengths_trained"] == "1,2"
+            assert early.parts["lengths"] == "1,2" and early.parts["lengths_trained"] == "1,2"
         else:
             assert claim.status == "fail" and claim.value < 0.1 and probe.kept_lengths[:2] == (1, 2)
-    assert all(0 < c <= 1 for c in probe.chance.values())
+    labels = {n: torch.bincount(y).max().item() / len(y) for n, (_, y) in pool.items()}
+    assert all(abs(probe.chance[n] - labels[n]) < 0.15 for n in labels)  # the validation split's largest class share
+
+
+def test_the_kept_lengths_are_those_the_kept_snapshot_had_trained():
+    """A probe that stops at the very evaluation that brings the last length in (its loss threshold met
+    on the lengths then in training) never trained that length's head: it is not among the kept lengths,
+    and the prefix claim in the rule's form does not read it; with a strict loss threshold every length
+    is trained after the reset and kept."""
+    from taskgeom.analysis.protocol import PrefixProbeSettings
+    from taskgeom.studies.e4.prefix import train_probe
+
+    pool, n_classes = _prefix_pool(True)
+    for threshold, kept in ((0.3, (1, 2, 3)), (0.05, (1, 2, 3, 4))):
+        settings = PrefixProbeSettings(
+            epochs=300, lr=3e-2, mini_batch=64, samples_per_class=20, curriculum_threshold=0.3, loss_threshold=threshold
+        )
+        result = train_probe(pool, n_classes, 8, torch.Generator().manual_seed(1), settings)
+        assert result.reached == 4 and result.kept_lengths == kept, threshold
+        if kept[-1] == 3:
+            assert result.accuracy[4] < result.chance[4] + 0.1  # the untrained head: at about chance

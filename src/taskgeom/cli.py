@@ -638,7 +638,7 @@ def rejudge(
     runs or analyses are not all stored under this taskgeom's protocol."""
     from taskgeom.experiments.request import rejudge as judge_again
 
-    results = _results(results)
+    results = _results(results).resolve()
     target = out or results.with_name(f"{results.name}-{variant}")
     ctx = judge_again(results, _folder(target, "--out"), variant)
     typer.echo(ctx.out)

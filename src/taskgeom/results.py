@@ -5,7 +5,7 @@ runs opened for study."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -32,9 +32,11 @@ class Results:
     @property
     def protocol(self) -> Protocol:
         """The protocol its reproduction measured under: the study's, with the sample sizes its profile
-        sets (the smoke profile's); measure under it (``tg.measured_under``) to get its stored numbers."""
+        sets (the smoke profile's) and the claims' forms it was judged under (``taskgeom rejudge``);
+        measure under it (``tg.measured_under``) to get its stored numbers."""
         manifest = read_manifest(self.folder)
-        return load_measure(recipe_path(manifest["recipes"][0]), manifest["profile"]).analysis_protocol
+        measured = load_measure(recipe_path(manifest["recipes"][0]), manifest["profile"]).analysis_protocol
+        return replace(measured, **manifest.get("forms", {}))  # the claims' forms it was judged under (rejudge)
 
     def run(self, recipe: str, diversity: int = -1, seed: int = 0) -> StudyRun:
         """The run of ``recipe`` at task diversity ``diversity`` trained on ``seed``, opened for study."""

@@ -6,7 +6,8 @@ defaults (docs/protocol.md says where each comes from).
 reproduction measures under a profile's (its ``measure: {protocol: {...}}`` section: the smoke
 profile's small samples, ``Protocol.changed``) inside ``measured_under``. The modules that measure
 read their choices from it when they measure, never at import, and every stored analysis is keyed by
-its ``digest()`` (``analysis.stored.keys``), so a changed choice is measured again by construction. A
+its ``digest()`` (``analysis.stored.keys``), so a changed choice is measured again by construction; the
+claims' forms (``JUDGED``) are read only when a claim is judged and stay out of the digest. A
 variant (``analysis.measures.variants``) is a named copy of the active protocol with the fields it
 changes; the functions that can measure one take a ``protocol``. Memory-only sizes (chunks of a
 forward pass) are not choices and stay where they are used.
@@ -117,13 +118,11 @@ class Protocol:
     projection: str = "task-means"  # Fig. 4's task means, or "per-sequence" (each late OOD state)
     s_probe: str = "study"  # the study's _fit_ols probe, or "exact", "with-mean", "centred" (docs/protocol.md#variants)
     v_always_avoids_tokens: bool = False  # V kept out of the token subspace for every family, not only E3
-    v_search_set: str = (
-        "minor"  # V ascended on minor sequences, "ood" (fresh tasks) or "eval-ood" (the evaluation set's tasks)
-    )
+    v_search_set: str = "minor"  # V ascended on minor sequences, "ood" (fresh tasks), "eval-ood" (the eval set's)
     v_block: str = "mean"  # V's share the mean over blocks, or "best" (one block, chosen on a separate batch)
     steering_vectors: str = "estimated"  # the study's injection, or "read-place" (the measured layout, written there)
-    # how three claims are judged from what is stored (``JUDGED``: read when a claim is judged, never when
-    # measuring, so kept out of the digest); docs/protocol.md#claim-forms-under-the-rule
+    # the claims' forms: how five claims are judged from what is stored (``JUDGED``: read when a claim is
+    # judged, never when measuring, so kept out of the digest); docs/protocol.md, "Claim forms"
     drop_form: str = "absolute"  # projection_r2_drop: r2(k=-1) - r2(k_top), or "share" of r2(k=-1)
     p2_random_form: str = "difference"  # P2.vs_random: r2_additive minus the random subspace's, or "partial"
     ood_between_form: str = "g-interval"  # e2.ood_between: |g - 1/2|, or "segment" (each end with a 10% tolerance)

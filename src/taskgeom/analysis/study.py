@@ -397,7 +397,7 @@ class StudyRun:
         protocol = active() if protocol is None else protocol
         steps = protocol.search_steps if steps is None else steps
         avoid = avoid or (lambda geometry: geometry.avoid(protocol))
-        results = orthogonal_searches(
+        return orthogonal_searches(
             self.model,
             self._search_loss(self.search_set(protocol), protocol),
             [(g.place, avoid(g), rank) for g, rank in searches],
@@ -405,7 +405,6 @@ class StudyRun:
             seed=self.seed,
             positions=self.analysed_positions,
         )
-        return results
 
     def snapshots(self) -> dict[int, "StudyRun"]:
         """{step: this run with the weights kept at that training step}, in step order."""

@@ -236,14 +236,26 @@ def projection_drop(r2_low: float, r2_high: float, se_low: float, se_high: float
     """(value, its standard error, why it does not apply or None) of ``projection_r2_drop`` from projection
     R^2 at k = -1 (``r2_low``) and at the highest k, with their standard errors, in the active protocol's
     ``drop_form``: "absolute", r2_low - r2_high; "share", (r2_low - r2_high) / r2_low, the share of the
-    start that is lost (range [0, 1] whatever the start; n/a when the start is within two standard
-    errors of 0), its error to first order. Both ends read the same OOD tasks, so the errors are added
-    in quadrature as an upper bound."""
+    start that is lost (the threshold's range whatever the start; n/a when the start is within two standard
+    errors of 0; at most 1, negative where R^2 rises), its error to first order. Both ends read the same OOD
+    tasks, so the errors are added in quadrature as an upper bound."""
     if active().drop_form == "absolute":
         return r2_low - r2_high, math.hypot(se_low, se_high), None
     if not r2_low > 2 * se_low:
         return math.nan, math.nan, f"no start to lose: R^2 at k = -1 ({r2_low:.3g}) is within 2 se ({se_low:.3g}) of 0"
     return 1 - r2_high / r2_low, math.hypot(se_high / r2_low, r2_high * se_low / r2_low**2), None
+
+
+def _drop_spec() -> Spec:
+    """``projection_r2_drop``'s spec in the active protocol's ``drop_form`` (its description says the form)."""
+    if active().drop_form == "absolute":
+        return _SPEC["projection_r2_drop"]
+    return replace(
+        _SPEC["projection_r2_drop"],
+        description="projection R^2 of OOD task means onto the major task means (the study's Fig. 4): the share of its "
+        "value at k = -1 lost at the highest k of the grid, (r2(k=-1) - r2(k_top)) / r2(k=-1) (n/a when r2(k=-1) is "
+        "within 2 se of 0)",
+    )
 
 
 def claims(rows: pd.DataFrame, recipe: str, low: int, high: int) -> list[Claim]:
@@ -266,7 +278,7 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int) -> list[Claim]:
     )
     value, se_drop, reason = projection_drop(r2_low, r2_high, se_low, se_high)
     made.append(
-        _SPEC["projection_r2_drop"].judge(
+        _drop_spec().judge(
             recipe,
             value,
             {
@@ -274,7 +286,7 @@ def claims(rows: pd.DataFrame, recipe: str, low: int, high: int) -> list[Claim]:
                 **{f"k={high}.{name}": v for name, v in projection_parts(rows, high).items()},
                 **({} if active().drop_form == "absolute" else {"drop": r2_low - r2_high}),
                 "se": se_drop,
-                "within_2se": _near(value, _SPEC["projection_r2_drop"].threshold, se_drop),
+                "within_2se": _near(value, _drop_spec().threshold, se_drop),
             },
             reason,
         )

@@ -14,6 +14,7 @@ reads R^2_task); for E2 steering compares predictions of y_i by RMSE instead of 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -114,6 +115,27 @@ SPECS: tuple[Spec, ...] = (
     ),
 )
 _SPEC = {spec.name: spec for spec in SPECS}
+# the rule's forms (docs/protocol.md, "Claim forms"): the description a claim is judged with in that form
+_FORMS = {
+    (
+        "P2.vs_random",
+        "partial",
+    ): "P2's r2_additive beyond that of the same fit on a random subspace of equal dimension, "
+    f"as a partial R^2: (r2 - r2_random) / (1 - r2_random); {_WHERE}",
+    (
+        "P3.shrinks",
+        "trajectory",
+    ): "P3.shrinks on P3's trajectory (task 0, its plotted positions): mean TV over the last "
+    "quarter of the positions where task 0's mean posterior is uncertain (largest weight < 0.99) divided by that over "
+    "their first quarter, floored at P3's 0.1 (n/a with fewer than 5 uncertain positions)",
+}
+
+
+def _spec(name: str, protocol: Protocol) -> Spec:
+    """Claim ``name``'s spec in ``protocol``'s form (its description says the form)."""
+    form = {"P2.vs_random": protocol.p2_random_form, "P3.shrinks": protocol.p3_shrinks_form}.get(name)
+    found = _FORMS.get((name, form))
+    return _SPEC[name] if found is None else replace(_SPEC[name], description=found)
 
 
 class Reading(NamedTuple):
@@ -133,7 +155,8 @@ def claim_values(rows: list[dict], protocol: Protocol | None = None) -> dict[str
     on natural states grouped by their token, the median over the late window (the study's:
     forced-token cells at the last position it reads; E2, which has no tokens to force, reads its
     paired layout's late-window median); ``p2="task-only"`` reads R^2_task; ``p3="late-window"`` the
-    two-way layout's P3. Fields these claims do not read change nothing (the variants of the data
+    two-way layout's P3; ``p2_random_form`` and ``p3_shrinks_form`` are the forms of P2.vs_random
+    (``beyond_random``) and P3.shrinks (``trajectory_shrinks`` for "trajectory"). Fields these claims do not read change nothing (the variants of the data
     are other runs: pass their rows). AnalysisError when the rows lack a value."""
     protocol = active() if protocol is None else protocol
     place, p3_place = _place(rows, "place.m1", "measure"), _place(rows, "place.p3", "measure")
@@ -270,8 +293,9 @@ def beyond_random(r2: float, r2_random: float, protocol: Protocol, parts: dict) 
     """P2.vs_random from P2's R^2 and the same fit's on a random subspace of equal dimension (``parts``
     beside them), in ``protocol.p2_random_form``: "difference", r2 - r2_random (its ceiling is
     1 - r2_random); "partial", (r2 - r2_random) / (1 - r2_random), the coefficient of partial
-    determination of the task simplex beyond the random subspace (range [0, 1] whatever the baseline;
-    n/a when the random subspace leaves nothing to explain)."""
+    determination of the task simplex beyond the random subspace (at most 1 whatever the baseline,
+    negative where the fit explains less than the random one; n/a when the random subspace leaves
+    nothing to explain)."""
     if protocol.p2_random_form == "difference":
         return Reading(r2 - r2_random, parts)
     if not r2_random < 1:
@@ -297,7 +321,10 @@ def claims(result: Result) -> list[Claim]:
 
 def retrieval_claims(values: dict[str, Reading], e: str) -> list[Claim]:
     """The claims P0-P3 of recipe ``e`` from ``claim_values`` (the protocol's, or a variant's) of one run."""
-    return [_SPEC[name].judge(e, reading.value, reading.parts, reading.reason) for name, reading in values.items()]
+    protocol = active()
+    return [
+        _spec(name, protocol).judge(e, reading.value, reading.parts, reading.reason) for name, reading in values.items()
+    ]
 
 
 def steering_value(means: dict[str, float], measure: str) -> float:

@@ -228,7 +228,8 @@ def rejudge(results: Path, out: Path, variant: str) -> Context:
     the judged variant ``variant`` (``variants.JUDGED_VARIANTS``), from its stored analyses, into
     ``out`` (claims.json, the manifest with its ``forms``, figures and report; ``taskgeom compare
     RESULTS OUT`` sets them side by side). Its profile, seeds, settings, recipes and grid are the
-    manifest's; ``out/runs`` and E4's stored seeds are links to ``results``' (nothing is left to
+    manifest's; ``out/runs`` and each folder of ``results/analysis`` (E4's stored seeds) are links to
+    ``results``' (nothing is left to
     train or measure there: only the evaluations every reproduction computes again are written
     through them, the same bytes). TaskgeomError, before anything is
     written, naming a variant that is not a judged one, or the runs and analyses that are missing."""
@@ -242,6 +243,12 @@ def rejudge(results: Path, out: Path, variant: str) -> Context:
     if out.exists() and any(out.iterdir()):
         raise TaskgeomError(f"--out {out} is not empty; judge again into a new folder")
     studies = tuple(study for study in shipped_studies() if study.name in found["recipes"])
+    unknown = sorted(set(found["recipes"]) - {study.name for study in studies})
+    if unknown:
+        raise TaskgeomError(
+            f"{results} measured the recipes {', '.join(unknown)}, which are not shipped; rejudge judges the shipped "
+            "recipes' reproductions"
+        )
     chosen = {name: registered()[name] for name in found["experiments"]}
     settings = {
         "profile": found["profile"],

@@ -13,13 +13,15 @@ can move it (``Variant.claims``):
 - ``s-with-mean``, ``probe-exact``: S the earlier rank-K probe's, or the probe's exact
   double-precision fit's, at every block, ablated, and V with its random controls searched again in
   its complement, summarised by the block mean;
-- ``v-avoids-tokens``, ``v-searched-on-ood``: V searched again at every block under that choice,
-  with its random controls, summarised by the block mean;
+- ``v-avoids-tokens``, ``v-searched-on-ood``, ``v-searched-on-eval-ood``: V searched again at every
+  block under that choice, with its random controls, summarised by the block mean;
 - ``v-best-block``: the protocol's V and controls read at the one block whose V raises the OOD loss
   most on the ``search-select`` split, instead of the mean over blocks.
 
-Each row: ``{claim, variant, value, status, comparison, threshold, reason, place}``; ``place`` names
-where the value was read ("mean over blocks", or a block or place). A caller judges a claim over
+Each row: ``{claim, variant, value, status, comparison, threshold, reason, place, parts, v_search}``;
+``place`` names where the value was read ("mean over blocks", or a block or place), ``parts`` the
+claim's parts, ``v_search`` each block's V search as "layer: steps run/best step" (0-based; None where
+no V was searched). The judged variants (the claims' forms) are ``taskgeom rejudge``'s. A caller judges a claim over
 runs of several seeds with ``claims.rules.verdict``.
 
 ``stored_variants(run)`` reads the other variants from the run's stored analyses, without measuring
@@ -48,7 +50,14 @@ from __future__ import annotations
 import pandas as pd
 
 from taskgeom.analysis.measures.shares import loss_window, share_of_gain
-from taskgeom.analysis.measures.variants import BY_NAME, DATA_VARIANTS, MEASURED_AGAIN, STORED_VARIANTS, protocol
+from taskgeom.analysis.measures.variants import (
+    BY_NAME,
+    DATA_VARIANTS,
+    JUDGED_VARIANTS,
+    MEASURED_AGAIN,
+    STORED_VARIANTS,
+    protocol,
+)
 from taskgeom.analysis.protocol import STUDY, Protocol, active, measured_under
 from taskgeom.analysis.stored.ablations import Block, ablation_rows, block_places, find_blocks, v_block
 from taskgeom.analysis.stored.m1 import READ_SITE_PREFIX
@@ -281,6 +290,12 @@ def chosen_variants(asked: tuple[str, ...] = ()) -> tuple[str, ...]:
             f"--variant: {', '.join(data)} changes the data, so its runs are other runs: train them with `taskgeom "
             f"reproduce --variant {data[0]}` and set its claims beside the protocol's with `taskgeom ladder results "
             f"results-{data[0]}`"
+        )
+    judged = [v for v in chosen if v in JUDGED_VARIANTS]
+    if judged:
+        raise TaskgeomError(
+            f"--variant: {', '.join(judged)} is a form of the claims, judged on a whole reproduction's stored analyses: "
+            f"`taskgeom rejudge results --variant {judged[0]}`"
         )
     unknown = [v for v in chosen if v not in (*STORED_VARIANTS, *ABLATION_VARIANTS)]
     if unknown:

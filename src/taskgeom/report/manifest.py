@@ -6,7 +6,8 @@ Format: {"format": 6, "taskgeom": version, "commit": the git commit or None, "pr
 "device", "executor", "machine": {...}, "experiments": [the registered experiments' names, in order;
 the report asks each for its interactive evidence], "runs": [the run directories it used],
 "models": {run directory: sha256 of its model.safetensors}, "claims": {id: experiment that checked
-it}, "figures": [{"path", "pdf", "caption", "experiment", "claims": [ids]}]}.
+it}, "figures": [{"path", "pdf", "caption", "experiment", "claims": [ids]}]}; and "forms": {field:
+value} where its claims were judged under other claim forms (``taskgeom rejudge``).
 
 The machine is on record because other CPUs train other floats: torch picks its kernels by CPU
 (``cpu_capability``), MKL and oneDNN by their own dispatch, and training amplifies the last bits.

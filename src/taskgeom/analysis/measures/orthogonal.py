@@ -94,7 +94,7 @@ def avoid_basis(*bases: torch.Tensor, rtol: float | None = None) -> torch.Tensor
 class SearchResult:
     """directions: [D, rank] orthonormal, orthogonal to the avoided span; losses: the loss at each
     step run; steps: the number of steps run (fewer than asked when early stopping fired);
-    best_step: the step of the best smoothed loss, whose average of A was kept."""
+    best_step: the step (0-based) of the best smoothed loss, whose average of A was kept."""
 
     directions: torch.Tensor
     losses: list[float]

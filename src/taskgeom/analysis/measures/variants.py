@@ -1,10 +1,13 @@
-"""The earlier conventions of this project, kept computable by name (docs/protocol.md#variants).
+"""The earlier conventions of this project, and the decided forms and search not yet published, kept
+computable by name (docs/protocol.md#variants).
 
 The claims are measured one way, the study's (``analysis.protocol.STUDY``, or the active protocol
 with a profile's sample sizes); each ``Variant`` here is a named copy of that protocol with the fields it changes (``Variant.protocol``) and the reason it
 existed, so the API (``protocol=tg.protocol("...")``) and ``taskgeom sensitivity`` can measure it on
 the same runs and a reader sees how a verdict depends on it. A variant of the data changes no field:
-it trains other runs (``overrides``). No variant ever decides a claim.
+it trains other runs (``overrides``); a judged variant (``Variant.judged``) changes only the claims'
+forms (``protocol.JUDGED``) and judges the stored analyses again (``taskgeom rejudge``). No variant
+ever decides a claim.
 """
 
 from __future__ import annotations

@@ -51,14 +51,18 @@ def block_places(run: StudyRun, protocol: Protocol | None = None) -> list[Place]
 
 @dataclass(frozen=True)
 class Block:
-    """One block's ablations: ``geometry`` at its place (S: ``geometry.probe``), V: [D, r] and the
-    random controls: the protocol's ``random_controls`` x [D, r] inside the complement V was searched in;
-    ``search``: V's search (its steps run and best step)."""
+    """One block's ablations: ``geometry`` at its place (S: ``geometry.probe``), V's ``search`` (V: [D, r],
+    its steps run and best step) and the random controls: the protocol's ``random_controls`` x [D, r]
+    inside the complement V was searched in."""
 
     geometry: Geometry
-    v: torch.Tensor
+    search: SearchResult
     controls: tuple[torch.Tensor, ...]
-    search: SearchResult | None = None
+
+    @property
+    def v(self) -> torch.Tensor:
+        """[D, r] V, the search's kept directions."""
+        return self.search.directions
 
     @property
     def place(self) -> Place:
@@ -81,9 +85,8 @@ def find_blocks(
     return [
         Block(
             g,
-            search.directions,
-            tuple(random_directions(complement_basis(g.avoid(protocol)), rank, gen) for _ in range(draws)),
             search,
+            tuple(random_directions(complement_basis(g.avoid(protocol)), rank, gen) for _ in range(draws)),
         )
         for g, search in zip(geometries, found)
     ]

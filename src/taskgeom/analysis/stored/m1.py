@@ -26,7 +26,8 @@ and task at P3's place) and P3.shrinks' parts on the mean curves. Token families
 ``p1.additive_share_forced`` at ``cells.position`` (T - 2; the claims P0, P1), and
 ``p2.r2_additive_forced`` with its random baseline (the claims P2, P2.vs_random; the rows above are
 the variant ``natural-cells``). P3 as the study's trajectory figure computes it (batch
-``trajectory``, every place; ``trajectory_rows``): ``p3.tv_trajectory`` (the claim P3; the
+``trajectory``, every place; ``trajectory_rows``): ``p3.tv_trajectory`` (the claim P3; at its place
+per position with ``p3.trajectory_alpha_max``, what P3.shrinks' trajectory form reads; the
 ``p3.tv_mean_beta`` rows above are the variant ``p3-late-window``). At the claims' block:
 ``steering.*`` (the protocol, written at ``resid_mid``) and ``steering_at_read_site.*`` (the variant).
 

@@ -4,8 +4,9 @@ posterior) and ridge (OOD-optimal) predictors, on the last half of the examples.
 ``e2.bayes_optimal``, the model's mean squared error on major-task prompts over the last half of
 the examples relative to dMMSE's, minus one, at most 10%; ``e2.ood_between``, the model's OOD error
 placed on the segment from dMMSE to ridge, ``g = (L_dMMSE - L_model) / (L_dMMSE - L_ridge)`` (0 at
-dMMSE, 1 at ridge), lies in [0, 1], checked as ``|g - 1/2| <= 1/2``; ``e2.ood_near_dmmse``, g <= 1/2
-(closer to dMMSE than to ridge at low diversity).
+dMMSE, 1 at ridge), lies in [0, 1], checked as ``|g - 1/2| <= 1/2`` (in the rule's form, the judged
+variant ``ood-between-segment``: between ridge and dMMSE with ``bayes_optimal``'s tolerance at each
+end); ``e2.ood_near_dmmse``, g <= 1/2 (closer to dMMSE than to ridge at low diversity).
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ SPECS: tuple[Spec, ...] = (
     ),
 )
 NAMES = tuple(spec.name for spec in SPECS)
+SEGMENT = replace(  # ood_between in the rule's form (docs/protocol.md, "Claim forms"): bayes_optimal's tolerance
+    SPECS[1],
+    description="max(MSE_model / MSE_dMMSE - 1, 1 - MSE_model / MSE_ridge) on OOD prompts, last half of the examples, "
+    "k = -1 (<= 0.1: the model's error lies between ridge's and dMMSE's, each end with bayes_optimal's 10% tolerance)",
+    threshold=SPECS[0].threshold,
+)
 
 
 def late_means(table: pd.DataFrame, n_examples: int) -> pd.DataFrame:
@@ -58,17 +65,17 @@ def late_means(table: pd.DataFrame, n_examples: int) -> pd.DataFrame:
     return late.groupby(["set", "metric"])["value"].mean().unstack()
 
 
-def between(mse_model: float, mse_dmmse: float, mse_ridge: float) -> tuple[float, float, dict]:
-    """(value, threshold, parts) of ``ood_between`` from the three OOD errors, in the active protocol's
+def between(mse_model: float, mse_dmmse: float, mse_ridge: float) -> tuple[Spec, float, dict]:
+    """(its spec, value, parts) of ``ood_between`` from the three OOD errors, in the active protocol's
     ``ood_between_form``: "g-interval", |g - 1/2| <= 1/2 (g in [0, 1]); "segment",
     max(MSE_model / MSE_dMMSE - 1, 1 - MSE_model / MSE_ridge) <= 0.1, the model's error between ridge's
     and dMMSE's with ``bayes_optimal``'s tolerance at each end (0 at either ideal, <= 0 inside)."""
     g = (mse_dmmse - mse_model) / (mse_dmmse - mse_ridge)
     parts = {"mse_model": mse_model, "mse_dmmse": mse_dmmse, "mse_ridge": mse_ridge}
     if active().ood_between_form == "g-interval":
-        return abs(g - 0.5), SPECS[1].threshold, parts
+        return SPECS[1], abs(g - 0.5), parts
     above, below = mse_model / mse_dmmse - 1, 1 - mse_model / mse_ridge
-    return max(above, below), SPECS[0].threshold, {**parts, "g": g, "above_dmmse": above, "below_ridge": below}
+    return SEGMENT, max(above, below), {**parts, "g": g, "above_dmmse": above, "below_ridge": below}
 
 
 def claims(means: pd.DataFrame, e: str = "e2") -> list[Claim]:
@@ -76,14 +83,13 @@ def claims(means: pd.DataFrame, e: str = "e2") -> list[Claim]:
     major, ood = means.loc["major"], means.loc["ood"]
     g = (ood["bayes_id_loss"] - ood["loss"]) / (ood["bayes_id_loss"] - ood["bayes_ood_loss"])
     parts = {"mse_model": ood["loss"], "mse_dmmse": ood["bayes_id_loss"], "mse_ridge": ood["bayes_ood_loss"]}
-    bayes_optimal, on_segment, near = SPECS
-    value, threshold, between_parts = between(ood["loss"], ood["bayes_id_loss"], ood["bayes_ood_loss"])
+    spec, value, between_parts = between(ood["loss"], ood["bayes_id_loss"], ood["bayes_ood_loss"])
     return [
-        bayes_optimal.judge(
+        SPECS[0].judge(
             e,
             major["loss"] / major["bayes_id_loss"] - 1,
             {"mse_model": major["loss"], "mse_dmmse": major["bayes_id_loss"]},
         ),
-        replace(on_segment, threshold=threshold).judge(e, value, between_parts),
-        near.judge(e, g, parts),
+        spec.judge(e, value, between_parts),
+        SPECS[2].judge(e, g, parts),
     ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 
 from taskgeom.analysis.protocol import active
 from taskgeom.claims.rules import Claim, Spec
@@ -39,6 +40,14 @@ SPECS: tuple[Spec, ...] = (
         0.10,
         ("prefix_probe_accuracy", "prefix_probes"),
     ),
+)
+TRAINED_LENGTHS = replace(  # prefix_probe in the rule's form (docs/protocol.md, "Claim forms")
+    SPECS[1],
+    description="smallest over the prefix lengths whose head the study's prefix probe had trained at its kept snapshot "
+    "(in the parts; a length above 0.9 chance not read) of its validation accuracy minus the same probe's on shuffled "
+    "labels where that probe's kept snapshot trained the length, else the chance level (the largest class share), at "
+    "the study's block at the same relative depth (5 of 6), resid_mid, in-distribution sequences, at the highest k of "
+    "the grid",
 )
 CLAIM_SITE = "resid_post"  # the site of the M1 block the earlier linear probes and their figures read
 
@@ -96,40 +105,62 @@ def prefix_probe(
     {probe or control: {l: (trained at the kept snapshot, chance level)}}), each against the control's
     accuracy where its kept snapshot trained l, else the chance level; a length whose chance level
     exceeds 0.9 is not read (its gap cannot reach 0.1)."""
-    parts = {
-        "diversity": diversity,
-        "curriculum_reached": reached,
-        "layer": layer,
-        "site": site,
-        "linear_probe_gain": linear_gain,
-    }
-    if active().prefix_probe_form == "trained-lengths":
-        trained = [length for length, (yes, _) in sorted(lengths["probe"].items()) if yes]
-        crowded = [length for length in trained if lengths["probe"][length][1] > 1 - SPECS[1].threshold]
-        read = [length for length in trained if length not in crowded]
-        baseline = {
-            length: control[length] if lengths["control"][length][0] else lengths["probe"][length][1] for length in read
-        }
-        parts |= {
-            "lengths_trained": ",".join(map(str, trained)),
-            "lengths_not_read_chance_above_0.9": ",".join(map(str, crowded)),
-            "controls_at_chance": ",".join(str(n) for n in read if not lengths["control"][n][0]),
-        }
-        if not read:
-            return SPECS[1].judge(recipe, math.nan, parts, "the kept probe trained no length whose gap can reach 0.1")
-    else:
-        read, baseline = sorted(accuracy), control
+    beside = {"curriculum_reached": reached, "layer": layer, "site": site, "linear_probe_gain": linear_gain}
+    if active().prefix_probe_form == "all-lengths":
+        gains = {length: accuracy[length] - control[length] for length in accuracy}
+        weakest = min(gains, key=lambda length: _nan_smallest(gains[length]))
+        return SPECS[1].judge(
+            recipe,
+            gains[weakest],
+            {
+                "lengths": f"{min(gains)}..{max(gains)}",
+                "diversity": diversity,
+                "length": weakest,
+                "accuracy": accuracy[weakest],
+                "control": control[weakest],
+                **beside,
+            },
+        )
+    read, baseline, skipped = trained_lengths(control, lengths)
+    parts = {"diversity": diversity, "finished": reached == max(accuracy), **skipped, **beside}
+    if not read:
+        return TRAINED_LENGTHS.judge(
+            recipe, math.nan, parts, "the kept probe trained no length whose gap can reach 0.1"
+        )
     gains = {length: accuracy[length] - baseline[length] for length in read}
     weakest = min(gains, key=lambda length: _nan_smallest(gains[length]))
-    return SPECS[1].judge(
+    return TRAINED_LENGTHS.judge(
         recipe,
         gains[weakest],
         {
-            "lengths": f"{min(gains)}..{max(gains)}",
+            "lengths": ",".join(map(str, read)),
             "length": weakest,
             "accuracy": accuracy[weakest],
             "control": baseline[weakest],
             **parts,
+        },
+    )
+
+
+def trained_lengths(
+    control: dict[int, float], lengths: dict[str, dict[int, tuple[bool, float]]]
+) -> tuple[list[int], dict[int, float], dict[str, str]]:
+    """(the lengths read, {length: its baseline}, the parts saying what was left out) of the prefix probe
+    in the rule's form: the lengths whose head the kept probe had trained (``lengths["probe"]``: {l:
+    (trained at the kept snapshot, chance level)}), but those whose chance level exceeds 0.9 (their gap
+    cannot reach 0.1); each against the control's accuracy where the control's kept snapshot trained it,
+    else the chance level."""
+    trained = [length for length, (yes, _) in sorted(lengths["probe"].items()) if yes]
+    crowded = [length for length in trained if lengths["probe"][length][1] > 1 - SPECS[1].threshold]
+    read = [length for length in trained if length not in crowded]
+    baseline = {n: control[n] if lengths["control"][n][0] else lengths["probe"][n][1] for n in read}
+    return (
+        read,
+        baseline,
+        {
+            "lengths_trained": ",".join(map(str, trained)),
+            "lengths_not_read_chance_above_0.9": ",".join(map(str, crowded)),
+            "controls_at_chance": ",".join(str(n) for n in read if not lengths["control"][n][0]),
         },
     )
 

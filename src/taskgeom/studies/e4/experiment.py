@@ -66,7 +66,7 @@ from taskgeom.studies.e4.variance import study_p0
 from taskgeom.tasks import Batch
 from taskgeom.tasks.dyck import Dyck
 
-register_format("e4", 2, __name__)  # one seed's stored measurement (``measure``): its format number
+register_format("e4", 3, __name__)  # one seed's stored measurement (``measure``): its format number
 # The protocol's (``active()``): dyck_max_back, the probes for the planted bracket j back, j = 1..max;
 # dyck_probe_sequences, sequences per probe analysis; dyck_natural_p0_sequences, those of the P0 layouts
 # on natural states [ours] (E4's bracket phase keeps a fraction of them at each late position)

@@ -248,8 +248,8 @@ def train_probe(
             break
     if best_state is not None:
         probe.load_state_dict(best_state)
-    else:  # nothing kept since the reset: the probe as it ends, with every length trained
-        best_active = active
+    else:  # nothing kept since the reset: the probe as it ends, its heads trained up to the last epoch's lengths
+        best_active = len(current)
     chance = {length: float(torch.bincount(y).max()) / len(y) for length, (_, y) in validation.items()}
     return ProbeResult(
         *_evaluate(probe, validation, lengths),
