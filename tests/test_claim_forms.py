@@ -49,14 +49,9 @@ def test_the_claims_forms_are_judged_not_measured():
     assert not set(JUDGED_VARIANTS) & set(STORED_VARIANTS)
 
 
-def _judge(claim: str, value: float, reason: str | None = None, threshold: float | None = None):
-    experiment = {"projection_r2_drop": "dual_modes", "P2.vs_random": "m1", "P3.shrinks": "m1", "ood_between": "e2"}[
-        claim
-    ]
-    found = spec(experiment, claim)
-    if threshold is not None:
-        found = replace(found, threshold=threshold)
-    return found.judge("e", value, None, reason).status
+def _judge(claim: str, value: float, reason: str | None = None) -> str:
+    experiment = {"projection_r2_drop": "dual_modes", "P2.vs_random": "m1", "P3.shrinks": "m1"}[claim]
+    return spec(experiment, claim).judge("e", value, None, reason).status
 
 
 def _dice_codes(gen_seed: int = 0):
@@ -153,18 +148,16 @@ def test_ood_between_segment_passes_both_ideals_and_fails_a_predictor_outside():
     assert ends[0] > ends[1]  # OOD, ridge is the better predictor
     with measured_under(SEGMENT):
         for ideal in ends:
-            value, threshold, _ = between(ideal, *ends)
-            assert (
-                value == pytest.approx(0.0, abs=1e-12) and _judge("ood_between", value, threshold=threshold) == "pass"
-            )
-        value, threshold, parts = between(mse(2 * dmmse), *ends)
-        assert value > threshold and _judge("ood_between", value, threshold=threshold) == "fail"
-        near = between(1.05 * ends[0], *ends)
-        assert _judge("ood_between", near[0], threshold=near[1]) == "pass" and near[2]["g"] < 0
+            spec, value, _ = between(ideal, *ends)
+            assert value == pytest.approx(0.0, abs=1e-12) and spec.judge("e2", value).status == "pass"
+        spec, value, parts = between(mse(2 * dmmse), *ends)
+        assert spec.threshold == 0.1 and value > 0.1 and spec.judge("e2", value).status == "fail"
+        spec, value, parts = between(1.05 * ends[0], *ends)
+        assert spec.judge("e2", value).status == "pass" and parts["g"] < 0
     with measured_under(STUDY):
-        value, threshold, _ = between(1.05 * ends[0], *ends)
-        assert threshold == 0.5 and _judge("ood_between", value, threshold=threshold) == "fail"
-        assert between(mse(2 * dmmse), *ends)[0] > 0.5
+        spec, value, _ = between(1.05 * ends[0], *ends)
+        assert spec.threshold == 0.5 and spec.judge("e2", value).status == "fail"
+        assert between(mse(2 * dmmse), *ends)[1] > 0.5
 
 
 @pytest.mark.parametrize("variant", JUDGED_VARIANTS)
