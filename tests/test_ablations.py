@@ -277,6 +277,20 @@ def test_the_search_keeps_v_outside_the_probe_s_and_searches_on_minor_sequences(
         assert with_tokens.shape[1] == 3 + block.geometry.token_directions.shape[1]
 
 
+def test_each_blocks_v_search_is_stored_with_its_steps_and_the_starts_weight(measured):
+    """The rows ``v_search.*`` of each block: the steps run (at most the 5 asked), the best step before
+    them, the random start's weight in the kept average 0.995 ** (best step + 1) (the study's average),
+    the rank V avoids (E1: S of rank K - 1 = 3) and the width it leaves, on the search's own set."""
+    blocks, rows = measured
+    search = rows[rows["batch"] == "search"]
+    assert set(search["set"]) == {"minor"} and len(search) == 5 * len(blocks)
+    for block in blocks:
+        found = search[search["layer"] == block.place.layer].set_index("metric")["value"]
+        assert 1 <= found["v_search.steps"] <= 5 and 0 <= found["v_search.best_step"] < found["v_search.steps"]
+        assert found["v_search.start_weight"] == pytest.approx(0.995 ** (found["v_search.best_step"] + 1), rel=1e-12)
+        assert (found["v_search.avoided_rank"], found["v_search.free_dims"]) == (3, block.v.shape[0] - 3)
+
+
 def test_the_eval_ood_search_draws_its_batches_from_the_evaluation_sets_ood_tasks(dice, monkeypatch):
     """``v-searched-on-eval-ood`` (the study's default target): the search's every step draws its batch
     from the 30 tasks of the evaluation set's OOD sequences, exactly; batches differ between steps."""
@@ -317,6 +331,7 @@ def test_e3_s_v_avoids_the_token_directions_too(tmp_path_factory):
 
 def test_the_summary_is_the_mean_of_the_per_block_rows_and_the_control_their_largest(measured):
     blocks, rows = measured
+    rows = rows[rows["batch"] == "loss"]  # the searches' rows are per block only
     assert set(rows["set"]) == {"major", "minor", "ood"}
     for (metric, set_name), group in rows.groupby(["metric", "set"]):
         per_block, summary = group[group["layer"].notna()], group[group["layer"].isna()]

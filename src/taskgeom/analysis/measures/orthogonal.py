@@ -94,12 +94,14 @@ def avoid_basis(*bases: torch.Tensor, rtol: float | None = None) -> torch.Tensor
 class SearchResult:
     """directions: [D, rank] orthonormal, orthogonal to the avoided span; losses: the loss at each
     step run; steps: the number of steps run (fewer than asked when early stopping fired);
-    best_step: the step (0-based) of the best smoothed loss, whose average of A was kept."""
+    best_step: the step (0-based) of the best smoothed loss, whose average of A was kept; start_weight:
+    the random start's weight in that average (``average ** (best_step + 1)``)."""
 
     directions: torch.Tensor
     losses: list[float]
     steps: int
     best_step: int
+    start_weight: float
 
 
 def initial_coordinates(n: int, rank: int, seed: int) -> torch.Tensor:
@@ -125,6 +127,7 @@ class _Ascent:
         self.opt = torch.optim.Adam([self.coords], lr=lr)
         self.mean_a = self.coords.detach().double().clone()  # the moving average of the raw A, from A_0
         self.kept, self.best_step = self.mean_a, 0  # the average at the step of the best smoothed loss
+        self.start_weight = self.kept_start_weight = 1.0  # A_0's weight in the average, now and in the kept one
         self.smoothed, self.best, self.stale, self.losses, self.stopped = None, -float("inf"), 0, [], False
 
     def step(
@@ -151,10 +154,11 @@ class _Ascent:
         value = float(loss.detach())
         self.losses.append(value)
         self.mean_a = average * self.mean_a + (1 - average) * self.coords.detach().double()
+        self.start_weight *= average
         self.smoothed = value if self.smoothed is None else smoothing * value + (1 - smoothing) * self.smoothed
         if self.smoothed > self.best:
             self.best, self.stale = self.smoothed, 0
-            self.kept, self.best_step = self.mean_a, step
+            self.kept, self.best_step, self.kept_start_weight = self.mean_a, step, self.start_weight
         else:
             self.stale += 1
             self.stopped = self.stale >= patience
@@ -162,7 +166,7 @@ class _Ascent:
     def result(self) -> SearchResult:
         """The kept direction: the average of A at the best smoothed loss, orthonormalised, in the width's coordinates."""
         kept = self.complement @ torch.linalg.qr(self.kept)[0]
-        return SearchResult(kept.to(self.dtype), self.losses, len(self.losses), self.best_step)
+        return SearchResult(kept.to(self.dtype), self.losses, len(self.losses), self.best_step, self.kept_start_weight)
 
 
 def orthogonal_searches(

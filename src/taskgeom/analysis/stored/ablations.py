@@ -14,7 +14,9 @@ Each is ablated at that block alone and measured on the ``loss`` split (major, m
 - the summary (``layer`` None, ``site`` the blocks' site): the mean over blocks of each per-block
   row (a share of the mean ablated loss, which is the mean of the shares since the clean losses
   are the same), but for the control the largest over blocks (the study's ``max(... for l in
-  layers)``), or under ``v-best-block`` (docs/protocol.md#variants) V's and the control's rows of one block.
+  layers)``), or under ``v-best-block`` (docs/protocol.md#variants) V's and the control's rows of one block;
+- each block's V search (batch ``search``; ``search_rows``): its steps run, best step, the random
+  start's weight in the kept average, the rank V avoids and the width it leaves.
 
 Losses average the family's ``loss_window`` (E1 every prediction, as the study's coin code; E3
 every one after the first); the control's change averages every prediction in both (the study's
@@ -102,6 +104,25 @@ def control_statistic(values: Sequence[float | None], protocol: Protocol | None 
     return float(torch.quantile(torch.tensor(values, dtype=torch.float64), quantile))
 
 
+def search_rows(run: StudyRun, blocks: Sequence[Block], protocol: Protocol | None = None) -> list[dict]:
+    """Each block's V search (batch ``search``, set: the sequences it ascended on): ``v_search.steps`` run,
+    ``v_search.best_step`` (0-based), ``v_search.start_weight`` (the random start's weight in the kept
+    average), ``v_search.avoided_rank`` (the span V avoids) and ``v_search.free_dims`` (the width left)."""
+    where = {"batch": "search", "set": run.search_set(protocol)}
+    rows = []
+    for block in blocks:
+        avoided = block.geometry.avoid(protocol)
+        found = {
+            "steps": block.search.steps,
+            "best_step": block.search.best_step,
+            "start_weight": block.search.start_weight,
+            "avoided_rank": avoided.shape[1],
+            "free_dims": avoided.shape[0] - avoided.shape[1],
+        }
+        rows += [row(f"v_search.{name}", value, place=block.place, **where) for name, value in found.items()]
+    return rows
+
+
 def ablation_rows(
     run: StudyRun,
     blocks: Sequence[Block],
@@ -121,7 +142,7 @@ def ablation_rows(
     if v_block is not None and not 0 <= v_block < len(blocks):
         raise AnalysisError(f"v_block must index one of the {len(blocks)} blocks, got {v_block}")
     summary = (None, blocks[0].place.site)
-    rows = []
+    rows = search_rows(run, blocks, protocol)
     for name, sequences in sets.items():
         where = {"batch": "loss", "set": name}
         ablated: dict[str, list[torch.Tensor]] = {"ablate_S": [], "ablate_V": []}
