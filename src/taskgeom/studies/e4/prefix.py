@@ -78,15 +78,20 @@ def collect_pool(
     classes = prefix_classes(words, max_prefix)
     lengths = [length for length in range(1, max_prefix + 1) if len(classes[length]) >= 2]
     labels = {length: torch.tensor([classes[length][tuple(w[:length])] for w in words.tolist()]) for length in lengths}
-    parts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {length: ([], []) for length in lengths}
     K, T = words.shape[0], masks.shape[1]
-    for mask in masks:
-        count = mask.long().cumsum(0)
-        count[-1] = -1  # the last position is never read
-        positions = {length: (count == length).nonzero().squeeze(1) for length in lengths}
+    counts = masks.long().cumsum(1)
+    counts[:, -1] = -1  # the last position is never read
+    positions = [{length: (count == length).nonzero().squeeze(1) for length in lengths} for count in counts]
+    sizes = {length: K * per_mask * sum(p[length].numel() for p in positions) for length in lengths}
+    pool = {  # filled in place, in the order mask, task, sequence, position (the whole pool is held once)
+        length: (torch.empty(size, model.cfg.d_model, dtype=torch.float32), torch.empty(size, dtype=torch.long))
+        for length, size in sizes.items()
+    }
+    filled = dict.fromkeys(lengths, 0)
+    for mask, at_mask in zip(masks, positions):
         noise = torch.randint(0, family.n_noise, (K, per_mask, T), generator=gen)
         read = 1 + max(
-            (int(p.max()) for p in positions.values() if p.numel()), default=0
+            (int(p.max()) for p in at_mask.values() if p.numel()), default=0
         )  # the model is causal: the prefix suffices
         for tasks in torch.arange(K).split(TASK_CHUNK):
             n = len(tasks) * per_mask
@@ -95,10 +100,11 @@ def collect_pool(
             )
             h = collect(model, tokens[:, :read], [(layer, site)], batch_size=1024)[(layer, site)]  # [n, read, D]
             for length in lengths:
-                at = h[:, positions[length]]  # [n, P, D]: task-major, then sequence, then position
-                parts[length][0].append(at.reshape(-1, at.shape[-1]))
-                parts[length][1].append(labels[length][tasks].repeat_interleave(per_mask * at.shape[1]))
-    pool = {length: (torch.cat(states), torch.cat(ys)) for length, (states, ys) in parts.items()}
+                at = h[:, at_mask[length]]  # [n, P, D]: task-major, then sequence, then position
+                start, stop = filled[length], filled[length] + at.shape[0] * at.shape[1]
+                pool[length][0][start:stop] = at.reshape(-1, at.shape[-1])
+                pool[length][1][start:stop] = labels[length][tasks].repeat_interleave(per_mask * at.shape[1])
+                filled[length] = stop
     return {length: data for length, data in pool.items() if data[1].numel()}  # a length no mask reaches is left out
 
 
@@ -136,31 +142,35 @@ def distinct_sample(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return picked
 
 
-def draw_sizes(pool: Data, per_class: int) -> dict[int, int]:
-    """{l: per_class x (largest label + 1), at most the pool's size}: what ``_resample_from_pool``
-    draws from each length of pool."""
-    return {length: min(per_class * (int(y.max()) + 1), y.shape[0]) for length, (_, y) in pool.items()}
+def draw_sizes(pool: Data, rows: dict[int, torch.Tensor], per_class: int) -> dict[int, int]:
+    """{l: per_class x (largest label + 1), at most the rows' count}: what ``_resample_from_pool``
+    draws from each length's training ``rows`` of pool."""
+    return {
+        length: min(per_class * (int(pool[length][1][r].max()) + 1), r.shape[0]) for length, r in rows.items()
+    }
 
 
-def _draw(pool: Data, lengths: list[int], sizes: dict[int, int], gen: torch.Generator) -> Data:
-    """A fresh subsample of pool of ``sizes`` (``draw_sizes``) per length (``_resample_from_pool``)."""
+def _draw(pool: Data, rows: dict[int, torch.Tensor], lengths: list[int], sizes: dict[int, int], gen: torch.Generator) -> Data:
+    """A fresh subsample of ``sizes`` (``draw_sizes``) of each length's training ``rows`` of pool
+    (``_resample_from_pool``)."""
     out = {}
     for length in lengths:
         h, y = pool[length]
-        index = distinct_sample(h.shape[0], sizes[length], gen)
-        out[length] = (h[index], y[index])
+        picked = rows[length][distinct_sample(rows[length].shape[0], sizes[length], gen)]
+        out[length] = (h[picked], y[picked])
     return out
 
 
-def _split(pool: Data, per_class: int, gen: torch.Generator) -> tuple[Data, Data]:
-    """(training pool, validation set): per length, a random min(per_class x classes, N // 3) held out."""
-    train, validation = {}, {}
+def _split(pool: Data, per_class: int, gen: torch.Generator) -> tuple[dict[int, torch.Tensor], Data]:
+    """(the training rows of each length [n] long, the validation set): per length, a random
+    min(per_class x classes, N // 3) held out; the training pool stays pool's rows, not a copy."""
+    rows, validation = {}, {}
     for length, (h, y) in pool.items():
         order = torch.randperm(h.shape[0], generator=gen)
         n_val = min(per_class * (int(y.max()) + 1), h.shape[0] // 3)
         validation[length] = (h[order[:n_val]], y[order[:n_val]])
-        train[length] = (h[order[n_val:]], y[order[n_val:]])
-    return train, validation
+        rows[length] = order[n_val:]
+    return rows, validation
 
 
 @torch.no_grad()
@@ -201,9 +211,9 @@ def train_probe(
     draw from ``gen``."""
     s = active_protocol().dyck_prefix_probe if settings is None else settings
     lengths = sorted(pool)
-    pool, validation = _split(pool, s.samples_per_class, gen)
-    sizes = draw_sizes(pool, s.samples_per_class)  # the pool does not change between redraws
-    train = _draw(pool, lengths, sizes, gen)
+    rows, validation = _split(pool, s.samples_per_class, gen)
+    sizes = draw_sizes(pool, rows, s.samples_per_class)  # the pool does not change between redraws
+    train = _draw(pool, rows, lengths, sizes, gen)
     with torch.random.fork_rng():
         torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
         probe = PrefixProbe(d_model, s.proj_dim, {length: n_classes[length] for length in lengths}, s.mlp_hidden)
@@ -221,7 +231,7 @@ def train_probe(
     for epoch in range(s.epochs):
         current = lengths[:active]
         if epoch > 0 and epoch % s.refresh_every == 0:
-            train.update(_draw(pool, current, sizes, gen))
+            train.update(_draw(pool, rows, current, sizes, gen))
         probe.train()
         optimizer.zero_grad(set_to_none=True)
         for length in current:
