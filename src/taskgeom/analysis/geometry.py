@@ -546,7 +546,7 @@ def probe_inputs(run: StudiedRun) -> ProbeInputs:
         if spec.sequence_posterior:
             alpha = alpha[:, -1:].expand_as(alpha)
         chunks.append(chunk)
-        pi.append(alpha[:, window])
+        pi.append(alpha[:, window].clone())  # a copy: a view would hold the whole pool's posterior of the chunk
         current.append(inputs.current[:, window])
         if spec.logits:
             with torch.no_grad():
