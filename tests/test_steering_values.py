@@ -13,6 +13,7 @@ import torch
 from taskgeom.analysis.measures.variants import protocol
 from taskgeom.analysis.protocol import STUDY
 from taskgeom.analysis.reading.steering import (
+    KINDS,
     Steering,
     TokenReadout,
     clip_positions,
@@ -240,6 +241,23 @@ def test_the_protocol_steers_as_the_study_s_injection_by_hand(tmp_path, family):
     assert at_read_site.place == place and not torch.allclose(at_read_site.steered, result.steered)
 
 
+@pytest.mark.parametrize("family", ["dice", "markov"])
+def test_steering_in_chunks_reads_what_one_pass_reads(tmp_path, family, monkeypatch):
+    """``steer`` runs ``CHUNK`` pairs at a time: every readout (the random control's too, its directions
+    drawn for all pairs first) is the same, bit for bit, with chunks of 5 pairs as in one pass."""
+    import taskgeom.analysis.reading.steering as steering
+
+    run = study_run(tmp_path, family)
+    geometry = run.geometry(run.heldout("major", N, split="measure"), steering_place(run.family, 4))
+    protocols = (STUDY.changed({"steering_estimation_per_task": 64}), READ_PLACE)
+    whole = [geometry.steer("dirichlet", positions=(26, 29), protocol=p) for p in protocols]
+    monkeypatch.setattr(steering, "CHUNK", 5)
+    chunked = [geometry.steer("dirichlet", positions=(26, 29), protocol=p) for p in protocols]
+    for one, other in zip(whole, chunked):
+        for kind in KINDS:
+            assert torch.equal(getattr(other, kind), getattr(one, kind)), kind
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_the_readout_at_a_vertex_is_the_kl_to_that_tasks_law(tmp_path, k):
     run = study_run(tmp_path, "markov")
@@ -326,9 +344,13 @@ def test_the_random_control_moves_each_state_as_far_as_the_edit():
     gen = torch.Generator().manual_seed(2)
     shift = torch.randn(4, 1, 6, generator=gen)
     h = torch.randn(4, 1, 6, generator=gen)
-    control = random_edit(lambda s: s + shift, gen)(h)
+    directions = torch.randn(4, 1, 6, generator=gen)
+    control = random_edit(lambda s, rows: s + shift[rows], directions)(h, slice(0, 4))
     torch.testing.assert_close((control - h).norm(dim=-1), shift.norm(dim=-1))
     assert not torch.allclose(control, h + shift)
+    unit = (control - h) / (control - h).norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(unit, directions / directions.norm(dim=-1, keepdim=True))  # along its own direction
+    torch.testing.assert_close(random_edit(lambda s, rows: s + shift[rows], directions)(h[2:], slice(2, 4)), control[2:])
 
 
 def fabricated(measure: str, unsteered: list[float], steered: list[float], mode: list[float]) -> Steering:

@@ -28,7 +28,8 @@ comes to what the mixture ``a`` of the major tasks predicts there.
 
 Each pass runs the model on the prefix up to its edited position (the model is causal, so the
 outputs read there are those of the whole sequence) and from the edited block on
-(``LayerStreams``).
+(``LayerStreams``), ``CHUNK`` steered pairs at a time (a pair's outputs do not depend on the
+others in its batch; smaller batches stay in the caches).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place, intervene
 from taskgeom.tasks import Batch, TaskFamily, TokenFamily
 
-Change = Callable[[torch.Tensor], torch.Tensor]
+RowEdit = Callable[[torch.Tensor, slice], torch.Tensor]  # (states [m, 1, D] of the steered pairs ``rows``, rows) -> edited
+CHUNK = 512  # steered pairs a forward pass (speed and memory only)
 SteeringForm = Literal["task", "subspace"]
 FORMS: tuple[str, ...] = ("task", "subspace")
 # The protocol's choices steering reads (``active()``): steering_task_positions and
@@ -141,31 +143,32 @@ def position_task_vectors(h: torch.Tensor, task: torch.Tensor, K: int, centred: 
     return means - means.mean(0) if centred else means
 
 
-def task_edit(theta: torch.Tensor, task: torch.Tensor, a: torch.Tensor) -> Change:
+def task_edit(theta: torch.Tensor, task: torch.Tensor, a: torch.Tensor) -> RowEdit:
     """h -> h - theta[task] + a @ theta at one position: theta: [K, D] the task vectors there,
-    task: [M] the true tasks, a: [M, K]; h: [M, 1, D]."""
+    task: [M] the true tasks, a: [M, K]; h: [m, 1, D] of the pairs ``rows``."""
     shift = (a.double() @ theta.double() - theta.double()[task])[:, None]  # [M, 1, D]
-    return lambda h: h + shift.to(h.dtype)
+    return lambda h, rows: h + shift[rows].to(h.dtype)
 
 
-def subspace_edit(theta: torch.Tensor, basis: torch.Tensor, mu: torch.Tensor, a: torch.Tensor) -> Change:
+def subspace_edit(theta: torch.Tensor, basis: torch.Tensor, mu: torch.Tensor, a: torch.Tensor) -> RowEdit:
     """h -> h - (h - mu) P_S + a @ theta at one position: theta: [K, D], basis: [D, r] orthonormal
-    (P_S = basis basis^T), mu: [D] the mean state there, a: [M, K]; h: [M, 1, D]."""
+    (P_S = basis basis^T), mu: [D] the mean state there, a: [M, K]; h: [m, 1, D] of the pairs ``rows``."""
     target = (a.double() @ theta.double())[:, None]  # [M, 1, D]
 
-    def edit(h: torch.Tensor) -> torch.Tensor:
+    def edit(h: torch.Tensor, rows: slice) -> torch.Tensor:
         B = basis.to(h.dtype)
-        return h - ((h - mu.to(h.dtype)) @ B) @ B.T + target.to(h.dtype)
+        return h - ((h - mu.to(h.dtype)) @ B) @ B.T + target[rows].to(h.dtype)
 
     return edit
 
 
-def random_edit(edit: Change, gen: torch.Generator) -> Change:
-    """Move each state by a uniformly random direction, its length that of ``edit``'s displacement."""
+def random_edit(edit: RowEdit, directions: torch.Tensor) -> RowEdit:
+    """Move each state by its direction of directions: [M, 1, D] (Gaussian draws: uniformly random
+    directions), its length that of ``edit``'s displacement."""
 
-    def control(h: torch.Tensor) -> torch.Tensor:
-        norm = (edit(h) - h).norm(dim=-1, keepdim=True)
-        direction = torch.randn(h.shape, generator=gen, dtype=h.dtype)
+    def control(h: torch.Tensor, rows: slice) -> torch.Tensor:
+        norm = (edit(h, rows) - h).norm(dim=-1, keepdim=True)
+        direction = directions[rows].to(h.dtype)
         return h + norm * direction / direction.norm(dim=-1, keepdim=True)
 
     return control
@@ -303,7 +306,7 @@ def steer(
     place: Place,
     sequence: torch.Tensor,
     a: torch.Tensor,
-    edits: dict[int, Change],
+    edits: dict[int, RowEdit],
     model_positions: torch.Tensor | None,
     gen: torch.Generator,
     form: str,
@@ -311,33 +314,44 @@ def steer(
 ) -> Steering:
     """Steer the sequences ``sequence``: [M] (rows of tokens: [N, T, ...]) toward a: [M, K] at
     ``place``, one forward pass per analysed position p of ``edits`` ({p: the edit of the states
-    [M, 1, D] there}), each read where the model predicts at p (model position
-    ``model_positions[p]``; None: p itself); the random control's directions come from ``gen``."""
+    there, ``RowEdit``}), each read where the model predicts at p (model position
+    ``model_positions[p]``; None: p itself), ``CHUNK`` pairs at a time; the random control's
+    directions come from ``gen``."""
     model.eval()
     positions = tuple(sorted(edits))
     where = positions if model_positions is None else tuple(int(model_positions[p]) for p in positions)
-    prefix = tokens[sequence, : max(where) + 1]
-    streams = LayerStreams(model, prefix)
+    M, state = len(sequence), model.embed_inputs(tokens[sequence[:1], :1])  # [1, 1, D]: the states' width and dtype
+    directions = [  # the random controls', each pass's drawn in turn
+        torch.randn((M, 1, state.shape[-1]), generator=gen, dtype=state.dtype) for _ in positions
+    ]
     target = readout.mixture(sequence, a, positions)  # [M, P', ...]
     mode = readout.distance(
         readout.of_mixture(readout.mixture(sequence, torch.nn.functional.one_hot(a.argmax(-1), a.shape[1]), positions)),
         target,
     )
+    parts: dict[str, list[torch.Tensor]] = {"unsteered": [], "steered": [], "random": []}
+    for start in range(0, M, CHUNK):
+        rows = slice(start, min(start + CHUNK, M))
+        prefix = tokens[sequence[rows], : max(where) + 1]
+        streams = LayerStreams(model, prefix)
 
-    def read(out: torch.Tensor, i: int) -> torch.Tensor:
-        return readout.distance(readout.prediction(out[:, where[i]]), target[:, i])
+        def read(out: torch.Tensor, i: int) -> torch.Tensor:
+            return readout.distance(readout.prediction(out[:, where[i]]), target[rows, i])
 
-    def edited(edit: Change, i: int) -> torch.Tensor:
-        forward = streams.model_from(
-            place, where[i] + 1
-        )  # the prefix up to the edited position: later ones cannot change its output
-        with intervene(model, place, edit, slice(where[i], where[i] + 1)):
-            return read(forward(prefix), i)
+        def edited(edit: RowEdit, i: int) -> torch.Tensor:
+            forward = streams.model_from(
+                place, where[i] + 1
+            )  # the prefix up to the edited position: later ones cannot change its output
+            with intervene(model, place, lambda h: edit(h, rows), slice(where[i], where[i] + 1)):
+                return read(forward(prefix), i)
 
-    plain = streams.model_from(place)(prefix)
-    unsteered = torch.stack([read(plain, i) for i in range(len(positions))], 1)
-    steered = torch.stack([edited(edits[p], i) for i, p in enumerate(positions)], 1)
-    random = torch.stack([edited(random_edit(edits[p], gen), i) for i, p in enumerate(positions)], 1)
+        plain = streams.model_from(place)(prefix)
+        parts["unsteered"].append(torch.stack([read(plain, i) for i in range(len(positions))], 1))
+        parts["steered"].append(torch.stack([edited(edits[p], i) for i, p in enumerate(positions)], 1))
+        parts["random"].append(
+            torch.stack([edited(random_edit(edits[p], directions[i]), i) for i, p in enumerate(positions)], 1)
+        )
+    unsteered, steered, random = (torch.cat(parts[kind]) for kind in ("unsteered", "steered", "random"))
     values = {kind: readout.summarise(v) for kind, v in zip(KINDS, (unsteered, steered, mode, random))}
     return Steering(
         a,
