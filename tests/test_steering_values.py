@@ -350,7 +350,9 @@ def test_the_random_control_moves_each_state_as_far_as_the_edit():
     assert not torch.allclose(control, h + shift)
     unit = (control - h) / (control - h).norm(dim=-1, keepdim=True)
     torch.testing.assert_close(unit, directions / directions.norm(dim=-1, keepdim=True))  # along its own direction
-    torch.testing.assert_close(random_edit(lambda s, rows: s + shift[rows], directions)(h[2:], slice(2, 4)), control[2:])
+    torch.testing.assert_close(
+        random_edit(lambda s, rows: s + shift[rows], directions)(h[2:], slice(2, 4)), control[2:]
+    )
 
 
 def fabricated(measure: str, unsteered: list[float], steered: list[float], mode: list[float]) -> Steering:

@@ -45,7 +45,8 @@ from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place, intervene
 from taskgeom.tasks import Batch, TaskFamily, TokenFamily
 
-RowEdit = Callable[[torch.Tensor, slice], torch.Tensor]  # (states [m, 1, D] of the steered pairs ``rows``, rows) -> edited
+# An edit of the states [m, 1, D] of the steered pairs ``rows`` at one position: (states, rows) -> edited
+RowEdit = Callable[[torch.Tensor, slice], torch.Tensor]
 CHUNK = 512  # steered pairs a forward pass (speed and memory only)
 SteeringForm = Literal["task", "subspace"]
 FORMS: tuple[str, ...] = ("task", "subspace")

@@ -145,12 +145,12 @@ def distinct_sample(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 def draw_sizes(pool: Data, rows: dict[int, torch.Tensor], per_class: int) -> dict[int, int]:
     """{l: per_class x (largest label + 1), at most the rows' count}: what ``_resample_from_pool``
     draws from each length's training ``rows`` of pool."""
-    return {
-        length: min(per_class * (int(pool[length][1][r].max()) + 1), r.shape[0]) for length, r in rows.items()
-    }
+    return {length: min(per_class * (int(pool[length][1][r].max()) + 1), r.shape[0]) for length, r in rows.items()}
 
 
-def _draw(pool: Data, rows: dict[int, torch.Tensor], lengths: list[int], sizes: dict[int, int], gen: torch.Generator) -> Data:
+def _draw(
+    pool: Data, rows: dict[int, torch.Tensor], lengths: list[int], sizes: dict[int, int], gen: torch.Generator
+) -> Data:
     """A fresh subsample of ``sizes`` (``draw_sizes``) of each length's training ``rows`` of pool
     (``_resample_from_pool``)."""
     out = {}
