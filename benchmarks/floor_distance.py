@@ -50,12 +50,9 @@ def stage_seconds(timings: dict) -> pd.DataFrame:
             rows.append({"kind": kind, "unit": words[1], "cpu_s": stage["cpu_s"], "wall_s": stage["wall_s"]})
         elif stage["experiment"] == "e4":
             seed = re.search(r"seed (\d+)\)", stage["stage"])
-            rows.append({"kind": "e4", "unit": f"seed {seed.group(1) if seed else '?'}", **_seconds(stage)})
+            unit = f"seed {seed.group(1) if seed else '?'}"
+            rows.append({"kind": "e4", "unit": unit, "cpu_s": stage["cpu_s"], "wall_s": stage["wall_s"]})
     return pd.DataFrame(rows, columns=["kind", "unit", "cpu_s", "wall_s"])
-
-
-def _seconds(stage: dict) -> dict:
-    return {"cpu_s": stage["cpu_s"], "wall_s": stage["wall_s"]}
 
 
 def count_flops(work) -> int:
@@ -183,8 +180,8 @@ def report(results: Path, rate: float, counts_path: Path) -> pd.DataFrame:
         if kind == "train":
             floor = sum(train_flops[unit] for unit in group["unit"] if unit in train_flops.index)
         else:
-            recipe = lambda unit: "e4" if kind == "e4" else unit.split("-")[0]  # noqa: E731
-            floor = sum(flops_per_recipe.get((kind, recipe(unit)), float("nan")) for unit in group["unit"].unique())
+            recipes = ["e4" if kind == "e4" else unit.split("-")[0] for unit in group["unit"].unique()]
+            floor = sum(flops_per_recipe.get((kind, recipe), float("nan")) for recipe in recipes)
         cpu = float(group["cpu_s"].sum())
         rows.append(
             {
