@@ -31,7 +31,6 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import pandas as pd
 
@@ -136,8 +135,14 @@ def _e4_measurement(runs: Path, majors_name: str, tmp: Path) -> None:
         for ref in REFERENCES
     }
     copy = lambda run: Run.open(_copy(run.path, tmp))  # noqa: E731
-    ctx = SimpleNamespace(stage=lambda name: contextlib.nullcontext())
-    measure_rows(ctx, "e4", copy(majors), copy(diverse), {ref: copy(run) for ref, run in references.items()}, seed)
+    measure_rows(
+        lambda name: contextlib.nullcontext(),
+        "e4",
+        copy(majors),
+        copy(diverse),
+        {ref: copy(run) for ref, run in references.items()},
+        seed,
+    )
 
 
 def counted_units(plan: pd.DataFrame, seconds: pd.DataFrame) -> dict[tuple[str, str], str]:

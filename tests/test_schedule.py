@@ -109,7 +109,7 @@ def test_threads_never_outnumber_cores(tmp_path, monkeypatch):
     monkeypatch.setattr(
         schedule,
         "_run_phase",
-        lambda group, workers: groups.append(([u.task.config.train.steps for u in group], workers)) or [],
+        lambda group, workers, failed: groups.append(([u.task.config.train.steps for u in group], workers)) or [],
     )
     schedule.train_all(tasks, Executor(workers=2), Timings())
     assert groups == [([40, 20], 1), ([30, 10], 2)]  # two-thread runs alone, then single-thread runs two at a time
@@ -169,7 +169,7 @@ def test_no_analysis_of_a_run_whose_training_failed_and_a_damaged_run_is_left_to
     task = TrainTask(config, str(tmp_path), "cpu", "none", 2, analyse=True)
     done = []
 
-    def fake(group, workers):
+    def fake(group, workers, failed):
         for unit in group:
             done.append((unit.train_threads, unit.analysis_threads))
             yield unit, (RuntimeError("boom") if unit.train_threads else {"analyse": (0.0, 0.0)})
@@ -188,3 +188,81 @@ def test_no_analysis_of_a_run_whose_training_failed_and_a_damaged_run_is_left_to
     (task.path / "model.safetensors").write_bytes(b"")
     (task.path / "run.json").write_text("[]")  # damaged: planned as not analysed, not an error here
     assert [(u.train_threads, u.analysis_threads) for u in plan([task])] == [(0, 2)]
+
+
+def _step(log: list, name: str, fails: bool = False) -> dict:
+    log.append(name)
+    if fails:
+        raise RuntimeError(f"{name} broke")
+    return {f"measure {name}": (0.0, 0.0)}
+
+
+def test_a_prepared_measurement_starts_once_what_it_reads_is_done_and_never_after_a_failure():
+    from functools import partial
+
+    from taskgeom.experiments.schedule import Prepared, _run_phase, chain_costs
+
+    log: list[str] = []
+
+    def item(name, needs=(), cost=1.0, fails=False):
+        return Prepared("x", name, needs, 1, partial(_step, log, name, fails), cost)
+
+    items = [
+        item("lone", cost=5.0),
+        item("late", ("first",), cost=3.0),
+        item("first", cost=1.0),
+        item("broken", cost=0.5, fails=True),
+        item("after-broken", ("broken",), cost=9.0),
+        item("after-earlier-failure", ("gone",), cost=9.0),
+        item("outside", ("a run trained in an earlier phase",)),
+    ]
+    assert chain_costs(items)["first"] == 4.0 and chain_costs(items)["broken"] == 9.5
+    failed = {"gone"}
+    results = dict((i.name, r) for i, r in _run_phase(items, 1, failed))
+    # the longest chain first (broken heads 9.5, lone 5, first 4 then late), a need from an earlier phase counts as done
+    assert log == ["broken", "lone", "first", "late", "outside"]
+    assert isinstance(results["after-broken"], RuntimeError) and "broken" in str(results["after-broken"])
+    assert isinstance(results["after-earlier-failure"], RuntimeError)
+    assert failed == {"gone", "broken", "after-broken", "after-earlier-failure"}
+    assert results["late"] == {"measure late": (0.0, 0.0)}
+    cycle = [item("p", ("q",)), item("q", ("p",))]
+    assert all(isinstance(r, RuntimeError) for _, r in _run_phase(cycle, 1, set()))
+
+
+def test_m1_measured_beside_on_the_pool_equals_m1_measured_by_its_experiment(tmp_path):
+    """A prepared M1 analysis, made on the schedule's pool with the reproducing process's two threads
+    (whose OpenMP threads wait asleep there), writes the m1.json and m1.safetensors that the experiment
+    writes analysing the same run in this process: bit for bit."""
+    import shutil
+    from functools import partial
+
+    from taskgeom.analysis.protocol import measured_under
+    from taskgeom.analysis.study import StudyRun
+    from taskgeom.experiments.m1 import analyse_stored, stored_or_analyzed
+    from taskgeom.experiments.schedule import Prepared, train_all
+    from taskgeom.settings.devices import torch_threads
+    from taskgeom.settings.recipes import load_measure, load_study
+    from taskgeom.training.timing import Timings
+
+    protocol = load_measure(load_study("e1").path, "smoke").analysis_protocol
+    runs = []
+    for seed in (0, 1):
+        run = Run.create(load_recipe("e1", "smoke", [f"train.seed={seed}", "task.diversity=-1"]), tmp_path / "pool")
+        train(run)
+        runs.append(run)
+    shutil.copytree(tmp_path / "pool", tmp_path / "alone")
+    timings = Timings()
+    prepared = [
+        Prepared("m1", f"m1 {run.path.name}", (run.path.name,), 2, partial(analyse_stored, run.path), 1.0, protocol)
+        for run in runs
+    ]
+    train_all([], Executor(workers=2), timings, prepared)
+    assert sorted(s.stage for s in timings.stages) == sorted(f"analyse {run.path.name}" for run in runs)
+    assert {s.where for s in timings.stages} == {"worker"}
+    with measured_under(protocol), torch_threads(2):
+        for run in runs:
+            stored_or_analyzed(StudyRun(Run.open(tmp_path / "alone" / run.path.name)))
+    for run in runs:
+        for file in ("m1.json", "m1.safetensors"):
+            alone = (tmp_path / "alone" / run.path.name / "analysis" / file).read_bytes()
+            assert (run.path / "analysis" / file).read_bytes() == alone, (run.path.name, file)

@@ -42,6 +42,8 @@ class Experiment:
 
     - ``measure(ctx)``: measures, records each claim per seed (``ctx.claim``) and draws the figures;
     - ``runs(ctx) -> list[TrainTask]``: the runs it reads, trained first by the schedule (none by default);
+    - ``prepare(ctx) -> list[Prepared]``: the measurements it stores, made by the schedule on its pool
+      as soon as what each reads is done (``experiments.schedule.Prepared``); it reads them back (None: none);
     - ``left(ctx) -> list[str]``: for ``--plan``, one run name per unit of its stored measurement not
       stored yet (None: it stores nothing, its cost is not counted);
     - ``cost``: CPU seconds of one such unit per second its run's training FLOPs take at one thread's
@@ -57,6 +59,7 @@ class Experiment:
     claims: tuple[Spec, ...]
     measure: Callable[[Any], None]
     runs: Callable[[Any], list] = lambda ctx: []
+    prepare: Optional[Callable[[Any], list]] = None
     left: Optional[Callable[[Any], list[str]]] = None
     cost: float = 0.0
     on_pool: bool = False

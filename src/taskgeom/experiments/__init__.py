@@ -117,7 +117,8 @@ def reproduce(
     forms: dict | None = None,
 ) -> Context:
     """Train every run the experiments declare (``runs``) for every seed of ``seeds`` on
-    ``executor``'s local pool first (``schedule``), then run each experiment (their sweeps on
+    ``executor``'s local pool first (``schedule``), with the measurements they store
+    (``prepare``) beside, then run each experiment (their sweeps on
     ``executor``; training on ``device``, also logged to ``tracker``; every recipe with
     ``overrides`` applied first; the recipes of ``studies``, by default the shipped ones; the sweeps
     over ``diversities`` when given), judge each claim over the seeds, then write ``claims.json``,
@@ -157,11 +158,17 @@ def reproduce(
         ctx.used |= {task.name: None for task in tasks}
         if (
             tasks and executor.kind == "local" and executor.workers > 1
-        ):  # one schedule: every run trained first, together
-            console.log("[bold]training[/bold] every run the experiments need")
+        ):  # one schedule: every run trained first, together, and the stored measurements beside
+            console.log("[bold]training[/bold] every run the experiments need, and measuring beside")
             ctx.experiment = "schedule"
             with ctx.timings.experiment("schedule"), measured_under(protocol):
-                train_all(tasks, executor, ctx.timings)
+                prepared = [
+                    item
+                    for experiment in experiments.values()
+                    if experiment.prepare
+                    for item in experiment.prepare(ctx)
+                ]
+                train_all(tasks, executor, ctx.timings, prepared)
         for name, experiment in experiments.items():
             console.log(f"experiment [bold]{name}[/bold]")
             ctx.experiment = name

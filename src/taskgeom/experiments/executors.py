@@ -96,13 +96,32 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
-def _on_pool(fn: Task, items: list, executor: Executor) -> Finished:
-    with ProcessPoolExecutor(
-        executor.workers,
+# [measured] The environment of the processes a local pool starts. OMP_WAIT_POLICY=PASSIVE: a torch
+# thread waiting for another sleeps instead of spinning (the bits are the same). M1's analysis of a quick
+# E2 run with two threads beside two one-thread trainings took 71.5 s wall, 70.1 CPU-s spinning and
+# 20.5 s, 17.7 CPU-s asleep (2-core AMD EPYC, 881ef1d, /tmp/exp/pinned.py); one that a user set is kept.
+WORKER_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def worker_environment() -> dict[str, str]:
+    """``WORKER_ENVIRONMENT``, with the values this process's environment already sets."""
+    return {name: os.environ.get(name, value) for name, value in WORKER_ENVIRONMENT.items()}
+
+
+def local_pool(workers: int) -> ProcessPoolExecutor:
+    """A pool of ``workers`` processes on this machine, each started fresh (``spawn``) with this
+    process's environment and ``WORKER_ENVIRONMENT``, and ending when this process is gone."""
+    os.environ.update(worker_environment())  # read by the workers' OpenMP as torch loads it
+    return ProcessPoolExecutor(
+        workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_exit_with_parent,
         initargs=(os.getpid(),),
-    ) as pool:
+    )
+
+
+def _on_pool(fn: Task, items: list, executor: Executor) -> Finished:
+    with local_pool(executor.workers) as pool:
         futures = {pool.submit(fn, item, executor.threads): item for item in items}
         for future in as_completed(futures):
             try:
@@ -131,7 +150,10 @@ def _on_ray(fn: Task, items: list, executor: Executor) -> Finished:
             ) from None
     try:
         _check_resources([node["Resources"] for node in ray.nodes() if node.get("Alive")], executor)
-        pins = kernels.environment()  # a node's worker starts with the kernels this process chose
+        pins = {
+            **worker_environment(),
+            **kernels.environment(),
+        }  # a node's worker starts with the kernels this process chose
         task = ray.remote(
             num_cpus=executor.threads,
             num_gpus=executor.gpus_per_run,

@@ -9,9 +9,12 @@ instead of next-token laws by KL, one position per forward pass."""
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
+from pathlib import Path
 from typing import Callable, ContextManager
 
 import pandas as pd
+import torch
 
 from taskgeom.analysis.reading.steering import KINDS
 from taskgeom.analysis.stored.m1 import Result, analyze, load, write
@@ -21,9 +24,10 @@ from taskgeom.claims.m1 import SPECS, claim_values, claims
 from taskgeom.claims.registry import Experiment
 from taskgeom.errors import TaskgeomError
 from taskgeom.experiments.base import Context
-from taskgeom.experiments.schedule import TrainTask
+from taskgeom.experiments.schedule import Prepared, TrainTask
 from taskgeom.report.geometry import FIGURES, plot_retrieval
 from taskgeom.runs.folders import Run
+from taskgeom.training.timing import TRAIN_COST_PER_FLOP_SECOND, Timings
 
 M1_EVIDENCE = evidence(SPECS)
 
@@ -78,6 +82,38 @@ def stored_or_analyzed(run: StudyRun, stage: Callable[[str], ContextManager] = l
     return result
 
 
+def prepared_name(run: str) -> str:
+    """The schedule's name of the M1 analysis of the run named ``run`` (``prepare``)."""
+    return f"m1 {run}"
+
+
+def analyse_stored(path: Path) -> dict[str, tuple[float, float]]:
+    """Analyse the run at ``path`` and store its result, unless it is stored (``stored_or_analyzed``);
+    the (wall, CPU) seconds of the analysis by its stage, none when it was stored."""
+    timings = Timings()
+    stored_or_analyzed(StudyRun(Run.open(path)), lambda name: timings.stage("m1", name))
+    return {stage.stage: (stage.wall_s, stage.cpu_s) for stage in timings.stages}
+
+
+def prepare(ctx: Context) -> list[Prepared]:
+    """Each run's analysis whose result is not stored (``left``), for the schedule's pool, with this
+    process's thread count, which would have analysed it otherwise."""
+    missing = set(left(ctx))
+    return [
+        Prepared(
+            "m1",
+            prepared_name(task.name),
+            (task.name,),
+            torch.get_num_threads(),
+            partial(analyse_stored, task.path),
+            task.cost() * EXPERIMENT.cost / TRAIN_COST_PER_FLOP_SECOND,
+            ctx.protocol,
+        )
+        for task in runs(ctx)
+        if task.name in missing
+    ]
+
+
 def runs(ctx: Context) -> list[TrainTask]:
     """The k = -1 runs of every recipe that takes part, on every seed."""
     return [task for study in ctx.taking_part("m1") for task in ctx.plans(study.name, ("task.diversity=-1",))]
@@ -99,7 +135,9 @@ def left(ctx: Context) -> list[str]:
 # cost [measured], CPU seconds per flop-second of the run's training (``Experiment.cost``): 0.37-0.38 (E2),
 # 1.14-1.16 (E3), 2.2-2.4 (E1) on the quick three-seed reproduction at 6c99fae (benchmarks/plan_costs.py,
 # 2-core AMD EPYC); where families differ, the largest family's is taken
-EXPERIMENT = Experiment("m1", SPECS, m1, runs, left=left, cost=2.3, reads=("steering_form",))
+EXPERIMENT = Experiment(
+    "m1", SPECS, m1, runs, prepare=prepare, left=left, cost=2.3, on_pool=True, reads=("steering_form",)
+)
 
 
 def analyze_one(

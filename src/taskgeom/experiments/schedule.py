@@ -5,28 +5,36 @@ every core alone, then single-thread runs on a process pool, the most expensive 
 experiments then find their runs finished and only analyse. A run whose experiment asks for it
 (``TrainTask.analyse``: the dual-mode sweep's) is also analysed in the schedule, in the
 single-thread phase, right after its training in the same worker, so that the analyses fill the
-cores the last long trainings leave idle.
+cores the last long trainings leave idle. The stored measurements the other experiments declare
+(``Prepared``: M1's analyses, E4's seeds) join that last phase too, each started on the pool as soon
+as the runs and measurements it reads are done, the longest chain of work first; the experiments then
+read them back.
 
 Each run trains with the torch thread count it would have had if its experiment had trained it in
 turn, because the result depends on it (the same run trained with 1 and with 2 threads differs in
 the last bits): a run of a single experiment with this process's thread count, a run of a sweep
 with the executor's. A run two experiments share keeps the first one's. So the run directories
 are the same, bit for bit, as without the schedule; an analysis uses the thread count its sweep
-gives it, as in the sweep.
+gives it, as in the sweep, and a prepared measurement the thread count of this process, which
+would have measured it otherwise. Such a measurement may run with two threads beside a one-thread
+training: its threads then wait for each other asleep (``executors.WORKER_ENVIRONMENT``), so that
+they cost no more than the core they get.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, wait
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pandas as pd
 import torch
 
 from taskgeom.analysis.protocol import STUDY, Protocol, measured_under
 from taskgeom.errors import RunDirError
-from taskgeom.experiments.executors import Executor, execute
+from taskgeom.experiments.executors import Executor, local_pool
 from taskgeom.progress import console, job_bar
 from taskgeom.runs.folders import Run
 from taskgeom.settings.config import RunConfig
@@ -79,9 +87,40 @@ class Unit:
     task: TrainTask
     train_threads: int
     analysis_threads: int
+    needs: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.task.name
 
     def cost(self) -> float:
         return self.task.cost() * (bool(self.train_threads) + ANALYSIS_SHARE * bool(self.analysis_threads))
+
+    def run(self) -> dict[str, tuple[float, float]]:
+        return run_unit(self)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A stored measurement of ``experiment`` that the schedule makes on its pool, so that the
+    experiment later reads it back: ``work()`` measures and stores it (nothing when it is stored
+    already) and returns the (wall, CPU) seconds of each stage it timed, by the stage's name;
+    ``name``, unique in a schedule; ``needs``, the names of the runs (trained) and of the other
+    prepared measurements it reads; ``threads``, its torch thread count (the bits depend on it);
+    ``cost``, relative to ``TrainTask.cost``, to start the longest chain of work first; measured
+    under ``protocol``. ``work`` must pickle (a ``functools.partial`` of a module's function)."""
+
+    experiment: str
+    name: str
+    needs: tuple[str, ...]
+    threads: int
+    work: Callable[[], dict[str, tuple[float, float]]]
+    cost: float = 0.0
+    protocol: Protocol = STUDY
+
+    def run(self) -> dict[str, tuple[float, float]]:
+        with measured_under(self.protocol), torch_threads(self.threads):
+            return self.work()
 
 
 def _with_threads(threads: int, work) -> tuple[float, float]:
@@ -92,9 +131,8 @@ def _with_threads(threads: int, work) -> tuple[float, float]:
     return clock.lap()
 
 
-def run_unit(unit: Unit, _pool_threads: int = 0) -> dict[str, tuple[float, float]]:
-    """Do one unit in this process; returns the (wall, CPU) seconds of its ``train`` and ``analyse``.
-    (``_pool_threads``: what ``execute`` passes every task; a unit sets its own thread counts.)"""
+def run_unit(unit: Unit) -> dict[str, tuple[float, float]]:
+    """Do one unit in this process; returns the (wall, CPU) seconds of its ``train`` and ``analyse``."""
     from taskgeom.analysis.stored.dual import analyze_dual, load_dual
     from taskgeom.analysis.study import StudyRun
     from taskgeom.training.train import train
@@ -167,17 +205,85 @@ def phases(units: list[Unit]) -> list[tuple[int, list[Unit]]]:
     return [(level, sorted(group, key=lambda u: -u.cost())) for level, group in sorted(by_level.items(), reverse=True)]
 
 
-def _run_phase(group: list[Unit], workers: int) -> Iterator[tuple[Unit, dict | BaseException]]:
-    """(unit, its seconds or the error) for each unit: on a pool of ``workers`` processes, or one
-    after another in this process."""
-    if workers > 1:
-        yield from execute(run_unit, group, Executor(workers=workers))
-        return
-    for unit in group:
-        try:
-            yield unit, run_unit(unit)
-        except Exception as err:  # reported, and retried by the experiment that needs the run
-            yield unit, err
+Item = Unit | Prepared  # what a phase of the schedule does
+
+
+def _do(item: Item) -> dict[str, tuple[float, float]]:
+    """A pool worker's call: do ``item`` (a unit or a prepared measurement) in this process."""
+    return item.run()
+
+
+def chain_costs(items: list[Item]) -> dict[str, float]:
+    """{name: the item's cost plus that of the costliest chain of items needing it} over ``items``: the
+    order that starts the longest chain of work first."""
+    needed_by: dict[str, list[Item]] = {}
+    for item in items:
+        for need in item.needs:
+            needed_by.setdefault(need, []).append(item)
+    chain: dict[str, float] = {}
+
+    def cost(item: Item) -> float:
+        if item.name not in chain:
+            chain[item.name] = item.cost() if isinstance(item, Unit) else item.cost
+            chain[item.name] += max((cost(later) for later in needed_by.get(item.name, ())), default=0.0)
+        return chain[item.name]
+
+    for item in items:
+        cost(item)
+    return chain
+
+
+def _run_phase(group: list[Item], workers: int, failed: set[str]) -> Iterator[tuple[Item, dict | BaseException]]:
+    """(item, its seconds or the error) for each item of ``group``, on a pool of ``workers``
+    processes or (one worker) one after another in this process. An item starts once every name it
+    ``needs`` from ``group`` is done, the one heading the costliest chain first (``chain_costs``); an
+    item needing one in ``failed`` (earlier phases' failures, and this one's, added as they come) is
+    not started and comes back with the reason."""
+    chain = chain_costs(group)
+    waiting = sorted(group, key=lambda item: -chain[item.name])
+    unfinished = {item.name for item in group}
+    running: dict = {}
+    with local_pool(workers) if workers > 1 else nullcontext() as pool:
+        while waiting or running:
+            for item in [item for item in waiting if failed & set(item.needs)]:
+                waiting.remove(item)
+                unfinished.discard(item.name)
+                failed.add(item.name)
+                yield item, RuntimeError(f"not started: it reads {sorted(failed & set(item.needs))}, which failed")
+            ready = [item for item in waiting if not unfinished & set(item.needs)]
+            if pool is None:
+                if not ready:
+                    break
+                item = ready[0]
+                waiting.remove(item)
+                try:
+                    result = item.run()
+                except Exception as err:  # reported, and done again by the experiment that needs it
+                    result = err
+                finished = [(item, result)]
+            else:
+                for item in ready[: workers - len(running)]:
+                    waiting.remove(item)
+                    running[pool.submit(_do, item)] = item
+                if not running:
+                    break
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                finished = []
+                for future in done:
+                    item = running.pop(future)
+                    try:
+                        result = future.result()
+                    except Exception as err:  # the item raised, or its worker process died
+                        result = err
+                    finished.append((item, result))
+            for item, result in finished:
+                unfinished.discard(item.name)
+                if isinstance(result, BaseException):
+                    failed.add(item.name)
+                yield item, result
+    for item in waiting:  # what each needs waits on another of them
+        failed.add(item.name)
+        yield item, RuntimeError(f"not started: it reads {sorted(unfinished & set(item.needs))}, which wait on it")
 
 
 def plan_table(tasks: list[TrainTask]) -> pd.DataFrame:
@@ -205,14 +311,14 @@ def plan_table(tasks: list[TrainTask]) -> pd.DataFrame:
     return pd.DataFrame(list(rows.values()))
 
 
-def memory_workers(group: list[Unit], available: int | None = None) -> int:
-    """How many of ``group``'s units fit in this machine's free memory at once: its free bytes
+def memory_workers(group: list[Item], available: int | None = None) -> int:
+    """How many of ``group``'s items fit in this machine's free memory at once: its free bytes
     (``available``, else MemAvailable) over the largest training estimate among the units that train
     on the CPU (``config.training_memory``, a lower bound); ``len(group)`` when nothing bounds it."""
     needs = [
         sum(training_memory(unit.task.config).values())
         for unit in group
-        if unit.train_threads and resolve_device(unit.task.device).type == "cpu"
+        if isinstance(unit, Unit) and unit.train_threads and resolve_device(unit.task.device).type == "cpu"
     ]
     available = available_memory(torch.device("cpu")) if available is None else available
     if not needs or not available:
@@ -220,33 +326,39 @@ def memory_workers(group: list[Unit], available: int | None = None) -> int:
     return max(1, available // max(needs))
 
 
-def train_all(tasks: list[TrainTask], executor: Executor, timings: Timings) -> None:
-    """Train (and analyse, where asked) every run of ``tasks`` with work left on ``executor``'s
-    local pool, phase by phase: units using t threads share the machine's cores, ``cores // t`` at
-    once (at most the executor's workers), so threads never outnumber cores (oversubscribed torch
-    threads slow every run down several-fold). Work that fails is left to the experiment that needs
-    it, which does it again in its own process and reports the error there."""
+def train_all(tasks: list[TrainTask], executor: Executor, timings: Timings, prepared: list[Prepared] = ()) -> None:
+    """Train (and analyse, where asked) every run of ``tasks`` with work left on ``executor``'s local
+    pool, phase by phase: units using t threads share the machine's cores,
+    ``cores // t`` at once, so training threads never outnumber cores (oversubscribed torch threads
+    slow every run down several-fold); the ``prepared`` measurements join the last phase, each as
+    soon as what it reads is done. Work that fails is left to the experiment that needs it, which
+    does it again in its own process and reports the error there."""
     units = plan(tasks)
     for unit in units:  # refuse before any run directory is made
         if unit.train_threads:
             check_training_fits(unit.task.config, unit.task.device)
+    levels = phases(units) or [(1, [])]
+    levels[-1] = (levels[-1][0], [*levels[-1][1], *prepared])
     cores, failed = usable_cores(), set()
-    with job_bar("train", len(units)) as advance:
-        for threads, group in phases(units):
-            group = [
-                unit for unit in group if unit.task.name not in failed
-            ]  # no analysis of a run whose training failed
-            workers = max(1, min(executor.workers, cores // threads, len(group), memory_workers(group)))
-            for unit, result in _run_phase(group, workers):
-                name = unit.task.name
+    with job_bar("train", len(units) + len(prepared)) as advance:
+        for threads, group in levels:
+            group = [item for item in group if item.name not in failed]  # no analysis of a run whose training failed
+            if not group:
+                continue
+            pool = max(1, min(executor.workers, cores // threads, len(group), memory_workers(group)))
+            where = "worker" if pool > 1 else "main"
+            for item, result in _run_phase(group, pool, failed):
                 if isinstance(result, BaseException):
-                    failed.add(name)
+                    failed.add(item.name)
                     console.print(
-                        f"[red]{name} failed in the schedule[/red] ({type(result).__name__}: {result}); its experiment retries it"
+                        f"[red]{item.name} failed in the schedule[/red] ({type(result).__name__}: {result}); "
+                        "its experiment does it again"
                     )
+                elif isinstance(item, Prepared):
+                    for stage, seconds in result.items():
+                        timings.add(item.experiment, f"{stage}", *seconds, where=where)
                 else:
-                    where = "worker" if workers > 1 else "main"
                     for what, seconds in result.items():
-                        used = unit.train_threads if what == "train" else unit.analysis_threads
-                        timings.add("schedule", f"{what} {name} ({used} threads)", *seconds, where=where)
-                advance(name)
+                        used = item.train_threads if what == "train" else item.analysis_threads
+                        timings.add("schedule", f"{what} {item.name} ({used} threads)", *seconds, where=where)
+                advance(item.name)

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Callable, ContextManager, Literal
 
 import pandas as pd
 import torch
@@ -51,8 +52,8 @@ from taskgeom.analysis.study import StudyRun
 from taskgeom.claims.m1 import claim_values
 from taskgeom.errors import TaskgeomError
 from taskgeom.experiments.base import Context
-from taskgeom.experiments.m1 import stored_or_analyzed
-from taskgeom.experiments.schedule import TrainTask
+from taskgeom.experiments.m1 import prepared_name, stored_or_analyzed
+from taskgeom.experiments.schedule import Prepared, TrainTask
 from taskgeom.hooks import Place
 from taskgeom.report.interactive import Evidence, lines
 from taskgeom.report.manifest import read_json
@@ -65,7 +66,12 @@ from taskgeom.studies.e4.prefix import probe_layer, study_prefix_probe
 from taskgeom.studies.e4.variance import study_p0
 from taskgeom.tasks import Batch
 from taskgeom.tasks.dyck import Dyck
+from taskgeom.training.timing import TRAIN_COST_PER_FLOP_SECOND, Timings
 
+# cost [measured], CPU seconds of one seed's measurement per flop-second of its k = -1 run's training
+# (``Experiment.cost``): its P0 and the prefix probe, one thread, 112.6 + 93.4 s on the quick runs
+# (docs/benchmarks.md) over 46.9: 4.4, without its linear probes and natural-state P0 (20-35 CPU-s a seed)
+COST = 4.4
 register_format("e4", 3, __name__)  # one seed's stored measurement (``measure``): its format number
 # The protocol's (``active()``): dyck_max_back, the probes for the planted bracket j back, j = 1..max;
 # dyck_probe_sequences, sequences per probe analysis; dyck_natural_p0_sequences, those of the P0 layouts
@@ -296,7 +302,8 @@ def measure(ctx: Context, name: str, references: tuple[str, ...], seed: int, div
     path, key = seed_file(ctx, name, references, seed, diversity)
     rows = stored_seed(path, key)
     if rows is None:
-        atomic_write_json(path, {**key, "tables": measure_rows(ctx, name, majors, diverse, reference_runs, seed)})
+        tables = measure_rows(ctx.stage, name, majors, diverse, reference_runs, seed)
+        atomic_write_json(path, {**key, "tables": tables})
         rows = stored_seed(path, key)
     layer, at = claim_layer(majors), {ref: claim_layer(run) for ref, run in reference_runs.items()}
     residual = [row["value"] for row in rows["p0_brackets"] if row["layer"] == layer]
@@ -366,6 +373,46 @@ def seed_file(ctx: Context, name: str, references: Sequence[str], seed: int, div
     return ctx.out / "analysis" / name / f"seed-{seed}.json", key
 
 
+def measure_stored(path: Path, key: dict, root: Path, name: str, references: tuple[str, ...], seed: int) -> dict:
+    """Measure one seed and store its tables at ``path`` under ``key`` (``seed_file``: its runs, in
+    ``measure``'s order, under ``root``), unless they are stored; the (wall, CPU) seconds of its
+    stages by name, none when they were stored."""
+    if stored_seed(path, key) is not None:
+        return {}
+    timings = Timings()
+    majors, diverse, *others = (Run.open(root / run) for run in key["runs"])
+    stage = partial(timings.stage, "e4")
+    tables = measure_rows(stage, name, majors, diverse, dict(zip(references, others)), seed)
+    atomic_write_json(path, {**key, "tables": tables})
+    return {stage.stage: (stage.wall_s, stage.cpu_s) for stage in timings.stages}
+
+
+def prepare(ctx: Context) -> list[Prepared]:
+    """Each seed's measurement that is not stored, for the schedule's pool, after its runs and the
+    M1 analyses of its references (``reference_within`` reads them), with this process's thread count,
+    which would have measured it otherwise."""
+    found = []
+    for study in ctx.taking_part("e4"):
+        refs, diversity = references(study), probe_diversity(ctx, study)
+        for seed in ctx.seeds:
+            path, key = seed_file(ctx, study.name, refs, seed, diversity)
+            if stored_seed(path, key) is not None:
+                continue
+            majors = ctx.plans(study.name, ("task.diversity=-1",))[ctx.seeds.index(seed)]
+            found.append(
+                Prepared(
+                    "e4",
+                    f"e4 {study.name} seed {seed}",
+                    (*key["runs"], *(prepared_name(run) for run in key["runs"][2:])),
+                    torch.get_num_threads(),
+                    partial(measure_stored, path, key, ctx.runs_root, study.name, refs, seed),
+                    majors.cost() * COST / TRAIN_COST_PER_FLOP_SECOND,
+                    ctx.protocol,
+                )
+            )
+    return found
+
+
 def left(ctx: Context) -> list[str]:
     """For ``--plan``: the k = -1 run of every seed, of every recipe taking part, whose measurement
     ``measure`` has not stored."""
@@ -392,22 +439,27 @@ def stored_seed(path: Path, key: dict) -> dict[str, list[dict]] | None:
 
 
 def measure_rows(
-    ctx: Context, name: str, majors: Run, diverse: Run, reference_runs: dict[str, Run], seed: int
+    stage: Callable[[str], ContextManager],
+    name: str,
+    majors: Run,
+    diverse: Run,
+    reference_runs: dict[str, Run],
+    seed: int,
 ) -> dict[str, list[dict]]:
     """Measure one seed's E4 tables (``measure``): the P0 shares of ``majors`` and the references, the
-    prefix probes of ``diverse``."""
+    prefix probes of ``diverse``; each part timed as ``stage(its name)``."""
     references = tuple(reference_runs)
-    with ctx.stage(f"P0 as the study's variance.py ({name.upper()}; seed {seed})"):
+    with stage(f"P0 as the study's variance.py ({name.upper()}; seed {seed})"):
         residual = study_p0(majors)  # [L, J]
         within = {ref: reference_within(run) for ref, run in reference_runs.items()}
-    with ctx.stage(
+    with stage(
         f"P0 within-cell shares on natural states ({', '.join(r.upper() for r in (*references, name))}; seed {seed})"
     ):
         reference_shares = {ref: reference_p0(run) for ref, run in reference_runs.items()}
         dyck = dyck_p0(majors)
-    with ctx.stage(f"the study's prefix probe and its shuffled-label control (seed {seed})"):
+    with stage(f"the study's prefix probe and its shuffled-label control (seed {seed})"):
         study_probe = study_prefix_probe(diverse)
-    with ctx.stage(f"linear prefix probes (trained and untrained, pool and OOD; seed {seed})"):
+    with stage(f"linear prefix probes (trained and untrained, pool and OOD; seed {seed})"):
         model, untrained_model = (
             diverse.load_model(),
             diverse.new_model(),
