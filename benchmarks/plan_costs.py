@@ -1,7 +1,8 @@
 """What ``--plan``'s costs (``timing.TRAIN_COST_PER_FLOP_SECOND``, each experiment's ``cost``) are fitted on: for each stage of a reproduction's
 ``timings.json`` that trains a run, analyses its dual modes or its M1 geometry, its CPU seconds per
 second of the run's training FLOPs (6 x parameters x tokens) at this machine's one-thread
-matrix-multiply rate (``timing.matmul_rate``, or ``--rate``), per recipe (min-max over its runs).
+matrix-multiply rate (``timing.matmul_rate``, or ``--rate``), per recipe (min-max over its runs);
+and E4's measurement of each seed (its stages summed) per second of that seed's E4 k = -1 run's.
 The runs' FLOPs come from the reproduction's own plan (profile, seeds and settings of its
 ``reproduction.json``), so a published folder without its runs serves.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -29,11 +31,16 @@ def stage_costs(folder: Path, rate: float) -> pd.DataFrame:
     manifest = json.loads((folder / "reproduction.json").read_text())
     timings = json.loads((folder / "timings.json").read_text())
     ctx = Context(folder, manifest["profile"], tuple(manifest["seeds"]), overrides=tuple(manifest["overrides"]))
-    flops = plan_table(planned_runs(ctx)).set_index("run")["flops"]
+    plan = plan_table(planned_runs(ctx))
+    flops = plan.set_index("run")["flops"]
+    e4_runs = plan[(plan["recipe"] == "e4") & (plan["diversity"] == -1)].set_index("seed")["run"]
     rows = []
     for stage in timings["stages"]:
         words = stage["stage"].split()
         kind = KINDS.get((stage["experiment"], words[0]))
+        seed = re.search(r"seed (\d+)\)$", stage["stage"])
+        if stage["experiment"] == "e4" and seed and int(seed[1]) in e4_runs.index:
+            kind, words = "e4", [None, e4_runs[int(seed[1])]]
         if kind is not None and words[1] in flops.index:
             rows.append(
                 {
@@ -56,7 +63,8 @@ def main() -> None:
     args = parser.parse_args()
     rate = args.rate * 1e9 if args.rate else matmul_rate(2.0)
     table = stage_costs(args.results, rate)
-    summary = table.groupby(["kind", "recipe"])["per_flop_second"].agg(["min", "max", "count"]).round(2)
+    per_unit = table.groupby(["kind", "recipe", "run"], as_index=False)[["cpu_s", "per_flop_second"]].sum()
+    summary = per_unit.groupby(["kind", "recipe"])["per_flop_second"].agg(["min", "max", "count"]).round(2)
     print(f"probe {rate / 1e9:.0f} GFLOP/s a thread\n{summary.to_string()}")
 
 

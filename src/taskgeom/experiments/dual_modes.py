@@ -159,8 +159,9 @@ def left(ctx: Context) -> list[str]:
     return [task.name for task in runs(ctx) if task.analyse and not analysed(task.path, task.protocol)]
 
 
-# cost [measured], CPU seconds per flop-second of the run's training (``Experiment.cost``): 2.0-2.3 (E3) and
-# 2.9-4.0 (E1) on the quick three-seed reproduction at 6c99fae (benchmarks/plan_costs.py, 2-core AMD EPYC)
+# cost [measured], CPU seconds per flop-second of the run's training (``Experiment.cost``): 2.5-3.4 (E3) and
+# 3.8-5.3 (E1) on the quick three-seed reproduction at 7a2bd5c (benchmarks/plan_costs.py, 2-core AMD EPYC,
+# 100 GFLOP/s; 2.0-2.3 and 2.9-4.0 at 6c99fae on another, 79 GFLOP/s)
 EXPERIMENT = Experiment(
-    "dual_modes", SPECS, dual_modes, runs, left=left, cost=3.8, on_pool=True, reads=("projection_window", "task_probe")
+    "dual_modes", SPECS, dual_modes, runs, left=left, cost=4.5, on_pool=True, reads=("projection_window", "task_probe")
 )

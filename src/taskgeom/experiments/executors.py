@@ -97,9 +97,10 @@ def _exit_with_parent(parent: int) -> None:
 
 
 # [measured] The environment of the processes a local pool starts. OMP_WAIT_POLICY=PASSIVE: a torch
-# thread waiting for another sleeps instead of spinning (the bits are the same). M1's analysis of a quick
-# E2 run with two threads beside two one-thread trainings took 71.5 s wall, 70.1 CPU-s spinning and
-# 20.5 s, 17.7 CPU-s asleep (2-core AMD EPYC, 881ef1d, /tmp/exp/pinned.py); one that a user set is kept.
+# thread waiting for another sleeps instead of spinning (the bits are the same). The M1 analysis of a
+# quick E2 run at two threads beside two busy one-thread processes took 0.42x the wall and 0.38x the CPU
+# time it takes spinning; alone, 1.24x the wall and 0.98x the CPU (benchmarks/wait_policy.py, 2-core AMD
+# EPYC, 7a2bd5c). A value the user set is kept.
 WORKER_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 

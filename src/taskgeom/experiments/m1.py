@@ -132,9 +132,10 @@ def left(ctx: Context) -> list[str]:
     return [task.name for task in runs(ctx) if missing(task)]
 
 
-# cost [measured], CPU seconds per flop-second of the run's training (``Experiment.cost``): 0.37-0.38 (E2),
-# 1.14-1.16 (E3), 2.2-2.4 (E1) on the quick three-seed reproduction at 6c99fae (benchmarks/plan_costs.py,
-# 2-core AMD EPYC); where families differ, the largest family's is taken
+# cost [measured], CPU seconds per flop-second of the run's training (``Experiment.cost``): 0.31-0.34 (E2),
+# 0.93-0.97 (E3), 2.23-2.28 (E1) on the quick three-seed reproduction at 7a2bd5c, measured beside the
+# training with two threads asleep when waiting (benchmarks/plan_costs.py, 2-core AMD EPYC, 100 GFLOP/s);
+# where families differ, the largest family's is taken
 EXPERIMENT = Experiment(
     "m1", SPECS, m1, runs, prepare=prepare, left=left, cost=2.3, on_pool=True, reads=("steering_form",)
 )

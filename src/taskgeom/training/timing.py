@@ -83,11 +83,12 @@ class Timings:
 # ---- what a plan will take on this machine ---------------------------------------------------------
 
 # [measured] CPU seconds of training per second its FLOPs (6 x parameters x tokens) take at one thread's
-# float32 matrix-multiply rate (``matmul_rate``): 1.7-2.2 for every run of the quick three-seed
-# reproduction at 6c99fae of a fresh clone on a 2-core AMD EPYC (kernels pinned to AVX2; the probe 79
-# GFLOP/s a thread), ``python benchmarks/plan_costs.py RESULTS --rate 79``. Each experiment's analyses
+# float32 matrix-multiply rate (``matmul_rate``): 2.4-3.2 for every run of the quick three-seed
+# reproduction at 7a2bd5c on a 2-core AMD EPYC (kernels pinned to AVX2; the probe 100 GFLOP/s a
+# thread; the runs trained two at a time beside the analyses), ``python benchmarks/plan_costs.py RESULTS
+# --rate 100``; 1.7-2.2 at 6c99fae on another AMD EPYC (79 GFLOP/s). Each experiment's analyses
 # state theirs per flop-second of the run they read (``claims.registry.Experiment.cost``).
-TRAIN_COST_PER_FLOP_SECOND = 2.1
+TRAIN_COST_PER_FLOP_SECOND = 2.7
 
 
 def depth_factor(n_layers: int) -> float:
@@ -119,7 +120,8 @@ def matmul_rate(seconds: float = 0.5, n: int = 512) -> float:
 
 def estimate_wall(pool: list[float], main: float, workers: int) -> float:
     """Wall seconds of a reproduction's work left: ``pool``, the CPU seconds of each unit of the
-    schedule (a run's training and dual analysis, one thread each), spread over ``workers`` but no
-    less than the longest unit; then ``main``, the CPU seconds of what the experiments do in the
-    main process one after another (the M1 analyses, E4's measurement)."""
+    schedule (a run's training and dual analysis, one thread each; M1's analyses and E4's seeds beside
+    them), spread over ``workers`` but no less than the longest unit; then ``main``, the CPU seconds of
+    what the experiments do in the main process one after another (an experiment without
+    ``on_pool``)."""
     return max(sum(pool) / max(1, workers), max(pool, default=0.0)) + main

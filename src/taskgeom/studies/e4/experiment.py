@@ -68,10 +68,10 @@ from taskgeom.tasks import Batch
 from taskgeom.tasks.dyck import Dyck
 from taskgeom.training.timing import TRAIN_COST_PER_FLOP_SECOND, Timings
 
-# cost [measured], CPU seconds of one seed's measurement per flop-second of its k = -1 run's training
-# (``Experiment.cost``): its P0 and the prefix probe, one thread, 112.6 + 93.4 s on the quick runs
-# (docs/benchmarks.md) over 46.9: 4.4, without its linear probes and natural-state P0 (20-35 CPU-s a seed)
-COST = 4.4
+# cost [measured], CPU seconds of one seed's measurement (its four stages) per flop-second of its k = -1
+# run's training (``Experiment.cost``): 6.6-7.0 on the quick three-seed reproduction at 7a2bd5c, two
+# threads asleep when waiting, beside the training (benchmarks/plan_costs.py, 2-core AMD EPYC, 100 GFLOP/s)
+COST = 6.8
 register_format("e4", 3, __name__)  # one seed's stored measurement (``measure``): its format number
 # The protocol's (``active()``): dyck_max_back, the probes for the planted bracket j back, j = 1..max;
 # dyck_probe_sequences, sequences per probe analysis; dyck_natural_p0_sequences, those of the P0 layouts
