@@ -266,3 +266,24 @@ def test_m1_measured_beside_on_the_pool_equals_m1_measured_by_its_experiment(tmp
         for file in ("m1.json", "m1.safetensors"):
             alone = (tmp_path / "alone" / run.path.name / "analysis" / file).read_bytes()
             assert (run.path / "analysis" / file).read_bytes() == alone, (run.path.name, file)
+
+
+def test_a_worker_that_dies_fails_its_items_and_the_schedule_goes_on():
+    """A worker process that dies breaks the pool: what it ran and what was still to start come back
+    as failures (left to the experiments), and no exception escapes the schedule."""
+    import os
+    from functools import partial
+
+    from taskgeom.experiments.schedule import Prepared, _run_phase
+
+    items = [
+        Prepared("x", "dies", (), 1, partial(os._exit, 1), 3.0),
+        Prepared("x", "beside", (), 1, partial(dict), 2.0),
+        Prepared("x", "later", (), 1, partial(dict), 1.0),
+        Prepared("x", "after-it", ("dies",), 1, partial(dict), 0.5),
+    ]
+    failed: set[str] = set()
+    results = dict((item.name, result) for item, result in _run_phase(items, 2, failed))
+    assert sorted(results) == ["after-it", "beside", "dies", "later"]
+    assert isinstance(results["dies"], BaseException) and isinstance(results["after-it"], RuntimeError)
+    assert {"dies", "after-it"} <= failed

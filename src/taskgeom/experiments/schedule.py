@@ -264,7 +264,12 @@ def _run_phase(group: list[Item], workers: int, failed: set[str]) -> Iterator[tu
             else:
                 for item in ready[: workers - len(running)]:
                     waiting.remove(item)
-                    running[pool.submit(_do, item)] = item
+                    try:
+                        running[pool.submit(_do, item)] = item
+                    except RuntimeError as err:  # the pool broke (a worker died): left to the experiments
+                        unfinished.discard(item.name)
+                        failed.add(item.name)
+                        yield item, err
                 if not running:
                     break
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
