@@ -1,4 +1,5 @@
-"""A pool worker ends when the process that started it is killed, instead of training on."""
+"""A pool worker ends when the process that started it is killed, instead of training on; and it does one
+call, so that no call starts with the memory an earlier one left held."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
+
+from taskgeom.experiments.executors import local_pool
 
 _PARENT = """
 import sys, time
@@ -45,3 +50,16 @@ def test_pool_workers_end_when_their_parent_is_killed(tmp_path):
     while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in workers)
+
+
+def _pid_and_holding(megabytes: int) -> int:
+    ballast = bytearray(megabytes * 2**20)  # touched: resident
+    del ballast
+    return os.getpid()
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="a worker replaced after each call needs Python 3.11")
+def test_each_call_gets_a_fresh_worker():
+    with local_pool(1) as pool:
+        pids = [pool.submit(_pid_and_holding, 8).result() for _ in range(3)]
+    assert len(set(pids)) == 3

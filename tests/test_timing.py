@@ -34,7 +34,9 @@ def test_stages_record_wall_and_cpu_and_experiments_add_their_workers():
     assert 0.4 <= total["wall_s"] < 2  # the worker's wall time overlapped with ours: not added
     assert total["cpu_s"] == pytest.approx(4.0 + 0.2, abs=0.15)  # this process's CPU plus the worker's
     as_json = json.loads(json.dumps(timings.as_dict()))
-    assert as_json["total"] == {"wall_s": total["wall_s"], "cpu_s": total["cpu_s"]}
+    assert {key: as_json["total"][key] for key in ("wall_s", "cpu_s")} == total
+    assert [s["peak_mb"] for s in as_json["stages"]][2] is None  # the worker reported none
+    assert as_json["total"]["peak_mb"] >= max(s["peak_mb"] or 0 for s in as_json["stages"]) > 10  # this process, so far
     assert [s["stage"] for s in as_json["stages"]] == ["sleep", "busy", "remote"]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -111,13 +112,16 @@ def worker_environment() -> dict[str, str]:
 
 def local_pool(workers: int) -> ProcessPoolExecutor:
     """A pool of ``workers`` processes on this machine, each started fresh (``spawn``) with this
-    process's environment and ``WORKER_ENVIRONMENT``, and ending when this process is gone."""
+    process's environment and ``WORKER_ENVIRONMENT``, ending when this process is gone, and (Python
+    3.11 on) replaced after each call, so that no call inherits the memory an earlier one left held
+    by the allocator: a worker's peak is its own call's."""
     os.environ.update(worker_environment())  # read by the workers' OpenMP as torch loads it
     return ProcessPoolExecutor(
         workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_exit_with_parent,
         initargs=(os.getpid(),),
+        **({"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}),
     )
 
 

@@ -41,7 +41,7 @@ from taskgeom.settings.config import RunConfig
 from taskgeom.settings.devices import available_memory, resolve_device, torch_threads, usable_cores
 from taskgeom.settings.recipes import MeasureSettings
 from taskgeom.training.memory import check_training_fits, parameter_count, training_memory
-from taskgeom.training.timing import Clock, Timings
+from taskgeom.training.timing import Clock, Timings, peak_resident_mb
 
 
 @dataclass(frozen=True)
@@ -208,9 +208,10 @@ def phases(units: list[Unit]) -> list[tuple[int, list[Unit]]]:
 Item = Unit | Prepared  # what a phase of the schedule does
 
 
-def _do(item: Item) -> dict[str, tuple[float, float]]:
-    """A pool worker's call: do ``item`` (a unit or a prepared measurement) in this process."""
-    return item.run()
+def _do(item: Item) -> tuple[dict[str, tuple[float, float]], float]:
+    """Do ``item`` (a unit or a prepared measurement) in this process: the (wall, CPU) seconds of each
+    of its stages, and this process's peak resident memory (MB) at its end."""
+    return item.run(), peak_resident_mb()
 
 
 def chain_costs(items: list[Item]) -> dict[str, float]:
@@ -233,8 +234,8 @@ def chain_costs(items: list[Item]) -> dict[str, float]:
     return chain
 
 
-def _run_phase(group: list[Item], workers: int, failed: set[str]) -> Iterator[tuple[Item, dict | BaseException]]:
-    """(item, its seconds or the error) for each item of ``group``, on a pool of ``workers``
+def _run_phase(group: list[Item], workers: int, failed: set[str]) -> Iterator[tuple[Item, tuple | BaseException]]:
+    """(item, ``_do``'s seconds and peak, or the error) for each item of ``group``, on a pool of ``workers``
     processes or (one worker) one after another in this process. An item starts once every name it
     ``needs`` from ``group`` is done, the one heading the costliest chain first (``chain_costs``); an
     item needing one in ``failed`` (earlier phases' failures, and this one's, added as they come) is
@@ -257,7 +258,7 @@ def _run_phase(group: list[Item], workers: int, failed: set[str]) -> Iterator[tu
                 item = ready[0]
                 waiting.remove(item)
                 try:
-                    result = item.run()
+                    result = _do(item)
                 except Exception as err:  # reported, and done again by the experiment that needs it
                     result = err
                 finished = [(item, result)]
@@ -360,10 +361,14 @@ def train_all(tasks: list[TrainTask], executor: Executor, timings: Timings, prep
                         "its experiment does it again"
                     )
                 elif isinstance(item, Prepared):
-                    for stage, seconds in result.items():
-                        timings.add(item.experiment, f"{stage}", *seconds, where=where)
+                    seconds, peak = result
+                    for stage, spent in seconds.items():
+                        timings.add(item.experiment, f"{stage}", *spent, where=where, peak_mb=peak)
                 else:
-                    for what, seconds in result.items():
+                    seconds, peak = result
+                    for what, spent in seconds.items():
                         used = item.train_threads if what == "train" else item.analysis_threads
-                        timings.add("schedule", f"{what} {item.name} ({used} threads)", *seconds, where=where)
+                        timings.add(
+                            "schedule", f"{what} {item.name} ({used} threads)", *spent, where=where, peak_mb=peak
+                        )
                 advance(item.name)

@@ -220,20 +220,27 @@ def _settings(out: Path, manifest: dict) -> str:
     )
 
 
+def _megabytes(peak: float | None) -> str:
+    return "-" if peak is None else f"{peak:.0f}"
+
+
 def _timings(timings: dict) -> str:
     """Where the time went: wall and CPU seconds per stage."""
     if not timings:
         return ""
     stages = "".join(
         f"<tr><td>{html.escape(s['experiment'])}</td><td>{html.escape(s['stage'])} ({s['where']})</td>"
-        f"<td>{s['wall_s']:.1f}</td><td>{s['cpu_s']:.1f}</td></tr>"
+        f"<td>{s['wall_s']:.1f}</td><td>{s['cpu_s']:.1f}</td><td>{_megabytes(s.get('peak_mb'))}</td></tr>"
         for s in timings.get("stages", [])
     )
     total = timings.get("total", {"wall_s": float("nan"), "cpu_s": float("nan")})
+    peak = f", peak resident memory {_megabytes(total['peak_mb'])} MB in one process" if total.get("peak_mb") else ""
     return (
-        f"<h2 id=timings>Timings</h2><p>total {total['wall_s']:.0f} s wall, {total['cpu_s']:.0f} CPU-seconds (timings.json); "
-        "stages run in a worker process are timed there.</p>"
-        f"<table class=sortable><thead><tr><th>experiment</th><th>stage</th><th>wall s</th><th>CPU s</th></tr></thead>"
+        f"<h2 id=timings>Timings</h2><p>total {total['wall_s']:.0f} s wall, {total['cpu_s']:.0f} CPU-seconds{peak} "
+        "(timings.json); stages run in a worker process are timed there, and their peak is their process's up to "
+        "the stage's end.</p>"
+        f"<table class=sortable><thead><tr><th>experiment</th><th>stage</th><th>wall s</th><th>CPU s</th>"
+        "<th>peak MB</th></tr></thead>"
         f"<tbody>{stages}</tbody></table>"
     )
 

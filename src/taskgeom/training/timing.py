@@ -3,11 +3,15 @@ per analysis stage, written to ``timings.json`` and shown in the report.
 
 CPU seconds are ``time.process_time`` of the process that did the work: stages run in a sweep's
 worker processes (or Ray tasks) are timed there and added with ``Timings.add``; an experiment's CPU
-total is its own process's time plus that of its workers' stages.
+total is its own process's time plus that of its workers' stages. Each stage also records the peak
+resident memory of its process up to the stage's end (a pool's worker does one item and exits, so
+there it is the item's own peak).
 """
 
 from __future__ import annotations
 
+import resource
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -28,15 +32,23 @@ class Clock:
         return out
 
 
+def peak_resident_mb() -> float:
+    """The peak resident memory of this process so far, in MB (``getrusage``'s ``ru_maxrss``)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)  # bytes on macOS, kB on Linux
+
+
 @dataclass(frozen=True)
 class Stage:
-    """One timed piece of work: ``where`` is ``main`` (the reproducing process) or ``worker``."""
+    """One timed piece of work: ``where`` is ``main`` (the reproducing process) or ``worker``;
+    ``peak_mb``, its process's peak resident memory up to the stage's end (None: not recorded)."""
 
     experiment: str
     stage: str
     wall_s: float
     cpu_s: float
     where: str = "main"
+    peak_mb: float | None = None
 
 
 @dataclass
@@ -54,12 +66,21 @@ class Timings:
             yield
         finally:
             wall, cpu = clock.lap()
-            self.stages.append(Stage(experiment, name, round(wall, 2), round(cpu, 2)))
+            self.stages.append(Stage(experiment, name, round(wall, 2), round(cpu, 2), peak_mb=peak_resident_mb()))
 
-    def add(self, experiment: str, name: str, wall_s: float, cpu_s: float, where: str = "worker") -> None:
+    def add(
+        self,
+        experiment: str,
+        name: str,
+        wall_s: float,
+        cpu_s: float,
+        where: str = "worker",
+        peak_mb: float | None = None,
+    ) -> None:
         """A stage timed by the work itself: in a worker process (its CPU is added to the
-        experiment's), or ``main`` (this process: already in the experiment's CPU)."""
-        self.stages.append(Stage(experiment, name, round(wall_s, 2), round(cpu_s, 2), where))
+        experiment's), or ``main`` (this process: already in the experiment's CPU); ``peak_mb``, the
+        resident memory peak of the process that did it, when it reported one."""
+        self.stages.append(Stage(experiment, name, round(wall_s, 2), round(cpu_s, 2), where, peak_mb))
 
     @contextmanager
     def experiment(self, name: str) -> Iterator[None]:
@@ -74,9 +95,11 @@ class Timings:
             self.experiments[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu + workers, 1)}
 
     def as_dict(self) -> dict:
-        """``timings.json``: {"experiments": {name: {wall_s, cpu_s}}, "total": {wall_s, cpu_s},
-        "stages": [{experiment, stage, wall_s, cpu_s, where}]}."""
+        """``timings.json``: {"experiments": {name: {wall_s, cpu_s}}, "total": {wall_s, cpu_s, peak_mb},
+        "stages": [{experiment, stage, wall_s, cpu_s, where, peak_mb}]}; the total's ``peak_mb`` is the
+        largest any one process reached (this one's included), the figure ``/usr/bin/time -v`` reports."""
         total = {key: round(sum(e[key] for e in self.experiments.values()), 1) for key in ("wall_s", "cpu_s")}
+        total["peak_mb"] = max([peak_resident_mb(), *(s.peak_mb for s in self.stages if s.peak_mb is not None)])
         return {"experiments": self.experiments, "total": total, "stages": [asdict(s) for s in self.stages]}
 
 
