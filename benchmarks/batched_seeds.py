@@ -6,9 +6,12 @@ leading axis (``torch.func.stack_module_state``) and runs them with ``torch.func
 ``functional_call``, so every matrix product becomes a batched one over the seeds; AdamW updates
 the stacked parameters elementwise, as it would each copy's. Gradient clipping is left out of
 both sides (it needs a norm per seed), so the comparison is of the step's arithmetic alone. The
-report: median seconds per step of S sequential steps and of one batched step over rounds, their
-ratio (sequential / batched: above 1 means batching pays), and how far the batched seeds' losses
-and weights after the steps are from the same seeds trained alone.
+batched model runs its attention two ways: torch's fused kernel, which has no batching rule, so
+vmap loops over the seeds there (``fused``); and attention written as batched matrix products (the
+scores ``q k^T / sqrt(d)``, the causal mask, softmax, times ``v``), which vmap batches (``products``).
+The report: median seconds per step of S sequential steps and of one batched step over rounds,
+their ratio (sequential / batched: above 1 means batching pays), and how far the batched seeds'
+losses and weights after the steps are from the same seeds trained alone.
 
     python benchmarks/batched_seeds.py [--recipe e1] [--seeds 3] [--steps 20] [--rounds 3] [--threads 1]
 """
@@ -16,7 +19,9 @@ and weights after the steps are from the same seeds trained alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import math
 import statistics
 import time
 
@@ -69,6 +74,29 @@ def sequential(models, data, lr: float) -> tuple[float, list[float]]:
     return (time.perf_counter() - start) / len(data), losses
 
 
+def attention_by_products(q, k, v, is_causal: bool = True):
+    """[B, H, T, d] causal attention as matrix products, a softmax and a mask (what
+    ``F.scaled_dot_product_attention`` computes), so that vmap batches it over the seeds."""
+    T = q.shape[-2]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+    return scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+
+
+@contextlib.contextmanager
+def attention(kind: str):
+    """The batched model's attention: torch's fused kernel (``fused``) or ``attention_by_products``."""
+    if kind == "fused":
+        yield
+        return
+    fused = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = attention_by_products
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = fused
+
+
 def batched(models, data, lr: float) -> tuple[float, list[float], dict]:
     """Seconds per step of all seeds as one vmapped model, each seed's last loss, and the stacked parameters."""
     params, buffers = stack_module_state(models)
@@ -102,30 +130,37 @@ def main() -> None:
     runs, _ = setup(args.recipe, args.seeds)
     data = batches(runs, args.steps)
     lr = runs[0].config.train.lr
-    seq_times, bat_times = [], []
+    kinds = ("fused", "products")
+    seq_times, bat_times = [], {kind: [] for kind in kinds}
     for _ in range(args.rounds):
         _, alone = setup(args.recipe, args.seeds)
         seq_s, seq_losses = sequential(alone, data, lr)
-        _, together = setup(args.recipe, args.seeds)
-        bat_s, bat_losses, params = batched(together, data, lr)
         seq_times.append(seq_s)
-        bat_times.append(bat_s)
-    weight_gap = max(
-        (params[name][i] - dict(m.named_parameters())[name]).abs().max().item()
-        for i, m in enumerate(alone)
-        for name in params
-    )
-    seq, bat = statistics.median(seq_times), statistics.median(bat_times)
+        outcome = {}
+        for kind in kinds:
+            _, together = setup(args.recipe, args.seeds)
+            with attention(kind):
+                bat_s, bat_losses, params = batched(together, data, lr)
+            bat_times[kind].append(bat_s)
+            weight_gap = max(
+                (params[name][i] - dict(m.named_parameters())[name]).abs().max().item()
+                for i, m in enumerate(alone)
+                for name in params
+            )
+            outcome[kind] = (max(abs(a - b) for a, b in zip(seq_losses, bat_losses)), weight_gap)
+    seq = statistics.median(seq_times)
     print(
         f"{args.recipe} quick, {args.seeds} seeds, {args.steps} steps x {args.rounds} rounds, {args.threads} thread(s)"
     )
-    print(f"  sequential (today): {seq * 1e3:.1f} ms per step of all seeds")
-    print(f"  batched (vmap):     {bat * 1e3:.1f} ms per step of all seeds")
-    print(f"  ratio sequential / batched: {seq / bat:.2f}x")
-    print(
-        f"  after {args.steps} steps: largest |loss difference| {max(abs(a - b) for a, b in zip(seq_losses, bat_losses)):.3g}, "
-        f"largest |weight difference| {weight_gap:.3g}"
-    )
+    print(f"  sequential (today):           {seq * 1e3:.1f} ms per step of all seeds")
+    for kind in kinds:
+        bat = statistics.median(bat_times[kind])
+        loss_gap, weight_gap = outcome[kind]
+        print(
+            f"  batched, attention {kind + ':':9s} {bat * 1e3:.1f} ms per step of all seeds; ratio sequential / batched "
+            f"{seq / bat:.2f}x; after {args.steps} steps, largest |loss difference| {loss_gap:.3g}, "
+            f"largest |weight difference| {weight_gap:.3g}"
+        )
 
 
 if __name__ == "__main__":
