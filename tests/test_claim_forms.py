@@ -130,6 +130,22 @@ def test_p2_vs_random_partial_ideal_passes_null_fails_where_the_difference_canno
     assert beyond_random(0.9, 1.0, PARTIAL, {}).reason.startswith("the random subspace leaves nothing")
 
 
+@pytest.mark.parametrize("r2_random", [-0.16, -0.5, 0.0, 0.4])
+def test_p2_vs_random_partial_ranges_up_to_1_whatever_the_baseline(r2_random):
+    """A random baseline below 0 (E2's simplex-constrained fit can do worse than the mean state): the
+    share still reaches 1 exactly at the ideal r2 = 1 (passes) and is 0 where the simplex explains no
+    more than the random subspace (fails), so 0.3 lies inside its range; at a baseline of 0 it is
+    the difference."""
+    ideal = beyond_random(1.0, r2_random, PARTIAL, {})
+    null = beyond_random(r2_random, r2_random, PARTIAL, {})
+    assert ideal.value == pytest.approx(1.0) and _judge("P2.vs_random", ideal.value) == "pass"
+    assert null.value == 0.0 and _judge("P2.vs_random", null.value) == "fail"
+    halfway = beyond_random(r2_random + 0.5 * (1 - r2_random), r2_random, PARTIAL, {})
+    assert halfway.value == pytest.approx(0.5)  # half of what the random subspace leaves
+    if r2_random == 0.0:
+        assert halfway.value == pytest.approx(halfway.parts["difference"])
+
+
 def test_ood_between_segment_passes_both_ideals_and_fails_a_predictor_outside():
     """E2 at k = -1 on OOD prompts (d = 8, 3 majors, 64 examples): dMMSE and ridge as the model are the
     two ideals and pass the segment form (value 0 at each); dMMSE's prediction doubled, outside the
