@@ -128,6 +128,7 @@ class Protocol:
     ood_between_form: str = "g-interval"  # e2.ood_between: |g - 1/2|, or "segment" (each end with a 10% tolerance)
     p3_shrinks_form: str = "mean-curves"  # P3.shrinks: on P3's per-task mean curves, or "trajectory" (what P3 reads)
     prefix_probe_form: str = "all-lengths"  # e4.prefix_probe: every length, or "trained-lengths" (the kept probe's)
+    e2_p0_form: str = "late-median"  # E2's P0, P1: the late window's median, or "last-position" (the study's table)
 
     def __post_init__(self) -> None:
         for name, allowed in CHOICES.items():
@@ -210,9 +211,10 @@ CHOICES: dict[str, tuple] = {  # the fields that name a construction, and the on
     "ood_between_form": ("g-interval", "segment"),
     "p3_shrinks_form": ("mean-curves", "trajectory"),
     "prefix_probe_form": ("all-lengths", "trained-lengths"),
+    "e2_p0_form": ("late-median", "last-position"),
 }
 # The fields read only where a claim is judged from stored rows: a stored result does not depend on them
-JUDGED = ("drop_form", "p2_random_form", "ood_between_form", "p3_shrinks_form", "prefix_probe_form")
+JUDGED = ("drop_form", "p2_random_form", "ood_between_form", "p3_shrinks_form", "prefix_probe_form", "e2_p0_form")
 STUDY = Protocol()
 _ACTIVE: ContextVar[Protocol] = ContextVar("protocol", default=STUDY)
 

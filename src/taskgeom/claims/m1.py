@@ -123,6 +123,19 @@ _FORMS = {
     ): "P2's r2_additive beyond that of the same fit on a random subspace of equal dimension, "
     f"as a partial R^2: (r2 - r2_random) / (1 - r2_random); {_WHERE}",
     (
+        "P0",
+        "last-position",
+    ): "P0, stability: cell-means R^2 of (task, current token) on the study's forced-token cells at the last "
+    "position it reads, T - 2 (per task and token value seen there, fresh prefixes of the task with that token "
+    "written at the position; the natural late-window median in the parts); E2: R^2 of a per-task intercept and "
+    "per-task linear map of x_t (the ANCOVA's r2_full) at its last position, on paired sequences of every major "
+    f"task (the late-window median in the parts); {_WHERE}",
+    (
+        "P1",
+        "last-position",
+    ): "P1, decoupling: the additive (task + current token, no interaction; E2: task + linear map of x_t) share "
+    f"of the variance P0's model explains, on P0's cells (E2: at its last position, on P0's paired sequences); {_WHERE}",
+    (
         "P3.shrinks",
         "trajectory",
     ): "P3.shrinks on P3's trajectory (task 0, its plotted positions): mean TV over the last "
@@ -133,7 +146,12 @@ _FORMS = {
 
 def _spec(name: str, protocol: Protocol) -> Spec:
     """Claim ``name``'s spec in ``protocol``'s form (its description says the form)."""
-    form = {"P2.vs_random": protocol.p2_random_form, "P3.shrinks": protocol.p3_shrinks_form}.get(name)
+    form = {
+        "P0": protocol.e2_p0_form,
+        "P1": protocol.e2_p0_form,
+        "P2.vs_random": protocol.p2_random_form,
+        "P3.shrinks": protocol.p3_shrinks_form,
+    }.get(name)
     found = _FORMS.get((name, form))
     return _SPEC[name] if found is None else replace(_SPEC[name], description=found)
 
@@ -169,7 +187,9 @@ def claim_values(rows: list[dict], protocol: Protocol | None = None) -> dict[str
         for r in rows
         if r["batch"] in ("measure", "cells", "trajectory") and r["position"] is None and r["task"] is None
     }
-    cells = any(r["metric"] == "cells.position" for r in rows)  # a token family's forced-token cells (none: E2)
+    cells = any(r["metric"] == "cells.tokens" for r in rows)  # a token family's forced-token cells (none: E2)
+    # E2's layout at its last position (no tokens to force), read in the form that decides it
+    last_position = protocol.e2_p0_form == "last-position" and any(r["metric"] == "cells.position" for r in rows)
 
     def at(metric: str, where: Place = place) -> float:
         if (metric, *where) not in table:
@@ -184,15 +204,16 @@ def claim_values(rows: list[dict], protocol: Protocol | None = None) -> dict[str
     natural = protocol.cells == "natural" or not cells
     if protocol.anova == "pooled":  # natural states pooled over the late window
         p0, p1 = Reading(at("p0.cell_r2_pooled"), placed), Reading(at("p1.additive_share_pooled"), placed)
-    elif natural:  # natural states grouped by their token (E2: its paired layout), late-window medians
+    elif natural and not (last_position and protocol.cells == "forced"):
+        # natural states grouped by their token (E2: its paired layout), late-window medians
         p0 = Reading(at("p0.cell_r2"), {**placed, "cells": "natural"})
         p1 = Reading(
             at("p1.additive_share"), {**placed, "cells": "natural", "last_position": at("p1.additive_share_last")}
         )
-    else:  # the study's forced-token cells at the last position it reads, the natural late-window median beside
+    else:  # the study's forced-token cells (E2: paired sequences) at the last position it reads, the natural late-window median beside
         beside = {
             **placed,
-            "cells": "forced",
+            "cells": "forced" if cells else "paired",
             "position": int(at("cells.position")),
             "per_cell": int(at("cells.per_cell")),
         }

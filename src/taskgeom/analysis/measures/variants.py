@@ -38,9 +38,10 @@ class Variant:
 
     def moves(self, claim: str) -> bool:
         """Whether it can move the claim named ``claim`` (its id after the recipe: ``P2.vs_random``,
-        ``ablate_S_ood``): one of ``claims``, or ``claims`` names its family (``ablate_S`` for
-        ``ablate_S_major`` and ``ablate_S_ood``)."""
-        return any(claim == name or claim.startswith(f"{name}_") for name in self.claims)
+        ``ablate_S_ood``): one of ``claims``, or ``claims`` names its family with a final ``_*``
+        (``ablate_S_*`` for ``ablate_S_major`` and ``ablate_S_ood``; ``P0`` is P0 alone, not E4's
+        ``P0_failure``)."""
+        return any(claim == name or name.endswith("_*") and claim.startswith(name[:-1]) for name in self.claims)
 
     @property
     def judged(self) -> bool:
@@ -57,14 +58,14 @@ class Variant:
 VARIANTS = (
     Variant(
         "selected-place",
-        ("P0", "P1", "P2", "P2.vs_random", "P3", "P3.shrinks", "steering", "projection_r2"),
+        ("P0", "P1", "P2", "P2.vs_random", "P3", "P3.shrinks", "steering", "projection_r2_*"),
         "the place (layer, site) of best R^2_task on a selection batch, both sites, instead of the fixed block at resid_post",
         "chose the layer by the data when the study's block did not exist at quick sizes",
         fields={"place": "selected"},
     ),
     Variant(
         "site-mid",
-        ("P0", "P1", "P2", "P2.vs_random", "P3", "P3.shrinks", "steering", "projection_r2"),
+        ("P0", "P1", "P2", "P2.vs_random", "P3", "P3.shrinks", "steering", "projection_r2_*"),
         "every readout at resid_mid (after attention) instead of resid_post",
         "the specification once named both sites as candidates",
         fields={"read_site": "resid_mid"},
@@ -96,7 +97,7 @@ VARIANTS = (
     ),
     Variant(
         "per-sequence-r2",
-        ("projection_r2",),
+        ("projection_r2_*",),
         "projection R^2 of each sequence's own state over the late window, centred by mu_t + nu(x_t), "
         "regressed on the span of theta_(k, x_t)",
         "scored single states, as a probe would read them",
@@ -104,7 +105,7 @@ VARIANTS = (
     ),
     Variant(
         "centred-S",
-        ("ablate_S",),
+        ("ablate_S_*",),
         "S ablation h - P_S (h - mu_t) on the rank K-1 span of the task vectors, at the selected place",
         "the task subspace of the M1 geometry rather than a probe's row space",
         fields={"s_probe": "centred"},
@@ -112,7 +113,7 @@ VARIANTS = (
     ),
     Variant(
         "s-with-mean",
-        ("ablate_S", "ablate_V", "random_control"),
+        ("ablate_S_*", "ablate_V_*", "random_control"),
         "S of rank K from the minimum-norm probe with every posterior column beside the token one-hot and an intercept, "
         "over the late window: the task contrasts and about the mean state; V and the random controls avoid it",
         "the protocol before 2026-12-02, a misreading of the study's probe, which drops the redundant column of each one-hot group",
@@ -121,7 +122,7 @@ VARIANTS = (
     ),
     Variant(
         "probe-exact",
-        ("ablate_S", "ablate_V", "random_control"),
+        ("ablate_S_*", "ablate_V_*", "random_control"),
         "the S probe by an exact double-precision least-squares fit (the minimum-norm solution) instead of the study's "
         "_fit_ols, a single-precision pseudo-inverse at torch's default cut-off; V and the random controls avoid it",
         "our fit before the study's _fit_ols was read: the exact solution of the same regression",
@@ -130,7 +131,7 @@ VARIANTS = (
     ),
     Variant(
         "v-avoids-tokens",
-        ("ablate_V", "random_control"),
+        ("ablate_V_*", "random_control"),
         "E1 and E2's V also kept out of the token subspace",
         "kept V from removing what the current token carries",
         fields={"v_always_avoids_tokens": True},
@@ -138,7 +139,7 @@ VARIANTS = (
     ),
     Variant(
         "v-searched-on-ood",
-        ("ablate_V",),
+        ("ablate_V_*",),
         "V searched on OOD sequences instead of minor (pool) sequences",
         "searched where the claim is read",
         fields={"v_search_set": "ood"},
@@ -146,7 +147,7 @@ VARIANTS = (
     ),
     Variant(
         "v-searched-on-eval-ood",
-        ("ablate_V",),
+        ("ablate_V_*",),
         "V searched, at every k, on fresh sequences of the evaluation set's 30 OOD tasks (each step's batch uniform among "
         "them), as the study's optimal_orth.py does by default (opt_target='ood', the evaluation sampler), instead of minor "
         "(pool) sequences",
@@ -156,7 +157,7 @@ VARIANTS = (
     ),
     Variant(
         "v-best-block",
-        ("ablate_V", "random_control"),
+        ("ablate_V_*", "random_control"),
         "V read at the block where it removes the most OOD gain on a separate batch, not the mean over blocks",
         "one place per claim, as for M1",
         fields={"v_block": "best"},
@@ -209,6 +210,15 @@ VARIANTS = (
         "that posterior is uncertain), the late TV over the early TV floored at P3's 0.1, instead of P3's per-task mean curves",
         "the form the rule decides, judged beside the published form until it is published",
         fields={"p3_shrinks_form": "trajectory"},
+    ),
+    Variant(
+        "e2-p0-last-position",
+        ("P0", "P1"),
+        "E2's P0 and P1 read from the ANCOVA at the last analysed position on cell_sequences paired sequences a major task "
+        "(split cells), as the study's table reads its last position, instead of the median over the late window of the "
+        "measurement batch",
+        "the audit's decision for E2's positions, judged beside the published form until it is published",
+        fields={"e2_p0_form": "last-position"},
     ),
     Variant(
         "prefix-trained-lengths",

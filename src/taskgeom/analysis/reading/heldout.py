@@ -26,6 +26,8 @@ split                     sets (stream)            used for
                                                    whole tasks (``analysis.reading.trajectory``)
 ``transition``            mixture (dual-           the predictor transition: the training mixture
                           transition)              (tasks drawn by the pool's prior, minors too)
+``cells``                 major (m1-cells)         E2's P0 and P1 at the last position, as the study's
+                                                   table reads them: whole tasks, paired
 ========================  ======================  =================================================
 
 E2's major sequences of ``select``, ``measure``, ``geometry`` and ``probe`` are paired: all K tasks share the
@@ -65,6 +67,7 @@ class Split(str, Enum):
     PROBE = "probe"
     TRAJECTORY = "trajectory"
     TRANSITION = "transition"
+    CELLS = "cells"
 
     @classmethod
     def of(cls, split: "Split | str") -> "Split":
@@ -91,6 +94,7 @@ STREAMS: dict[tuple[Split, str], str] = {
     (Split.PROBE, "major"): "probe",
     (Split.TRAJECTORY, "major"): "m1-trajectory",
     (Split.TRANSITION, "mixture"): "dual-transition",
+    (Split.CELLS, "major"): "m1-cells",
 }
 PAIRED = (
     Split.SELECT,

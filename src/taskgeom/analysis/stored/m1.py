@@ -25,7 +25,9 @@ and task at P3's place) and P3.shrinks' parts on the mean curves. Token families
 (batch ``cells``, every place; ``cell_rows``): ``p0.cell_r2_forced``, ``p0.within_share_forced``,
 ``p1.additive_share_forced`` at ``cells.position`` (T - 2; the claims P0, P1), and
 ``p2.r2_additive_forced`` with its random baseline (the claims P2, P2.vs_random; the rows above are
-the variant ``natural-cells``). P3 as the study's trajectory figure computes it (batch
+the variant ``natural-cells``). E2, with no tokens to force, has the same P0 and P1 rows at its last
+analysed position, on ``cell_sequences`` paired sequences a task (``last_position_rows``; read under
+``e2_p0_form="last-position"``). P3 as the study's trajectory figure computes it (batch
 ``trajectory``, every place; ``trajectory_rows``): ``p3.tv_trajectory`` (the claim P3; at its place
 per position with ``p3.trajectory_alpha_max``, what P3.shrinks' trajectory form reads; the
 ``p3.tv_mean_beta`` rows above are the variant ``p3-late-window``). At the claims' block:
@@ -229,6 +231,26 @@ def cell_rows(cells: ForcedCells, p2: dict[Place, AdditiveR2]) -> list[dict]:
     return rows
 
 
+def last_position_rows(run: StudyRun, places: list[Place], per_task: int) -> list[dict]:
+    """P0 and P1 of a family with no tokens to force (E2) as the study's table reads them: its layout
+    (the ANCOVA) at the last analysed position, on ``per_task`` paired sequences of every major task
+    (split ``cells``), at every place (batch ``cells``): ``p0.cell_r2_forced`` (the ANCOVA's r2_full),
+    ``p0.within_share_forced``, ``p1.additive_share_forced``, with ``cells.position`` (in the analysed
+    positions) and ``cells.per_cell`` (sequences a task)."""
+    rows, cells = [], run.heldout_tasks("major", per_task, split="cells")
+    for geometry in run.geometries(cells, places):
+        shares, where = geometry.shares, {"place": geometry.place, "batch": "cells", "set": "major"}
+        last = len(shares.within_share) - 1
+        rows += [
+            row("p0.cell_r2_forced", float(shares.cell_r2[last]), **where),
+            row("p0.within_share_forced", float(shares.within_share[last]), **where),
+            row("p1.additive_share_forced", float(shares.additive_share[last]), **where),
+            row("cells.position", last, **where),
+            row("cells.per_cell", per_task, **where),
+        ]
+    return rows
+
+
 def trajectory_rows(trajectories: dict[Place, Trajectory], p3_place: Place) -> list[dict]:
     """P3 as the study's trajectory figure computes it (batch ``trajectory``; ``StudyRun.trajectories``):
     ``p3.tv_trajectory`` at every place (the claim's reading, the mean over the last quarter of the
@@ -307,6 +329,8 @@ def analyze(
     rows += trajectory_rows(run.trajectories(places), p3_place)
     if isinstance(run.family, TokenFamily):
         rows += cell_rows(run.forced_cells(places, per_cell=per_cell), run.cell_p2(places, n_random=n_random))
+    else:
+        rows += last_position_rows(run, places, per_cell)
     steered = run.heldout("major", active().steering_sequences, split="steering")
     steering = kept[place].steer("dirichlet", sequences=steered)
     rows += steering_rows(steering)
