@@ -13,6 +13,12 @@ A kind's floor is the CPU seconds its arithmetic takes at this machine's large-m
   layer's product (fits, SVD, pseudo-inverses, least squares) and elementwise work are not counted:
   the floor is a lower bound.
 
+What holds a kind above its floor is first the size of its products: the models' own are narrow
+(an inner dimension of 64 at quick). So the report also times, for each recipe's model, the forward
+products of one training batch (``shape_rate``: the batch's tokens through each block's four linear
+maps, at one thread) and prints that rate beside the large-matrix one, with training's ratio to the
+floor at that rate.
+
 The counts are kept in ``--counts`` (JSON, keyed by the run and kind) and read back by a later
 report. Each kind's CPU seconds are those RESULTS' ``timings.json`` records; the table prints their
 ratio to the floor. The wall bound is the reproduction's CPU seconds over this machine's cores: the
@@ -160,6 +166,32 @@ def counted_units(plan: pd.DataFrame, seconds: pd.DataFrame) -> dict[tuple[str, 
     return chosen
 
 
+def shape_rate(config, seconds: float = 1.0) -> float:
+    """FLOP/s on one thread (per CPU second, as ``matmul_rate``) of the forward products of one training
+    batch of ``config``'s model: its batch x sequence-length tokens through a block's query-key-value,
+    output, MLP-in and MLP-out maps (float32, ``torch.nn.functional.linear`` as the model calls it)."""
+    import time
+
+    import torch
+
+    from taskgeom.settings.devices import torch_threads
+
+    rows, D, mlp = config.train.batch_size * config.task.seq_len, config.model.d_model, config.model.d_mlp
+    shapes = [(D, 3 * D), (D, D), (D, mlp), (mlp, D)]  # (in, out)
+    maps = [(torch.randn(rows, i), torch.randn(o, i)) for i, o in shapes]
+    flops = sum(2 * rows * i * o for i, o in shapes)
+    with torch_threads(1):
+        for x, w in maps:  # warm up
+            torch.nn.functional.linear(x, w)
+        count, start, cpu = 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - start < seconds:
+            for x, w in maps:
+                torch.nn.functional.linear(x, w)
+            count += 1
+        spent = time.process_time() - cpu
+    return flops * count / max(spent, 1e-9)
+
+
 def report(results: Path, rate: float, counts_path: Path) -> pd.DataFrame:
     """The table: per kind, CPU seconds, floor CPU seconds and their ratio."""
     from taskgeom.experiments import planned_runs
@@ -222,6 +254,35 @@ def main() -> None:
         f"wall {total['wall_s']:.0f} s beside the busy-cores bound {bound:.0f} s "
         f"({total['cpu_s']:.0f} CPU-s / {cores} cores): {total['wall_s'] / bound:.2f}x"
     )
+    shapes, floor = shape_table(args.results, rate)
+    print(shapes.to_string(index=False))
+    train_cpu = float(table.loc[table["kind"] == "train", "cpu_s"].sum())
+    print(
+        f"training {train_cpu:.0f} CPU-s beside its floor at its models' own product rates, {floor:.0f} CPU-s: "
+        f"{train_cpu / floor:.2f}x"
+    )
+
+
+def shape_table(results: Path, rate: float) -> tuple[pd.DataFrame, float]:
+    """(per recipe of RESULTS' plan, its model's training-shape product rate, ``shape_rate``, beside the
+    large-matrix ``rate``; the CPU seconds of training's FLOPs at each run's recipe's rate)."""
+    from taskgeom.experiments import planned_runs
+    from taskgeom.experiments.base import Context
+    from taskgeom.experiments.schedule import plan_table
+
+    manifest = json.loads((results / "reproduction.json").read_text())
+    ctx = Context(results, manifest["profile"], tuple(manifest["seeds"]), overrides=tuple(manifest["overrides"]))
+    tasks = {task.name: task for task in planned_runs(ctx)}
+    plan = plan_table(list(tasks.values()))
+    rates = {}
+    for recipe, group in plan.groupby("recipe"):
+        rates[recipe] = shape_rate(tasks[group["run"].iloc[0]].config)
+    floor = sum(row.flops / rates[row.recipe] for row in plan.itertuples())
+    rows = [
+        {"recipe": recipe, "training-shape GFLOP/s": round(r / 1e9, 1), "of the large-matrix rate": round(r / rate, 2)}
+        for recipe, r in rates.items()
+    ]
+    return pd.DataFrame(rows), floor
 
 
 if __name__ == "__main__":
