@@ -131,7 +131,7 @@ def claimed_by_layer(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     measured on): a token family's forced-token cells (batch ``cells``), else the measurement batch."""
     rows = table[table["position"].isna()]
     forced = rows[(rows["batch"] == "cells") & rows["metric"].isin(_FORCED.values())]
-    if len(forced):
+    if len(forced) and (rows["metric"] == "cells.tokens").any():  # E2's last-position rows: read in their form only
         return forced.assign(
             metric=forced["metric"].map({v: k for k, v in _FORCED.items()})
         ), "the study's forced-token cells"
