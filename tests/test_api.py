@@ -305,7 +305,7 @@ def test_a_split_or_a_set_that_does_not_exist_is_a_clear_error(e3):
     with pytest.raises(
         AnalysisError,
         match=r"unknown split 'mesure'; choose one of \['select', 'measure', 'geometry', 'loss', "
-        r"'search-select', 'prior', 'projection', 'steering', 'probe', 'trajectory', 'transition'\]",
+        r"'search-select', 'prior', 'projection', 'steering', 'probe', 'trajectory', 'transition', 'cells'\]",
     ):
         e3.heldout("major", 8, split="mesure")
     with pytest.raises(AnalysisError, match=r"split 'select' has no ood sequences; it has \['major'\]"):

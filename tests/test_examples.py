@@ -72,8 +72,9 @@ def test_every_python_block_of_the_readme_and_the_site_runs_as_written(tiny_repr
     assert not torch.equal(namespace["steered"].steered, namespace["steered"].unsteered)  # the edit moved the model
     assert len(namespace["claims"]) == 46 and set(namespace["p0"]["recipe"]) == {
         "e1",
+        "e2",
         "e3",
-    }  # forced cells: E2 has no token to force
+    }  # E1, E3 on forced cells; E2 (no token to force) its ANCOVA at the last position
     place, p0 = namespace["place"], namespace["p0"]
     stored = p0[(p0["run"] == namespace["run"].path.name) & (p0["layer"] == place.layer) & (p0["site"] == place.site)][
         "value"
