@@ -92,18 +92,26 @@ def _pool_by_hand(run, layer: int, gen: torch.Generator) -> dict[int, tuple[torc
     return {length: (torch.stack(states[length]), torch.tensor(labels[length])) for length in classes if states[length]}
 
 
-def test_the_probe_s_data_are_the_study_s_by_hand(dyck_run):
+def _collected(run, into):
+    """``collect_pool`` on run's block 1 with the tests' masks and draws, its states in folder into."""
+    from taskgeom.rng import generator
+
+    gen = generator(0, 0, "test")
+    masks = bracket_masks(run.family, N_MASKS, run.config.task.seq_len, gen)
+    return collect_pool(run.family, run.load_model(), run.pool.params, masks, PER_MASK, 1, gen, into)
+
+
+def test_the_probe_s_data_are_the_study_s_by_hand(dyck_run, tmp_path):
     """``collect_pool``'s states and labels equal the plain implementation's (the same draws)."""
     from taskgeom.rng import generator
 
     expected = _pool_by_hand(dyck_run, 1, generator(0, 0, "test"))
-    gen = generator(0, 0, "test")
-    masks = bracket_masks(dyck_run.family, N_MASKS, dyck_run.config.task.seq_len, gen)
-    pool = collect_pool(dyck_run.family, dyck_run.load_model(), dyck_run.pool.params, masks, PER_MASK, 1, gen)
+    pool = _collected(dyck_run, tmp_path)
     assert sorted(pool) == sorted(expected) and len(expected) >= 2
     for length, (h, y) in expected.items():
-        assert torch.equal(pool[length][1], y)
-        torch.testing.assert_close(pool[length][0], h, rtol=1e-5, atol=1e-6)
+        states, labels = pool[length]
+        assert torch.equal(labels, y) and states.shape == h.shape
+        torch.testing.assert_close(states[torch.arange(len(y))], h, rtol=1e-5, atol=1e-6)
     assert len(prefix_classes(dyck_run.pool.params)[2]) == int(expected[2][1].max()) + 1
 
 
@@ -192,14 +200,12 @@ def _train_by_hand(pool, n_classes, d_model, gen, s: ProbeSettings) -> tuple[dic
         )
 
 
-def test_the_probe_is_trained_as_the_study_s_by_hand(dyck_run):
+def test_the_probe_is_trained_as_the_study_s_by_hand(dyck_run, tmp_path):
     """``train_probe``'s validation accuracies and losses equal the plain loop's on the same pool and
     draws."""
     from taskgeom.rng import generator
 
-    gen = generator(0, 0, "test")
-    masks = bracket_masks(dyck_run.family, N_MASKS, dyck_run.config.task.seq_len, gen)
-    pool = collect_pool(dyck_run.family, dyck_run.load_model(), dyck_run.pool.params, masks, PER_MASK, 1, gen)
+    pool = _collected(dyck_run, tmp_path)
     n_classes = {length: len(c) for length, c in prefix_classes(dyck_run.pool.params).items()}
     accuracy, loss = _train_by_hand(pool, n_classes, 16, generator(0, 0, "train"), SMALL)
     result = train_probe(pool, n_classes, 16, generator(0, 0, "train"), SMALL)
@@ -209,6 +215,20 @@ def test_the_probe_is_trained_as_the_study_s_by_hand(dyck_run):
         pool
     )  # the curriculum brought every length in
     assert STUDY.dyck_probe_site == "resid_mid"
+
+
+def test_a_pool_read_from_its_files_trains_the_probe_held_in_memory(dyck_run, tmp_path):
+    """The collected pool's states, read from their files, are the floats a pool held in memory
+    holds: the probe trained on either has the same kept epoch, accuracies and losses, exactly."""
+    from taskgeom.rng import generator
+
+    on_disk = _collected(dyck_run, tmp_path)
+    in_memory = {length: (states[torch.arange(states.shape[0])], y) for length, (states, y) in on_disk.items()}
+    n_classes = {length: len(c) for length, c in prefix_classes(dyck_run.pool.params).items()}
+    from_files, from_memory = (
+        train_probe(pool, n_classes, 16, generator(0, 0, "train"), SMALL) for pool in (on_disk, in_memory)
+    )
+    assert from_files == from_memory and from_files.best_epoch > 1
 
 
 def test_a_distinct_sample_is_a_uniform_choice_without_repeats():

@@ -22,7 +22,9 @@ pool; the claim reads the smallest over lengths of accuracy minus the control's 
 from __future__ import annotations
 
 import copy
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -33,6 +35,7 @@ from taskgeom.analysis.reading.states import collect
 from taskgeom.hooks import Place
 from taskgeom.rng import generator
 from taskgeom.runs.folders import Run
+from taskgeom.studies.e4.row_file import RowFile
 from taskgeom.studies.e4.variance import bracket_masks
 from taskgeom.tasks.dyck import Dyck
 
@@ -42,7 +45,8 @@ from taskgeom.tasks.dyck import Dyck
 # (Place.at_depth); dyck_probe_site, where _data.py hooks model.layers[layer].attn_block; and
 # dyck_prefix_probe, the probe's training settings
 TASK_CHUNK = 128  # tasks per forward pass (memory only)
-Data = dict[int, tuple[torch.Tensor, torch.Tensor]]  # {length l: (states [N, D], labels [N] long)}
+# {length l: (states [N, D], labels [N] long)}: states a tensor or, for a collected pool, a RowFile (read by index)
+Data = dict[int, tuple[torch.Tensor | RowFile, torch.Tensor]]
 
 
 def prefix_classes(words: torch.Tensor, max_prefix: int | None = None) -> dict[int, dict[tuple[int, ...], int]]:
@@ -67,12 +71,14 @@ def collect_pool(
     per_mask: int,
     layer: int,
     gen: torch.Generator,
+    into: Path,
     max_prefix: int | None = None,
 ) -> Data:
     """The pool: {l: (states [N, D] at (layer, the protocol's ``dyck_probe_site``), labels [N])} over
     every (mask, task) and its ``per_mask`` sequences, at the positions where l brackets are placed
     (the last position left out), for the lengths l <= max_prefix (the protocol's when None) with at
-    least two classes that some mask reaches."""
+    least two classes that some mask reaches; each length's states in a ``RowFile`` in the folder
+    ``into`` (the pool is the analysis's largest object), its labels in memory."""
     max_prefix = active_protocol().dyck_probe_max_prefix if max_prefix is None else max_prefix
     site = active_protocol().dyck_probe_site
     classes = prefix_classes(words, max_prefix)
@@ -82,12 +88,8 @@ def collect_pool(
     counts = masks.long().cumsum(1)
     counts[:, -1] = -1  # the last position is never read
     positions = [{length: (count == length).nonzero().squeeze(1) for length in lengths} for count in counts]
-    sizes = {length: K * per_mask * sum(p[length].numel() for p in positions) for length in lengths}
-    pool = {  # filled in place, in the order mask, task, sequence, position (the whole pool is held once)
-        length: (torch.empty(size, model.cfg.d_model, dtype=torch.float32), torch.empty(size, dtype=torch.long))
-        for length, size in sizes.items()
-    }
-    filled = dict.fromkeys(lengths, 0)
+    states = {length: RowFile(Path(into) / f"length-{length}.f32", model.cfg.d_model) for length in lengths}
+    read_labels: dict[int, list[torch.Tensor]] = {length: [] for length in lengths}
     for mask, at_mask in zip(masks, positions):
         noise = torch.randint(0, family.n_noise, (K, per_mask, T), generator=gen)
         read = 1 + max(
@@ -99,13 +101,13 @@ def collect_pool(
                 words[tasks].repeat_interleave(per_mask, 0), mask.expand(n, -1), noise[tasks].reshape(n, T)
             )
             h = collect(model, tokens[:, :read], [(layer, site)], batch_size=1024)[(layer, site)]  # [n, read, D]
-            for length in lengths:
+            for length in lengths:  # in the order mask, task, sequence, position
                 at = h[:, at_mask[length]]  # [n, P, D]: task-major, then sequence, then position
-                start, stop = filled[length], filled[length] + at.shape[0] * at.shape[1]
-                pool[length][0][start:stop] = at.reshape(-1, at.shape[-1])
-                pool[length][1][start:stop] = labels[length][tasks].repeat_interleave(per_mask * at.shape[1])
-                filled[length] = stop
-    return {length: data for length, data in pool.items() if data[1].numel()}  # a length no mask reaches is left out
+                states[length].append(at.reshape(-1, at.shape[-1]))
+                read_labels[length].append(labels[length][tasks].repeat_interleave(per_mask * at.shape[1]))
+    return {  # a length no mask reaches is left out
+        length: (states[length], torch.cat(read_labels[length])) for length in lengths if states[length].count
+    }
 
 
 class PrefixProbe(nn.Module):
@@ -293,22 +295,24 @@ def study_prefix_probe(
     cfg = run.config
     gen = generator(cfg.train.seed, 0, "prefix-probe")
     words = run.pool.params
-    pool = collect_pool(
-        run.family,
-        run.load_model(),
-        words,
-        bracket_masks(run.family, n_masks, cfg.task.seq_len, gen),
-        per_mask,
-        probe_layer(run),
-        gen,
-    )
     n_classes = {length: len(classes) for length, classes in prefix_classes(words).items()}
     results = {}
-    for name, data in (
-        ("probe", pool),
-        ("control", shuffled(pool, generator(cfg.train.seed, 0, "prefix-probe-control"))),
-    ):
-        results[name] = train_probe(
-            data, n_classes, cfg.model.d_model, generator(cfg.train.seed, 0, f"prefix-probe-{name}-train"), settings
+    with tempfile.TemporaryDirectory(prefix="taskgeom-e4-pool-") as scratch:  # the pool's states, removed after
+        pool = collect_pool(
+            run.family,
+            run.load_model(),
+            words,
+            bracket_masks(run.family, n_masks, cfg.task.seq_len, gen),
+            per_mask,
+            probe_layer(run),
+            gen,
+            Path(scratch),
         )
+        for name, data in (
+            ("probe", pool),
+            ("control", shuffled(pool, generator(cfg.train.seed, 0, "prefix-probe-control"))),
+        ):
+            results[name] = train_probe(
+                data, n_classes, cfg.model.d_model, generator(cfg.train.seed, 0, f"prefix-probe-{name}-train"), settings
+            )
     return results
