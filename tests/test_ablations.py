@@ -92,7 +92,7 @@ def test_the_probe_s_is_the_row_space_of_a_least_squares_fit_by_hand(vocab, spec
     states, pi, current, logits, w = planted(gen, N, P, K, D, vocab, sums_to_one)
     rows = fit_rows(N, torch.Generator().manual_seed(1))
     data = ProbeData(states.float(), pi, current, logits, vocab)
-    fit = fit_probe(data, spec, torch.Generator().manual_seed(1), exact=True)
+    fit = fit_probe(data, spec, torch.Generator().manual_seed(1), solver="exact")
     single = fit_probe(data, spec, torch.Generator().manual_seed(1))
     np.testing.assert_allclose(
         single.basis.numpy() @ single.basis.numpy().T, fit.basis.numpy() @ fit.basis.numpy().T, atol=1e-3
@@ -137,7 +137,7 @@ def test_the_probe_is_fitted_as_the_study_s_single_precision_pseudo_inverse():
     spec = TaskProbe(window=(0.5, 1.0), logits=True, positions=False)
     data = ProbeData(states.float(), pi, current, logits, vocab)
     fit = fit_probe(data, spec, torch.Generator().manual_seed(1))
-    exact = fit_probe(data, spec, torch.Generator().manual_seed(1), exact=True)
+    exact = fit_probe(data, spec, torch.Generator().manual_seed(1), solver="exact")
 
     rows = fit_rows(N, torch.Generator().manual_seed(1)).numpy()
     flat = lambda x: x[rows].reshape(len(rows) * P, -1).numpy()  # noqa: E731
@@ -317,6 +317,84 @@ def test_the_eval_ood_search_draws_its_batches_from_the_evaluation_sets_ood_task
     for batch in drawn:
         assert len(batch.task) == chosen.search_batch
         assert all(any(torch.equal(row, task) for task in tasks) for row in batch.params)
+
+
+def test_the_gram_solution_is_the_pseudo_inverse_at_the_single_precision_cut():
+    """``gram_solution`` from X^T X and X^T H equals numpy's pseudo-inverse of X in double precision,
+    cut at eps32 * max(rows, columns) of the largest singular value: a direction of X 10 times above
+    the cut is kept, one 10 times below is dropped."""
+    from taskgeom.analysis.measures.task_probe import gram_solution
+
+    rng = np.random.default_rng(0)
+    m, n = 400, 9
+    u, _ = np.linalg.qr(rng.standard_normal((m, n)))
+    v, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    cut = np.finfo(np.float32).eps * m
+    s = np.array([3.0, 2.0, 1.5, 1.0, 0.5, 0.2, 0.1, 30 * cut, 0.3 * cut])  # the cut is relative to 3
+    x, h = (u * s) @ v.T, rng.standard_normal((m, 5))
+    solution = gram_solution(torch.tensor(x.T @ x), torch.tensor(x.T @ h), m).numpy()
+    expected = np.linalg.pinv(x, rcond=cut) @ h
+    np.testing.assert_allclose(solution, expected, rtol=1e-6, atol=1e-9)
+    kept = np.linalg.pinv(x, rcond=cut / 100) @ h  # the smallest direction too: a different solution
+    assert np.abs(kept - expected).max() > 1e3 * np.abs(solution - expected).max()
+
+
+def test_e1_s_search_probe_is_the_study_s_coin_probe_over_every_pool_task_by_hand(dice):
+    """The search probe of a tiny E1 run with minors (k = 2), by a plain implementation of the study's
+    ``optimal_orth.py`` fit (``_fit_coin_probe`` without ``n_major``): the probe's 5,056 major sequences,
+    the whole-sequence posterior over every pool task (its last column dropped: it sums to one), the
+    token and position one-hots less their last columns, positions 100/128 of the context to its end,
+    80% of a permutation of its own stream, the pseudo-inverse at the single-precision cut (in double
+    precision, the "gram" solver's), the rank cut 1e-6 of W_task's singular values."""
+    run, place = dice, (1, "resid_mid")
+    geometry = run.geometry(run.heldout("major", 64, split="geometry"), place)
+    family, pool, T = run.family, run.pool, run.config.task.seq_len
+    n_tasks, V, n = pool.n_major + pool.n_minor, family.vocab_size, STUDY.probe_sequences
+    assert pool.n_minor > 0
+    tokens = family.sample(pool, n, T, run.seed, 0, "probe", "major").tokens
+    captured = []
+    handle = run.model.site(*place).register_forward_hook(lambda module, inputs, output: captured.append(output))
+    with torch.no_grad():
+        run.model(tokens)
+    handle.remove()
+    posterior = torch.cat([family.log_posterior(chunk, pool).exp()[:, -1] for chunk in tokens.split(500)]).numpy()
+    first = round(100 / 128 * T)
+    rows = torch.randperm(n, generator=generator(run.seed, 0, "search-probe-split"))[: int(0.8 * n)]
+    design, targets = [], []
+    for i in rows.tolist():
+        for t in range(first, T):
+            token, position = np.zeros(V - 1), np.zeros(T - first - 1)
+            if tokens[i, t] < V - 1:
+                token[tokens[i, t]] = 1
+            if t - first < T - first - 1:
+                position[t - first] = 1
+            design.append(np.concatenate([posterior[i, :-1], token, position, [1.0]]))
+            targets.append(captured[0][i, t].double().numpy())
+    design = np.array(design)
+    solution = np.linalg.pinv(design, rcond=np.finfo(np.float32).eps * max(design.shape)) @ np.array(targets)
+    weights = np.concatenate([solution[: n_tasks - 1], np.zeros((1, solution.shape[1]))])
+    _, s, vt = np.linalg.svd(weights, full_matrices=False)
+    basis = vt[s > 1e-6 * s[0]].T
+    fit = geometry.search_probe
+    assert fit.dropped and fit.weights.shape[0] == n_tasks and fit.basis.shape == basis.shape
+    np.testing.assert_allclose(fit.weights.numpy(), weights, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(fit.basis.numpy() @ fit.basis.numpy().T, basis @ basis.T, atol=1e-6)
+
+
+def test_under_the_search_probe_v_and_the_controls_avoid_its_span(dice):
+    """``v-avoids-search-probe``: V and the random controls lie outside the search probe's span, which
+    is what the search avoids (E1: no token span); E3's search probe fits positions 100-190 of 192."""
+    from taskgeom.analysis.measures.task_vectors import fraction_window
+    from taskgeom.tasks.markov import Markov
+
+    chosen = protocol("v-avoids-search-probe")
+    geometries = list(dice.geometries(dice.heldout("major", 64, split="geometry"), block_places(dice)))
+    for block in find_blocks(dice, geometries, steps=3, protocol=chosen):
+        span = block.geometry.search_probe.basis
+        assert block.geometry.avoid(chosen).shape[1] == span.shape[1] > block.geometry.probe.shape[1]
+        for directions in (block.v, *block.controls):
+            assert (directions.T.double() @ span).abs().max() < 1e-5
+    assert fraction_window(192, Markov.search_probe.window) == slice(100, 191)
 
 
 def test_e3_s_v_avoids_the_token_directions_too(tmp_path_factory):

@@ -71,6 +71,7 @@ from taskgeom.analysis.reading.steering import (
 from taskgeom.errors import AnalysisError
 from taskgeom.hooks import Place
 from taskgeom.rng import generator
+from taskgeom.tasks.base import TaskProbe
 
 Form = Literal["token", "plain"]
 
@@ -406,11 +407,28 @@ class Geometry:
         """What the ablations' probe regresses at this place (``analysis.measures.task_probe.ProbeData``):
         the states here of the run's probe sequences over the fit window, beside their regressors,
         which every place shares (``StudyRun.probe_inputs``, ``probe_inputs``)."""
-        inputs = self.run.probe_inputs
+        return self._data_of(self.run.probe_inputs)
+
+    def _data_of(self, inputs: ProbeInputs) -> ProbeData:
+        """``ProbeData`` of a probe's inputs: its sequences' states at this place over its fit window."""
         states = torch.cat(
             [self.run.cache(chunk, [self.place])[self.place][:, inputs.window] for chunk in inputs.chunks]
         )
         return ProbeData(states, inputs.pi, inputs.current, inputs.logits, self.sequences.inputs.vocab)
+
+    @cached_property
+    def search_probe(self) -> ProbeFit:
+        """The study's search probe at this place (the family's ``search_probe``; the ablations' probe,
+        ``task_probe``, where it declares none): its own fit on the same sequences, over its window and
+        with its posterior (E1: every pool task), by the "gram" solver where its posterior spans the
+        pool (``analysis.measures.task_probe.fit_probe``) [ours: memory], its own split."""
+        spec = self.run.family.search_probe
+        if spec is None:
+            return self.task_probe
+        solver = "gram" if spec.every_pool_task else "study"
+        return fit_probe(
+            self._data_of(self.run.search_probe_inputs), spec, generator(self.run.seed, 0, "search-probe-split"), solver
+        )
 
     @cached_property
     def task_probe(self) -> ProbeFit:
@@ -422,7 +440,7 @@ class Geometry:
     def task_probe_exact(self) -> ProbeFit:
         """The variant ``probe-exact``: the same probe by an exact double-precision least-squares fit."""
         return fit_probe(
-            self.probe_data, self.run.family.task_probe, generator(self.run.seed, 0, "probe-split"), exact=True
+            self.probe_data, self.run.family.task_probe, generator(self.run.seed, 0, "probe-split"), solver="exact"
         )
 
     @property
@@ -486,9 +504,12 @@ class Geometry:
         the right singular directions holding 90% of the squared singular values of the probe's W_tok,
         uncentred (the study's ``svd_basis(W_tok, 0.9)``); where the probe reads x_t rather than a one-hot
         (E2), those of the token effects **[ours]**."""
-        weights = self.task_probe.token_weights
-        if weights is not None:
-            return token_subspace(weights.float(), centre=False)
+        return self._token_span(self.task_probe)
+
+    def _token_span(self, fit: ProbeFit) -> torch.Tensor:
+        """[D, m] ``token_directions`` of a fitted probe: its W_tok's 90% span, or the token effects' (E2)."""
+        if fit.token_weights is not None:
+            return token_subspace(fit.token_weights.float(), centre=False)
         return token_subspace(self.token_effects.float(), centre=self.run.family.centred_token_effects)
 
     @cached_property
@@ -499,11 +520,18 @@ class Geometry:
 
     def avoid(self, protocol: Protocol | None = None) -> torch.Tensor:
         """[D, m] the span V avoids under ``protocol`` (the study's: ``avoided``): its S (``s_basis``),
-        and the token subspace for the families that say so, or for every family under
-        ``v_always_avoids_tokens`` (the variant ``v-avoids-tokens``, docs/protocol.md#variants);
-        ``protocol``: the active one when None."""
+        or under ``v_span="search-probe"`` the row space of the search probe's W_task
+        (``search_probe``), and the token subspace (the same probe's W_tok) for the families that say
+        so, or for every family under ``v_always_avoids_tokens`` (the variant ``v-avoids-tokens``,
+        docs/protocol.md#variants); ``protocol``: the active one when None."""
         protocol = active() if protocol is None else protocol
         tokens = self.run.family.v_avoids_tokens or protocol.v_always_avoids_tokens
+        if protocol.v_span == "search-probe":
+            fit = self.search_probe
+            spans = [fit.basis.float()]
+            if tokens:
+                spans.append(self.token_directions if fit is self.task_probe else self._token_span(fit))
+            return avoid_basis(*spans)
         s = self.s_basis(protocol).float()
         return avoid_basis(s, self.token_directions) if tokens else avoid_basis(s)
 
@@ -522,14 +550,14 @@ class ProbeInputs:
     logits: torch.Tensor | None
 
 
-def probe_inputs(run: StudiedRun) -> ProbeInputs:
-    """The regressors of the ablations' probe: the protocol's ``probe_sequences`` major sequences of the ``probe``
-    split (the study's ``sample_mode="major"``, ``n_minor=-1``: no minor or anchoring sequences),
-    the family's posterior, current tokens (E2: x_t) and the model's logits where its
-    ``task_probe`` takes them, over its fit window, ``PROBE_CHUNK`` sequences a pass (the pool's
-    posterior over 1,000 tasks is large)."""
+def probe_inputs(run: StudiedRun, spec: TaskProbe | None = None) -> ProbeInputs:
+    """The regressors of the ablations' probe (or of the probe ``spec`` says): the protocol's ``probe_sequences``
+    major sequences of the ``probe`` split (the study's ``sample_mode="major"``, ``n_minor=-1``: no minor
+    or anchoring sequences), the family's posterior ([N, 1, K] where it is the whole sequence's), current
+    tokens (E2: x_t) and the model's logits where the probe takes them, over its fit window,
+    ``PROBE_CHUNK`` sequences a pass (the pool's posterior over 1,000 tasks is large)."""
     family = run.family
-    spec = family.task_probe
+    spec = family.task_probe if spec is None else spec
     if spec is None:
         raise AnalysisError(
             f"the {family.name!r} family declares no task_probe (TaskFamily.task_probe: the regressors of the "
@@ -542,11 +570,9 @@ def probe_inputs(run: StudiedRun) -> ProbeInputs:
         chunk = Sequences(run, "major", probe.split, probe.batch.rows(rows))
         inputs = family_inputs(family, chunk.batch, pool)
         window = fraction_window(inputs.current.shape[1], spec.window)
-        alpha = inputs.alpha[..., : run.pool.n_major]
-        if spec.sequence_posterior:
-            alpha = alpha[:, -1:].expand_as(alpha)
-        chunks.append(chunk)
-        pi.append(alpha[:, window].clone())  # a copy: a view would hold the whole pool's posterior of the chunk
+        alpha = inputs.alpha if spec.every_pool_task else inputs.alpha[..., : run.pool.n_major]
+        chunks.append(chunk)  # a copy of pi: a view would hold the whole pool's posterior of the chunk
+        pi.append(alpha[:, -1:].clone() if spec.sequence_posterior else alpha[:, window].clone())
         current.append(inputs.current[:, window])
         if spec.logits:
             with torch.no_grad():

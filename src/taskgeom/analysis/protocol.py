@@ -119,6 +119,9 @@ class Protocol:
     s_probe: str = "study"  # the study's _fit_ols probe, or "exact", "with-mean", "centred" (docs/protocol.md#variants)
     v_always_avoids_tokens: bool = False  # V kept out of the token subspace for every family, not only E3
     v_search_set: str = "minor"  # V ascended on minor sequences, "ood" (fresh tasks), "eval-ood" (the eval set's)
+    v_span: str = (
+        "ablation-probe"  # V avoids the ablations' probe's span, or "search-probe" (the study's own search probe)
+    )
     v_block: str = "mean"  # V's share the mean over blocks, or "best" (one block, chosen on a separate batch)
     steering_vectors: str = "estimated"  # the study's injection, or "read-place" (the measured layout, written there)
     # the claims' forms: how five claims are judged from what is stored (``JUDGED``: read when a claim is
@@ -204,6 +207,7 @@ CHOICES: dict[str, tuple] = {  # the fields that name a construction, and the on
     "projection": ("task-means", "per-sequence"),
     "s_probe": ("study", "exact", "with-mean", "centred"),
     "v_search_set": ("minor", "ood", "eval-ood"),
+    "v_span": ("ablation-probe", "search-probe"),
     "v_block": ("mean", "best"),
     "steering_vectors": ("estimated", "read-place"),
     "drop_form": ("absolute", "share"),

@@ -62,6 +62,7 @@ from taskgeom.runs.folders import Run
 from taskgeom.settings.config import RunConfig
 from taskgeom.settings.recipes import DEFAULT_PROFILE
 from taskgeom.tasks import Batch, TaskFamily, TaskPool
+from taskgeom.tasks.base import TaskProbe
 
 SEARCH_STREAMS = {
     "minor": "dual-minor-search",
@@ -94,7 +95,7 @@ class StudyRun:
             self.model = model
         self._edits: list[Edit] = []
         self._streams: weakref.WeakKeyDictionary[Sequences, LayerStreams] = weakref.WeakKeyDictionary()
-        self._probe_inputs: dict[int, ProbeInputs] = {}
+        self._probe_inputs: dict[tuple[int, TaskProbe], ProbeInputs] = {}
 
     @cached_property
     def model(self) -> torch.nn.Module:
@@ -200,10 +201,18 @@ class StudyRun:
     def probe_inputs(self) -> ProbeInputs:
         """The ablations' probe sequences and their regressors (``analysis.geometry.probe_inputs``),
         collected once for every place at each size the active protocol's ``probe_sequences`` asks."""
-        size = active().probe_sequences
-        if size not in self._probe_inputs:
-            self._probe_inputs[size] = probe_inputs(self)
-        return self._probe_inputs[size]
+        return self._probe_inputs_of(self.family.task_probe)
+
+    @property
+    def search_probe_inputs(self) -> ProbeInputs:
+        """The same for the family's search probe (``TaskFamily.search_probe``; docs/protocol.md, the V search)."""
+        return self._probe_inputs_of(self.family.search_probe or self.family.task_probe)
+
+    def _probe_inputs_of(self, spec: TaskProbe) -> ProbeInputs:
+        key = (active().probe_sequences, spec)
+        if key not in self._probe_inputs:
+            self._probe_inputs[key] = probe_inputs(self, spec)
+        return self._probe_inputs[key]
 
     def forced_cells(
         self,

@@ -114,7 +114,8 @@ class TaskProbe:
     ``pi`` is the posterior over the whole training pool restricted to the majors (else over the
     majors alone); ``sequence_posterior``: ``pi`` after the whole sequence at every position
     (the study's dice probe), else after position t; ``centred``: the rows of ``W_task`` are
-    centred over the tasks before the SVD."""
+    centred over the tasks before the SVD; ``every_pool_task``: ``pi`` keeps a column for every
+    task of the pool, minors too (the study's E1 search probe), not the majors' alone."""
 
     window: tuple[float, float]
     logits: bool
@@ -122,6 +123,7 @@ class TaskProbe:
     pool_posterior: bool = True
     sequence_posterior: bool = False
     centred: bool = False
+    every_pool_task: bool = False
 
 
 class TaskFamily(ABC):
@@ -157,6 +159,9 @@ class TaskFamily(ABC):
     # docs/protocol.md, "S ablation": what the study's probe of this family regresses on (None: the
     # family declares none, and the ablations' task subspace cannot be fitted for it)
     task_probe: ClassVar[TaskProbe | None] = None
+    # docs/protocol.md, "The V search": the probe whose span the study's orthogonal search avoids where it
+    # fits one of its own (protocol ``v_span="search-probe"``); None: the ablations' probe above
+    search_probe: ClassVar[TaskProbe | None] = None
     # docs/protocol.md, "Shares of in-context gain": the first prediction the losses L of the ablations
     # average (the study's latent-Markov code: 1, every prediction after the first; E2's linear code
     # unread, kept there; E1's coin code: 0)

@@ -55,6 +55,11 @@ class Dice(TokenFamily):
     # the study's dice probe (coin/analysis/probes/_internals.py): no logit block, the position one-hot,
     # the posterior after the whole sequence at every position; fit from position 100 of the study's 128 on
     task_probe = TaskProbe(window=(100 / 128, 1.0), logits=False, positions=True, sequence_posterior=True)
+    # the study's search probe (optimal_orth.py: _fit_coin_probe without n_major): the same regressors with
+    # the whole-sequence posterior over every pool task, minors too
+    search_probe = TaskProbe(
+        window=(100 / 128, 1.0), logits=False, positions=True, sequence_posterior=True, every_pool_task=True
+    )
     loss_from = 0  # the study's coin code averages L and every ablation's change over every prediction, the first too
     steering_form = "task"  # the study swaps per-position task vectors (positions 25-39)
     projection_window = (0.0, 2)  # positions 0 to T - 3: the T - 1 predicting positions less the last

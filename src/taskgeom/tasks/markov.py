@@ -27,6 +27,8 @@ class Markov(TokenFamily):
     # the study's latent-Markov probe (latent_markov/analysis/probes/_internals.py _fit_probe): the model's
     # logits and the position one-hot as nuisance blocks; fitted on positions 100-191 of 192
     task_probe = TaskProbe(window=(100 / 192, 1.0), logits=True, positions=True)
+    # the study's search probe (optimal_orth.py: its own _fit_probe): the same, on positions 100-190 of 192
+    search_probe = TaskProbe(window=(100 / 192, 191 / 192), logits=True, positions=True)
     steering_form = "subspace"
     projection_window = (0.5, 1)  # the second half less the last position (the study's block (96, 191) of 192)
 

@@ -32,6 +32,7 @@ Shapes: ``N`` sequences, ``P`` positions fitted, ``D`` width, ``K`` major tasks,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -41,11 +42,13 @@ from taskgeom.settings.devices import torch_threads
 from taskgeom.tasks.base import TaskProbe
 
 PROBE_CHUNK = 250  # sequences a pass while collecting them (the pool posterior of 1,000 tasks is large)
+GRAM_CHUNK = 128  # sequences a design chunk of the "gram" solver (E1's search probe: 1,070 columns at k = 10)
 
 
 @dataclass(frozen=True)
 class ProbeData:
-    """What the probe regresses, over its fit positions: states [N, P, D], pi [N, P, K], current
+    """What the probe regresses, over its fit positions: states [N, P, D], pi [N, P, K] (or [N, 1, K]:
+    the same at every position), current
     [N, P] tokens (``vocab`` of them) or [N, P, d] x_t (``vocab`` None), logits [N, P, V] or None."""
 
     states: torch.Tensor
@@ -76,16 +79,26 @@ def one_hot_dropped(index: torch.Tensor, n: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(index.long(), n)[:, :-1].double()
 
 
+def sums_to_one(pi: torch.Tensor) -> bool:
+    """Whether the posterior pi: [..., K] sums to one on every row (within the protocol's
+    ``probe_sums_to_one``), so that its last column is dropped (K > 1)."""
+    return pi.shape[-1] > 1 and bool(((pi.double().sum(-1) - 1).abs() < active().probe_sums_to_one).all())
+
+
 def probe_design(
-    pi: torch.Tensor, current: torch.Tensor, vocab: int | None, logits: torch.Tensor | None, n_positions: int | None
-) -> tuple[torch.Tensor, bool]:
-    """(X [N * P, columns] float64, dropped) the study's regressors for pi: [N, P, K], current: [N, P]
-    tokens (``vocab`` of them) or [N, P, d] x_t (``vocab`` None), logits: [N, P, V] or None, and the
-    position one-hot over ``n_positions`` (None: none); the intercept is the last column. ``pi`` is
-    first, without its last column when ``dropped``."""
-    N, P, K = pi.shape
-    flat_pi = pi.reshape(-1, K).double()
-    dropped = K > 1 and bool(((flat_pi.sum(-1) - 1).abs() < active().probe_sums_to_one).all())
+    pi: torch.Tensor,
+    current: torch.Tensor,
+    vocab: int | None,
+    logits: torch.Tensor | None,
+    n_positions: int | None,
+    dropped: bool,
+) -> torch.Tensor:
+    """X [N * P, columns] float64, the study's regressors for pi: [N, P, K] (or [N, 1, K], the same at
+    every position), current: [N, P] tokens (``vocab`` of them) or [N, P, d] x_t (``vocab`` None),
+    logits: [N, P, V] or None, and the position one-hot over ``n_positions`` (None: none); the
+    intercept is the last column. ``pi`` is first, without its last column when ``dropped``."""
+    N, P, K = current.shape[0], current.shape[1], pi.shape[-1]
+    flat_pi = pi.expand(N, P, K).reshape(-1, K).double()
     parts = [flat_pi[:, :-1] if dropped else flat_pi]
     parts.append(
         one_hot_dropped(current.flatten(), vocab) if vocab is not None else current.reshape(N * P, -1).double()
@@ -95,7 +108,7 @@ def probe_design(
     if n_positions is not None and n_positions > 1:
         parts.append(one_hot_dropped(torch.arange(P).repeat(N), n_positions))
     parts.append(torch.ones(N * P, 1, dtype=torch.float64))
-    return torch.cat(parts, 1), dropped
+    return torch.cat(parts, 1)
 
 
 def fit_rows(n_sequences: int, gen: torch.Generator) -> torch.Tensor:
@@ -103,29 +116,60 @@ def fit_rows(n_sequences: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randperm(n_sequences, generator=gen)[: int(n_sequences * active().probe_fit_share)]
 
 
-def fit_probe(data: ProbeData, spec: TaskProbe, gen: torch.Generator, exact: bool = False) -> ProbeFit:
+def gram_solution(gram: torch.Tensor, cross: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """[columns, D] pinv(X) H from gram = X^T X: [columns, columns] and cross = X^T H: [columns, D]
+    (float64) of a design X with ``n_rows`` rows, cut where ``torch.linalg.pinv`` cuts a single-precision
+    X (the study's ``_fit_ols``): singular values of X below eps32 * max(rows, columns) of the largest
+    are dropped. Exact arithmetic gives the pseudo-inverse's solution; this is it in double precision."""
+    eigenvalues, vectors = torch.linalg.eigh(gram)
+    sigma = eigenvalues.clamp_min(0).sqrt()
+    keep = sigma > torch.finfo(torch.float32).eps * max(n_rows, gram.shape[0]) * sigma.max()
+    kept = vectors[:, keep]
+    return kept @ ((kept.T @ cross) / eigenvalues[keep, None])
+
+
+def _solve(x_of: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, rows: torch.Tensor, solver: str):
+    """[columns, D] float64 the least-squares solution for the states h: [N, P, D] of the sequences
+    ``rows`` on their design ``x_of(rows)`` (``fit_probe``'s ``solver``)."""
+    if solver == "gram":  # the design a chunk of sequences at a time: it is never held whole
+        gram = cross = None
+        for chunk in rows.split(GRAM_CHUNK):
+            x = x_of(chunk)
+            part = (x.T @ x, x.T @ h[chunk].reshape(-1, h.shape[-1]).double())
+            gram, cross = part if gram is None else (gram + part[0], cross + part[1])
+        return gram_solution(gram, cross, len(rows) * h.shape[1])
+    x, target = x_of(rows), h[rows].reshape(-1, h.shape[-1])
+    if solver == "exact":
+        return torch.linalg.lstsq(x.cpu(), target.double().cpu(), driver="gelsd").solution
+    if solver != "study":
+        raise ValueError(f"unknown probe solver {solver!r}; choose study, exact or gram")
+    with torch_threads(1):  # single precision reduces in another order on more threads: 1e-4 apart, so one thread
+        return (torch.linalg.pinv(x.float().cpu()) @ target.float().cpu()).double()
+
+
+def fit_probe(data: ProbeData, spec: TaskProbe, gen: torch.Generator, solver: str = "study") -> ProbeFit:
     """The probe (module docstring) on ``data``, fitted on the sequences ``fit_rows`` draws from
-    ``gen``: the study's single-precision pseudo-inverse, or with ``exact`` the double-precision
-    minimum-norm least-squares solution; AnalysisError when W_task is zero."""
+    ``gen``: ``solver`` "study", the study's single-precision pseudo-inverse; "exact", the
+    double-precision minimum-norm least-squares solution; "gram", the pseudo-inverse's solution from the
+    design's Gram matrix in double precision (``gram_solution``), built a chunk of sequences at a time
+    (a design too large to hold, E1's search probe over every pool task) [ours]. AnalysisError when
+    W_task is zero."""
     states, pi = data.states, data.pi
     K, D = pi.shape[-1], states.shape[-1]
     if spec.logits and data.logits is None:
         raise AnalysisError("this family's probe regresses on the model's logits; none were given")
     rows = fit_rows(len(states), gen)
-    pick = lambda x: None if x is None else x[rows]
-    x, dropped = probe_design(
-        pick(pi),
-        pick(data.current),
+    dropped = sums_to_one(pi[rows])
+    pick = lambda x, at: None if x is None else x[at]
+    design = lambda at: probe_design(
+        pi[at],
+        data.current[at],
         data.vocab,
-        pick(data.logits) if spec.logits else None,
+        pick(data.logits, at) if spec.logits else None,
         states.shape[1] if spec.positions else None,
+        dropped,
     )
-    h = states[rows].reshape(-1, D)
-    if exact:
-        solution = torch.linalg.lstsq(x.cpu(), h.double().cpu(), driver="gelsd").solution
-    else:
-        with torch_threads(1):  # single precision reduces in another order on more threads: 1e-4 apart, so one thread
-            solution = (torch.linalg.pinv(x.float().cpu()) @ h.float().cpu()).double()
+    solution = _solve(design, states, rows, solver)
     n_pi = K - 1 if dropped else K
     weights = torch.zeros(K, D, dtype=torch.float64)
     weights[:n_pi] = solution[:n_pi]

@@ -156,6 +156,17 @@ VARIANTS = (
         again=True,
     ),
     Variant(
+        "v-avoids-search-probe",
+        ("ablate_V_*", "random_control"),
+        "V (and the random controls) kept out of the span of the study's own search probe, not the ablations' probe: "
+        "E1's W_task over every pool task (the whole-sequence posterior, minors too), E3's fitted on positions 100-190 "
+        "of 192 with its own W_tok's 90% span",
+        "the study's optimal_orth.py builds U_orth from a probe of its own (decided for the protocol, docs/protocol.md, "
+        "the V search), measured beside it until published",
+        fields={"v_span": "search-probe"},
+        again=True,
+    ),
+    Variant(
         "v-best-block",
         ("ablate_V_*", "random_control"),
         "V read at the block where it removes the most OOD gain on a separate batch, not the mean over blocks",

@@ -135,7 +135,7 @@ def analyze_dual(
             row("orthogonality", (block.v.T.double() @ block.geometry.probe).abs().max(), place=block.place),
             row(
                 "orthogonality_avoided",
-                (block.v.T.double() @ block.geometry.avoided.double()).abs().max(),
+                (block.v.T.double() @ block.geometry.avoid().double()).abs().max(),
                 place=block.place,
             ),
         ]
@@ -161,7 +161,7 @@ def analyze_dual(
     )
     d0 = float(family.d) if prior is None else participation_ratio(clr(prior))  # a vector family's d: E2's ridge map
     rows.append(row("d0", d0))
-    free = min(block.geometry.avoided.shape[0] - block.geometry.avoided.shape[1] for block in blocks)
+    free = min(span.shape[0] - span.shape[1] for span in (block.geometry.avoid() for block in blocks))
     rows += rank_rows(
         run, blocks, range(1, min(math.ceil(d0), free) + 1), sets["ood"], clean["ood"], steps=search_steps
     )
