@@ -486,6 +486,45 @@ def test_the_claims_read_the_block_mean_and_carry_each_block(measured):
         assert [claim.parts[f"block{layer}"] for layer in range(len(blocks))] == list(at[at["layer"].notna()]["value"])
 
 
+def test_a_block_with_no_room_for_v_gives_null_v_rows_with_the_reason_and_v_s_claims_are_not_applicable(
+    dice, monkeypatch
+):
+    """Where the span V avoids fills the width at a block (here block 0, by a span of every
+    direction), that block has no search and no control, its V and control rows are null with the
+    reason, the summary over blocks is null with it, and V's claims and the control are n/a with it;
+    S is measured at every block as before, and the other block keeps its search."""
+    from taskgeom.analysis.geometry import Geometry
+
+    real = Geometry.avoid
+    monkeypatch.setattr(
+        Geometry,
+        "avoid",
+        lambda self, protocol=None: torch.eye(16) if self.place.layer == 0 else real(self, protocol),
+    )
+    geometries = list(dice.geometries(dice.heldout("major", 64, split="geometry"), block_places(dice)))
+    blocks = find_blocks(dice, geometries, steps=3)
+    assert blocks[0].search is None and blocks[0].controls == () and "leaves 0 free directions" in blocks[0].no_room
+    assert blocks[1].search is not None and len(blocks[1].controls) == STUDY.random_controls
+    with pytest.raises(AnalysisError, match="no V at"):
+        blocks[0].v
+    sets = loss_sets(dice, 32)
+    clean = {name: dice.loss(sequences, per_position=True) for name, sequences in sets.items()}
+    rows = pd.DataFrame(ablation_rows(dice, blocks, sets, clean)).assign(diversity=2, step=np.nan)
+    v_rows = rows[rows["metric"].isin(["gain_removed_ablate_V", "gain_removed_random"]) & (rows["batch"] == "loss")]
+    for layer in (0.0, None):
+        at = v_rows[v_rows["layer"].isna()] if layer is None else v_rows[v_rows["layer"] == layer]
+        assert len(at) == 6 and at["value"].isna().all() and (at["reason"] == blocks[0].no_room).all()
+    assert v_rows[v_rows["layer"] == 1.0]["value"].notna().all()
+    s_rows = rows[rows["metric"] == "gain_removed_ablate_S"]
+    assert len(s_rows) == 9 and s_rows["value"].notna().all()
+    search = rows[rows["batch"] == "search"].set_index(["metric", "layer"])["value"]
+    assert search[("v_search.free_dims", 0.0)] == 0 and pd.isna(search[("v_search.steps", 0.0)])
+    claims = {c.id: c for c in ablation_claims(rows, "e1", 2)}
+    for name in ("ablate_V_ood", "ablate_V_major", "random_control"):
+        assert claims[f"e1.{name}"].status == "n/a" and claims[f"e1.{name}"].reason == blocks[0].no_room
+    assert all(claims[f"e1.ablate_S_{name}"].reason != blocks[0].no_room for name in ("major", "ood"))
+
+
 def test_a_claim_whose_only_applicable_seed_is_unreliable_is_not_applicable(measured):
     """A seed whose OOD gain is below MIN_RELIABLE_GAIN counts neither way: with another seed whose
     share is null the claim is n/a; beside a reliable seed the verdict is that seed's alone."""

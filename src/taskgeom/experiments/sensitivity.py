@@ -147,10 +147,14 @@ def ablation_variants(
 
 def _search_text(blocks: list[Block] | None) -> str | None:
     """Each block's V search as "layer: steps run/best step" (the kept V is the average of the raw
-    iterate at the best step, 0-based), or None where no V was searched."""
+    iterate at the best step, 0-based; "no room" where the span V avoids leaves it none), or None
+    where no V was searched."""
     if blocks is None:
         return None
-    return ", ".join(f"{b.place.layer}: {b.search.steps}/{b.search.best_step}" for b in blocks)
+    return ", ".join(
+        f"{b.place.layer}: " + ("no room" if b.search is None else f"{b.search.steps}/{b.search.best_step}")
+        for b in blocks
+    )
 
 
 def stored_variants(run: Run) -> list[dict]:

@@ -18,6 +18,9 @@ Each is ablated at that block alone and measured on the ``loss`` split (major, m
 - each block's V search (batch ``search``; ``search_rows``): its steps run, best step, the random
   start's weight in the kept average, the rank V avoids and the width it leaves.
 
+A block whose avoided span leaves fewer free directions than V's rank has no V: its V and control
+rows are null with the reason, and so are the summary's (``Block.no_room``).
+
 Losses average the family's ``loss_window`` (E1 every prediction, as the study's coin code; E3
 every one after the first); the control's change averages every prediction in both (the study's
 random band, whose gain keeps the window). The claims read the summary; the random-control claim
@@ -55,15 +58,20 @@ def block_places(run: StudyRun, protocol: Protocol | None = None) -> list[Place]
 class Block:
     """One block's ablations: ``geometry`` at its place (S: ``geometry.probe``), V's ``search`` (V: [D, r],
     its steps run and best step) and the random controls: the protocol's ``random_controls`` x [D, r]
-    inside the complement V was searched in."""
+    inside the complement V was searched in. Where the span V avoids leaves fewer free directions
+    than V's rank, there is no search and no control (``search`` None, ``controls`` empty) and
+    ``no_room`` says why (docs/protocol.md, the V search: V's rows are null with that reason)."""
 
     geometry: Geometry
-    search: SearchResult
+    search: SearchResult | None
     controls: tuple[torch.Tensor, ...]
+    no_room: str | None = None
 
     @property
     def v(self) -> torch.Tensor:
-        """[D, r] V, the search's kept directions."""
+        """[D, r] V, the search's kept directions; AnalysisError where the block has no room for V."""
+        if self.search is None:
+            raise AnalysisError(f"no V at {self.place}: {self.no_room}")
         return self.search.directions
 
     @property
@@ -82,16 +90,29 @@ def find_blocks(
     """V (the searches in lockstep, ``steps`` each: the protocol's ``search_steps`` when None) and the
     random controls at each geometry's place, as ``protocol`` (the active one when None) searches
     (what V avoids, the set it ascends on: ``StudyRun.orthogonal_search``)."""
-    found = run.orthogonal_search([(g, rank) for g in geometries], steps=steps, protocol=protocol)
+    spans = [g.avoid(protocol) for g in geometries]
+    room = [span.shape[0] - span.shape[1] >= rank for span in spans]
+    found = iter(
+        run.orthogonal_search([(g, rank) for g, fits in zip(geometries, room) if fits], steps=steps, protocol=protocol)
+    )
     gen, draws = generator(run.seed, 0, "dual-random"), (protocol or active()).random_controls
-    return [
-        Block(
-            g,
-            search,
-            tuple(random_directions(complement_basis(g.avoid(protocol)), rank, gen) for _ in range(draws)),
-        )
-        for g, search in zip(geometries, found)
-    ]
+    blocks = []
+    for g, span, fits in zip(geometries, spans, room):
+        if fits:
+            controls = tuple(random_directions(complement_basis(span), rank, gen) for _ in range(draws))
+            blocks.append(Block(g, next(found), controls))
+        else:
+            why = (
+                f"the span V avoids at {g.place} (rank {span.shape[1]} of width {span.shape[0]}) leaves "
+                f"{span.shape[0] - span.shape[1]} free directions, fewer than V's rank {rank}"
+            )
+            blocks.append(Block(g, None, (), why))
+    return blocks
+
+
+def _no_room(metric: str, block: Block, **where) -> dict:
+    """The null row of ``metric`` at a block with no room for V, with the reason."""
+    return {**row(metric, None, place=block.place, **where), "reason": block.no_room}
 
 
 def control_statistic(values: Sequence[float | None], protocol: Protocol | None = None) -> float | None:
@@ -111,11 +132,11 @@ def search_rows(run: StudyRun, blocks: Sequence[Block], protocol: Protocol | Non
     where = {"batch": "search", "set": run.search_set(protocol)}
     rows = []
     for block in blocks:
-        avoided = block.geometry.avoid(protocol)
+        avoided, search = block.geometry.avoid(protocol), block.search
         found = {
-            "steps": block.search.steps,
-            "best_step": block.search.best_step,
-            "start_weight": block.search.start_weight,
+            "steps": None if search is None else search.steps,
+            "best_step": None if search is None else search.best_step,
+            "start_weight": None if search is None else search.start_weight,
             "avoided_rank": avoided.shape[1],
             "free_dims": avoided.shape[0] - avoided.shape[1],
         }
@@ -148,10 +169,10 @@ def ablation_rows(
         ablated: dict[str, list[torch.Tensor]] = {"ablate_S": [], "ablate_V": []}
         controls: list[tuple[float | None, Share]] = []
         for block in blocks:
-            for label, edit in (
-                ("ablate_S", block.geometry.ablate(protocol)),
-                ("ablate_V", run.ablate(block.v, block.place)),
-            ):
+            edits = [("ablate_S", block.geometry.ablate(protocol))]
+            if block.search is not None:
+                edits.append(("ablate_V", run.ablate(block.v, block.place)))
+            for label, edit in edits:
                 with edit:
                     losses = run.loss(sequences, per_position=True)
                 ablated[label].append(losses)
@@ -160,6 +181,11 @@ def ablation_rows(
                     row(f"loss_{label}", losses[window].mean(), place=block.place, **where),
                     row(f"gain_removed_{label}", share.value, place=block.place, share=share, **where),
                 ]
+            if block.search is None:
+                rows += [_no_room(f"{m}_ablate_V", block, **where) for m in ("loss", "gain_removed")]
+                rows.append(_no_room("gain_removed_random", block, **where))
+                controls.append((None, None))
+                continue
             draws = []
             for i, directions in enumerate(block.controls):
                 with run.ablate(directions, block.place):
@@ -175,7 +201,14 @@ def ablation_rows(
             controls.append((control_statistic(values, protocol), draws[0]))
             band = None if None in values else [min(values), max(values)]
             rows.append(row("gain_removed_random", controls[-1][0], band, place=block.place, share=draws[0], **where))
+        missing = next((block.no_room for block in blocks if block.search is None), None)
         for label, losses in ablated.items():
+            if label == "ablate_V" and missing is not None:  # the mean over blocks needs V at every block
+                rows += [
+                    {**row(f"{m}_{label}", None, place=summary, **where), "reason": missing}
+                    for m in ("loss", "gain_removed")
+                ]
+                continue
             chosen = [losses[v_block]] if label == "ablate_V" and v_block is not None else losses
             mean = torch.stack(chosen).mean(0)
             share = share_of_gain(mean, clean[name], window)
@@ -186,16 +219,15 @@ def ablation_rows(
         chosen = [controls[v_block]] if v_block is not None else controls
         stats = [stat for stat, _ in chosen]
         band = None if None in stats else [min(stats), max(stats)]
-        rows.append(
-            row(
-                "gain_removed_random",
-                None if None in stats else max(stats),
-                band,
-                place=summary,
-                share=chosen[0][1],
-                **where,
-            )
+        control = row(
+            "gain_removed_random",
+            None if None in stats else max(stats),
+            band,
+            place=summary,
+            share=chosen[0][1],
+            **where,
         )
+        rows.append(control if missing is None else {**control, "reason": missing})
     return rows
 
 
@@ -209,7 +241,10 @@ def rank_rows(
     steps: int | None = None,
 ) -> list[dict]:
     """The rank curve: the share of OOD gain removed by V of rank r (searched afresh for r other
-    than the blocks' own rank) at each block, and its mean over blocks (``layer`` None)."""
+    than the blocks' own rank) at each block, and its mean over blocks (``layer`` None); none where a
+    block has no room for V."""
+    if any(block.search is None for block in blocks):
+        return []
     own = blocks[0].v.shape[1]
     others = [r for r in ranks if r != own]
     searched = iter(run.orthogonal_search([(b.geometry, r) for b in blocks for r in others], steps=steps))
@@ -242,8 +277,11 @@ def v_block(run: StudyRun, blocks: Sequence[Block], n_seq: int) -> int:
     (``v-best-block``, docs/protocol.md#variants): compared by the ablated loss itself (the clean loss is the same
     for every block, and a share flips sign with the gain)."""
     select = run.heldout("ood", n_seq, split="search-select")
-    losses = []
-    for block in blocks:
-        with run.ablate(block.v, block.place):
-            losses.append(run.loss(select))
-    return max(range(len(blocks)), key=losses.__getitem__)
+    losses = {}
+    for i, block in enumerate(blocks):
+        if block.search is not None:  # a block with no room for V is never chosen
+            with run.ablate(block.v, block.place):
+                losses[i] = run.loss(select)
+    if not losses:
+        raise AnalysisError(f"no block has room for V: {blocks[0].no_room}")
+    return max(losses, key=losses.__getitem__)

@@ -130,7 +130,7 @@ def analyze_dual(
     rows.append(row("task_rank", geometry.basis.shape[1], place=place, batch="geometry", set="major"))
 
     blocks = find_blocks(run, [geometries[site] for site in searched], rank=rank, steps=search_steps)
-    for block in blocks:
+    for block in (block for block in blocks if block.search is not None):
         rows += [
             row("orthogonality", (block.v.T.double() @ block.geometry.probe).abs().max(), place=block.place),
             row(
@@ -166,7 +166,7 @@ def analyze_dual(
         run, blocks, range(1, min(math.ceil(d0), free) + 1), sets["ood"], clean["ood"], steps=search_steps
     )
 
-    for block in blocks:
+    for block in (block for block in blocks if block.search is not None):
         rows += probe_rows(run, block.geometry, block.v, ood, ood_states[block.place])
     if isinstance(family, TokenFamily):
         rows += token_prediction_rows(run, checkpoints, geometries[readout_site], ood, ood_states[readout_site], prior)
