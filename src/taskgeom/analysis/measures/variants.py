@@ -167,6 +167,16 @@ VARIANTS = (
         again=True,
     ),
     Variant(
+        "v-study-search",
+        ("ablate_V_*", "random_control"),
+        "V searched as the study's optimal_orth.py searches by default: at every k on fresh sequences of the evaluation "
+        "set's 30 OOD tasks, kept out of its own search probe's span (v-searched-on-eval-ood and v-avoids-search-probe "
+        "together), instead of on minor sequences outside the ablations' probe's span",
+        "the V search decided for the protocol (docs/protocol.md, the V search, 6.1 and 6.2), measured whole until published",
+        fields={"v_search_set": "eval-ood", "v_span": "search-probe"},
+        again=True,
+    ),
+    Variant(
         "v-best-block",
         ("ablate_V_*", "random_control"),
         "V read at the block where it removes the most OOD gain on a separate batch, not the mean over blocks",
