@@ -197,7 +197,7 @@ def _step(log: list, name: str, fails: bool = False) -> dict:
     log.append(name)
     if fails:
         raise RuntimeError(f"{name} broke")
-    return {f"measure {name}": (0.0, 0.0)}
+    return {f"measure {name}": (0.0, 0.0, 1.0)}
 
 
 def test_a_prepared_measurement_starts_once_what_it_reads_is_done_and_never_after_a_failure():
@@ -228,7 +228,7 @@ def test_a_prepared_measurement_starts_once_what_it_reads_is_done_and_never_afte
     assert isinstance(results["after-earlier-failure"], RuntimeError)
     assert failed == {"gone", "broken", "after-broken", "after-earlier-failure"}
     seconds, peak = results["late"]
-    assert seconds == {"measure late": (0.0, 0.0)} and peak > 10  # and this process's peak
+    assert seconds == {"measure late": (0.0, 0.0, 1.0)} and peak > 10  # and this process's peak
     cycle = [item("p", ("q",)), item("q", ("p",))]
     assert all(isinstance(r, RuntimeError) for _, r in _run_phase(cycle, 1, set()))
 
@@ -263,6 +263,7 @@ def test_m1_measured_beside_on_the_pool_equals_m1_measured_by_its_experiment(tmp
     train_all([], Executor(workers=2), timings, prepared)
     assert sorted(s.stage for s in timings.stages) == sorted(f"analyse {run.path.name}" for run in runs)
     assert {s.where for s in timings.stages} == {"worker"}
+    assert all(s.peak_mb > 10 for s in timings.stages)  # each stage's own worker peak
     with measured_under(protocol), torch_threads(2):
         for run in runs:
             stored_or_analyzed(StudyRun(Run.open(tmp_path / "alone" / run.path.name)))

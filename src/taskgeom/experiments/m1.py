@@ -87,12 +87,13 @@ def prepared_name(run: str) -> str:
     return f"m1 {run}"
 
 
-def analyse_stored(path: Path) -> dict[str, tuple[float, float]]:
+def analyse_stored(path: Path) -> dict[str, tuple[float, float, float]]:
     """Analyse the run at ``path`` and store its result, unless it is stored (``stored_or_analyzed``);
-    the (wall, CPU) seconds of the analysis by its stage, none when it was stored."""
+    the (wall, CPU) seconds of the analysis and the process's peak memory (MB) at its end, by its
+    stage; none when it was stored."""
     timings = Timings()
     stored_or_analyzed(StudyRun(Run.open(path)), lambda name: timings.stage("m1", name))
-    return {stage.stage: (stage.wall_s, stage.cpu_s) for stage in timings.stages}
+    return {stage.stage: (stage.wall_s, stage.cpu_s, stage.peak_mb) for stage in timings.stages}
 
 
 def prepare(ctx: Context) -> list[Prepared]:

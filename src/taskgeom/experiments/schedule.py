@@ -104,7 +104,8 @@ class Unit:
 class Prepared:
     """A stored measurement of ``experiment`` that the schedule makes on its pool, so that the
     experiment later reads it back: ``work()`` measures and stores it (nothing when it is stored
-    already) and returns the (wall, CPU) seconds of each stage it timed, by the stage's name;
+    already) and returns the (wall, CPU) seconds of each stage it timed and its process's peak resident
+    memory (MB) at the stage's end, by the stage's name;
     ``name``, unique in a schedule; ``needs``, the names of the runs (trained) and of the other
     prepared measurements it reads; ``threads``, its torch thread count (the bits depend on it);
     ``cost``, relative to ``TrainTask.cost``, to start the longest chain of work first; measured
@@ -114,11 +115,11 @@ class Prepared:
     name: str
     needs: tuple[str, ...]
     threads: int
-    work: Callable[[], dict[str, tuple[float, float]]]
+    work: Callable[[], dict[str, tuple[float, float, float]]]
     cost: float = 0.0
     protocol: Protocol = STUDY
 
-    def run(self) -> dict[str, tuple[float, float]]:
+    def run(self) -> dict[str, tuple[float, float, float]]:
         with measured_under(self.protocol), torch_threads(self.threads):
             return self.work()
 
@@ -360,10 +361,10 @@ def train_all(tasks: list[TrainTask], executor: Executor, timings: Timings, prep
                         f"[red]{item.name} failed in the schedule[/red] ({type(result).__name__}: {result}); "
                         "its experiment does it again"
                     )
-                elif isinstance(item, Prepared):
-                    seconds, peak = result
-                    for stage, spent in seconds.items():
-                        timings.add(item.experiment, f"{stage}", *spent, where=where, peak_mb=peak)
+                elif isinstance(item, Prepared):  # each stage with its own peak (the item's so far at its end)
+                    stages, _ = result
+                    for stage, (wall, cpu, peak) in stages.items():
+                        timings.add(item.experiment, f"{stage}", wall, cpu, where=where, peak_mb=peak)
                 else:
                     seconds, peak = result
                     for what, spent in seconds.items():

@@ -376,7 +376,7 @@ def seed_file(ctx: Context, name: str, references: Sequence[str], seed: int, div
 def measure_stored(path: Path, key: dict, root: Path, name: str, references: tuple[str, ...], seed: int) -> dict:
     """Measure one seed and store its tables at ``path`` under ``key`` (``seed_file``: its runs, in
     ``measure``'s order, under ``root``), unless they are stored; the (wall, CPU) seconds of its
-    stages by name, none when they were stored."""
+    stages and the process's peak memory (MB) at each one's end, by name; none when they were stored."""
     if stored_seed(path, key) is not None:
         return {}
     timings = Timings()
@@ -384,7 +384,7 @@ def measure_stored(path: Path, key: dict, root: Path, name: str, references: tup
     stage = partial(timings.stage, "e4")
     tables = measure_rows(stage, name, majors, diverse, dict(zip(references, others)), seed)
     atomic_write_json(path, {**key, "tables": tables})
-    return {stage.stage: (stage.wall_s, stage.cpu_s) for stage in timings.stages}
+    return {stage.stage: (stage.wall_s, stage.cpu_s, stage.peak_mb) for stage in timings.stages}
 
 
 def prepare(ctx: Context) -> list[Prepared]:
