@@ -530,7 +530,7 @@ class Geometry:
             fit = self.search_probe
             spans = [fit.basis.float()]
             if tokens:
-                spans.append(self.token_directions if fit is self.task_probe else self._token_span(fit))
+                spans.append(self._token_span(fit))
             return avoid_basis(*spans)
         s = self.s_basis(protocol).float()
         return avoid_basis(s, self.token_directions) if tokens else avoid_basis(s)

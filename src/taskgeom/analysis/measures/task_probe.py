@@ -132,11 +132,10 @@ def _solve(x_of: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, rows: 
     """[columns, D] float64 the least-squares solution for the states h: [N, P, D] of the sequences
     ``rows`` on their design ``x_of(rows)`` (``fit_probe``'s ``solver``)."""
     if solver == "gram":  # the design a chunk of sequences at a time: it is never held whole
-        gram = cross = None
+        gram = cross = 0
         for chunk in rows.split(GRAM_CHUNK):
             x = x_of(chunk)
-            part = (x.T @ x, x.T @ h[chunk].reshape(-1, h.shape[-1]).double())
-            gram, cross = part if gram is None else (gram + part[0], cross + part[1])
+            gram, cross = gram + x.T @ x, cross + x.T @ h[chunk].reshape(-1, h.shape[-1]).double()
         return gram_solution(gram, cross, len(rows) * h.shape[1])
     x, target = x_of(rows), h[rows].reshape(-1, h.shape[-1])
     if solver == "exact":
