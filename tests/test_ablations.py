@@ -264,39 +264,44 @@ def measured(dice):
     return blocks, pd.DataFrame(ablation_rows(dice, blocks, sets, clean))
 
 
-def test_the_search_keeps_v_outside_the_probe_s_and_searches_on_minor_sequences(dice, measured):
+def test_the_search_keeps_v_outside_its_probes_span_and_searches_on_the_evaluation_ood_tasks(dice, measured):
+    """The study's search: on the evaluation set's OOD tasks, V and the random controls outside the
+    search probe's span (E1: no token directions); the earlier span is S alone (rank K - 1 = 3)."""
     blocks, _ = measured
-    assert dice.search_set() == "minor" and dice.search_set(protocol("v-searched-on-ood")) == "ood"
+    assert dice.search_set() == "eval-ood" and dice.search_set(protocol("v-searched-on-minors")) == "minor"
+    assert dice.search_set(protocol("v-searched-on-ood")) == "ood"
     for block in blocks:
         assert block.place.site == "resid_mid" and block.geometry.probe.shape == (16, 3)
-        assert block.geometry.avoided.shape[1] == 3  # E1: S only, no token directions
-        assert (block.v.T.double() @ block.geometry.probe).abs().max() < 1e-5
-        for control in block.controls:
-            assert (control.T.double() @ block.geometry.probe).abs().max() < 1e-5
+        span = block.geometry.search_probe.basis
+        assert block.geometry.avoided.shape[1] == span.shape[1]
+        for directions in (block.v, *block.controls):
+            assert (directions.T.double() @ span).abs().max() < 1e-5
+        assert block.geometry.avoid(protocol("v-avoids-major-span")).shape[1] == 3
         with_tokens = block.geometry.avoid(protocol("v-avoids-tokens"))
-        assert with_tokens.shape[1] == 3 + block.geometry.token_directions.shape[1]
+        assert with_tokens.shape[1] == span.shape[1] + block.geometry.token_directions.shape[1]
 
 
 def test_each_blocks_v_search_is_stored_with_its_steps_and_the_starts_weight(measured):
     """The rows ``v_search.*`` of each block: the steps run (at most the 5 asked), the best step before
     them, the random start's weight in the kept average 0.995 ** (best step + 1) (the study's average),
-    the rank V avoids (E1: S of rank K - 1 = 3) and the width it leaves, on the search's own set."""
+    the rank V avoids (E1: the search probe's span) and the width it leaves, on the search's own set."""
     blocks, rows = measured
     search = rows[rows["batch"] == "search"]
-    assert set(search["set"]) == {"minor"} and len(search) == 5 * len(blocks)
+    assert set(search["set"]) == {"eval-ood"} and len(search) == 5 * len(blocks)
     for block in blocks:
         found = search[search["layer"] == block.place.layer].set_index("metric")["value"]
         assert 1 <= found["v_search.steps"] <= 5 and 0 <= found["v_search.best_step"] < found["v_search.steps"]
         assert found["v_search.start_weight"] == pytest.approx(0.995 ** (found["v_search.best_step"] + 1), rel=1e-12)
-        assert (found["v_search.avoided_rank"], found["v_search.free_dims"]) == (3, block.v.shape[0] - 3)
+        avoided = block.geometry.avoided.shape[1]
+        assert (found["v_search.avoided_rank"], found["v_search.free_dims"]) == (avoided, block.v.shape[0] - avoided)
 
 
 def test_the_eval_ood_search_draws_its_batches_from_the_evaluation_sets_ood_tasks(dice, monkeypatch):
-    """``v-searched-on-eval-ood`` (the study's default target): the search's every step draws its batch
+    """The study's default target (``v_search_set="eval-ood"``): the search's every step draws its batch
     from the 30 tasks of the evaluation set's OOD sequences, exactly; batches differ between steps."""
     from taskgeom.analysis.reading.heldout import stream
 
-    chosen = protocol("v-searched-on-eval-ood")
+    chosen = protocol()
     evaluated = dice.heldout("ood", 256, split="loss").batch.params
     tasks = torch.unique(evaluated, dim=0)
     assert dice.search_set(chosen) == "eval-ood" and len(tasks) == chosen.loss_ood_tasks
@@ -382,12 +387,13 @@ def test_e1_s_search_probe_is_the_study_s_coin_probe_over_every_pool_task_by_han
 
 
 def test_under_the_search_probe_v_and_the_controls_avoid_its_span(dice):
-    """``v-avoids-search-probe``: V and the random controls lie outside the search probe's span, which
-    is what the search avoids (E1: no token span); E3's search probe fits positions 100-190 of 192."""
+    """The study's span (``v_span="search-probe"``): V and the random controls lie outside the search
+    probe's span, which is what the search avoids (E1: no token span) and exceeds S's rank at k > -1;
+    E3's search probe fits positions 100-190 of 192."""
     from taskgeom.analysis.measures.task_vectors import fraction_window
     from taskgeom.tasks.markov import Markov
 
-    chosen = protocol("v-avoids-search-probe")
+    chosen = protocol()
     geometries = list(dice.geometries(dice.heldout("major", 64, split="geometry"), block_places(dice)))
     for block in find_blocks(dice, geometries, steps=3, protocol=chosen):
         span = block.geometry.search_probe.basis
@@ -398,13 +404,19 @@ def test_under_the_search_probe_v_and_the_controls_avoid_its_span(dice):
 
 
 def test_e3_s_v_avoids_the_token_directions_too(tmp_path_factory):
+    """E3's V avoids a probe's task span and its W_tok's 90% span: the search probe's (the study's) or,
+    under ``v-avoids-major-span``, the ablations' probe's S (rank K - 1 = 3) and token directions."""
     run = tiny_run(tmp_path_factory, "markov")
     geometries = list(run.geometries(run.heldout("major", 64, split="geometry"), block_places(run)))
-    for block in find_blocks(run, geometries, steps=3):
-        tokens = block.geometry.token_directions
-        assert tokens.shape[1] >= 1 and block.geometry.avoided.shape[1] == 3 + tokens.shape[1]
-        assert (block.v.T.double() @ block.geometry.probe).abs().max() < 1e-5
-        assert (block.v.T.double() @ tokens.double()).abs().max() < 1e-5
+    for chosen in (protocol(), protocol("v-avoids-major-span")):
+        for block in find_blocks(run, geometries, steps=3, protocol=chosen):
+            g = block.geometry
+            fit = g.search_probe if chosen.v_span == "search-probe" else g.task_probe
+            task, tokens = fit.basis, g._token_span(fit)
+            assert tokens.shape[1] >= 1 and g.avoid(chosen).shape[1] == task.shape[1] + tokens.shape[1]
+            assert (block.v.T.double() @ task).abs().max() < 1e-5
+            assert (block.v.T.double() @ tokens.double()).abs().max() < 1e-5
+        assert chosen.v_span == "search-probe" or task.shape[1] == 3
 
 
 def test_the_summary_is_the_mean_of_the_per_block_rows_and_the_control_their_largest(measured):

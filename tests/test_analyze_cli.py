@@ -231,9 +231,8 @@ def test_the_claims_read_the_studys_block_and_each_variant_reads_its_own(trained
     assert (
         claims["e1.P2"].value == cells["p2.r2_additive_forced"] and claims["e1.P2"].parts["r2_task"] == at["p2.r2_task"]
     )
-    assert claims["e1.P2.vs_random"].value == pytest.approx(
-        cells["p2.r2_additive_forced"] - cells["p2.r2_additive_forced_random"]
-    )
+    random = cells["p2.r2_additive_forced_random"]  # P2.vs_random: the partial R^2 beyond the random subspace
+    assert claims["e1.P2.vs_random"].value == pytest.approx((cells["p2.r2_additive_forced"] - random) / (1 - random))
     # the variant natural-cells: the natural states' late-window medians, written beside the claims
     curve = table[
         (table["metric"] == "p0.cell_r2")

@@ -191,8 +191,9 @@ def test_the_orthogonal_search_gives_the_stored_ablated_losses(e3):
         v = search.directions
         assert 0 <= search.best_step < search.steps <= SIZES.search_steps and len(search.losses) == search.steps
         assert v.shape == (geometry.basis.shape[0], 1) and (v.T.double() @ geometry.avoided.double()).abs().max() < 1e-5
-        # E3's V avoids the probe's S (the K - 1 = 2 task contrasts at k = -1) and the tokens
-        assert geometry.avoided.shape[1] == 2 + geometry.token_directions.shape[1]
+        # E3's V avoids its search probe's task span (the K - 1 = 2 task contrasts at k = -1) and its tokens
+        probe = geometry.search_probe
+        assert geometry.avoided.shape[1] == 2 + geometry._token_span(probe).shape[1] and probe.basis.shape[1] == 2
         with e3.ablate(v, geometry.place):
             ablated = e3.loss(ood)
         row = one(dual, "loss_ablate_V", layer=geometry.place.layer, site=geometry.place.site, set="ood")

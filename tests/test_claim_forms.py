@@ -1,8 +1,8 @@
 """The claims' forms under the rule of docs/protocol.md (claim forms): where the package computes a
 claim's ideal, the ideal passes and a null fails, and the threshold lies inside the range the value
 can reach. Each form is a ``protocol.JUDGED`` field, read when a claim is judged and kept out of the
-stored analyses' key; the published forms stay the default until they are published together, the
-rule's forms are the judged variants (``taskgeom rejudge``)."""
+stored analyses' key; the rule's forms are the protocol's, the forms published before them the judged
+variants (``taskgeom rejudge``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from taskgeom.analysis.measures.properties import fit_beta, random_token_additive_r2, token_additive_r2
 from taskgeom.analysis.measures.variants import BY_NAME, JUDGED_VARIANTS, STORED_VARIANTS
-from taskgeom.analysis.protocol import CHOICES, JUDGED, STUDY, measured_under
+from taskgeom.analysis.protocol import CHOICES, EARLIER, JUDGED, STUDY, measured_under
 from taskgeom.analysis.reading import projection
 from taskgeom.claims.catalog import spec
 from taskgeom.claims.dual_modes import projection_drop
@@ -27,8 +27,10 @@ from taskgeom.tasks import Batch
 from taskgeom.tasks.dice import Dice
 from taskgeom.tasks.regression import Regression
 
-SHARE, PARTIAL, SEGMENT = (
-    replace(STUDY, **BY_NAME[name].fields) for name in ("drop-as-share", "p2-vs-random-partial", "ood-between-segment")
+SHARE = PARTIAL = SEGMENT = STUDY  # the rule's forms are the protocol's
+ABSOLUTE, DIFFERENCE, G_INTERVAL = (
+    replace(STUDY, **BY_NAME[name].fields)
+    for name in ("absolute-drop", "p2-vs-random-difference", "ood-between-g-interval")
 )
 
 
@@ -40,14 +42,17 @@ def test_the_claims_forms_are_judged_not_measured():
         assert replace(STUDY, **{name: other}).digest() == STUDY.digest()
     assert replace(STUDY, rank_cut=1e-5).digest() != STUDY.digest()
     assert set(JUDGED_VARIANTS) == {
-        "drop-as-share",
-        "p2-vs-random-partial",
-        "ood-between-segment",
-        "p3-shrinks-on-trajectory",
-        "prefix-trained-lengths",
-        "e2-p0-last-position",
+        "absolute-drop",
+        "p2-vs-random-difference",
+        "ood-between-g-interval",
+        "p3-shrinks-on-mean-curves",
+        "prefix-all-lengths",
+        "e2-p0-late-median",
     }
     assert not set(JUDGED_VARIANTS) & set(STORED_VARIANTS)
+    # the earlier forms and search, as a manifest of format 6 records them, are the variants' fields
+    earlier = {f: v for name in (*JUDGED_VARIANTS, "v-earlier-search") for f, v in BY_NAME[name].fields.items()}
+    assert earlier == EARLIER and all(getattr(STUDY, name) != value for name, value in EARLIER.items())
 
 
 def _judge(claim: str, value: float, reason: str | None = None) -> str:
@@ -89,7 +94,7 @@ def test_projection_drop_share_ideal_passes_null_fails_and_the_absolute_form_can
         assert null == 0 and _judge("projection_r2_drop", null) == "fail"
         assert _judge("projection_r2_drop", projection_drop(0.3, 0.0, 0.01, 0.01)[0]) == "pass"
         assert projection_drop(0.01, 0.0, 0.01, 0.01)[2].startswith("no start to lose")
-    with measured_under(STUDY):
+    with measured_under(ABSOLUTE):
         assert _judge("projection_r2_drop", projection_drop(0.3, 0.0, 0.01, 0.01)[0]) == "fail"
         assert projection_drop(start, end, 0.03, 0.04)[:2] == (start - end, pytest.approx(0.05))
 
@@ -121,7 +126,7 @@ def test_p2_vs_random_partial_ideal_passes_null_fails_where_the_difference_canno
     r2 = float(token_additive_r2(h, y, fit_beta(y, theta) @ theta).nanmean())
     r2_random = float(random_token_additive_r2(h, y, theta, positions, 5, 0).mean())
     partial = beyond_random(r2, r2_random, PARTIAL, {})
-    difference = beyond_random(r2, r2_random, STUDY, {})
+    difference = beyond_random(r2, r2_random, DIFFERENCE, {})
     assert 1 - r2_random < 0.3 and _judge("P2.vs_random", difference.value) == "fail"
     if scale:
         assert partial.value > 0.95 and _judge("P2.vs_random", partial.value) == "pass"
@@ -171,7 +176,7 @@ def test_ood_between_segment_passes_both_ideals_and_fails_a_predictor_outside():
         assert spec.threshold == 0.1 and value > 0.1 and spec.judge("e2", value).status == "fail"
         spec, value, parts = between(1.05 * ends[0], *ends)
         assert spec.judge("e2", value).status == "pass" and parts["g"] < 0
-    with measured_under(STUDY):
+    with measured_under(G_INTERVAL):
         spec, value, _ = between(1.05 * ends[0], *ends)
         assert spec.threshold == 0.5 and spec.judge("e2", value).status == "fail"
         assert between(mse(2 * dmmse), *ends)[1] > 0.5
@@ -193,12 +198,13 @@ def test_each_judged_variant_moves_only_its_claims(tiny_reproduction, tmp_path, 
     assert all(BY_NAME[variant].moves(key.split(".", 1)[1]) for key in moved), moved
     named = [key for key in new if BY_NAME[variant].moves(key.split(".", 1)[1])]
     assert named and all(new[key]["description"] != old[key]["description"] for key in named)
-    assert json.loads((out / "reproduction.json").read_text())["forms"] == BY_NAME[variant].fields
+    recorded = json.loads((tiny_reproduction / "reproduction.json").read_text())["forms"]
+    assert json.loads((out / "reproduction.json").read_text())["forms"] == {**recorded, **BY_NAME[variant].fields}
 
 
 def test_rejudge_judges_a_reproduction_again_under_one_form_and_moves_only_its_claim(tiny_reproduction, tmp_path):
-    """``taskgeom rejudge`` on the smoke reproduction: under ``p2-vs-random-partial`` only the
-    P2.vs_random claims move (each seed's value the partial R^2 of its stored parts), every other
+    """``taskgeom rejudge`` on the smoke reproduction: under ``p2-vs-random-difference`` only the
+    P2.vs_random claims move (each seed's value the difference of its stored parts), every other
     claim is the same bit for bit; it changes no byte of the results folder (the evaluations every
     reproduction computes again are written again, the same) and refuses a variant
     of the measurement, a folder that is not empty and a reproduction with an analysis missing."""
@@ -207,8 +213,8 @@ def test_rejudge_judges_a_reproduction_again_under_one_form_and_moves_only_its_c
     source = tmp_path / "results"
     shutil.copytree(tiny_reproduction, source)
     before = {p: p.read_bytes() for p in source.rglob("*") if p.is_file()}
-    out = tmp_path / "partial"
-    rejudge(source, out, "p2-vs-random-partial")
+    out = tmp_path / "difference"
+    rejudge(source, out, "p2-vs-random-difference")
     assert {p: p.read_bytes() for p in source.rglob("*") if p.is_file()} == before
     old = {c["id"]: c for c in json.loads((source / "claims.json").read_text())}
     new = {c["id"]: c for c in json.loads((out / "claims.json").read_text())}
@@ -220,15 +226,16 @@ def test_rejudge_judges_a_reproduction_again_under_one_form_and_moves_only_its_c
             parts = seed["parts"]
             if seed["status"] != "n/a":
                 additive, random = parts["r2_additive"], parts["r2_additive_random"]
-                assert math.isclose(seed["value"], (additive - random) / (1 - random), rel_tol=1e-12)
-    assert json.loads((out / "reproduction.json").read_text())["forms"] == {"p2_random_form": "partial"}
+                assert seed["value"] == additive - random
+    recorded = json.loads((source / "reproduction.json").read_text())["forms"]
+    assert json.loads((out / "reproduction.json").read_text())["forms"] == {**recorded, "p2_random_form": "difference"}
     with pytest.raises(TaskgeomError, match="no variant of the claims' forms"):
         rejudge(source, tmp_path / "other", "site-mid")
     with pytest.raises(TaskgeomError, match="not empty"):
-        rejudge(source, out, "drop-as-share")
+        rejudge(source, out, "absolute-drop")
     shutil.rmtree(next((source / "runs").glob("e1-*/analysis")))
     with pytest.raises(TaskgeomError, match="lacks the stored runs or analyses"):
-        rejudge(source, tmp_path / "third", "drop-as-share")
+        rejudge(source, tmp_path / "third", "absolute-drop")
     assert not (tmp_path / "third").exists()
 
 
@@ -265,7 +272,7 @@ def test_p3_shrinks_on_the_trajectory_ideal_passes_null_fails():
     )
     alpha = dice.log_posterior(batch.tokens, pool).exp().double().mean(0)  # [60, 4]
     place = Place(2, "resid_post")
-    with measured_under(replace(STUDY, p3_shrinks_form="trajectory")):
+    with measured_under(STUDY):
         ideal = trajectory_shrinks(_trajectory_rows(alpha, alpha), place, {})
         null = trajectory_shrinks(_trajectory_rows(torch.full_like(alpha, 0.25), alpha), place, {})
         sure = torch.nn.functional.one_hot(torch.zeros(60, dtype=torch.long), 4).double()
@@ -315,7 +322,7 @@ def test_prefix_probe_trained_lengths_ideal_passes_null_fails(informative):
         name: {n: (n in r.kept_lengths, r.chance[n]) for n in r.accuracy}
         for name, r in (("probe", probe), ("control", control))
     }
-    with measured_under(replace(STUDY, prefix_probe_form="trained-lengths")):
+    with measured_under(STUDY):
         claim = prefix_probe("e4", probe.accuracy, control.accuracy, probe.reached, 1, "resid_mid", 10, 0.0, lengths)
         if informative:
             assert probe.kept_lengths == (1, 2, 3, 4) and claim.status == "pass"

@@ -1,7 +1,8 @@
 """E2's P0 and P1 at its last position (docs/protocol.md, "The audit's open rows, closed"): the
 ANCOVA the study's table reads there, on paired sequences of every major task, against a plain
 least-squares fit of each state on the task's own intercept and slope in x (r2_full) and on a
-shared slope (the additive fit); and the claims reading it under ``e2-p0-last-position`` only."""
+shared slope (the additive fit); and the claims reading it in the protocol's form (the judged variant ``e2-p0-late-median`` reads the
+late window's median)."""
 
 from __future__ import annotations
 
@@ -76,9 +77,9 @@ def test_the_claims_read_the_last_position_only_in_its_form(regression):
     rows = result.rows
     place = result.place
     cells = {r["metric"]: r["value"] for r in rows if r["batch"] == "cells" and (r["layer"], r["site"]) == place}
-    late = claim_values(rows)
-    assert late["P0"].parts["cells"] == "natural"  # the published form: the late window's median
-    last = claim_values(rows, variant_protocol("e2-p0-last-position"))
+    late = claim_values(rows, variant_protocol("e2-p0-late-median"))
+    assert late["P0"].parts["cells"] == "natural"  # the earlier form: the late window's median
+    last = claim_values(rows)
     assert last["P0"].value == cells["p0.cell_r2_forced"] and last["P1"].value == cells["p1.additive_share_forced"]
     assert last["P0"].parts["cells"] == "paired" and last["P0"].parts["per_cell"] == PER_TASK
     assert last["P0"].parts["natural_late_median"] == late["P0"].value

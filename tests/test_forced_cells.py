@@ -205,7 +205,7 @@ def test_the_claims_read_the_forced_cells_and_the_variant_the_natural_ones(marko
         place_rows(geometry, per_position=False)
         + marks
         + p3
-        + trajectory_rows(markov.trajectories([place], per_task=8), place)
+        + trajectory_rows(markov.trajectories([place], per_task=8))
     )
     p2 = markov.cell_p2([place], per_cell=PER_CELL)
     rows = natural_rows + cell_rows(cells, p2)
@@ -213,7 +213,8 @@ def test_the_claims_read_the_forced_cells_and_the_variant_the_natural_ones(marko
     protocol = claim_values(rows)
     assert protocol["P0"].value == layout.cell_r2 and protocol["P1"].value == layout.additive_share
     assert protocol["P2"].value == p2[place].value and protocol["P2"].parts["cells"] == "forced"
-    assert protocol["P2.vs_random"].value == pytest.approx(p2[place].value - float(p2[place].random.mean()))
+    random = float(p2[place].random.mean())  # P2.vs_random, the partial R^2 beyond the random subspace
+    assert protocol["P2.vs_random"].value == pytest.approx((p2[place].value - random) / (1 - random))
     assert protocol["P0"].parts["position"] == 14 and protocol["P0"].parts["per_cell"] == PER_CELL
     assert protocol["P0"].parts["natural_late_median"] == geometry.p0
     natural = claim_values(rows, variant_protocol("natural-cells"))

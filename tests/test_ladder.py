@@ -188,13 +188,13 @@ def test_sensitivity_lists_each_claim_under_the_protocol_and_each_variant_on_the
     assert listed == {
         "centred-S": ["ablate_S_major", "ablate_S_ood"],
         "v-avoids-tokens": ["ablate_V_major", "ablate_V_ood", "random_control"],
+        "v-searched-on-minors": ["ablate_V_major", "ablate_V_ood"],
         "v-searched-on-ood": ["ablate_V_major", "ablate_V_ood"],
-        "v-searched-on-eval-ood": ["ablate_V_major", "ablate_V_ood"],
-        "v-avoids-search-probe": ["ablate_V_major", "ablate_V_ood", "random_control"],
-        "v-study-search": ["ablate_V_major", "ablate_V_ood", "random_control"],
+        "v-avoids-major-span": ["ablate_V_major", "ablate_V_ood", "random_control"],
+        "v-earlier-search": ["ablate_V_major", "ablate_V_ood", "random_control"],
         "v-best-block": ["ablate_V_major", "ablate_V_ood", "random_control"],
-        "s-with-mean": ["ablate_S_major", "ablate_S_ood", "ablate_V_major", "ablate_V_ood", "random_control"],
-        "probe-exact": ["ablate_S_major", "ablate_S_ood", "ablate_V_major", "ablate_V_ood", "random_control"],
+        "s-with-mean": ["ablate_S_major", "ablate_S_ood"],
+        "probe-exact": ["ablate_S_major", "ablate_S_ood"],
     }
     best = rows[rows["variant"] == "v-best-block"].set_index("claim")
     for claim in best.index:

@@ -91,8 +91,10 @@ def test_projection_claims_carry_the_standard_error_and_whether_the_threshold_is
     high = made["projection_r2_high_diversity"]
     assert (high.value, high.parts["se"], high.parts["within_2se"]) == (0.19, 0.004, False)  # |0.19 - 0.2| > 0.008
     assert high.parts["study_draw"] == 0.21 and high.parts["ood_tasks"] == 1024
-    drop = made["projection_r2_drop"]
-    assert drop.parts["se"] == pytest.approx(math.hypot(0.004, 0.004)) and drop.parts["within_2se"] is False
+    drop = made["projection_r2_drop"]  # the share of 0.3 lost at 0.19, its error to first order
+    assert drop.value == pytest.approx((0.3 - 0.19) / 0.3)
+    assert drop.parts["se"] == pytest.approx(math.hypot(0.004 / 0.3, 0.19 * 0.004 / 0.3**2))
+    assert drop.parts["within_2se"] is False  # |0.367 - 0.4| > 2 x 0.0158
 
 
 def test_a_verdict_on_a_seed_without_an_ood_mode_says_so_and_tables_mark_it():

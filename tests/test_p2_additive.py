@@ -110,11 +110,12 @@ def test_p2_reads_r2_additive_and_the_variant_reads_r2_task(markov):
             "p3.uncertain_positions",
         )
     ]
-    rows += trajectory_rows(markov.trajectories([Place(1, "resid_post")], per_task=8), Place(1, "resid_post"))
+    rows += trajectory_rows(markov.trajectories([Place(1, "resid_post")], per_task=8))
     protocol, earlier = claim_values(rows), claim_values(rows, variant_protocol("p2-task-only"))
     assert protocol["P2"].value == pytest.approx(geometry.p2_additive.value, rel=1e-12)
+    random = float(geometry.p2_additive.random.mean())  # P2.vs_random: the partial R^2 beyond it
     assert protocol["P2.vs_random"].value == pytest.approx(
-        geometry.p2_additive.value - float(geometry.p2_additive.random.mean()), rel=1e-9
+        (geometry.p2_additive.value - random) / (1 - random), rel=1e-9
     )
     assert (
         earlier["P2"].value == pytest.approx(geometry.p2.r2_task, rel=1e-12)

@@ -19,9 +19,10 @@ import yaml
 from conftest import SMOKE, TINY_SEEDS
 from typer.testing import CliRunner
 
+from taskgeom.analysis.protocol import EARLIER, STUDY
 from taskgeom.claims.catalog import spec, specs
 from taskgeom.cli import app
-from taskgeom.report.manifest import read_claims
+from taskgeom.report.manifest import read_claims, recorded_choices
 
 REPORT_OUTPUTS = {"report.html", "plotly.min.js", "tables/analysis.parquet", "tables/analysis.csv"}
 
@@ -182,6 +183,18 @@ def test_reproduce_trains_every_run_at_its_profile_and_records_it(tiny_reproduct
     )
     claim_ids = {c["id"] for c in json.loads((tiny_reproduction / "claims.json").read_text())}
     assert set(manifest["claims"]) == claim_ids and set(manifest["claims"].values()) == set(manifest["experiments"])
+    assert manifest["forms"] == {name: getattr(STUDY, name) for name in EARLIER}  # the forms and search it used
+
+
+def test_a_manifest_before_the_forms_reads_as_measured_and_judged_under_the_earlier_ones(tiny_reproduction):
+    """Format 6 wrote "forms" only where ``taskgeom rejudge`` changed one: such a folder was measured
+    and judged under the choices before 2026-12-08 (``protocol.EARLIER``), bar those it names."""
+    found = json.loads((tiny_reproduction / "reproduction.json").read_text())
+    assert recorded_choices(found) == found["forms"]
+    older = {key: value for key, value in found.items() if key != "forms"}
+    assert recorded_choices({**older, "format": 6}) == EARLIER
+    rejudged = {**older, "format": 6, "forms": {"drop_form": "share"}}
+    assert recorded_choices(rejudged) == {**EARLIER, "drop_form": "share"}
 
 
 @pytest.mark.parametrize("damage", ["missing", "foreign", "unreadable"])

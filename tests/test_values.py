@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -315,7 +316,8 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
             kept_lengths=(2,),
             chance={2: 0.5, 3: 0.3, 4: 0.25},
         ),
-    }  # l = 3 the weakest: 0.2
+    }  # the lengths the kept probe trained, 2-4: l = 2 the weakest, 0.95 against the control's 0.7 (its kept
+    # snapshot trained l = 2 only), l = 3 and 4 against their chance levels 0.3 and 0.25
     trained, untrained = object(), object()
     runs = {}
 
@@ -370,13 +372,17 @@ def test_e4_claims_read_planted_shares_and_probes_at_the_m1_block(tmp_path, monk
     }
     assert (p0.threshold, p0.comparison, p0.status) == (spec("e4", "P0_failure").threshold, ">=", status)
     probe = claims["e4.prefix_probe"]
-    assert probe.value == pytest.approx(0.2, rel=1e-12) and probe.status == "pass"
+    assert probe.value == pytest.approx(0.25, rel=1e-12) and probe.status == "pass"
     assert probe.parts == {
-        "lengths": "2..4",
+        "lengths": "2,3,4",
+        "lengths_trained": "2,3,4",
+        "lengths_not_read_chance_above_0.9": "",
+        "controls_at_chance": "3,4",
+        "finished": True,
         "diversity": 10,
-        "length": 3,
-        "accuracy": 0.6,
-        "control": 0.4,
+        "length": 2,
+        "accuracy": 0.95,
+        "control": 0.7,
         "curriculum_reached": 4,
         "layer": 1,
         "site": "resid_mid",
@@ -548,7 +554,10 @@ def test_claim_values_read_each_claim_at_its_place_under_the_protocol_and_the_va
         "p3-late-window": (post, p3_post, "_forced"),
     }
     for variant, (place, p3, kind) in cases.items():
-        values = claim_values(rows, protocol(variant))  # None: the study's
+        # None: the study's; P3.shrinks and P2.vs_random in their earlier forms, which read the planted codes as
+        # they are (no trajectory curves here, codes above 1); the protocol's forms: tests/test_claim_forms.py
+        earlier_forms = {"p3_shrinks_form": "mean-curves", "p2_random_form": "difference"}
+        values = claim_values(rows, replace(protocol(variant), **earlier_forms))
         assert values["P0"].value == code(f"p0.cell_r2{kind}", *place), (
             variant
         )  # the forced cells, or the variant's reading

@@ -625,15 +625,16 @@ def rejudge(
     variant: str = typer.Option(
         ...,
         "--variant",
-        help=f"The claims' forms to judge under (docs: Protocol, Variants): {', '.join(JUDGED_VARIANTS)}.",
+        help="A claim form published before the rule's, to judge under in place of the one the folder was judged "
+        f"under (docs: Protocol, Variants): {', '.join(JUDGED_VARIANTS)}.",
     ),
     out: Optional[Path] = typer.Option(
         None, help="Folder to write claims.json, the manifest, figures and report.html to. Default: RESULTS-VARIANT."
     ),
 ) -> None:
-    """Judge a finished reproduction's claims again under a variant of the claims' forms, from its
-    stored analyses (nothing is trained or measured, its runs are read where they are and not
-    written; seconds), into OUT; `taskgeom compare RESULTS OUT` then lists each claim before and after.
+    """Judge a finished reproduction's claims again under a variant of the claims' forms (its other
+    forms and its V search as its manifest records them), from its stored analyses (nothing is
+    trained or measured, its runs are read where they are and not written; seconds), into OUT; `taskgeom compare RESULTS OUT` then lists each claim before and after.
     Refuses, before writing anything, a variant of the measurement or the data, and a folder whose
     runs or analyses are not all stored under this taskgeom's protocol."""
     from taskgeom.experiments.request import rejudge as judge_again

@@ -13,7 +13,7 @@ import pandas as pd
 from taskgeom.analysis.protocol import Protocol
 from taskgeom.analysis.study import StudyRun, open_run
 from taskgeom.errors import TaskgeomError
-from taskgeom.report.manifest import read_claims, read_manifest
+from taskgeom.report.manifest import read_claims, read_manifest, recorded_choices
 from taskgeom.report.tables import analysis_table, run_config
 from taskgeom.settings.recipes import load_measure, recipe_path
 
@@ -32,11 +32,12 @@ class Results:
     @property
     def protocol(self) -> Protocol:
         """The protocol its reproduction measured under: the study's, with the sample sizes its profile
-        sets (the smoke profile's) and the claims' forms it was judged under (``taskgeom rejudge``);
-        measure under it (``tg.measured_under``) to get its stored numbers."""
+        sets (the smoke profile's), and the claims' forms and V search it was measured and judged under
+        (its manifest's, ``report.manifest.recorded_choices``); measure under it (``tg.measured_under``) to
+        get its stored numbers."""
         manifest = read_manifest(self.folder)
         measured = load_measure(recipe_path(manifest["recipes"][0]), manifest["profile"]).analysis_protocol
-        return replace(measured, **manifest.get("forms", {}))  # the claims' forms it was judged under (rejudge)
+        return replace(measured, **recorded_choices(manifest))
 
     def run(self, recipe: str, diversity: int = -1, seed: int = 0) -> StudyRun:
         """The run of ``recipe`` at task diversity ``diversity`` trained on ``seed``, opened for study."""

@@ -514,14 +514,15 @@ class Geometry:
 
     @cached_property
     def avoided(self) -> torch.Tensor:
-        """[D, m] where the orthogonal search may not go (docs/protocol.md): the probe's S, and
-        the token subspace for families that say so (``TaskFamily.v_avoids_tokens``: E3)."""
+        """[D, m] where the orthogonal search may not go under the active protocol (docs/protocol.md):
+        the study's search probe's span, and its token subspace for families that say so
+        (``TaskFamily.v_avoids_tokens``: E3)."""
         return self.avoid()
 
     def avoid(self, protocol: Protocol | None = None) -> torch.Tensor:
-        """[D, m] the span V avoids under ``protocol`` (the study's: ``avoided``): its S (``s_basis``),
-        or under ``v_span="search-probe"`` the row space of the search probe's W_task
-        (``search_probe``), and the token subspace (the same probe's W_tok) for the families that say
+        """[D, m] the span V avoids under ``protocol`` (the study's: ``avoided``): the row space of the
+        search probe's W_task (``search_probe``), or under ``v_span="ablation-probe"`` its S
+        (``s_basis``), and the token subspace (the same probe's W_tok) for the families that say
         so, or for every family under ``v_always_avoids_tokens`` (the variant ``v-avoids-tokens``,
         docs/protocol.md#variants); ``protocol``: the active one when None."""
         protocol = active() if protocol is None else protocol

@@ -118,20 +118,18 @@ class Protocol:
     projection: str = "task-means"  # Fig. 4's task means, or "per-sequence" (each late OOD state)
     s_probe: str = "study"  # the study's _fit_ols probe, or "exact", "with-mean", "centred" (docs/protocol.md#variants)
     v_always_avoids_tokens: bool = False  # V kept out of the token subspace for every family, not only E3
-    v_search_set: str = "minor"  # V ascended on minor sequences, "ood" (fresh tasks), "eval-ood" (the eval set's)
-    v_span: str = (
-        "ablation-probe"  # V avoids the ablations' probe's span, or "search-probe" (the study's own search probe)
-    )
+    v_search_set: str = "eval-ood"  # V ascended on the eval set's OOD tasks, "minor" sequences, "ood" (fresh tasks)
+    v_span: str = "search-probe"  # V avoids the study's own search probe's span, or "ablation-probe" (the S probe's)
     v_block: str = "mean"  # V's share the mean over blocks, or "best" (one block, chosen on a separate batch)
     steering_vectors: str = "estimated"  # the study's injection, or "read-place" (the measured layout, written there)
     # the claims' forms: how five claims are judged from what is stored (``JUDGED``: read when a claim is
     # judged, never when measuring, so kept out of the digest); docs/protocol.md, "Claim forms"
-    drop_form: str = "absolute"  # projection_r2_drop: r2(k=-1) - r2(k_top), or "share" of r2(k=-1)
-    p2_random_form: str = "difference"  # P2.vs_random: r2_additive minus the random subspace's, or "partial"
-    ood_between_form: str = "g-interval"  # e2.ood_between: |g - 1/2|, or "segment" (each end with a 10% tolerance)
-    p3_shrinks_form: str = "mean-curves"  # P3.shrinks: on P3's per-task mean curves, or "trajectory" (what P3 reads)
-    prefix_probe_form: str = "all-lengths"  # e4.prefix_probe: every length, or "trained-lengths" (the kept probe's)
-    e2_p0_form: str = "late-median"  # E2's P0, P1: the late window's median, or "last-position" (the study's table)
+    drop_form: str = "share"  # projection_r2_drop: the share of r2(k=-1) lost, or "absolute", r2(k=-1) - r2(k_top)
+    p2_random_form: str = "partial"  # P2.vs_random: the partial R^2 beyond the random subspace, or "difference"
+    ood_between_form: str = "segment"  # e2.ood_between: ridge..dMMSE with a 10% tolerance each end, or "g-interval"
+    p3_shrinks_form: str = "trajectory"  # P3.shrinks: on the trajectory P3 reads, or "mean-curves" (per-task means)
+    prefix_probe_form: str = "trained-lengths"  # e4.prefix_probe: the kept probe's trained lengths, or "all-lengths"
+    e2_p0_form: str = "last-position"  # E2's P0, P1: the study's last position, or "late-median" (the late window)
 
     def __post_init__(self) -> None:
         for name, allowed in CHOICES.items():
@@ -220,6 +218,19 @@ CHOICES: dict[str, tuple] = {  # the fields that name a construction, and the on
 # The fields read only where a claim is judged from stored rows: a stored result does not depend on them
 JUDGED = ("drop_form", "p2_random_form", "ood_between_form", "p3_shrinks_form", "prefix_probe_form", "e2_p0_form")
 STUDY = Protocol()
+# The fields whose default changed on 2026-12-08 (the claim forms of the rule and the study's V search,
+# docs/protocol.md), at the values every reproduction before then measured and judged under: what a
+# manifest of format 6 or earlier (``report.manifest``) was measured and judged under
+EARLIER = {
+    "v_search_set": "minor",
+    "v_span": "ablation-probe",
+    "drop_form": "absolute",
+    "p2_random_form": "difference",
+    "ood_between_form": "g-interval",
+    "p3_shrinks_form": "mean-curves",
+    "prefix_probe_form": "all-lengths",
+    "e2_p0_form": "late-median",
+}
 _ACTIVE: ContextVar[Protocol] = ContextVar("protocol", default=STUDY)
 
 

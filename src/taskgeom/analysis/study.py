@@ -352,8 +352,9 @@ class StudyRun:
 
     def search_set(self, protocol: Protocol | None = None) -> str:
         """The sequences the orthogonal search ascends on (docs/protocol.md): ``protocol.v_search_set``'s
-        (the active protocol's when None): minor (pool) sequences, OOD ones when the pool has no minors
-        (k = -1); fresh OOD tasks ("ood"); or the evaluation set's OOD tasks ("eval-ood", at every k)."""
+        (the active protocol's when None): the evaluation set's OOD tasks ("eval-ood", at every k: the
+        study's); minor (pool) sequences, OOD ones when the pool has no minors (k = -1); or fresh OOD
+        tasks ("ood")."""
         chosen = (active() if protocol is None else protocol).v_search_set
         return "ood" if chosen == "minor" and not self.pool.n_minor else chosen
 

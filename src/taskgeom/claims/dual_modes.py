@@ -39,8 +39,9 @@ SPECS: tuple[Spec, ...] = (
         "projection_r2_drop",
         "dual_modes",
         _RECIPES,
-        "projection R^2 of OOD task means onto the major task means (the study's Fig. 4) at k = -1 minus at the "
-        "highest k of the grid",
+        "projection R^2 of OOD task means onto the major task means (the study's Fig. 4): the share of its value at "
+        "k = -1 lost at the highest k of the grid, (r2(k=-1) - r2(k_top)) / r2(k=-1) (n/a when r2(k=-1) is within 2 se "
+        "of 0)",
         ">=",
         0.4,
         ("projection",),
@@ -248,13 +249,12 @@ def projection_drop(r2_low: float, r2_high: float, se_low: float, se_high: float
 
 def _drop_spec() -> Spec:
     """``projection_r2_drop``'s spec in the active protocol's ``drop_form`` (its description says the form)."""
-    if active().drop_form == "absolute":
+    if active().drop_form == "share":
         return _SPEC["projection_r2_drop"]
     return replace(
         _SPEC["projection_r2_drop"],
-        description="projection R^2 of OOD task means onto the major task means (the study's Fig. 4): the share of its "
-        "value at k = -1 lost at the highest k of the grid, (r2(k=-1) - r2(k_top)) / r2(k=-1) (n/a when r2(k=-1) is "
-        "within 2 se of 0)",
+        description="projection R^2 of OOD task means onto the major task means (the study's Fig. 4) at k = -1 minus "
+        "at the highest k of the grid",
     )
 
 

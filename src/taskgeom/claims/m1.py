@@ -42,7 +42,8 @@ SPECS: tuple[Spec, ...] = (
         "P0, stability: cell-means R^2 of (task, current token) on the study's forced-token cells at the last "
         "position it reads, T - 2 (per task and token value seen there, fresh prefixes of the task with that token "
         "written at the position; the natural late-window median in the parts); E2: R^2 of a per-task intercept and "
-        f"per-task linear map of x_t at each position, median over the last quarter of positions; {_WHERE}",
+        "per-task linear map of x_t (the ANCOVA's r2_full) at its last position, on paired sequences of every major "
+        f"task (the late-window median in the parts); {_WHERE}",
         ">=",
         0.9,
         ("layers",),
@@ -52,7 +53,7 @@ SPECS: tuple[Spec, ...] = (
         "m1",
         _RECIPES,
         "P1, decoupling: the additive (task + current token, no interaction; E2: task + linear map of x_t) share "
-        f"of the variance P0's model explains, on P0's cells (E2: at P0's positions); {_WHERE}",
+        f"of the variance P0's model explains, on P0's cells (E2: at its last position, on P0's paired sequences); {_WHERE}",
         ">=",
         0.9,
         ("layers",),
@@ -74,7 +75,8 @@ SPECS: tuple[Spec, ...] = (
         "P2.vs_random",
         "m1",
         _RECIPES,
-        f"P2's r2_additive minus that of the same fit on a random subspace of equal dimension; {_WHERE}",
+        "P2's r2_additive beyond that of the same fit on a random subspace of equal dimension, "
+        f"as a partial R^2: (r2 - r2_random) / (1 - r2_random); {_WHERE}",
         ">=",
         0.3,
         ("layers",),
@@ -95,9 +97,9 @@ SPECS: tuple[Spec, ...] = (
         "P3.shrinks",
         "m1",
         _RECIPES,
-        "P3 on the per-task mean curves: mean TV(mean beta_t, mean alpha_t) over the last quarter of the positions "
-        "where the mean posterior is uncertain (median over tasks of its largest weight < 0.99) divided by that over "
-        "their first quarter (n/a with fewer than 5 uncertain positions)",
+        "P3.shrinks on P3's trajectory (task 0, its plotted positions): mean TV over the last "
+        "quarter of the positions where task 0's mean posterior is uncertain (largest weight < 0.99) divided by that over "
+        "their first quarter, floored at P3's 0.1 (n/a with fewer than 5 uncertain positions)",
         "<",
         1.0,
         ("simplex",),
@@ -115,32 +117,22 @@ SPECS: tuple[Spec, ...] = (
     ),
 )
 _SPEC = {spec.name: spec for spec in SPECS}
-# the rule's forms (docs/protocol.md, "Claim forms"): the description a claim is judged with in that form
+# the forms published before the rule's (docs/protocol.md, "Claim forms"; the judged variants): the
+# description a claim is judged with in that form
 _FORMS = {
+    ("P0", "late-median"): "P0, stability: cell-means R^2 of (task, current token) on the study's forced-token "
+    "cells at the last position it reads, T - 2 (per task and token value seen there, fresh prefixes of the task with "
+    "that token written at the position; the natural late-window median in the parts); E2: R^2 of a per-task "
+    f"intercept and per-task linear map of x_t at each position, median over the last quarter of positions; {_WHERE}",
+    ("P1", "late-median"): "P1, decoupling: the additive (task + current token, no interaction; E2: task + linear "
+    f"map of x_t) share of the variance P0's model explains, on P0's cells (E2: at P0's positions); {_WHERE}",
     (
         "P2.vs_random",
-        "partial",
-    ): "P2's r2_additive beyond that of the same fit on a random subspace of equal dimension, "
-    f"as a partial R^2: (r2 - r2_random) / (1 - r2_random); {_WHERE}",
-    (
-        "P0",
-        "last-position",
-    ): "P0, stability: cell-means R^2 of (task, current token) on the study's forced-token cells at the last "
-    "position it reads, T - 2 (per task and token value seen there, fresh prefixes of the task with that token "
-    "written at the position; the natural late-window median in the parts); E2: R^2 of a per-task intercept and "
-    "per-task linear map of x_t (the ANCOVA's r2_full) at its last position, on paired sequences of every major "
-    f"task (the late-window median in the parts); {_WHERE}",
-    (
-        "P1",
-        "last-position",
-    ): "P1, decoupling: the additive (task + current token, no interaction; E2: task + linear map of x_t) share "
-    f"of the variance P0's model explains, on P0's cells (E2: at its last position, on P0's paired sequences); {_WHERE}",
-    (
-        "P3.shrinks",
-        "trajectory",
-    ): "P3.shrinks on P3's trajectory (task 0, its plotted positions): mean TV over the last "
-    "quarter of the positions where task 0's mean posterior is uncertain (largest weight < 0.99) divided by that over "
-    "their first quarter, floored at P3's 0.1 (n/a with fewer than 5 uncertain positions)",
+        "difference",
+    ): f"P2's r2_additive minus that of the same fit on a random subspace of equal dimension; {_WHERE}",
+    ("P3.shrinks", "mean-curves"): "P3 on the per-task mean curves: mean TV(mean beta_t, mean alpha_t) over the "
+    "last quarter of the positions where the mean posterior is uncertain (median over tasks of its largest weight "
+    "< 0.99) divided by that over their first quarter (n/a with fewer than 5 uncertain positions)",
 }
 
 

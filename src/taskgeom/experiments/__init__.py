@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Iterable
 
 from taskgeom.analysis.measures.task_vectors import check_major_tasks
-from taskgeom.analysis.protocol import measured_under
+from taskgeom.analysis.protocol import EARLIER, measured_under
 from taskgeom.claims.catalog import with_preconditions
 from taskgeom.claims.registry import Experiment
 from taskgeom.claims.registry import experiments as registered
@@ -126,7 +126,8 @@ def reproduce(
     default those the studies declare at ``profile`` (``declared``). One reproduction writes a
     folder at a time: a second one into ``out`` is refused (``ResultsLockedError``, exit code 3)
     before it trains or writes anything, so the manifests always come whole from one process.
-    ``forms``: the claims' forms to judge under (``protocol.JUDGED`` fields; ``request.rejudge``)."""
+    ``forms``: ``protocol.EARLIER``'s choices to measure and judge under where not the study's (the
+    claims' forms, the V search; ``request.rejudge``)."""
     from taskgeom.report.html import write_report
 
     if not seeds or len(set(seeds)) != len(seeds):
@@ -204,8 +205,8 @@ def reproduce(
                 ctx.seeds,
                 ctx.runs_root,
                 sections,
+                {name: getattr(ctx.protocol, name) for name in EARLIER},
                 ctx.diversities,
-                ctx.forms,
             ),
         )
         write_report(ctx.out)

@@ -68,7 +68,7 @@ class Context:
     used: dict[str, None] = field(default_factory=dict)  # the run directories (names) the experiments used, in order
     forms: dict = field(
         default_factory=dict
-    )  # the claims' forms (``protocol.JUDGED`` fields) judged under, if not the study's
+    )  # protocol.EARLIER's choices (the claims' forms, the V search) measured and judged under, if not the study's
 
     def stage(self, name: str) -> ContextManager[None]:
         """Time a block as stage ``name`` of the current experiment."""

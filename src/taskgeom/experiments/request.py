@@ -19,7 +19,7 @@ from taskgeom.claims.registry import experiments as registered
 from taskgeom.errors import TaskgeomError
 from taskgeom.experiments.base import Context, shipped_studies
 from taskgeom.experiments.executors import Executor
-from taskgeom.report.manifest import read_manifest
+from taskgeom.report.manifest import read_manifest, recorded_choices
 from taskgeom.settings.recipes import DEFAULT_PROFILE, Study, load_study
 
 
@@ -257,7 +257,8 @@ def rejudge(results: Path, out: Path, variant: str) -> Context:
         "studies": studies,
         "diversities": None if found.get("grid") is None else tuple(found["grid"]),
     }
-    source = Context(results, executor=Executor(workers=1), **settings)
+    recorded = recorded_choices(found)  # the forms and V search it was measured and judged under
+    source = Context(results, executor=Executor(workers=1), forms=recorded, **settings)
     table = work_left(source, chosen, rate=1.0)
     missing = table[table["train"] | (table[table.attrs["left"]].sum(axis=1) > 0)]["run"].tolist()
     if missing:
@@ -271,5 +272,5 @@ def rejudge(results: Path, out: Path, variant: str) -> Context:
         if stored.is_dir():
             (out / "analysis" / stored.name).symlink_to(stored, target_is_directory=True)
     return experiments.reproduce(
-        out, executor=source.executor, experiments=chosen, forms=BY_NAME[variant].fields, **settings
+        out, executor=source.executor, experiments=chosen, forms={**recorded, **BY_NAME[variant].fields}, **settings
     )

@@ -11,10 +11,11 @@ can move it (``Variant.claims``):
 - ``centred-S``: S ablated as ``h - P_S (h - mu_t)`` on the task vectors' span, at the place the
   M1 analysis selects (``StudyRun.select_place`` on the ``select`` split), one place;
 - ``s-with-mean``, ``probe-exact``: S the earlier rank-K probe's, or the probe's exact
-  double-precision fit's, at every block, ablated, and V with its random controls searched again in
-  its complement, summarised by the block mean;
-- ``v-avoids-tokens``, ``v-searched-on-ood``, ``v-searched-on-eval-ood``: V searched again at every
-  block under that choice, with its random controls, summarised by the block mean;
+  double-precision fit's, at every block, ablated (V avoids the search probe's span, not S: the same
+  V), summarised by the block mean;
+- ``v-avoids-tokens``, ``v-searched-on-minors``, ``v-searched-on-ood``, ``v-avoids-major-span``,
+  ``v-earlier-search``: V searched again at every block under that choice, with its random controls,
+  summarised by the block mean;
 - ``v-best-block``: the protocol's V and controls read at the one block whose V raises the OOD loss
   most on the ``search-select`` split, instead of the mean over blocks.
 

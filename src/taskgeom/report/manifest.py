@@ -1,13 +1,15 @@
 """``reproduction.json``: what a reproduction was (profile, settings, machine) and how its figures
 and claims are organised, so that ``taskgeom report`` can rebuild the page from the files alone.
 
-Format: {"format": 6, "taskgeom": version, "commit": the git commit or None, "profile", "seeds": [training seeds], "overrides": [...],
+Format: {"format": 7, "taskgeom": version, "commit": the git commit or None, "profile", "seeds": [training seeds], "overrides": [...],
 "recipes": [the recipes measured], "sections": {recipe: its report section's title}, "grid",
 "device", "executor", "machine": {...}, "experiments": [the registered experiments' names, in order;
 the report asks each for its interactive evidence], "runs": [the run directories it used],
 "models": {run directory: sha256 of its model.safetensors}, "claims": {id: experiment that checked
-it}, "figures": [{"path", "pdf", "caption", "experiment", "claims": [ids]}]}; and "forms": {field:
-value} where its claims were judged under other claim forms (``taskgeom rejudge``).
+it}, "figures": [{"path", "pdf", "caption", "experiment", "claims": [ids]}], "forms": {field: value},
+the claims' forms and the V search it was measured and judged under (``protocol.EARLIER``'s fields)}.
+Format 6 and earlier wrote "forms" only where ``taskgeom rejudge`` changed one, from the choices
+before 2026-12-08 (``recorded_choices``).
 
 The machine is on record because other CPUs train other floats: torch picks its kernels by CPU
 (``cpu_capability``), MKL and oneDNN by their own dispatch, and training amplifies the last bits.
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from taskgeom.analysis.protocol import EARLIER
 from taskgeom.errors import TaskgeomError
 from taskgeom.settings import kernels
 from taskgeom.version import __version__
@@ -32,8 +35,9 @@ from taskgeom.version import __version__
 MANIFEST = "reproduction.json"
 # 2: the run directories used ("runs"); 3: seeds, the machine's kernels and the models' sha256; 4: the recipes' sections;
 # 5: claims.json's rows carry their recipe and the experiment that measured them (format 4 wrote the recipe as "experiment")
-FORMAT = 6  # 6: no "evidence" (the registered experiments give theirs)
-READABLE = (4, 5, 6)  # a format-4 folder is read with its claims' rows completed (``read_claims``)
+# 6: no "evidence" (the registered experiments give theirs)
+FORMAT = 7  # 7: "forms", every choice of ``protocol.EARLIER`` (6: only the forms rejudge changed, from ``EARLIER``)
+READABLE = (4, 5, 6, 7)  # a format-4 folder is read with its claims' rows completed (``read_claims``)
 CLAIMS = "claims.json"
 DUAL_EXPERIMENT = "dual_modes"
 DUAL_SECTION, OTHER_SECTION = "dual", "other"  # the sections beside the recipes'
@@ -125,14 +129,14 @@ def manifest(
     seeds: tuple[int, ...],
     runs_root: Path,
     sections: dict[str, str],
+    forms: dict,
     grid: tuple[int, ...] | None = None,
-    forms: dict | None = None,
 ) -> dict:
     """The manifest of one reproduction (see the module docstring for the fields); ``forms``: the
-    claims' forms it was judged under where they are not the study's (``taskgeom rejudge``)."""
+    choices of ``protocol.EARLIER``'s fields it was measured and judged under."""
     models = {name: file_sha256(Path(runs_root) / name / "model.safetensors") for name in runs}
     return {
-        **({"forms": forms} if forms else {}),
+        "forms": forms,
         "format": FORMAT,
         "taskgeom": __version__,
         "commit": source_commit(),
@@ -180,6 +184,16 @@ def read_manifest(out: Path) -> dict:
             f"rerun `taskgeom reproduce --out {out}` (finished runs are reused)"
         )
     return data
+
+
+def recorded_choices(found: dict) -> dict:
+    """{field: value} of the protocol's choices that changed on 2026-12-08 (``protocol.EARLIER``'s
+    fields: the claims' forms and the V search) as the manifest ``found`` was measured and judged
+    under: its "forms" (format 7), or ``EARLIER`` with the forms ``taskgeom rejudge`` changed (format
+    6 and earlier)."""
+    if found["format"] >= 7:
+        return dict(found["forms"])
+    return {**EARLIER, **found.get("forms", {})}
 
 
 def read_claims(out: Path) -> list[dict]:

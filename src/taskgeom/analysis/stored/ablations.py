@@ -3,7 +3,8 @@ ablation", "Orthogonal search", "Shares of in-context gain", "Random control"), 
 ``dual.json`` (layout of ``rows``).
 
 At each block's ``resid_mid`` (``block_places``): S is the probe's (``Geometry.probe``, fitted
-there on the ``geometry`` split), V the orthogonal search's (rank 1, on minor sequences), and
+there on the ``geometry`` split), V the orthogonal search's (rank 1, as the protocol searches it: the
+study's, on the evaluation set's OOD tasks outside the search probe's span), and
 the protocol's ``random_controls`` random directions of V's rank are drawn inside the complement V lives in.
 Each is ablated at that block alone and measured on the ``loss`` split (major, minor, OOD):
 

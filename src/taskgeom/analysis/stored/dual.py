@@ -23,9 +23,9 @@ objects of ``analysis.study``, so each stored number is what they return. Where 
   mu_t + nu(x_t), regressed on theta_{k, x_t}) is ``projection_r2_per_sequence`` there. Both are
   also written at every layer and site (``table.*`` rows).
 - **The ablations** (``analysis.stored.ablations``) act at ``resid_mid`` of every block: S is the
-  probe's there (uncentred, rank K; ``Geometry.probe``), V the orthogonal search's (rank 1,
-  outside that S, for E3 also outside the token subspace, on fresh minor sequences each step; OOD
-  ones at k = -1), beside five random directions drawn where V may lie; each is measured on the
+  probe's there (``Geometry.probe``), V the orthogonal search's (rank 1, outside the span of the
+  study's search probe, for E3 also of its token subspace, on fresh sequences of the evaluation
+  set's 30 OOD tasks each step; ``Geometry.avoid``), beside five random directions drawn where V may lie; each is measured on the
   fresh ``loss`` split per block and summarised by the mean over blocks, which the claims read. At
   each block the gain removed by V of rank r = 1..ceil(d0) is the rank curve. For E2 every edit
   (S, V, the controls and the search) acts on the analysed positions.

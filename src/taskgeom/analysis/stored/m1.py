@@ -28,8 +28,8 @@ and task at P3's place) and P3.shrinks' parts on the mean curves. Token families
 the variant ``natural-cells``). E2, with no tokens to force, has the same P0 and P1 rows at its last
 analysed position, on ``cell_sequences`` paired sequences a task (``last_position_rows``; read under
 ``e2_p0_form="last-position"``). P3 as the study's trajectory figure computes it (batch
-``trajectory``, every place; ``trajectory_rows``): ``p3.tv_trajectory`` (the claim P3; at its place
-per position with ``p3.trajectory_alpha_max``, what P3.shrinks' trajectory form reads; the
+``trajectory``, every place; ``trajectory_rows``): ``p3.tv_trajectory`` (the claim P3; also per
+position with ``p3.trajectory_alpha_max``, what P3.shrinks reads; the
 ``p3.tv_mean_beta`` rows above are the variant ``p3-late-window``). At the claims' block:
 ``steering.*`` (the protocol, written at ``resid_mid``) and ``steering_at_read_site.*`` (the variant).
 
@@ -251,13 +251,13 @@ def last_position_rows(run: StudyRun, places: list[Place], per_task: int) -> lis
     return rows
 
 
-def trajectory_rows(trajectories: dict[Place, Trajectory], p3_place: Place) -> list[dict]:
+def trajectory_rows(trajectories: dict[Place, Trajectory]) -> list[dict]:
     """P3 as the study's trajectory figure computes it (batch ``trajectory``; ``StudyRun.trajectories``):
     ``p3.tv_trajectory`` at every place (the claim's reading, the mean over the last quarter of the
     plotted positions) with ``p3.trajectory_first`` and ``p3.trajectory_last`` (the plotted span) and
-    ``p3.trajectory_estimation_first`` / ``_last`` (the task vectors' positions); at P3's place also
-    per plotted position and per shown task, with ``p3.trajectory_alpha_max``, the largest weight of
-    the task's mean posterior (where P3.shrinks' trajectory form finds the uncertain positions)."""
+    ``p3.trajectory_estimation_first`` / ``_last`` (the task vectors' positions); and per plotted
+    position and per shown task, with ``p3.trajectory_alpha_max``, the largest weight of the task's
+    mean posterior (where P3.shrinks finds the uncertain positions, at any place a variant reads)."""
     rows = []
     for place, found in trajectories.items():
         where = {"place": place, "batch": "trajectory", "set": "major"}
@@ -268,14 +268,13 @@ def trajectory_rows(trajectories: dict[Place, Trajectory], p3_place: Place) -> l
             row("p3.trajectory_estimation_first", found.estimation[0], **where),
             row("p3.trajectory_estimation_last", found.estimation[-1], **where),
         ]
-        if place == p3_place:
-            top = found.alpha.amax(-1)  # [tasks, P'] the mean posterior's largest weight
-            rows += [
-                row(metric, value, position=t, task=k, **where)
-                for metric, curves in (("p3.tv_trajectory", found.tv), ("p3.trajectory_alpha_max", top))
-                for k, curve in zip(found.tasks, curves.tolist())
-                for t, value in zip(found.positions, curve)
-            ]
+        top = found.alpha.amax(-1)  # [tasks, P'] the mean posterior's largest weight
+        rows += [
+            row(metric, value, position=t, task=k, **where)
+            for metric, curves in (("p3.tv_trajectory", found.tv), ("p3.trajectory_alpha_max", top))
+            for k, curve in zip(found.tasks, curves.tolist())
+            for t, value in zip(found.positions, curve)
+        ]
     return rows
 
 
@@ -326,7 +325,7 @@ def analyze(
         row(label, 1.0, place=at, batch="measure", set="major")
         for label, at in (("place.m1", place), ("place.p3", p3_place))
     ]
-    rows += trajectory_rows(run.trajectories(places), p3_place)
+    rows += trajectory_rows(run.trajectories(places))
     if isinstance(run.family, TokenFamily):
         rows += cell_rows(run.forced_cells(places, per_cell=per_cell), run.cell_p2(places, n_random=n_random))
     else:

@@ -3,10 +3,11 @@ posterior) and ridge (OOD-optimal) predictors, on the last half of the examples.
 
 ``e2.bayes_optimal``, the model's mean squared error on major-task prompts over the last half of
 the examples relative to dMMSE's, minus one, at most 10%; ``e2.ood_between``, the model's OOD error
-placed on the segment from dMMSE to ridge, ``g = (L_dMMSE - L_model) / (L_dMMSE - L_ridge)`` (0 at
-dMMSE, 1 at ridge), lies in [0, 1], checked as ``|g - 1/2| <= 1/2`` (in the rule's form, the judged
-variant ``ood-between-segment``: between ridge and dMMSE with ``bayes_optimal``'s tolerance at each
-end); ``e2.ood_near_dmmse``, g <= 1/2 (closer to dMMSE than to ridge at low diversity).
+between ridge's and dMMSE's with ``bayes_optimal``'s tolerance at each end,
+``max(L_model / L_dMMSE - 1, 1 - L_model / L_ridge) <= 0.1`` (the judged variant
+``ood-between-g-interval``: ``g = (L_dMMSE - L_model) / (L_dMMSE - L_ridge)``, 0 at dMMSE and 1 at
+ridge, checked as ``|g - 1/2| <= 1/2``, which puts the ideal on its boundary); ``e2.ood_near_dmmse``,
+g <= 1/2 (closer to dMMSE than to ridge at low diversity).
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ SPECS: tuple[Spec, ...] = (
         "ood_between",
         "e2",
         _RECIPES,
-        "|g - 1/2| for g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the "
-        "examples, k = -1 (<= 1/2: the model's error lies between dMMSE's and ridge's)",
+        "max(MSE_model / MSE_dMMSE - 1, 1 - MSE_model / MSE_ridge) on OOD prompts, last half of the examples, k = -1 "
+        "(<= 0.1: the model's error lies between ridge's and dMMSE's, each end with bayes_optimal's 10% tolerance)",
         "<=",
-        0.5,
+        0.10,
         ("mse_by_example",),
     ),
     Spec(
@@ -51,11 +52,11 @@ SPECS: tuple[Spec, ...] = (
     ),
 )
 NAMES = tuple(spec.name for spec in SPECS)
-SEGMENT = replace(  # ood_between in the rule's form (docs/protocol.md, "Claim forms"): bayes_optimal's tolerance
+G_INTERVAL = replace(  # ood_between in the form published before the rule's (docs/protocol.md, "Claim forms")
     SPECS[1],
-    description="max(MSE_model / MSE_dMMSE - 1, 1 - MSE_model / MSE_ridge) on OOD prompts, last half of the examples, "
-    "k = -1 (<= 0.1: the model's error lies between ridge's and dMMSE's, each end with bayes_optimal's 10% tolerance)",
-    threshold=SPECS[0].threshold,
+    description="|g - 1/2| for g = (MSE_dMMSE - MSE_model) / (MSE_dMMSE - MSE_ridge) on OOD prompts, last half of the "
+    "examples, k = -1 (<= 1/2: the model's error lies between dMMSE's and ridge's)",
+    threshold=0.5,
 )
 
 
@@ -73,9 +74,9 @@ def between(mse_model: float, mse_dmmse: float, mse_ridge: float) -> tuple[Spec,
     g = (mse_dmmse - mse_model) / (mse_dmmse - mse_ridge)
     parts = {"mse_model": mse_model, "mse_dmmse": mse_dmmse, "mse_ridge": mse_ridge}
     if active().ood_between_form == "g-interval":
-        return SPECS[1], abs(g - 0.5), parts
+        return G_INTERVAL, abs(g - 0.5), parts
     above, below = mse_model / mse_dmmse - 1, 1 - mse_model / mse_ridge
-    return SEGMENT, max(above, below), {**parts, "g": g, "above_dmmse": above, "below_ridge": below}
+    return SPECS[1], max(above, below), {**parts, "g": g, "above_dmmse": above, "below_ridge": below}
 
 
 def claims(means: pd.DataFrame, e: str = "e2") -> list[Claim]:

@@ -32,22 +32,23 @@ SPECS: tuple[Spec, ...] = (
         "prefix_probe",
         "e4",
         "E4 (the highest k of the grid)",
-        "smallest over the prefix lengths l (those with two classes, 2..7 at the study's sizes; in the parts) of the "
-        "study's prefix probe's validation accuracy (2-D projection + MLP, the first l brackets of the task's string) "
-        "minus the same probe's on shuffled labels, at the study's block at the same relative depth (5 of 6), "
-        "resid_mid (layer and site in the parts), in-distribution sequences, at the highest k of the grid",
+        "smallest over the prefix lengths whose head the study's prefix probe had trained at its kept snapshot (in "
+        "the parts; a length above 0.9 chance not read) of its validation accuracy (2-D projection + MLP, the first l "
+        "brackets of the task's string) minus the same probe's on shuffled labels where that probe's kept snapshot "
+        "trained the length, else the chance level (the largest class share), at the study's block at the same "
+        "relative depth (5 of 6), resid_mid (layer and site in the parts), in-distribution sequences, at the highest "
+        "k of the grid",
         ">=",
         0.10,
         ("prefix_probe_accuracy", "prefix_probes"),
     ),
 )
-TRAINED_LENGTHS = replace(  # prefix_probe in the rule's form (docs/protocol.md, "Claim forms")
+ALL_LENGTHS = replace(  # prefix_probe in the form published before the rule's (docs/protocol.md, "Claim forms")
     SPECS[1],
-    description="smallest over the prefix lengths whose head the study's prefix probe had trained at its kept snapshot "
-    "(in the parts; a length above 0.9 chance not read) of its validation accuracy minus the same probe's on shuffled "
-    "labels where that probe's kept snapshot trained the length, else the chance level (the largest class share), at "
-    "the study's block at the same relative depth (5 of 6), resid_mid, in-distribution sequences, at the highest k of "
-    "the grid",
+    description="smallest over the prefix lengths l (those with two classes, 2..7 at the study's sizes; in the parts) "
+    "of the study's prefix probe's validation accuracy (2-D projection + MLP, the first l brackets of the task's "
+    "string) minus the same probe's on shuffled labels, at the study's block at the same relative depth (5 of 6), "
+    "resid_mid (layer and site in the parts), in-distribution sequences, at the highest k of the grid",
 )
 CLAIM_SITE = "resid_post"  # the site of the M1 block the earlier linear probes and their figures read
 
@@ -109,7 +110,7 @@ def prefix_probe(
     if active().prefix_probe_form == "all-lengths":
         gains = {length: accuracy[length] - control[length] for length in accuracy}
         weakest = min(gains, key=lambda length: _nan_smallest(gains[length]))
-        return SPECS[1].judge(
+        return ALL_LENGTHS.judge(
             recipe,
             gains[weakest],
             {
@@ -124,12 +125,10 @@ def prefix_probe(
     read, baseline, skipped = trained_lengths(control, lengths)
     parts = {"diversity": diversity, "finished": reached == max(accuracy), **skipped, **beside}
     if not read:
-        return TRAINED_LENGTHS.judge(
-            recipe, math.nan, parts, "the kept probe trained no length whose gap can reach 0.1"
-        )
+        return SPECS[1].judge(recipe, math.nan, parts, "the kept probe trained no length whose gap can reach 0.1")
     gains = {length: accuracy[length] - baseline[length] for length in read}
     weakest = min(gains, key=lambda length: _nan_smallest(gains[length]))
-    return TRAINED_LENGTHS.judge(
+    return SPECS[1].judge(
         recipe,
         gains[weakest],
         {
