@@ -77,7 +77,7 @@ def test_the_grids_table_is_what_each_manifest_says():
     assert list(dict.fromkeys(table["recipe"])) == ["e1", "e2", "e3", "e4"]
     assert list(table["profile"][: len(named)]) == list(named)
     shown = {(row["claim"], row["profile"]): cell_text(row) for _, row in table.iterrows()}
-    assert shown[("e2.P0", "quick")] == "0.797\u2020" and shown[("e3.ablate_V_ood", "deep")] == "6.67*"
+    assert shown[("e2.P0", "quick")] == "0.78\u2020" and shown[("e3.ablate_V_ood", "deep")] == "6.67*"
     assert shown[("e3.ablate_S_ood", "quick")] == "n/a" and shown[("e1.P3", "quick")] == "4.76e-05"
     assert shown[("e3.projection_r2_drop", "deep")] == "0.222\u2021"
 
