@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from taskgeom.analysis.protocol import JUDGED, Protocol, active
+from taskgeom.analysis.protocol import EARLIER, JUDGED, Protocol, active
 from taskgeom.errors import AnalysisError
 
 
@@ -52,6 +52,12 @@ class Variant:
     def protocol(self) -> Protocol:
         """The active protocol (the study's, or a profile's sample sizes) with this variant's ``fields``."""
         return replace(active(), **self.fields)
+
+
+def _earlier(*names: str) -> dict[str, Any]:
+    """{field: its value before 2026-12-08} (``protocol.EARLIER``) for the fields ``names``: the
+    fields of a variant that puts back an earlier claim form or V search."""
+    return {name: EARLIER[name] for name in names}
 
 
 VARIANTS = (
@@ -142,7 +148,7 @@ VARIANTS = (
         "V searched on fresh minor (pool) sequences, OOD ones at k = -1, instead of the evaluation set's 30 OOD tasks",
         "our search before the study's default target (optimal_orth.py's opt_target='ood') was read; the study's "
         "opt_target='minor' branch, the authors' phrase 'optimised to disrupt minor-task prediction'",
-        fields={"v_search_set": "minor"},
+        fields=_earlier("v_search_set"),
         again=True,
     ),
     Variant(
@@ -159,7 +165,7 @@ VARIANTS = (
         "V (and the random controls) kept out of the ablations' probe's span (S: E1's posterior cut to the majors, rank "
         "K - 1; E3's probe to the end of the sequence with its W_tok span) instead of the study's own search probe's",
         "our span before the study's optimal_orth.py was read, which builds U_orth from a probe of its own",
-        fields={"v_span": "ablation-probe"},
+        fields=_earlier("v_span"),
         again=True,
     ),
     Variant(
@@ -168,7 +174,7 @@ VARIANTS = (
         "V searched as this project searched before the study's default was published: on minor sequences, kept out of the "
         "ablations' probe's span (v-searched-on-minors and v-avoids-major-span together)",
         "the V search of every publication before the study's default search (docs/protocol.md, the V search)",
-        fields={"v_search_set": "minor", "v_span": "ablation-probe"},
+        fields=_earlier("v_search_set", "v_span"),
         again=True,
     ),
     Variant(
@@ -201,7 +207,7 @@ VARIANTS = (
         "projection_r2_drop as the absolute drop r2(k=-1) - r2(k_top) >= 0.4 instead of the share of its start lost "
         "(the absolute drop cannot exceed its start, so a start below 0.4 fails whatever happens)",
         "the form published before the rule (docs/protocol.md, claim forms)",
-        fields={"drop_form": "absolute"},
+        fields=_earlier("drop_form"),
     ),
     Variant(
         "p2-vs-random-difference",
@@ -209,7 +215,7 @@ VARIANTS = (
         "P2.vs_random as the difference r2 - r2_random (whose ceiling is 1 - r2_random) instead of the partial R^2 "
         "beyond the random subspace",
         "the form published before the rule",
-        fields={"p2_random_form": "difference"},
+        fields=_earlier("p2_random_form"),
     ),
     Variant(
         "ood-between-g-interval",
@@ -217,7 +223,7 @@ VARIANTS = (
         "e2.ood_between as |g - 1/2| <= 1/2 (which puts the ideal, dMMSE, on its boundary) instead of between ridge and "
         "dMMSE with bayes_optimal's tolerance at each end",
         "the form published before the rule",
-        fields={"ood_between_form": "g-interval"},
+        fields=_earlier("ood_between_form"),
     ),
     Variant(
         "p3-shrinks-on-mean-curves",
@@ -225,7 +231,7 @@ VARIANTS = (
         "P3.shrinks on P3's per-task mean curves of the earlier construction (late TV over early TV, unfloored) instead "
         "of on the trajectory P3 reads",
         "the form published before the rule",
-        fields={"p3_shrinks_form": "mean-curves"},
+        fields=_earlier("p3_shrinks_form"),
     ),
     Variant(
         "e2-p0-late-median",
@@ -233,7 +239,7 @@ VARIANTS = (
         "E2's P0 and P1 as the median over the late window of the measurement batch instead of the ANCOVA at the last "
         "analysed position on cell_sequences paired sequences a major task",
         "the form published before the audit read the study's table",
-        fields={"e2_p0_form": "late-median"},
+        fields=_earlier("e2_p0_form"),
     ),
     Variant(
         "prefix-all-lengths",
@@ -241,7 +247,7 @@ VARIANTS = (
         "e4.prefix_probe as the smallest gap over every length 1-7 against the control, trained or not, instead of the "
         "lengths whose head the kept probe had trained",
         "the form published before the rule",
-        fields={"prefix_probe_form": "all-lengths"},
+        fields=_earlier("prefix_probe_form"),
     ),
     Variant(
         "e1-v6",
